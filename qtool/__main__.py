@@ -1,0 +1,3 @@
+from qtool.cli import main
+
+main()

@@ -1,0 +1,60 @@
+"""Atomic output files: write to a temporary file beside the target, then rename.
+
+A reader (or a CI job that is killed halfway) therefore sees either the old file or
+the complete new one, never a half-written one. os.replace is atomic on POSIX when
+source and target are on the same file system, which is why the temporary file is
+created in the target's own directory rather than in /tmp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from qtool.errors import QtoolError
+
+
+def check_output_path(path: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
+    """Refuse output paths whose directory is missing or that would overwrite an input."""
+    out = Path(path)
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise QtoolError(f"output directory {parent} does not exist", out)
+    if out.is_dir():
+        raise QtoolError("output path is a directory", out)
+    for src in inputs:
+        if src is not None and out.resolve() == Path(src).resolve():
+            raise QtoolError("output path is the same as an input file; choose another name", out)
+    return out
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path in the target's directory; rename it onto `path` on success."""
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))

@@ -1,0 +1,96 @@
+"""Calibration: model + data -> statistics -> calibration table."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import onnx
+from tqdm import tqdm
+
+from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.dataset import batches, count_samples, open_data
+from qtool.graph_prep import prepare
+from qtool.modelio import input_specs, load_model, sha256_file
+from qtool.observer import observe
+from qtool.plan import QuantPlan, build_plan
+from qtool.qparams import QParams, activation_qparams, include_zero
+from qtool.ranges import choose_range
+from qtool.statistics import TensorStats
+from qtool.table import CalibrationTable, TableEntry
+
+
+def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path, preprocess: PreprocessConfig,
+                       calib: CalibrationConfig, progress: bool = True) -> tuple[dict[str, TensorStats], int]:
+    source = open_data(data, input_specs(model), preprocess)
+    total = count_samples(source, calib.num_samples)
+    seen = 0
+    with tqdm(total=total, desc="calibrating", unit="sample", disable=not progress, leave=False) as bar:
+        def advance(batch):
+            nonlocal seen
+            seen += len(batch)
+            bar.update(len(batch))
+
+        stats = observe(model, plan.activations, batches(source, calib.batch_size, calib.num_samples),
+                        on_batch=advance)
+    for name, s in stats.items():
+        if s.nonfinite:
+            warnings.warn(f"tensor '{name}': {s.nonfinite} NaN/Inf values excluded from its statistics",
+                          stacklevel=2)
+    return stats, seen
+
+
+def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
+                    options: QuantizeConfig) -> tuple[dict[str, tuple[float, float]], dict[str, QParams]]:
+    """Ranges -> (final ranges, scale/zero point), honouring fixed outputs and shared parameters.
+
+    Tensors tied together (a MaxPool's input and output, a Concat's inputs and output)
+    get the union of their ranges; a fixed-range output (Softmax) imposes its range on
+    its whole group.
+    """
+    dtype = options.activation_dtype
+    final = {name: include_zero(*ranges[name]) for name in plan.activations if name in ranges}
+    for group in plan.tie_groups:
+        members = [n for n in group if n in final]
+        if members and not any(n in plan.fixed for n in members):
+            shared = (min(final[n][0] for n in members), max(final[n][1] for n in members))
+            for name in members:
+                final[name] = shared
+    params = {name: activation_qparams(*final[name], dtype, options.symmetric_activations) for name in final}
+    for group in [[n] for n in plan.fixed] + plan.tie_groups:
+        fixed = [n for n in group if n in plan.fixed and n in final]
+        if fixed:
+            shared_params = _fixed_params(plan, fixed[0], dtype)
+            for name in group:
+                if name in final:
+                    params[name] = shared_params
+                    final[name] = shared_params.range
+    return final, params
+
+
+def _fixed_params(plan: QuantPlan, name: str, dtype: str) -> QParams:
+    scale, zero_point = plan.fixed[name].fixed(dtype)
+    return QParams(scale, zero_point, dtype)
+
+
+def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: CalibrationConfig, options: QuantizeConfig,
+                model_path: str | Path, num_samples: int) -> CalibrationTable:
+    ranges = {name: choose_range(stats[name], calib.method) for name in plan.activations}
+    final, params = resolve_qparams(plan, ranges, options)
+    settings = {"batch_size": calib.batch_size, **asdict(options)}
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+    table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples)
+    for name in plan.activations:
+        s = stats[name]
+        qp = params[name]
+        table.tensors[name] = TableEntry(s.min if s.seen else None, s.max if s.seen else None, final[name], qp)
+    return table
+
+
+def calibrate(model_path: str | Path, data: str | Path, preprocess: PreprocessConfig, calib: CalibrationConfig,
+              options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
+    model = prepare(load_model(model_path), options.upgrade_opset, model_path)
+    plan = build_plan(model, options)
+    stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
+    return build_table(plan, stats, calib, options, model_path, seen)

@@ -1,0 +1,182 @@
+"""Command line: parse options, call the stage functions, report. No quantization logic here."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import click
+
+from qtool import __version__
+from qtool.atomic import check_output_path
+from qtool.config import load_config, override
+from qtool.errors import EXIT_INPUT, QtoolError
+
+EXIT_BUG = 3
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    click.echo(f"warning: {message}", err=True)
+
+
+def _command(func):
+    """Run a command body: user errors become one line and an exit code, bugs a short note."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        debug = click.get_current_context().find_root().params.get("debug", False)
+        warnings.showwarning = _show_warning
+        try:
+            return func(*args, **kwargs)
+        except QtoolError as exc:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        except Exception as exc:  # a bug in qtool: say so briefly, traceback with --debug
+            if debug:
+                traceback.print_exc()
+            click.echo(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True)
+            sys.exit(EXIT_BUG)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="qtool")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+def main(debug: bool) -> None:
+    """Post-training int8 quantization of ONNX models: calibrate, quantize, evaluate."""
+
+
+def _existing(kind: str):
+    return click.Path(exists=False, dir_okay=(kind == "dir"), path_type=Path)
+
+
+config_option = click.option("--config", "config_path", type=click.Path(path_type=Path),
+                             help="YAML config (preprocess, calibration, quantization, evaluation sections).")
+data_option = click.option("--data", type=click.Path(path_type=Path),
+                           help="Folder of images (.jpg/.png/.bmp) or of .npy/.npz tensors, one sample per file.")
+
+
+def _calibration_options(func):
+    for option in reversed([
+        click.option("--num-samples", type=click.IntRange(min=1), help="Use at most this many samples."),
+        click.option("--batch-size", type=click.IntRange(min=1), help="Samples per batch (dynamic-batch models)."),
+        click.option("--method", type=str, help="Range method (minmax)."),
+        click.option("--activation-dtype", type=click.Choice(["uint8", "int8"]), help="Activation integer type."),
+        click.option("--upgrade-opset", is_flag=True, default=None,
+                     help="Convert models older than opset 13 with onnx's version converter."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset):
+    cfg = load_config(config_path)
+    calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method)
+    quant = override(cfg.quantization, activation_dtype=activation_dtype, upgrade_opset=upgrade_opset)
+    return cfg, calib, quant
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@data_option
+@config_option
+@_calibration_options
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Calibration table to write.")
+@_command
+def calibrate(model, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, output):
+    """Run calibration data through MODEL and write a calibration table."""
+    from qtool.calibrate import calibrate as run_calibration
+
+    if data is None:
+        raise click.UsageError("--data is required")
+    check_output_path(output, model)
+    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
+    start = time.perf_counter()
+    table = run_calibration(model, data, cfg.preprocess, calib, quant)
+    table.save(output)
+    click.echo(f"calibrated {len(table.tensors)} tensors on {table.num_samples} samples "
+               f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--table", "table_path", type=click.Path(path_type=Path), help="Calibration table to use.")
+@data_option
+@config_option
+@_calibration_options
+@click.option("--save-table", type=click.Path(path_type=Path), help="With --data: also write the table.")
+@click.option("--allow-missing", is_flag=True, help="Keep tensors the table lacks in float instead of failing.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Int8 QDQ model to write.")
+@_command
+def quantize(model, table_path, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
+             save_table, allow_missing, output):
+    """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
+    from qtool.calibrate import calibrate as run_calibration
+    from qtool.modelio import save_model
+    from qtool.quantize import quantize_model
+    from qtool.table import load_table
+
+    if (table_path is None) == (data is None):
+        raise click.UsageError("give exactly one of --table TABLE or --data PATH")
+    check_output_path(output, model, table_path)
+    if save_table:
+        check_output_path(save_table, model)
+    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
+    start = time.perf_counter()
+    if table_path is not None:
+        table = load_table(table_path)
+    else:
+        table = run_calibration(model, data, cfg.preprocess, calib, quant)
+        if save_table:
+            table.save(save_table)
+    result = quantize_model(model, table, quant, table_path, allow_missing)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    save_model(result.model, output)
+    plan = result.plan
+    click.echo(f"quantized {len(plan.quantized_nodes)} nodes ({len(plan.weights)} int8 weights, "
+               f"{len(plan.activations)} activations, {len(plan.float_nodes)} nodes left float) "
+               f"in {time.perf_counter() - start:.1f} s -> {output}")
+
+
+@main.command()
+@click.argument("fp32_model", type=click.Path(path_type=Path))
+@click.argument("int8_model", type=click.Path(path_type=Path))
+@data_option
+@click.option("--labels", type=str, help="'filename<TAB>class_index' file, or 'folders' (one folder per class).")
+@config_option
+@click.option("--num-samples", type=click.IntRange(min=1), help="Evaluate at most this many samples.")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Samples per batch.")
+@click.option("--threads", type=click.IntRange(min=1), help="Intra-op threads for the latency runs (default 1).")
+@click.option("--runs", type=click.IntRange(min=1), help="Timed runs per model (default 20).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write every figure to this JSON file.")
+@_command
+def evaluate(fp32_model, int8_model, data, labels, config_path, num_samples, batch_size, threads, runs, json_path):
+    """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size."""
+    from qtool.evaluate import EvaluateInputs, evaluate as run_evaluation
+    from qtool.report import render_table, write_json
+
+    if data is None:
+        raise click.UsageError("--data is required")
+    if json_path:
+        check_output_path(json_path, fp32_model, int8_model)
+    cfg = load_config(config_path)
+    eval_cfg = override(cfg.evaluation, num_samples=num_samples, batch_size=batch_size, threads=threads, runs=runs)
+    report = run_evaluation(EvaluateInputs(fp32_model, int8_model, data, labels), cfg.preprocess, eval_cfg)
+    click.echo(render_table(report))
+    if json_path:
+        write_json(report, json_path)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,208 @@
+"""Typed options for every stage, and the YAML config file that sets them.
+
+Each stage gets one frozen dataclass; the YAML file has one section per stage with
+the same field names. Unknown or mistyped keys are errors that name the key and
+the allowed ones, because a silently ignored `mena:` would cost a user 10 points
+of accuracy without any hint why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from qtool.errors import QtoolError
+
+RESIZE_MODES = ("stretch", "shorter_side", "crop_fraction", "letterbox")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "area")
+CHANNEL_ORDERS = ("RGB", "BGR")
+LAYOUTS = ("NCHW", "NHWC")
+ACTIVATION_DTYPES = ("uint8", "int8")
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """How an image file becomes a model input tensor (OpenCV, no other library)."""
+
+    size: Optional[tuple[int, int]] = None  # (height, width); None: taken from the model input
+    resize: str = "stretch"
+    crop_fraction: float = 0.875  # crop_fraction mode: centre crop of this fraction of the shorter side
+    resize_shorter: Optional[int] = None  # shorter_side mode: shorter side length before the centre crop
+    interpolation: str = "bilinear"
+    scale: float = 1.0  # pixels (0..255) are multiplied by this before mean/std
+    mean: tuple[float, ...] = (0.0, 0.0, 0.0)
+    std: tuple[float, ...] = (1.0, 1.0, 1.0)
+    channel_order: str = "RGB"
+    layout: str = "NCHW"
+    pad_value: float = 114.0  # letterbox border, in pixel units (before scale/mean/std)
+
+    def __post_init__(self):
+        _one_of("resize", self.resize, RESIZE_MODES)
+        _one_of("interpolation", self.interpolation, INTERPOLATIONS)
+        _one_of("channel_order", self.channel_order, CHANNEL_ORDERS)
+        _one_of("layout", self.layout, LAYOUTS)
+        if not 0.0 < self.crop_fraction <= 1.0:
+            raise ValueError(f"crop_fraction must be in (0, 1], got {self.crop_fraction}")
+        if any(s == 0 for s in self.std):
+            raise ValueError("std must not contain 0")
+        if self.size is not None:
+            if isinstance(self.size, int):
+                object.__setattr__(self, "size", (self.size, self.size))
+            if len(self.size) != 2 or min(self.size) <= 0:
+                raise ValueError(f"size must be [height, width] of positive integers, got {self.size}")
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    method: str = "minmax"
+    num_samples: Optional[int] = None  # None: every sample in the data folder
+    batch_size: int = 8
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.num_samples is not None and self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    activation_dtype: str = "uint8"
+    symmetric_activations: bool = False
+    per_channel: bool = True
+    exclude_op_types: tuple[str, ...] = ()
+    exclude_nodes: tuple[str, ...] = ()  # node names or glob patterns
+    upgrade_opset: bool = False
+
+    def __post_init__(self):
+        _one_of("activation_dtype", self.activation_dtype, ACTIVATION_DTYPES)
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    num_samples: Optional[int] = None
+    batch_size: int = 8
+    threads: int = 1  # latency is measured with this many intra-op threads
+    warmup: int = 3
+    runs: int = 20
+    top_k: int = 5
+
+    def __post_init__(self):
+        for name in ("batch_size", "threads", "runs", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Config:
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    quantization: QuantizeConfig = field(default_factory=QuantizeConfig)
+    evaluation: EvaluateConfig = field(default_factory=EvaluateConfig)
+
+
+def _unknown_key(key: str, allowed: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown key '{where}{key}'{hint}; allowed: {', '.join(allowed)}"
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Turn a YAML scalar/list into the field's declared type (tuples, optionals, numbers)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is tuple:
+        if isinstance(value, (int, float)) and args and args[-1] is not Ellipsis:
+            value = [value] * len(args)  # `size: 224` means 224x224
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        item_type = args[0] if args else Any
+        return tuple(_coerce(v, item_type, key) for v in value)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def build_section(cls: type, data: dict, where: str = ""):
+    """Build dataclass `cls` from a mapping, refusing unknown keys; raises ValueError."""
+    hints = typing.get_type_hints(cls)
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in allowed:
+            raise ValueError(_unknown_key(str(key), allowed, where))
+        kwargs[key] = _coerce(value, hints[key], where + key)
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Read a YAML config; None gives the defaults."""
+    if path is None:
+        return Config()
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise QtoolError(f"cannot read config: {exc.strerror}", path) from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise QtoolError(f"not valid YAML: {str(exc).splitlines()[0]}", path) from None
+    if not isinstance(data, dict):
+        raise QtoolError("config must be a mapping of sections", path)
+    hints = typing.get_type_hints(Config)
+    sections = {}
+    try:
+        for key, value in data.items():
+            if key not in hints:
+                raise ValueError(_unknown_key(str(key), list(hints), ""))
+            if not isinstance(value, dict):
+                raise ValueError(f"section '{key}' must be a mapping")
+            sections[key] = build_section(hints[key], value, where=f"{key}.")
+        return Config(**sections)
+    except (ValueError, TypeError) as exc:
+        raise QtoolError(str(exc), path) from None
+
+
+def override(section, **values):
+    """Return `section` with the given fields replaced; None values (CLI flag not given) are ignored."""
+    given = {k: v for k, v in values.items() if v is not None}
+    if not given:
+        return section
+    try:
+        return dataclasses.replace(section, **given)
+    except ValueError as exc:
+        raise QtoolError(str(exc)) from None

@@ -1,0 +1,28 @@
+"""Errors that qtool reports to the user as one line, with an exit code.
+
+Anything raised as a QtoolError is the user's input being wrong (a missing file,
+a bad config key, a model we cannot handle); the CLI prints its message and exits
+with its code, without a traceback. Everything else is a bug in qtool.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_THRESHOLD = 1  # evaluate: a quality threshold was violated
+EXIT_INPUT = 2  # usage or input error
+
+
+class QtoolError(Exception):
+    """A problem with the user's input. The message names the file and what is wrong."""
+
+    exit_code = EXIT_INPUT
+
+    def __init__(self, message: str, path: object | None = None):
+        self.path = None if path is None else str(path)
+        super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class ThresholdError(QtoolError):
+    """A quality target was not met (exit code 1)."""
+
+    exit_code = EXIT_THRESHOLD

@@ -1,0 +1,120 @@
+"""Fidelity and accuracy figures, accumulated batch by batch (nothing kept per sample)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    z = x.astype(np.float64) - x.max(axis=axis, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def as_probabilities(x: np.ndarray) -> np.ndarray:
+    """Rows that already are distributions stay as they are; logits go through softmax."""
+    x = x.astype(np.float64)
+    if x.min() >= 0 and np.allclose(x.sum(axis=-1), 1.0, atol=1e-3):
+        return x
+    return softmax(x)
+
+
+def sqnr_db(signal_power: float, noise_power: float) -> float:
+    if noise_power == 0:
+        return math.inf
+    if signal_power == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal_power / noise_power)
+
+
+@dataclass
+class FidelityAccumulator:
+    """Reference vs test tensor: SQNR over everything, mean per-sample cosine, abs errors."""
+
+    signal: float = 0.0
+    noise: float = 0.0
+    cosine_sum: float = 0.0
+    samples: int = 0
+    abs_sum: float = 0.0
+    abs_max: float = 0.0
+    values: int = 0
+
+    def update(self, ref: np.ndarray, test: np.ndarray) -> None:
+        ref = ref.astype(np.float64)
+        diff = test.astype(np.float64) - ref
+        self.signal += float(np.sum(ref * ref))
+        self.noise += float(np.sum(diff * diff))
+        self.abs_sum += float(np.sum(np.abs(diff)))
+        self.abs_max = max(self.abs_max, float(np.max(np.abs(diff))) if diff.size else 0.0)
+        self.values += diff.size
+        n = ref.shape[0] if ref.ndim > 0 else 1
+        r = ref.reshape(n, -1)
+        t = test.astype(np.float64).reshape(n, -1)
+        norms = np.linalg.norm(r, axis=1) * np.linalg.norm(t, axis=1)
+        dots = np.sum(r * t, axis=1)
+        # two all-zero vectors are identical: cosine 1
+        cos = np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(np.all(r == t, axis=1), 1.0, 0.0))
+        self.cosine_sum += float(np.sum(cos))
+        self.samples += n
+
+    def result(self) -> dict[str, float]:
+        return {
+            "cosine": self.cosine_sum / self.samples if self.samples else math.nan,
+            "sqnr_db": sqnr_db(self.signal, self.noise),
+            "max_abs_error": self.abs_max,
+            "mean_abs_error": self.abs_sum / self.values if self.values else math.nan,
+        }
+
+
+@dataclass
+class ClassificationAccumulator:
+    """Top-k accuracy of both models (when labels exist), agreement and KL(fp32 || int8)."""
+
+    top_k: int = 5
+    samples: int = 0
+    labelled: int = 0
+    agree: int = 0
+    kl_sum: float = 0.0
+    ref_top1: int = 0
+    ref_topk: int = 0
+    test_top1: int = 0
+    test_topk: int = 0
+
+    def update(self, ref: np.ndarray, test: np.ndarray, labels: list[int | None]) -> None:
+        ref2 = ref.reshape(ref.shape[0], -1)
+        test2 = test.reshape(test.shape[0], -1)
+        p, q = as_probabilities(ref2), as_probabilities(test2)
+        eps = 1e-12
+        self.kl_sum += float(np.sum(p * (np.log(p + eps) - np.log(q + eps))))
+        self.agree += int(np.sum(ref2.argmax(axis=1) == test2.argmax(axis=1)))
+        self.samples += ref2.shape[0]
+        k = min(self.top_k, ref2.shape[1])
+        ref_rank = np.argsort(-ref2, axis=1, kind="stable")[:, :k]
+        test_rank = np.argsort(-test2, axis=1, kind="stable")[:, :k]
+        for i, label in enumerate(labels):
+            if label is None:
+                continue
+            self.labelled += 1
+            self.ref_top1 += int(ref_rank[i, 0] == label)
+            self.test_top1 += int(test_rank[i, 0] == label)
+            self.ref_topk += int(label in ref_rank[i])
+            self.test_topk += int(label in test_rank[i])
+
+    def result(self) -> dict:
+        out = {"samples": self.samples, "agreement": self.agree / self.samples if self.samples else math.nan,
+               "mean_kl": self.kl_sum / self.samples if self.samples else math.nan, "labelled": self.labelled}
+        if self.labelled:
+            n = self.labelled
+            out.update({
+                "top1": {"fp32": self.ref_top1 / n, "int8": self.test_top1 / n},
+                f"top{self.top_k}": {"fp32": self.ref_topk / n, "int8": self.test_topk / n},
+                "top1_drop": (self.ref_top1 - self.test_top1) / n,
+            })
+        return out
+
+
+def percentile_ms(times: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(times) * 1000.0, q))

@@ -1,0 +1,96 @@
+"""Image preprocessing with OpenCV: the transform a model was trained with.
+
+Every step mirrors a published eval recipe so users can match their training code:
+`stretch` (plain resize), `shorter_side` (torchvision Resize(256) + CenterCrop(224)),
+`crop_fraction` (TF/EfficientNet eval: centre crop of size/(size+32) of the shorter
+side, then resize) and `letterbox` (YOLO: keep aspect ratio, pad the border).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import cv2
+import numpy as np
+
+from qtool.config import PreprocessConfig
+
+_INTERPOLATION = {
+    "nearest": cv2.INTER_NEAREST,
+    "bilinear": cv2.INTER_LINEAR,
+    "bicubic": cv2.INTER_CUBIC,
+    "area": cv2.INTER_AREA,
+}
+
+
+def read_image(path: str | Path) -> Optional[np.ndarray]:
+    """Decode an image file to 8-bit BGR (H, W, 3); None when it cannot be decoded."""
+    # np.fromfile + imdecode instead of imread: works with non-ASCII paths and never aborts.
+    try:
+        raw = np.fromfile(str(path), dtype=np.uint8)
+    except OSError:
+        return None
+    if raw.size == 0:
+        return None
+    image = cv2.imdecode(raw, cv2.IMREAD_COLOR)
+    if image is None or image.size == 0:
+        return None
+    return image
+
+
+def _center_crop(image: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
+    h, w = image.shape[:2]
+    crop_h, crop_w = min(crop_h, h), min(crop_w, w)
+    # TF's offset rounding: ((h - crop) + 1) // 2
+    top = (h - crop_h + 1) // 2
+    left = (w - crop_w + 1) // 2
+    return image[top : top + crop_h, left : left + crop_w]
+
+
+def resize_image(image: np.ndarray, cfg: PreprocessConfig, size: tuple[int, int]) -> np.ndarray:
+    """Geometric part: BGR uint8 in, BGR uint8 of exactly `size` (height, width) out."""
+    out_h, out_w = size
+    interp = _INTERPOLATION[cfg.interpolation]
+    h, w = image.shape[:2]
+    if cfg.resize == "stretch":
+        return cv2.resize(image, (out_w, out_h), interpolation=interp)
+    if cfg.resize == "crop_fraction":
+        # The crop has the output's aspect ratio and covers crop_fraction of the shorter side.
+        side = cfg.crop_fraction * min(h, w)
+        longest = max(out_h, out_w)
+        crop = _center_crop(image, max(1, int(side * out_h / longest)), max(1, int(side * out_w / longest)))
+        return cv2.resize(crop, (out_w, out_h), interpolation=interp)
+    if cfg.resize == "shorter_side":
+        shorter = cfg.resize_shorter or int(round(max(out_h, out_w) / cfg.crop_fraction))
+        ratio = shorter / min(h, w)
+        new_w, new_h = max(out_w, int(round(w * ratio))), max(out_h, int(round(h * ratio)))
+        resized = cv2.resize(image, (new_w, new_h), interpolation=interp)
+        return _center_crop(resized, out_h, out_w)
+    # letterbox: keep the aspect ratio, pad the rest with pad_value, image centred
+    ratio = min(out_h / h, out_w / w)
+    new_w, new_h = max(1, int(round(w * ratio))), max(1, int(round(h * ratio)))
+    resized = cv2.resize(image, (new_w, new_h), interpolation=interp)
+    top, left = (out_h - new_h) // 2, (out_w - new_w) // 2
+    pad = float(np.clip(cfg.pad_value, 0, 255))
+    return cv2.copyMakeBorder(resized, top, out_h - new_h - top, left, out_w - new_w - left,
+                              cv2.BORDER_CONSTANT, value=(pad, pad, pad))
+
+
+def to_tensor(image: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
+    """Photometric part: BGR uint8 (H, W, 3) to a float32 batch of one in the configured layout."""
+    if cfg.channel_order == "RGB":
+        image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    x = image.astype(np.float32)
+    if cfg.scale != 1.0:
+        x *= np.float32(cfg.scale)
+    mean = np.asarray(cfg.mean, dtype=np.float32)
+    std = np.asarray(cfg.std, dtype=np.float32)
+    x = (x - mean) / std
+    if cfg.layout == "NCHW":
+        x = x.transpose(2, 0, 1)
+    return np.ascontiguousarray(x[None])
+
+
+def preprocess_image(image: np.ndarray, cfg: PreprocessConfig, size: tuple[int, int]) -> np.ndarray:
+    return to_tensor(resize_image(image, cfg, size), cfg)

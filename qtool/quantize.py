@@ -1,0 +1,69 @@
+"""Quantization: calibration table + fp32 model -> int8 QDQ model."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from qtool.calibrate import resolve_qparams
+from qtool.config import QuantizeConfig
+from qtool.errors import QtoolError
+from qtool.graph_prep import prepare
+from qtool.modelio import load_model, sha256_file
+from qtool.plan import QuantPlan, build_plan
+from qtool.qparams import QParams
+from qtool.rewrite import check_no_bad_scales, quantize_graph
+from qtool.table import CalibrationTable
+
+
+@dataclass
+class QuantizeResult:
+    model: onnx.ModelProto
+    plan: QuantPlan
+    notes: list[str] = field(default_factory=list)
+
+
+def params_from_table(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig,
+                      table_path: object = None, allow_missing: bool = False) -> dict[str, QParams]:
+    """Quantization parameters for every planned activation, taken from the table.
+
+    Entries written for the same activation type are used as they are (so a converted
+    table quantizes to the identical model); otherwise they are recomputed from the range.
+    Shared-scale and fixed-range rules are re-applied in case the table came from a tool
+    that does not know them.
+    """
+    missing = [name for name in plan.activations if name not in table.tensors]
+    if missing and not allow_missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise QtoolError(f"calibration table has no entry for {len(missing)} tensor(s) the model needs: {shown} "
+                         "(calibrate this model again, or pass --allow-missing to keep them in float)", table_path)
+    ranges = {name: table.tensors[name].range for name in plan.activations if name in table.tensors}
+    _, computed = resolve_qparams(plan, ranges, options)
+    params = {}
+    tied = plan.group_of()
+    for name in ranges:
+        entry = table.tensors[name].qparams
+        params[name] = entry if entry.dtype == options.activation_dtype and name not in tied else computed[name]
+        if name in plan.fixed:
+            params[name] = computed[name]
+    return params
+
+
+def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
+                   table_path: object = None, allow_missing: bool = False) -> QuantizeResult:
+    if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
+        warnings.warn(f"{table_path}: calibration table was made for a different model file "
+                      f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
+    model = prepare(load_model(model_path), options.upgrade_opset, model_path)
+    plan = build_plan(model, options)
+    params = params_from_table(plan, table, options, table_path, allow_missing)
+    qmodel, notes = quantize_graph(model, plan, params, options.per_channel)
+    check_no_bad_scales(qmodel)
+    try:
+        onnx.checker.check_model(qmodel, full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
+    return QuantizeResult(qmodel, plan, notes)

@@ -1,0 +1,37 @@
+"""Shared fixtures: paths to the repo's own data and to the bench kit beside the repo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KIT = ROOT.parent / "shared" / "bench"
+KIT_REASON = f"the benchmark kit is not at {KIT} (a user's fresh clone); CI has it"
+
+EFFNET = ROOT / "models" / "efficientnet_lite0_dyn.onnx"
+EFFNET_CONFIG = ROOT / "configs" / "efficientnet_lite0.yaml"
+CALIB_SAMPLES = ROOT / "calib_samples"
+
+
+def kit_path(*parts: str) -> Path:
+    path = KIT.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(KIT_REASON)
+    return path
+
+
+def run_qtool(*args, cwd=None, timeout=900) -> subprocess.CompletedProcess:
+    """Run the CLI of this checkout (not whatever qtool is installed) in a subprocess."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def qtool_cli():
+    return run_qtool
