@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional
 
 import onnx
 
@@ -94,13 +94,16 @@ def _node_label(node: onnx.NodeProto) -> str:
     return node.name or node.output[0]
 
 
-def build_plan(model: onnx.ModelProto, options: QuantizeConfig) -> QuantPlan:
+def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[Collection[str]] = None) -> QuantPlan:
+    """`only`: quantize just these nodes (names, or first output for unnamed nodes); every
+    other node is treated as excluded. The sensitivity ranking quantizes one layer at a time."""
     ctx = GraphContext(model)
     plan = QuantPlan()
     rules: dict[int, OpRule] = {}
     for index, node in enumerate(model.graph.node):
         rule = rule_for(node.op_type, node.domain)
-        if rule is None or _excluded(node, options) or (rule.applies and not rule.applies(node, ctx)):
+        if (rule is None or _excluded(node, options) or (only is not None and _node_label(node) not in only)
+                or (rule.applies and not rule.applies(node, ctx))):
             plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
             continue
         rules[index] = rule
