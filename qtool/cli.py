@@ -14,7 +14,7 @@ import click
 from qtool import __version__
 from qtool.atomic import check_output_path
 from qtool.config import load_config, override
-from qtool.errors import EXIT_INPUT, QtoolError
+from qtool.errors import EXIT_INPUT, EXIT_THRESHOLD, QtoolError
 
 EXIT_BUG = 3
 
@@ -157,27 +157,61 @@ def quantize(model, table_path, data, config_path, num_samples, batch_size, meth
 @data_option
 @click.option("--labels", type=str, help="'filename<TAB>class_index' file, or 'folders' (one folder per class).")
 @config_option
+@click.option("--task", type=click.Choice(["auto", "classification", "detection", "generic"]),
+              help="What the figures mean (default auto: classification when the first output is [N, C]).")
+@click.option("--task-config", type=click.Path(path_type=Path), help="YAML decode settings for --task detection.")
 @click.option("--num-samples", type=click.IntRange(min=1), help="Evaluate at most this many samples.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per batch.")
 @click.option("--threads", type=click.IntRange(min=1), help="Intra-op threads for the latency runs (default 1).")
 @click.option("--runs", type=click.IntRange(min=1), help="Timed runs per model (default 20).")
+@click.option("--per-layer", is_flag=True, default=None, help="Error of every quantized tensor vs its fp32 twin.")
+@click.option("--sensitivity", is_flag=True, default=None,
+              help="Rank layers by the output error each causes alone in int8 (needs --table).")
+@click.option("--table", "table_path", type=click.Path(path_type=Path),
+              help="Calibration table the int8 model was made from (for --sensitivity).")
+@click.option("--layer-samples", type=click.IntRange(min=1), help="Samples for --per-layer/--sensitivity (32).")
+@click.option("--max-top1-drop", type=float, help="Fail (exit 1) if top-1 drops by more points than this.")
+@click.option("--min-agreement", type=float, help="Fail if top-1 agreement with fp32 is below this percent.")
+@click.option("--min-cosine", type=float, help="Fail if any output's mean cosine is below this.")
+@click.option("--min-sqnr", type=float, help="Fail if any output's SQNR is below this many dB.")
+@click.option("--min-speedup", type=float, help="Fail if int8 is not at least this many times faster.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write every figure to this JSON file.")
+@click.option("--junit", "junit_path", type=click.Path(path_type=Path), help="JUnit XML, one test per threshold.")
+@click.option("--html", "html_path", type=click.Path(path_type=Path), help="Self-contained HTML report.")
 @_command
-def evaluate(fp32_model, int8_model, data, labels, config_path, num_samples, batch_size, threads, runs, json_path):
-    """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size."""
+def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_config, num_samples, batch_size, threads,
+             runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_cosine,
+             min_sqnr, min_speedup, json_path, junit_path, html_path):
+    """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold."""
     from qtool.evaluate import EvaluateInputs, evaluate as run_evaluation
+    from qtool.html_report import write_html
+    from qtool.junit import write_junit
     from qtool.report import render_table, write_json
 
     if data is None:
         raise click.UsageError("--data is required")
-    if json_path:
-        check_output_path(json_path, fp32_model, int8_model)
+    for path in (json_path, junit_path, html_path):
+        if path:
+            check_output_path(path, fp32_model, int8_model)
     cfg = load_config(config_path)
-    eval_cfg = override(cfg.evaluation, num_samples=num_samples, batch_size=batch_size, threads=threads, runs=runs)
-    report = run_evaluation(EvaluateInputs(fp32_model, int8_model, data, labels), cfg.preprocess, eval_cfg)
+    eval_cfg = override(cfg.evaluation, num_samples=num_samples, batch_size=batch_size, threads=threads, runs=runs,
+                        task=task, task_config=str(task_config) if task_config else None, per_layer=per_layer,
+                        sensitivity=sensitivity, layer_samples=layer_samples, max_top1_drop=max_top1_drop,
+                        min_agreement=min_agreement, min_cosine=min_cosine, min_sqnr=min_sqnr,
+                        min_speedup=min_speedup)
+    inputs = EvaluateInputs(fp32_model, int8_model, data, labels, table_path)
+    report = run_evaluation(inputs, cfg.preprocess, eval_cfg, cfg.quantization)
     click.echo(render_table(report))
     if json_path:
         write_json(report, json_path)
+    if junit_path:
+        write_junit(report, junit_path)
+    if html_path:
+        write_html(report, html_path)
+    for verdict in report["thresholds"]:
+        click.echo(verdict["message"], err=not verdict["passed"])
+    if not report["passed"]:
+        sys.exit(EXIT_THRESHOLD)
 
 
 if __name__ == "__main__":  # pragma: no cover

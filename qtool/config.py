@@ -90,6 +90,9 @@ class QuantizeConfig:
         _one_of("activation_dtype", self.activation_dtype, ACTIVATION_DTYPES)
 
 
+TASKS = ("auto", "classification", "detection", "generic")
+
+
 @dataclass(frozen=True)
 class EvaluateConfig:
     num_samples: Optional[int] = None
@@ -98,11 +101,55 @@ class EvaluateConfig:
     warmup: int = 3
     runs: int = 20
     top_k: int = 5
+    task: str = "auto"  # auto: classification when the first output is [N, C], else generic
+    task_config: Optional[str] = None  # YAML file of DetectionConfig keys (task detection)
+    per_layer: bool = False  # error of every quantized tensor of the int8 model vs its fp32 twin
+    sensitivity: bool = False  # one layer at a time in int8 (needs the calibration table)
+    layer_samples: int = 32  # samples used by per_layer and sensitivity
+    # CI thresholds; None: not checked. Percentages for top-1 drop (points) and agreement.
+    max_top1_drop: Optional[float] = None
+    min_agreement: Optional[float] = None
+    min_cosine: Optional[float] = None  # every output
+    min_sqnr: Optional[float] = None  # dB, every output
+    min_speedup: Optional[float] = None
 
     def __post_init__(self):
-        for name in ("batch_size", "threads", "runs", "top_k"):
+        for name in ("batch_size", "threads", "runs", "top_k", "layer_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _one_of("task", self.task, TASKS)
+        for name in ("max_top1_drop", "min_agreement"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 100.0:
+                raise ValueError(f"{name} is in percent (0..100), got {value}")
+
+
+BOX_FORMATS = ("cxcywh", "xyxy")
+DETECTION_LAYOUTS = ("auto", "channels_first", "anchors_first")
+
+
+@dataclass(frozen=True)
+class DetectionConfig:
+    """How a YOLO-style output [N, 4 (+1) + classes, anchors] becomes boxes (--task-config)."""
+
+    output: Optional[str] = None  # output name; None: the first output
+    layout: str = "auto"  # channels_first [N, C, A] (YOLOv8); anchors_first [N, A, C]; auto: C < A
+    box_format: str = "cxcywh"  # the first four values: centre x, y, width, height; or x1, y1, x2, y2
+    objectness: bool = False  # YOLOv5-style: a fifth value multiplies the class scores
+    conf_threshold: float = 0.25
+    iou_threshold: float = 0.45  # non-maximum suppression
+    class_agnostic_nms: bool = False
+    max_detections: int = 300  # per image, after NMS
+    match_iou: float = 0.5  # an int8 box matches an fp32 box of the same class at this IoU or more
+
+    def __post_init__(self):
+        _one_of("layout", self.layout, DETECTION_LAYOUTS)
+        _one_of("box_format", self.box_format, BOX_FORMATS)
+        for name in ("conf_threshold", "iou_threshold", "match_iou"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.max_detections < 1:
+            raise ValueError(f"max_detections must be >= 1, got {self.max_detections}")
 
 
 @dataclass(frozen=True)
@@ -168,11 +215,7 @@ def build_section(cls: type, data: dict, where: str = ""):
     return cls(**kwargs)
 
 
-def load_config(path: str | Path | None) -> Config:
-    """Read a YAML config; None gives the defaults."""
-    if path is None:
-        return Config()
-    path = Path(path)
+def _read_mapping(path: Path, what: str) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -182,7 +225,25 @@ def load_config(path: str | Path | None) -> Config:
     except yaml.YAMLError as exc:
         raise QtoolError(f"not valid YAML: {str(exc).splitlines()[0]}", path) from None
     if not isinstance(data, dict):
-        raise QtoolError("config must be a mapping of sections", path)
+        raise QtoolError(f"config must be a mapping of {what}", path)
+    return data
+
+
+def load_section(cls: type, path: str | Path):
+    """A YAML file holding the keys of one options dataclass (e.g. --task-config)."""
+    path = Path(path)
+    try:
+        return build_section(cls, _read_mapping(path, "keys"))
+    except (ValueError, TypeError) as exc:
+        raise QtoolError(str(exc), path) from None
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Read a YAML config; None gives the defaults."""
+    if path is None:
+        return Config()
+    path = Path(path)
+    data = _read_mapping(path, "sections")
     hints = typing.get_type_hints(Config)
     sections = {}
     try:

@@ -1,28 +1,39 @@
 """Evaluation: fp32 and int8 side by side on the same data -> a report (a plain dict).
 
-Both models see exactly the same batches. Latency is measured afterwards on one
-batch, warm-up first, then the two models alternate run by run in this process so
-that a noisy neighbour slows both alike; medians and p90 are reported.
+Both models see exactly the same batches: per-output fidelity for every model, plus the
+task's figures (classification: accuracy, agreement, KL; detection: int8 boxes matched
+to fp32 boxes). Latency is measured afterwards on one batch, warm-up first, then the
+two models alternate run by run in this process so that a noisy neighbour slows both
+alike; medians and p90 are reported. The per-layer error and the one-layer-at-a-time
+sensitivity run on the first `layer_samples` samples. Threshold verdicts come last.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import onnxruntime as ort
 from tqdm import tqdm
 
-from qtool.config import EvaluateConfig, PreprocessConfig
+from qtool import __version__
+from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig, QuantizeConfig, load_section
 from qtool.dataset import Batch, batches, count_samples, open_data
+from qtool.detection import DetectionAccumulator
 from qtool.errors import QtoolError
 from qtool.labels import FOLDERS, Labels, labels_from_folders, read_label_file
+from qtool.layer_error import layer_errors, worst
+from qtool.macs import int8_macs, sample_shapes
 from qtool.metrics import ClassificationAccumulator, FidelityAccumulator, percentile_ms
 from qtool.modelio import input_specs, load_model, output_names
 from qtool.runtime import create_session
+from qtool.sensitivity import layer_sensitivity
+from qtool.table import load_table
+from qtool.thresholds import check_thresholds
 
 
 @dataclass(frozen=True)
@@ -31,55 +42,147 @@ class EvaluateInputs:
     int8: Path
     data: Path
     labels: Optional[str] = None  # a label file, or "folders"
+    table: Optional[Path] = None  # the calibration table: needed by the sensitivity ranking
 
 
 def _looks_like_classifier(shape: tuple) -> bool:
     return len(shape) == 2 and shape[1] > 1
 
 
+@dataclass
+class _Task:
+    """The task-specific figures, fed the reference and test arrays of one output."""
+
+    name: str
+    output: str
+    accumulator: Optional[ClassificationAccumulator | DetectionAccumulator]
+
+    def update(self, ref: dict[str, np.ndarray], test: dict[str, np.ndarray], labels: list) -> None:
+        if isinstance(self.accumulator, ClassificationAccumulator):
+            self.accumulator.update(ref[self.output], test[self.output], labels)
+        elif self.accumulator is not None:
+            self.accumulator.update(ref[self.output], test[self.output])
+
+    def result(self) -> Optional[dict]:
+        return None if self.accumulator is None else {"output": self.output, **self.accumulator.result()}
+
+
+def _task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray) -> _Task:
+    """Resolve `auto` from the first batch's first output and set up the task's figures."""
+    name = cfg.task
+    if name == "auto":
+        name = "classification" if _looks_like_classifier(first.shape) else "generic"
+    if name != "classification" and (cfg.max_top1_drop is not None or cfg.min_agreement is not None):
+        raise QtoolError(f"max_top1_drop and min_agreement are classification figures; the task is {name}")
+    if name == "classification":
+        return _Task(name, outputs[0], ClassificationAccumulator(top_k=cfg.top_k))
+    if name == "detection":
+        settings = load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
+        output = settings.output or outputs[0]
+        if output not in outputs:
+            raise QtoolError(f"detection output '{output}' is not an output of the model ({', '.join(outputs)})",
+                             cfg.task_config)
+        return _Task(name, output, DetectionAccumulator(settings))
+    return _Task(name, outputs[0], None)
+
+
+def _check_requests(inputs: EvaluateInputs, cfg: EvaluateConfig) -> None:
+    """Fail before the long run when a requested figure cannot be computed."""
+    if cfg.max_top1_drop is not None and not inputs.labels:
+        raise QtoolError("max_top1_drop (--max-top1-drop) needs labels (--labels)")
+    if cfg.sensitivity and inputs.table is None:
+        raise QtoolError("the sensitivity ranking (--sensitivity) re-quantizes one layer at a time and needs the "
+                         "calibration table the int8 model was made from (--table)")
+    if cfg.task_config and cfg.task != "detection":
+        raise QtoolError(f"a task config (--task-config) is for --task detection, not {cfg.task}")
+
+
 def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: EvaluateConfig,
-             progress: bool = True) -> dict:
+             quantization: QuantizeConfig = QuantizeConfig(), progress: bool = True) -> dict:
+    """The whole report: task figures, per-output fidelity, size, MACs, latency, optional
+    per-layer error and sensitivity, and the threshold verdicts."""
+    _check_requests(inputs, cfg)
     fp32_model = load_model(inputs.fp32)
     int8_model = load_model(inputs.int8)
     specs = input_specs(fp32_model)
     if [s.name for s in input_specs(int8_model)] != [s.name for s in specs]:
         raise QtoolError("the int8 model's inputs differ from the fp32 model's", inputs.int8)
     outputs = output_names(fp32_model)
+    if output_names(int8_model) != outputs:
+        raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
     source = open_data(inputs.data, specs, preprocess)
     labels = _labels(inputs, source)
 
     fp32 = create_session(str(inputs.fp32), label=str(inputs.fp32))
     int8 = create_session(str(inputs.int8), label=str(inputs.int8))
     fidelity = {name: FidelityAccumulator() for name in outputs}
-    classification: Optional[ClassificationAccumulator] = None
-    first_batch: Optional[Batch] = None
+    task: Optional[_Task] = None
+    first_batch: Optional[Batch] = None  # timed for latency
+    subset: list[Batch] = []  # the first samples, kept for the per-layer runs
+    wanted = cfg.layer_samples if cfg.per_layer or cfg.sensitivity else 0
     total = count_samples(source, cfg.num_samples)
     with tqdm(total=total, desc="evaluating", unit="sample", disable=None if progress else True, leave=False) as bar:
         for batch in batches(source, cfg.batch_size, cfg.num_samples):
-            if first_batch is None:
-                first_batch = batch
             ref = fp32.run(outputs, batch.feeds)
             test = int8.run(outputs, batch.feeds)
             for name, r, t in zip(outputs, ref, test):
                 fidelity[name].update(r, t)
-            if classification is None and _looks_like_classifier(ref[0].shape):
-                classification = ClassificationAccumulator(top_k=cfg.top_k)
-            if classification is not None:
-                classification.update(ref[0], test[0], [labels.get(k) if labels else None for k in batch.keys])
+            if task is None:
+                task, first_batch = _task(cfg, outputs, ref[0]), batch
+            task.update(dict(zip(outputs, ref)), dict(zip(outputs, test)),
+                        [labels.get(k) if labels else None for k in batch.keys])
+            kept = sum(len(b) for b in subset)
+            if kept < wanted:
+                subset.append(_head(batch, wanted - kept))
             bar.update(len(batch))
 
     report: dict = {
+        "qtool_version": __version__,
+        "onnxruntime_version": ort.__version__,
+        "task": task.name,
         "models": {"fp32": {"path": str(inputs.fp32), "size_bytes": _size(inputs.fp32)},
                    "int8": {"path": str(inputs.int8), "size_bytes": _size(inputs.int8)}},
         "data": {"path": str(inputs.data), "samples": total, "labels": inputs.labels},
         "outputs": {name: acc.result() for name, acc in fidelity.items()},
     }
-    if classification is not None:
-        report["classification"] = {"output": outputs[0], **classification.result()}
+    if task.result() is not None:
+        report[task.name] = task.result()
     report["size"] = {"fp32_bytes": _size(inputs.fp32), "int8_bytes": _size(inputs.int8),
                       "ratio": _size(inputs.fp32) / max(1, _size(inputs.int8))}
+    macs = int8_macs(int8_model, sample_shapes(first_batch.feeds))
+    report["macs"] = {"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
+                      "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes}
     report["latency"] = measure_latency(str(inputs.fp32), str(inputs.int8), first_batch, cfg)
+    if cfg.per_layer:
+        report["per_layer"] = _per_layer(fp32_model, int8_model, subset)
+    if cfg.sensitivity:
+        report["sensitivity"] = _sensitivity(inputs, quantization, subset, progress)
+    verdicts = check_thresholds(report, cfg)
+    report["thresholds"] = [asdict(v) for v in verdicts]
+    report["passed"] = all(v.passed for v in verdicts)
     return report
+
+
+def _head(batch: Batch, count: int) -> Batch:
+    if len(batch) <= count:
+        return batch
+    return Batch(batch.keys[:count], {name: array[:count] for name, array in batch.feeds.items()})
+
+
+def _per_layer(fp32_model, int8_model, subset: list[Batch]) -> dict:
+    start = time.perf_counter()
+    errors = layer_errors(fp32_model, int8_model, subset)
+    return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,
+            "tensors": [asdict(e) for e in errors], "worst": [e.tensor for e in worst(errors)]}
+
+
+def _sensitivity(inputs: EvaluateInputs, quantization: QuantizeConfig, subset: list[Batch], progress: bool) -> dict:
+    start = time.perf_counter()
+    table = load_table(inputs.table)
+    with tqdm(desc="one layer at a time", unit="layer", disable=None if progress else True, leave=False) as bar:
+        ranking = layer_sensitivity(inputs.fp32, table, quantization, subset, on_layer=lambda layer: bar.update())
+    return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,
+            "table": str(inputs.table), "layers": [asdict(r) for r in ranking]}
 
 
 def _labels(inputs: EvaluateInputs, source) -> Optional[Labels]:

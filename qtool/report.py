@@ -9,7 +9,7 @@ from pathlib import Path
 from qtool import atomic
 
 
-def _fmt(value, digits: int = 4) -> str:
+def fmt(value, digits: int = 4) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -25,7 +25,8 @@ def _pct(value) -> str:
     return "-" if value is None else f"{100.0 * value:.2f}%"
 
 
-def render_table(report: dict) -> str:
+def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
+    """The summary as (figure, fp32, int8, int8 vs fp32) rows: the terminal table and the HTML share it."""
     rows: list[tuple[str, str, str, str]] = [("", "fp32", "int8", "int8 vs fp32")]
     cls = report.get("classification")
     if cls:
@@ -35,10 +36,18 @@ def render_table(report: dict) -> str:
             top_k = next(k for k in cls if k.startswith("top") and k not in ("top1", "top1_drop"))
             rows.append((f"top-{top_k[3:]}", _pct(cls[top_k]["fp32"]), _pct(cls[top_k]["int8"]), ""))
         rows.append(("top-1 agreement", "", "", _pct(cls["agreement"])))
-        rows.append(("mean KL(fp32||int8)", "", "", _fmt(cls["mean_kl"], 5)))
+        rows.append(("mean KL(fp32||int8)", "", "", fmt(cls["mean_kl"], 5)))
+    det = report.get("detection")
+    if det:
+        rows.append((f"boxes (score >= {det['settings']['conf_threshold']:g})", str(det["fp32_boxes"]),
+                     str(det["int8_boxes"]), f"recall {_pct(det['recall'])}, precision {_pct(det['precision'])}"))
+        rows.append((f"matched (same class, IoU >= {det['settings']['match_iou']:g}): mean IoU", "", "",
+                     fmt(det["mean_iou"], 3)))
     for name, out in report["outputs"].items():
-        rows.append((f"{name}: cosine", "", "", _fmt(out["cosine"], 5)))
-        rows.append((f"{name}: SQNR", "", "", f"{_fmt(out['sqnr_db'], 2)} dB"))
+        rows.append((f"{name}: cosine", "", "", fmt(out["cosine"], 5)))
+        rows.append((f"{name}: SQNR", "", "", f"{fmt(out['sqnr_db'], 2)} dB"))
+        rows.append((f"{name}: abs error max / mean", "", "",
+                     f"{out['max_abs_error']:.4g} / {out['mean_abs_error']:.4g}"))
     lat = report.get("latency")
     if lat:
         rows.append((f"latency, batch {lat['batch_size']}, {lat['threads']} thread(s), median",
@@ -48,14 +57,51 @@ def render_table(report: dict) -> str:
     size = report["size"]
     rows.append(("file size", f"{size['fp32_bytes'] / 1e6:.2f} MB", f"{size['int8_bytes'] / 1e6:.2f} MB",
                  f"{size['ratio']:.2f}x smaller"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    macs = report.get("macs")
+    if macs:
+        rows.append(("MACs per sample (Conv, Gemm, MatMul)", f"{macs['total'] / 1e6:.1f} M",
+                     f"{macs['int8'] / 1e6:.1f} M in int8", f"{_pct(macs['int8_fraction'])} in int8"))
+    return rows
+
+
+def _align(rows: list[tuple[str, ...]], header_rule: bool = True) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for i, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(widths[j]) if j == 0 else cell.rjust(widths[j]) for j, cell in enumerate(row)))
-        if i == 0:
+        lines.append("  ".join(cell.ljust(widths[j]) if j == 0 else cell.rjust(widths[j])
+                               for j, cell in enumerate(row)).rstrip())
+        if i == 0 and header_rule:
             lines.append("  ".join("-" * w for w in widths))
-    header = f"{report['data']['samples']} samples from {report['data']['path']}"
-    return header + "\n" + "\n".join(line.rstrip() for line in lines)
+    return lines
+
+
+def _per_layer_lines(section: dict) -> list[str]:
+    by_name = {t["tensor"]: t for t in section["tensors"]}
+    rows = [("tensor", "producer", "SQNR dB", "cosine")]
+    rows += [(name, by_name[name]["op_type"], fmt(by_name[name]["sqnr_db"], 2), fmt(by_name[name]["cosine"], 5))
+             for name in section["worst"]]
+    return ([f"per-layer error on {section['samples']} samples ({section['seconds']:.1f} s): "
+             f"{len(section['tensors'])} quantized tensors, cumulative error vs fp32; worst {len(section['worst'])} "
+             "(all, in graph order: --json, --html)"]
+            + _align(rows))
+
+
+def _sensitivity_lines(section: dict, count: int = 10) -> list[str]:
+    rows = [("layer (only it in int8)", "op", "MACs", "output SQNR dB", "cosine")]
+    rows += [(r["node"], r["op_type"], f"{r['macs'] / 1e6:.1f} M" if r["macs"] else "-", fmt(r["sqnr_db"], 2),
+              fmt(r["cosine"], 5)) for r in section["layers"][:count]]
+    return ([f"sensitivity on {section['samples']} samples ({section['seconds']:.1f} s): {len(section['layers'])} "
+             f"layers, one at a time in int8; worst {min(count, len(section['layers']))}"] + _align(rows))
+
+
+def render_table(report: dict) -> str:
+    header = f"{report['data']['samples']} samples from {report['data']['path']}, task {report['task']}"
+    lines = [header] + _align(summary_rows(report))
+    if "per_layer" in report:
+        lines += [""] + _per_layer_lines(report["per_layer"])
+    if "sensitivity" in report:
+        lines += [""] + _sensitivity_lines(report["sensitivity"])
+    return "\n".join(lines)
 
 
 def _clean(value):
