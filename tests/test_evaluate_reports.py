@@ -1,0 +1,200 @@
+"""qtool evaluate for people and CI: per-layer error, sensitivity, thresholds and the JSON/JUnit/HTML reports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import xml.etree.ElementTree as ET
+
+import cv2
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from tests import graphs
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, run_qtool
+
+REPORT_KEYS = ["qtool_version", "onnxruntime_version", "task", "models", "data", "outputs", "classification", "size",
+               "macs", "latency", "per_layer", "sensitivity", "thresholds", "passed"]
+
+
+@pytest.fixture(scope="module")
+def effnet(tmp_path_factory):
+    """The shipped EfficientNet-Lite0 quantized on the ten shipped photos, with its table."""
+    tmp = tmp_path_factory.mktemp("evaluate")
+    table, int8 = tmp / "calib.json", tmp / "e.int8.onnx"
+    result = run_qtool("quantize", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--save-table", table,
+                       "-o", int8)
+    assert result.returncode == 0, result.stderr
+    return tmp, table, int8
+
+
+@pytest.fixture(scope="module")
+def full_report(effnet):
+    tmp, table, int8 = effnet
+    paths = {kind: tmp / f"report.{kind}" for kind in ("json", "xml", "html")}
+    result = run_qtool("evaluate", EFFNET, int8, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--per-layer",
+                       "--sensitivity", "--table", table, "--layer-samples", "4", "--runs", "3",
+                       "--min-sqnr", "0", "--min-cosine", "0.5", "--json", paths["json"], "--junit", paths["xml"],
+                       "--html", paths["html"])
+    assert result.returncode == 0, result.stderr
+    return result, paths
+
+
+def _effnet_activations(int8: onnx.ModelProto) -> int:
+    return sum(n.op_type == "QuantizeLinear" for n in int8.graph.node)
+
+
+def test_json_has_every_section_with_stable_keys(full_report, effnet):
+    _, paths = full_report
+    doc = json.loads(paths["json"].read_text())
+    assert list(doc) == REPORT_KEYS
+    assert doc["task"] == "classification" and doc["classification"]["samples"] == 10
+    assert doc["macs"]["int8_fraction"] == 1.0 and doc["macs"]["counted_nodes"] == 50
+    per_layer = doc["per_layer"]
+    assert per_layer["samples"] == 4
+    assert len(per_layer["tensors"]) == _effnet_activations(onnx.load(effnet[2]))
+    assert list(per_layer["tensors"][0]) == ["tensor", "node", "op_type", "sqnr_db", "cosine", "max_abs_error",
+                                             "mean_abs_error"]
+    # JSON has no infinity: a tensor quantized without any error (the input: pixels (p - 127) / 128 sit exactly
+    # on the uint8 grid) is written as "inf"
+    by_sqnr = sorted(per_layer["tensors"], key=lambda t: float(t["sqnr_db"]))
+    assert per_layer["worst"] == [t["tensor"] for t in by_sqnr[:10]]
+    ranking = doc["sensitivity"]["layers"]
+    assert len(ranking) == 59  # 49 Conv (with their ReLU6), 9 Add, 1 Gemm
+    assert [r["sqnr_db"] for r in ranking] == sorted(r["sqnr_db"] for r in ranking)
+    assert [v["name"] for v in doc["thresholds"]] == ["min_cosine", "min_sqnr"] and doc["passed"] is True
+
+
+def test_terminal_table_shows_the_worst_layers(full_report):
+    result, paths = full_report
+    doc = json.loads(paths["json"].read_text())
+    out = result.stdout
+    assert "per-layer error on 4 samples" in out and "sensitivity on 4 samples" in out
+    assert doc["per_layer"]["worst"][0] in out and doc["sensitivity"]["layers"][0]["node"] in out
+    assert "in int8" in out and "PASS min_sqnr" in out
+
+
+def test_junit_has_one_case_per_threshold(full_report):
+    _, paths = full_report
+    root = ET.parse(paths["xml"]).getroot()
+    cases = root.findall("./testsuite/testcase")
+    assert [c.get("name") for c in cases] == ["min_cosine", "min_sqnr"]
+    assert root.get("failures") == "0" and not root.findall(".//failure")
+
+
+def test_html_is_self_contained_with_one_bar_per_layer(full_report):
+    _, paths = full_report
+    text = paths["html"].read_text()
+    doc = json.loads(paths["json"].read_text())
+    assert "<script" not in text.lower()
+    assert not re.search(r"\b(src|href)\s*=", text, re.I)
+    assert set(re.findall(r"https?://[^\s\"'<>]+", text)) <= {"http://www.w3.org/2000/svg"}  # a namespace only
+    first_chart = text[text.index("<svg"):text.index("</svg>")]
+    assert first_chart.count("<rect") == len(doc["per_layer"]["tensors"])
+    assert f"<title>{doc['per_layer']['worst'][0]}:" in first_chart
+    assert "All thresholds met" in text and "top-1 agreement" in text
+
+
+def test_html_renders_in_headless_chromium(full_report, tmp_path):
+    """A real browser draws the charts: red (worst ten) and blue bars appear in the screenshot."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install chromium); README describes the manual check")
+    _, paths = full_report
+    shot = tmp_path / "report.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}", f"--screenshot={shot}",
+                    "--window-size=1200,1600", paths["html"].resolve().as_uri()],
+                   capture_output=True, timeout=120, check=False)
+    image = cv2.imread(str(shot))
+    assert image is not None and image.shape[:2] == (1600, 1200)
+
+    def pixels(rgb: tuple[int, int, int]) -> int:
+        return int(np.sum(np.all(np.abs(image.astype(int) - rgb[::-1]) <= 8, axis=2)))
+
+    assert pixels((0xd6, 0x27, 0x28)) > 500  # worst-ten bars
+    assert pixels((0x4c, 0x78, 0xa8)) > 2000  # the other bars
+
+
+def test_failed_thresholds_exit_1_with_one_line_each(effnet, tmp_path):
+    _, _, int8 = effnet
+    junit = tmp_path / "r.xml"
+    result = run_qtool("evaluate", EFFNET, int8, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG,
+                       "--num-samples", "4", "--runs", "2", "--min-sqnr", "200", "--min-cosine", "0.5",
+                       "--min-speedup", "1000", "--junit", junit)
+    assert result.returncode == 1, result.stderr
+    fails = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(fails) == 2 and fails[0].startswith("FAIL min_sqnr:") and fails[1].startswith("FAIL min_speedup:")
+    assert "PASS min_cosine" in result.stdout
+    root = ET.parse(junit).getroot()
+    assert root.get("tests") == "3" and root.get("failures") == "2"
+    assert [f.get("message") for f in root.iter("failure")] == fails
+
+
+def test_thresholds_from_the_config_file(effnet, tmp_path):
+    _, _, int8 = effnet
+    config = tmp_path / "c.yaml"
+    config.write_text(EFFNET_CONFIG.read_text() + "  min_agreement: 101\n")
+    result = run_qtool("evaluate", EFFNET, int8, "--data", CALIB_SAMPLES, "--config", config, "--num-samples", "2")
+    assert result.returncode == 2 and "min_agreement is in percent" in result.stderr
+    config.write_text(EFFNET_CONFIG.read_text() + "  max_top1_drop: 1\n")
+    result = run_qtool("evaluate", EFFNET, int8, "--data", CALIB_SAMPLES, "--config", config, "--num-samples", "2")
+    assert result.returncode == 2 and "needs labels" in result.stderr
+    config.write_text(EFFNET_CONFIG.read_text() + "  min_sqnr: 200\n")
+    result = run_qtool("evaluate", EFFNET, int8, "--data", CALIB_SAMPLES, "--config", config, "--num-samples", "2",
+                       "--runs", "1")
+    assert result.returncode == 1 and result.stderr.startswith("FAIL min_sqnr:")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--max-top1-drop", "1"], "needs labels"),
+    (["--sensitivity"], "needs the calibration table"),
+    (["--task", "generic", "--min-agreement", "90"], "classification figures"),
+])
+def test_impossible_requests_are_input_errors(effnet, args, fragment):
+    _, _, int8 = effnet
+    result = run_qtool("evaluate", EFFNET, int8, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG,
+                       "--num-samples", "2", "--runs", "1", *args)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0] and "Traceback" not in result.stderr
+
+
+def _two_in_two_out(rng) -> onnx.ModelProto:
+    """a -> Conv, + b -> s; outputs Relu(s) [N,4,6,6] and GlobalAveragePool(s) [N,4,1,1]."""
+    w = rng.normal(0, 0.4, (4, 4, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["a", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", "b"], ["s"], name="add"),
+             helper.make_node("Relu", ["s"], ["y1"], name="relu"),
+             helper.make_node("GlobalAveragePool", ["s"], ["y2"], name="gap")]
+    return graphs.model(nodes, [graphs.tensor("a", ["N", 4, 6, 6]), graphs.tensor("b", ["N", 4, 6, 6])],
+                        [graphs.tensor("y1", None), graphs.tensor("y2", None)], [graphs.init("w", w)])
+
+
+def test_generic_task_on_a_two_input_two_output_model(tmp_path):
+    rng = np.random.default_rng(0)
+    model, int8, report = tmp_path / "m.onnx", tmp_path / "m.int8.onnx", tmp_path / "r.json"
+    onnx.save(_two_in_two_out(rng), model)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(12):
+        np.savez(data / f"s{i:02d}.npz", a=rng.normal(0, 1, (1, 4, 6, 6)).astype(np.float32),
+                 b=rng.normal(0, 1, (1, 4, 6, 6)).astype(np.float32))
+    assert run_qtool("quantize", model, "--data", data, "-o", int8).returncode == 0
+    result = run_qtool("evaluate", model, int8, "--data", data, "--runs", "2", "--per-layer", "--json", report)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(report.read_text())
+    assert doc["task"] == "generic" and "classification" not in doc  # auto: the first output is not [N, C]
+    assert list(doc["outputs"]) == ["y1", "y2"]
+    for figures in doc["outputs"].values():
+        assert list(figures) == ["cosine", "sqnr_db", "max_abs_error", "mean_abs_error"]
+        assert figures["cosine"] > 0.99 and figures["sqnr_db"] > 25 and 0 < figures["mean_abs_error"]
+        assert figures["mean_abs_error"] <= figures["max_abs_error"]
+    assert [t["tensor"] for t in doc["per_layer"]["tensors"]] == ["a", "b", "c", "s"]
+    assert "y1: SQNR" in result.stdout and "y2: abs error max / mean" in result.stdout
