@@ -203,19 +203,26 @@ def _size(path: Path) -> int:
     return size + (os.path.getsize(data) if data.exists() else 0)
 
 
-def measure_latency(fp32_path: str, int8_path: str, batch: Batch, cfg: EvaluateConfig) -> dict:
-    """Median and p90 seconds per batch of each model, runs interleaved, same session options."""
-    sessions = {"fp32": create_session(fp32_path, cfg.threads, fp32_path),
-                "int8": create_session(int8_path, cfg.threads, int8_path)}
+def time_models(paths: dict[str, str], feeds: dict[str, np.ndarray], threads: int, warmup: int,
+                runs: int) -> dict[str, list[float]]:
+    """Seconds per run of each model: warm-up, then the models take turns run by run, so a
+    slowdown from a noisy neighbour hits all of them alike. Same session options for all."""
+    sessions = {name: create_session(path, threads, path) for name, path in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in sessions}
-    for _ in range(cfg.warmup):
+    for _ in range(warmup):
         for session in sessions.values():
-            session.run(None, batch.feeds)
-    for _ in range(cfg.runs):
+            session.run(None, feeds)
+    for _ in range(runs):
         for name, session in sessions.items():
             start = time.perf_counter()
-            session.run(None, batch.feeds)
+            session.run(None, feeds)
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure_latency(fp32_path: str, int8_path: str, batch: Batch, cfg: EvaluateConfig) -> dict:
+    """Median and p90 milliseconds per batch of each model, and the speedup of the medians."""
+    times = time_models({"fp32": fp32_path, "int8": int8_path}, batch.feeds, cfg.threads, cfg.warmup, cfg.runs)
     result = {"batch_size": len(batch), "threads": cfg.threads, "runs": cfg.runs}
     for name, values in times.items():
         result[f"{name}_ms"] = {"median": percentile_ms(values, 50), "p90": percentile_ms(values, 90)}
