@@ -92,25 +92,32 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @config_option
 @_calibration_options
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Calibration table to write.")
+@click.option("--format", "table_format", default="qtool", show_default=True, metavar="FORMAT",
+              help="Table format to write: qtool, tensorrt, tengine, tpu-mlir, ncnn, amct, amct-binary, onnxruntime.")
 @_command
-def calibrate(model, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, output):
+def calibrate(model, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, output,
+              table_format):
     """Run calibration data through MODEL and write a calibration table."""
     from qtool.calibrate import calibrate as run_calibration
+    from qtool.formats import get_format, write_table
 
     if data is None:
         raise click.UsageError("--data is required")
     check_output_path(output, model)
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
     start = time.perf_counter()
+    get_format(table_format)
     table = run_calibration(model, data, cfg.preprocess, calib, quant)
-    table.save(output)
+    write_table(table, output, table_format, model, quant)
     click.echo(f"calibrated {len(table.tensors)} tensors on {table.num_samples} samples "
-               f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output}")
+               f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output} ({table_format})")
 
 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--table", "table_path", type=click.Path(path_type=Path), help="Calibration table to use.")
+@click.option("--table", "table_path", type=click.Path(path_type=Path),
+              help="Calibration table to use, in any supported format (detected from its content).")
+@click.option("--table-format", metavar="FORMAT", help="Read --table as this format instead of detecting it.")
 @data_option
 @config_option
 @_calibration_options
@@ -118,13 +125,13 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, activat
 @click.option("--allow-missing", is_flag=True, help="Keep tensors the table lacks in float instead of failing.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Int8 QDQ model to write.")
 @_command
-def quantize(model, table_path, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
-             save_table, allow_missing, output):
+def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, activation_dtype,
+             upgrade_opset, save_table, allow_missing, output):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool.calibrate import calibrate as run_calibration
+    from qtool.formats import read_table
     from qtool.modelio import save_model
     from qtool.quantize import quantize_model
-    from qtool.table import load_table
 
     if (table_path is None) == (data is None):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH")
@@ -134,7 +141,7 @@ def quantize(model, table_path, data, config_path, num_samples, batch_size, meth
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
     start = time.perf_counter()
     if table_path is not None:
-        table = load_table(table_path)
+        table, _ = read_table(table_path, table_format, model, quant)
     else:
         table = run_calibration(model, data, cfg.preprocess, calib, quant)
         if save_table:
@@ -176,6 +183,33 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, num_samples, bat
     click.echo(render_table(report))
     if json_path:
         write_json(report, json_path)
+
+
+@main.group()
+def table() -> None:
+    """Calibration tables of other toolchains: TensorRT, Tengine, TPU-MLIR, ncnn, AMCT, onnxruntime."""
+
+
+@table.command()
+@click.argument("table_in", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Table to write.")
+@click.option("--to", "to_format", required=True, metavar="FORMAT", help="Format to write.")
+@click.option("--table-format", metavar="FORMAT", help="Read TABLE_IN as this format instead of detecting it.")
+@click.option("--model", type=click.Path(path_type=Path),
+              help="The fp32 model: needed by layer-keyed formats (ncnn, amct), recorded in qtool tables.")
+@config_option
+@click.option("--activation-dtype", type=click.Choice(["uint8", "int8"]), help="Activation integer type.")
+@_command
+def convert(table_in, output, to_format, table_format, model, config_path, activation_dtype):
+    """Convert calibration table TABLE_IN to another format."""
+    from qtool.formats import get_format, read_table, write_table
+
+    check_output_path(output, table_in, model)
+    get_format(to_format)
+    quant = override(load_config(config_path).quantization, activation_dtype=activation_dtype)
+    table_data, source = read_table(table_in, table_format, model, quant)
+    write_table(table_data, output, to_format, model, quant)
+    click.echo(f"converted {len(table_data.tensors)} entries: {source.name} -> {to_format} -> {output}")
 
 
 if __name__ == "__main__":  # pragma: no cover
