@@ -212,5 +212,56 @@ def convert(table_in, output, to_format, table_format, model, config_path, activ
     click.echo(f"converted {len(table_data.tensors)} entries: {source.name} -> {to_format} -> {output}")
 
 
+@main.command("export-params")
+@click.argument("int8_model", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="JSON file to write.")
+@_command
+def export_params(int8_model, output):
+    """Write the fixed-point form of every quantized layer of INT8_MODEL (a QDQ model):
+    int32 multipliers and shifts per output channel, int32 biases, zero points, Add/pool/LeakyReLU/PReLU
+    parameters."""
+    import json
+
+    from qtool.atomic import write_text
+    from qtool.fixed_point import describe, export_params as run_export
+    from qtool.modelio import load_model
+
+    check_output_path(output, int8_model)
+    params = run_export(load_model(int8_model))
+    write_text(output, json.dumps(params, indent=1) + "\n")
+    click.echo(describe(output, params))
+
+
+@main.command("verify-int")
+@click.argument("int8_model", type=click.Path(path_type=Path))
+@data_option
+@config_option
+@click.option("--num-samples", type=click.IntRange(min=1), default=8, show_default=True, help="Samples to run.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write every figure to this JSON file.")
+@click.option("--min-exact", type=click.FloatRange(0, 1), help="Fail (exit 1) if fewer integer-only outputs "
+              "than this fraction are bit-exact.")
+@click.option("--max-lsb", type=click.IntRange(min=0), help="Fail (exit 1) if any output differs by more LSB.")
+@_command
+def verify_int(int8_model, data, config_path, num_samples, json_path, min_exact, max_lsb):
+    """Run INT8_MODEL's quantized layers in integer-only numpy and compare each with onnxruntime."""
+    from qtool.errors import ThresholdError
+    from qtool.report import write_json
+    from qtool.verify_int import render, verify
+
+    if data is None:
+        raise click.UsageError("--data is required")
+    if json_path:
+        check_output_path(json_path, int8_model)
+    report = verify(int8_model, data, load_config(config_path).preprocess, num_samples)
+    click.echo(render(report))
+    if json_path:
+        write_json(report, json_path)
+    fixed = report["totals"]["fixed"]
+    if min_exact is not None and fixed["fraction_exact"] < min_exact:
+        raise ThresholdError(f"only {100 * fixed['fraction_exact']:.4f}% of outputs bit-exact (< {100 * min_exact}%)")
+    if max_lsb is not None and fixed["max_lsb"] > max_lsb:
+        raise ThresholdError(f"an output differs by {fixed['max_lsb']} LSB (> {max_lsb})")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

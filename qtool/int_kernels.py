@@ -132,9 +132,14 @@ def _fma32(a: np.ndarray, b: np.float32, c: np.ndarray) -> np.ndarray:
 
 
 def add_float(qa, sa, za, qb, sb, zb, sy, zy, qmin, qmax) -> np.ndarray:
-    """onnxruntime's AVX2 QLinearAdd: fma(a, sa/sy, fma(b, sb/sy, zy - (sa/sy za + sb/sy zb)))."""
+    """onnxruntime's AVX2 QLinearAdd: fma(a, ra, fma(b, rb, zy - (ra za + rb zb))), ri = si/sy in float32.
+
+    The compiler contracts ra*za + rb*zb into fma(ra, za, rb*zb); matching that is what
+    makes the emulation bit-exact on the last few ties.
+    """
     ra, rb = np.float32(np.float32(sa) / np.float32(sy)), np.float32(np.float32(sb) / np.float32(sy))
-    fixed = np.float32(np.float32(zy) - np.float32(np.float32(ra * np.float32(za)) + np.float32(rb * np.float32(zb))))
+    offset = _fma32(np.asarray(np.float32(za)), ra, np.asarray(np.float32(rb * np.float32(zb))))
+    fixed = np.float32(np.float32(zy) - offset)
     t = _fma32(np.asarray(qb, np.float32), rb, np.full(np.shape(qb), fixed, np.float32))
     y = _fma32(np.asarray(qa, np.float32), ra, t)
     return np.clip(np.rint(y).astype(np.int64), qmin, qmax)
