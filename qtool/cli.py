@@ -37,6 +37,8 @@ def _command(func):
                 traceback.print_exc()
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except click.ClickException:
+            raise  # usage errors: click prints them and exits 2
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)

@@ -97,7 +97,9 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
         if value.name in initializers:  # old exporters list weights as inputs too
             continue
         tensor_type = value.type.tensor_type
-        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim)
+        # dim_value <= 0 (-1 in some exporters) means dynamic, like a dim_param
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                     for d in tensor_type.shape.dim)
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
         specs.append(InputSpec(value.name, np.dtype(dtype), dims))
     return specs
