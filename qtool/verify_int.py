@@ -26,7 +26,6 @@ from typing import Optional
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from qtool.config import PreprocessConfig
 from qtool.dataset import batches, open_data
@@ -35,12 +34,12 @@ from qtool.fixed_point import add_int16_params, add_int32_params, channel_multip
 from qtool.int_kernels import (AccumulatorOverflow, add_float, add_int16, add_int32, avg_pool_float, conv_acc,
                                matmul_acc, max_pool, pool_sums, requantize_fixed, requantize_float)
 from qtool.modelio import input_specs, load_model
+from qtool.observer import with_outputs
 from qtool.qdq_graph import QLayer, find_layers
 from qtool.runtime import create_session, session_options
 
 CHECKED_OPS = ("Conv", "Gemm", "MatMul", "Add", "AveragePool", "GlobalAveragePool", "MaxPool")
 MODES = ("fixed", "ort", "int16")
-_ELEM = {"uint8": onnx.TensorProto.UINT8, "int8": onnx.TensorProto.INT8}
 _ORT_KERNELS = ("QLinearConv", "QLinearAdd", "QGemm", "QLinearMatMul", "QLinearAveragePool",
                 "QLinearGlobalAveragePool", "MaxPool", "MatMulIntegerToFloat", "ConvInteger")
 
@@ -196,18 +195,6 @@ def _checkable(layers: list[QLayer]) -> tuple[list[QLayer], list[str]]:
     return keep, skipped
 
 
-def _with_outputs(model: onnx.ModelProto, layers: list[QLayer]) -> onnx.ModelProto:
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    present = {o.name for o in exposed.graph.output}
-    for layer in layers:
-        for t in layer.inputs + [layer.output]:
-            if t.name not in present:
-                exposed.graph.output.append(helper.make_tensor_value_info(t.name, _ELEM[t.dtype], None))
-                present.add(t.name)
-    return exposed
-
-
 def ort_kernels(model: onnx.ModelProto) -> dict[str, int]:
     """How many integer kernels onnxruntime's optimizer made of the QDQ graph (a layer it did
     not fuse runs as DequantizeLinear, float op, QuantizeLinear)."""
@@ -230,9 +217,9 @@ def verify(model_path: str | Path, data: str | Path, preprocess: PreprocessConfi
     layers, skipped = _checkable(all_layers)
     if not layers:
         raise QtoolError("no quantized Conv/Gemm/MatMul/Add/pool layer in QDQ form", model_path)
-    exposed = _with_outputs(model, layers)
-    session = create_session(exposed, threads, str(model_path))
-    names = [o.name for o in exposed.graph.output]
+    names = list(dict.fromkeys(t.name for layer in layers for t in layer.inputs + [layer.output]))
+    # shape inference gives the integer tensors their types, which the exposed outputs need
+    session = create_session(with_outputs(onnx.shape_inference.infer_shapes(model), names), threads, str(model_path))
     results = {layer.name: LayerResult(layer, {m: Agreement() for m in MODES}) for layer in layers}
     seen = 0
     source = open_data(data, input_specs(model), preprocess)

@@ -30,8 +30,8 @@ from google.protobuf.message import DecodeError
 
 from qtool.errors import QtoolError
 from qtool.formats import FormatContext, TableFormat, register
-from qtool.formats.common import entry_from_qparams, imported_table, to_dtype
-from qtool.formats.graph import shown, warn_uncovered
+from qtool.formats.common import entry_from_qparams, to_dtype
+from qtool.formats.graph import LayerEntries, shown, warn_uncovered
 from qtool.qparams import QParams
 from qtool.table import CalibrationTable
 
@@ -112,29 +112,20 @@ def _detect_binary(data: bytes) -> bool:
 
 
 def _entries(record, ctx: FormatContext) -> CalibrationTable:
-    view = ctx.require_model("AMCT")
-    entries, unknown, other_types = {}, [], []
+    entries = LayerEntries(ctx.require_model("AMCT"), "AMCT", ctx.path)
+    other_types = []
     for item in record.record:
-        layer = view.layer(item.key)
-        if layer is None:
-            unknown.append(item.key)
-            continue
         value = item.value
         if value.dst_type.upper() != "INT8" or value.act_type.upper() != "INT8":
             other_types.append(item.key)
         try:
-            entry = entry_from_qparams(QParams(value.scale_d, value.offset_d, "int8"), ctx.options)
+            entries.add(item.key, entry_from_qparams(QParams(value.scale_d, value.offset_d, "int8"), ctx.options))
         except ValueError as exc:
             raise QtoolError(f"record '{item.key}': {exc}", ctx.path) from None
-        entries.setdefault(layer.input, entry)
-    if unknown:
-        warnings.warn(f"{ctx.path}: {len(unknown)} AMCT records match no node of the model: {shown(unknown)}",
-                      stacklevel=4)
     if other_types:
         warnings.warn(f"{ctx.path}: {len(other_types)} records are not INT8 (dst_type/act_type); their scale and "
                       f"offset were taken as an int8 grid: {shown(other_types)}", stacklevel=4)
-    warn_uncovered(view, set(entries), "AMCT", ctx.path)
-    return imported_table(entries, "amct", "amct", view)
+    return entries.table()
 
 
 def _read_text(data: bytes, ctx: FormatContext) -> CalibrationTable:

@@ -16,7 +16,8 @@ in and one way out of qtool's table:
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+import warnings
+from typing import Optional
 
 import numpy as np
 
@@ -48,6 +49,24 @@ def decode_text(data: bytes, path: object) -> str:
 
 def data_lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def text_rows(data: bytes) -> Optional[list[list[str]]]:
+    """Whitespace-separated tokens of each non-empty line; None if the bytes are not UTF-8."""
+    try:
+        return [line.split() for line in data_lines(data.decode("utf-8-sig"))]
+    except UnicodeDecodeError:
+        return None
+
+
+def is_integer(token: str) -> bool:
+    return token.lstrip("+-").isdigit()
+
+
+def warn_widened(path: object, count: int, format_label: str, how: str) -> None:
+    if count:
+        warnings.warn(f"{path}: {format_label} scales are symmetric; {count} asymmetric entries were written as "
+                      f"{how} over their range", stacklevel=3)
 
 
 def parse_float(token: str, path: object, line: str) -> float:
@@ -118,7 +137,3 @@ def imported_table(tensors: dict[str, TableEntry], method: str, format_name: str
     """A table read from another format; it names the model only when one was given to map it."""
     file, sha = (model.file, model.sha256) if model is not None else ("", "")
     return CalibrationTable(file, sha, method, {"imported_from": format_name}, 0, dict(tensors))
-
-
-def count_inexact(entries: Iterable[bool]) -> int:
-    return sum(1 for exact in entries if not exact)

@@ -18,11 +18,13 @@ import numpy as np
 from onnx import numpy_helper
 
 from qtool.config import QuantizeConfig
+from qtool.formats.common import imported_table
 from qtool.graph_prep import prepare
 from qtool.modelio import load_model, sha256_file
 from qtool.ops import rule_for
 from qtool.plan import build_plan
 from qtool.qparams import weight_scales
+from qtool.table import CalibrationTable, TableEntry
 
 _SHOWN = 5
 
@@ -77,6 +79,33 @@ def model_view(model_path: str | Path, options: QuantizeConfig) -> ModelView:
     weights = {layer.weight: numpy_helper.to_array(inits[layer.weight]) for layer in layers}
     return ModelView(Path(model_path).name, sha256_file(model_path), list(plan.activations), producers, layers,
                      weights)
+
+
+class LayerEntries:
+    """Entries read from a layer-keyed file, gathered per input tensor, and what did not fit."""
+
+    def __init__(self, view: ModelView, format_name: str, path: object):
+        self.view, self.format_name, self.path = view, format_name, path
+        self.entries: dict[str, TableEntry] = {}
+        self.unknown: list[str] = []
+        self.conflicts: list[str] = []
+
+    def add(self, key: str, entry: TableEntry) -> None:
+        layer = self.view.layer(key)
+        if layer is None:
+            self.unknown.append(key)
+        elif self.entries.setdefault(layer.input, entry).qparams != entry.qparams:
+            self.conflicts.append(key)
+
+    def table(self) -> CalibrationTable:
+        if self.unknown:
+            warnings.warn(f"{self.path}: {len(self.unknown)} {self.format_name} layers match no node of the model: "
+                          f"{shown(self.unknown)}", stacklevel=3)
+        if self.conflicts:
+            warnings.warn(f"{self.path}: layers sharing an input disagree on its scale; kept the first for "
+                          f"{shown(self.conflicts)}", stacklevel=3)
+        warn_uncovered(self.view, set(self.entries), self.format_name, self.path)
+        return imported_table(self.entries, self.format_name.lower(), self.format_name.lower(), self.view)
 
 
 def shown(names: list[str]) -> str:

@@ -17,35 +17,19 @@ from __future__ import annotations
 
 from qtool.errors import QtoolError
 from qtool.formats import FormatContext, TableFormat, register
-from qtool.formats.common import data_lines, decode_text, entry_from_qparams, f32_text, imported_table, parse_float
+from qtool.formats.common import (decode_text, entry_from_qparams, f32_text, imported_table, is_integer, is_number,
+                                  parse_float, text_rows)
 from qtool.qparams import QParams
 from qtool.table import CalibrationTable
 
 
-def _is_int(token: str) -> bool:
-    return token.lstrip("+-").isdigit()
-
-
-def _rows(text: str) -> list[list[str]]:
-    return [line.split() for line in data_lines(text)]
+def _plausible(row: list[str]) -> bool:
+    return len(row) == 3 and is_integer(row[2]) and is_number(row[1]) and not is_integer(row[1])
 
 
 def _detect(data: bytes) -> bool:
-    try:
-        rows = _rows(data.decode("utf-8-sig"))
-    except UnicodeDecodeError:
-        return False
-    def plausible(row):
-        return len(row) == 3 and _is_int(row[2]) and not _is_int(row[1]) and _is_float(row[1])
-    return bool(rows) and all(plausible(row) for row in rows)
-
-
-def _is_float(token: str) -> bool:
-    try:
-        float(token)
-        return True
-    except ValueError:
-        return False
+    rows = text_rows(data)
+    return bool(rows) and all(_plausible(row) for row in rows)
 
 
 def _dtype(zero_points: list[int]) -> str:
@@ -55,9 +39,10 @@ def _dtype(zero_points: list[int]) -> str:
 
 
 def _read(data: bytes, ctx: FormatContext) -> CalibrationTable:
-    rows = _rows(decode_text(data, ctx.path))
+    decode_text(data, ctx.path)
+    rows = text_rows(data)
     for row in rows:
-        if len(row) != 3 or not _is_int(row[2]):
+        if len(row) != 3 or not is_integer(row[2]):
             raise QtoolError(f"malformed line '{' '.join(row)}' (expected 'tensor scale zero_point')", ctx.path)
     dtype = _dtype([int(row[2]) for row in rows])
     entries = {}

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import re
 import struct
-import warnings
 
 from qtool.errors import QtoolError
 from qtool.formats import FormatContext, TableFormat, register
-from qtool.formats.common import decode_text, entry_from_symmetric, imported_table, symmetric_scale
+from qtool.formats.common import decode_text, entry_from_symmetric, imported_table, symmetric_scale, warn_widened
 from qtool.table import CalibrationTable
 
 _HEADER = re.compile(r"^TRT-(\d+)-(\w+)$")
@@ -68,9 +67,7 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
         scale, exact = symmetric_scale(entry)
         widened += not exact
         lines.append(f"{name}: {scale_to_hex(scale)}")
-    if widened:
-        warnings.warn(f"{ctx.path}: TensorRT caches are symmetric; {widened} asymmetric entries were written as "
-                      "amax/127 over their range", stacklevel=3)
+    warn_widened(ctx.path, widened, "TensorRT", "amax/127")
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
