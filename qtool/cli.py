@@ -222,15 +222,12 @@ def export_params(int8_model, output):
     """Write the fixed-point form of every quantized layer of INT8_MODEL (a QDQ model):
     int32 multipliers and shifts per output channel, int32 biases, zero points, Add/pool/LeakyReLU/PReLU
     parameters."""
-    import json
-
-    from qtool.atomic import write_text
-    from qtool.fixed_point import describe, export_params as run_export
+    from qtool.fixed_point import describe, export_params as run_export, write_params
     from qtool.modelio import load_model
 
     check_output_path(output, int8_model)
     params = run_export(load_model(int8_model))
-    write_text(output, json.dumps(params, indent=1) + "\n")
+    write_params(params, output)
     click.echo(describe(output, params))
 
 

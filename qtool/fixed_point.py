@@ -11,12 +11,15 @@ QDQ model; qtool/verify_int.py executes them and compares with onnxruntime.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+import onnx
 
+from qtool import atomic
 from qtool.qdq_graph import WEIGHTED, QLayer, find_layers
 from qtool.qparams import INT_RANGES
 
@@ -171,18 +174,22 @@ def _signed_multiplier_json(real: float) -> dict[str, Any]:
 
 
 def export_params(model) -> dict[str, Any]:
-    layers, skipped = find_layers(model)
+    layers, skipped = find_layers(onnx.shape_inference.infer_shapes(model))  # shapes give pooling windows
     exported, float_out = [], []
     for layer in layers:
         item = _layer_params(layer)
         if item is None:
             float_out.append(f"{layer.name} ({layer.op_type})")
-        elif item:
+        else:
             exported.append(item)
     return {"format": "qtool-fixed-point", "version": 1,
             "convention": "real = scale * (q - zero_point); a multiplier M is stored as (multiplier M0, shift n) "
                           "with M = M0 * 2^-31 * 2^-n, M0 in [2^30, 2^31); apply as (x * M0 + 2^(30+n)) >> (31+n)",
             "layers": exported, "float_output": float_out, "not_quantized": skipped}
+
+
+def write_params(params: dict[str, Any], path: str | Path) -> None:
+    atomic.write_text(path, json.dumps(params, indent=1) + "\n")
 
 
 def describe(path: str | Path, params: dict[str, Any]) -> str:

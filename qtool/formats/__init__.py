@@ -68,8 +68,9 @@ def get_format(name: str) -> TableFormat:
     return FORMATS[name]
 
 
-def _context(path, model_path, options) -> FormatContext:
-    return FormatContext(options, model_view(model_path, options) if model_path is not None else None, path)
+def _context(path, model_path, options, wanted: bool) -> FormatContext:
+    view = model_view(model_path, options) if model_path is not None and wanted else None
+    return FormatContext(options, view, path)
 
 
 def read_table(path: str | Path, format_name: Optional[str] = None, model_path: Optional[str | Path] = None,
@@ -81,14 +82,15 @@ def read_table(path: str | Path, format_name: Optional[str] = None, model_path: 
     except OSError as exc:
         raise QtoolError(f"cannot read calibration table: {exc.strerror}", path) from None
     fmt = get_format(format_name) if format_name else detect_format(data, path)
-    ctx = _context(path, model_path, options)
+    # foreign tables use the model to map names and to record which model they now describe
+    ctx = _context(path, model_path, options, fmt.name != "qtool")
     return fmt.read(data, ctx), fmt
 
 
 def write_table(table: CalibrationTable, path: str | Path, format_name: str,
                 model_path: Optional[str | Path] = None, options: Optional[QuantizeConfig] = None) -> TableFormat:
     fmt = get_format(format_name)
-    ctx = _context(path, model_path, options or QuantizeConfig())
+    ctx = _context(path, model_path, options or QuantizeConfig(), fmt.by_layer)
     atomic.write_bytes(path, fmt.write(table, ctx))
     return fmt
 

@@ -4,13 +4,14 @@ and building table entries from what a foreign file holds.
 Every format ends up holding one of three things per tensor, and each has one way
 in and one way out of qtool's table:
 
-- a scale and a zero point (TensorRT, Tengine, AMCT, ncnn): taken exactly, shifted
-  between int8 and uint8 when the options ask for the other type (the shift by 128
-  keeps the real-valued grid identical, so nothing is lost);
-- a symmetric amax/threshold only: the symmetric int8 scale amax/127 the owning
-  toolchain uses, or its range (-amax, amax) when the options differ;
-- a min/max range (TPU-MLIR, onnxruntime): recomputed with qtool's own formula for
-  the options, exactly as a qtool calibration would.
+- a scale and a zero point (Tengine, AMCT): taken exactly, shifted between int8 and
+  uint8 when the options ask for the other type (the shift by 128 keeps the
+  real-valued grid identical, so nothing is lost);
+- a symmetric scale amax/127 or its inverse (TensorRT, ncnn, TPU-MLIR's threshold):
+  the int8 grid with zero point 0 the owning toolchain uses, shifted likewise, with
+  the range (-amax, amax);
+- a min/max range (TPU-MLIR, onnxruntime): scale and zero point recomputed with
+  qtool's own formula for the options, exactly as a qtool calibration would.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ class ModelView:
         return None
 
     def weight_scales(self, layer: Layer) -> np.ndarray:
-        """Per-output-channel symmetric int8 scales, as qtool's rewrite computes them."""
+        """Per-output-channel symmetric int8 scales, as qtool's rewrite computes them (before it
+        widens a near-zero channel whose int32 bias would overflow)."""
         return np.atleast_1d(weight_scales(self.weights[layer.weight], layer.weight_axis))
 
 
@@ -113,11 +114,10 @@ def shown(names: list[str]) -> str:
     return ", ".join(names[:_SHOWN]) + more
 
 
-def warn_uncovered(view: ModelView, covered: set[str], format_name: str, path: object) -> list[str]:
-    """Say which quantized tensors a layer-keyed file has no entry for; return them."""
+def warn_uncovered(view: ModelView, covered: set[str], format_name: str, path: object) -> None:
+    """Say which quantized tensors a layer-keyed file has no entry for."""
     missing = [name for name in view.activations if name not in covered]
     if missing:
         warnings.warn(f"{path}: {format_name} entries are per layer (the data input of Conv/Gemm/MatMul), so "
                       f"{len(missing)} of {len(view.activations)} quantized tensors have no entry: {shown(missing)}",
                       stacklevel=3)
-    return missing

@@ -54,10 +54,7 @@ def _data_rows(text: str) -> tuple[list[list[str]], int, bool]:
 
 
 def _detect(data: bytes) -> bool:
-    try:
-        text = data[:65536].decode("utf-8-sig")
-    except UnicodeDecodeError:
-        text = data[:65536].decode("utf-8", "ignore")
+    text = data[:65536].decode("utf-8", "ignore")
     if "# op_name" in text and "threshold" in text:
         return True
     rows, skipped, comments = _data_rows(text)
