@@ -12,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 import onnx
+from google.protobuf import json_format, text_format
 from google.protobuf.message import DecodeError
 
 from qtool import atomic
@@ -38,7 +39,8 @@ def load_model(path: str | Path) -> onnx.ModelProto:
         raise QtoolError("model path is not a file", path)
     try:
         model = onnx.load(str(path))
-    except (DecodeError, RuntimeError) as exc:
+    # onnx.load picks a JSON or text parser from the extension (.json, .txt): their errors too
+    except (DecodeError, RuntimeError, json_format.ParseError, text_format.ParseError) as exc:
         raise QtoolError(f"not an ONNX model (protobuf parse failed: {str(exc).splitlines()[0] or type(exc).__name__})", path) from None
     except OSError as exc:
         raise QtoolError(f"cannot read model: {exc.strerror or exc}", path) from None
