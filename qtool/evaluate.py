@@ -26,10 +26,11 @@ from qtool.dataset import Batch, batches, count_samples, open_data
 from qtool.detection import DetectionAccumulator
 from qtool.errors import QtoolError
 from qtool.labels import FOLDERS, Labels, labels_from_folders, read_label_file
-from qtool.layer_error import layer_errors, worst
+from qtool.layer_error import layer_errors, twins, worst
 from qtool.macs import int8_macs, sample_shapes
 from qtool.metrics import ClassificationAccumulator, FidelityAccumulator, percentile_ms
 from qtool.modelio import input_specs, load_model, output_names
+from qtool.rewrite import DQ_SUFFIX
 from qtool.runtime import create_session
 from qtool.sensitivity import layer_sensitivity
 from qtool.table import load_table
@@ -67,7 +68,7 @@ class _Task:
         return None if self.accumulator is None else {"output": self.output, **self.accumulator.result()}
 
 
-def _task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray) -> _Task:
+def _task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray, detection: DetectionConfig) -> _Task:
     """Resolve `auto` from the first batch's first output and set up the task's figures."""
     name = cfg.task
     if name == "auto":
@@ -77,12 +78,11 @@ def _task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray) -> _Task:
     if name == "classification":
         return _Task(name, outputs[0], ClassificationAccumulator(top_k=cfg.top_k))
     if name == "detection":
-        settings = load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
-        output = settings.output or outputs[0]
+        output = detection.output or outputs[0]
         if output not in outputs:
             raise QtoolError(f"detection output '{output}' is not an output of the model ({', '.join(outputs)})",
                              cfg.task_config)
-        return _Task(name, output, DetectionAccumulator(settings))
+        return _Task(name, output, DetectionAccumulator(detection))
     return _Task(name, outputs[0], None)
 
 
@@ -102,8 +102,12 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     """The whole report: task figures, per-output fidelity, size, MACs, latency, optional
     per-layer error and sensitivity, and the threshold verdicts."""
     _check_requests(inputs, cfg)
+    detection = load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
     fp32_model = load_model(inputs.fp32)
     int8_model = load_model(inputs.int8)
+    if cfg.per_layer and not twins(fp32_model, int8_model):
+        raise QtoolError(f"no DequantizeLinear output of the int8 model is named <fp32 tensor>{DQ_SUFFIX}, so the "
+                         "per-layer error cannot pair its tensors with the fp32 model's", inputs.int8)
     specs = input_specs(fp32_model)
     if [s.name for s in input_specs(int8_model)] != [s.name for s in specs]:
         raise QtoolError("the int8 model's inputs differ from the fp32 model's", inputs.int8)
@@ -128,7 +132,7 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
             for name, r, t in zip(outputs, ref, test):
                 fidelity[name].update(r, t)
             if task is None:
-                task, first_batch = _task(cfg, outputs, ref[0]), batch
+                task, first_batch = _task(cfg, outputs, ref[0], detection), batch
             task.update(dict(zip(outputs, ref)), dict(zip(outputs, test)),
                         [labels.get(k) if labels else None for k in batch.keys])
             kept = sum(len(b) for b in subset)

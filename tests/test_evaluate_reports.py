@@ -198,3 +198,13 @@ def test_generic_task_on_a_two_input_two_output_model(tmp_path):
         assert figures["mean_abs_error"] <= figures["max_abs_error"]
     assert [t["tensor"] for t in doc["per_layer"]["tensors"]] == ["a", "b", "c", "s"]
     assert "y1: SQNR" in result.stdout and "y2: abs error max / mean" in result.stdout
+
+
+def test_per_layer_needs_qdq_tensor_names_and_task_config_keys_are_checked(tmp_path):
+    result = run_qtool("evaluate", EFFNET, EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--per-layer")
+    assert result.returncode == 2 and "per-layer error cannot pair" in result.stderr
+    bad = tmp_path / "detect.yaml"
+    bad.write_text("conf_treshold: 0.3\n")
+    result = run_qtool("evaluate", EFFNET, EFFNET, "--data", CALIB_SAMPLES, "--task", "detection",
+                       "--task-config", bad)
+    assert result.returncode == 2 and "did you mean 'conf_threshold'" in result.stderr
