@@ -37,7 +37,7 @@ class MacSummary:
         return self.int8 / self.total if self.total else 0.0
 
 
-def _shapes(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequence[int]]]) -> dict[str, list[int]]:
+def tensor_shapes(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequence[int]]]) -> dict[str, list[int]]:
     """Tensor name -> dims (unknown dims as 1) after shape inference on a copy of the model."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
@@ -90,7 +90,7 @@ def sample_shapes(feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]
 
 def node_macs(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, int]:
     """MACs of every Conv/ConvTranspose/Gemm/MatMul node, keyed by node name (or first output)."""
-    shapes = _shapes(model, input_shapes)
+    shapes = tensor_shapes(model, input_shapes)
     return {node_label(n): _macs(n, shapes) for n in model.graph.node
             if n.op_type in COUNTED_OPS and n.domain in ("", "ai.onnx")}
 

@@ -18,21 +18,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import onnx
+from onnx import helper
 
 from qtool.config import QuantizeConfig
 from qtool.dataset import Batch
 from qtool.errors import QtoolError
 from qtool.graph_prep import prepare
-from qtool.macs import node_label, node_macs, sample_shapes
+from qtool.macs import node_label, node_macs, sample_shapes, tensor_shapes
 from qtool.metrics import FidelityAccumulator
 from qtool.modelio import load_model
+from qtool.observer import with_outputs
 from qtool.ops import rule_for
 from qtool.plan import QuantPlan, build_plan
 from qtool.quantize import params_from_table
 from qtool.rewrite import quantize_graph
 from qtool.runtime import create_session
 from qtool.table import CalibrationTable
+
+CACHE_BUDGET_BYTES = 256 * 2**20  # fp32 tensors kept at once to start the layers' runs mid-graph
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,65 @@ def _select(found: list[Layer], nodes: Optional[list[str]]) -> list[Layer]:
     return [by_name[n] for n in nodes]
 
 
+@dataclass
+class _Job:
+    """One layer's run: its plan, and where its quantized model starts to differ from fp32."""
+
+    layer: Layer
+    plan: QuantPlan
+    start: int  # index of the first node the layer's quantization changes
+    boundary: list[str]  # tensors computed before `start` and read from there on
+
+
+def _job(model: onnx.ModelProto, layer: Layer, options: QuantizeConfig) -> _Job:
+    plan = build_plan(model, options, only=set(layer.nodes))
+    nodes = list(model.graph.node)
+    quantized, touched = set(plan.quantized_nodes), set(plan.activations)
+    # The rewrite points every consumer of a quantized tensor at its DequantizeLinear output,
+    # so the first changed node may come before the layer itself.
+    start = next((i for i, node in enumerate(nodes)
+                  if node_label(node) in quantized or any(name in touched for name in node.input)), len(nodes))
+    before = {out for node in nodes[:start] for out in node.output if out}
+    boundary = list(dict.fromkeys(name for node in nodes[start:] for name in node.input if name in before))
+    return _Job(layer, plan, start, boundary)
+
+
+def _chunks(jobs: list[_Job], sizes: dict[str, int], samples: int) -> list[list[_Job]]:
+    """Consecutive jobs whose boundary tensors, for all samples, fit in CACHE_BUDGET_BYTES together."""
+    chunks: list[list[_Job]] = []
+    names: set[str] = set()
+    for job in sorted(jobs, key=lambda j: j.start):
+        wanted = names | set(job.boundary)
+        if chunks and chunks[-1] and samples * sum(sizes.get(n, 0) for n in wanted) > CACHE_BUDGET_BYTES:
+            chunks.append([])
+            wanted = set(job.boundary)
+        if not chunks:
+            chunks.append([])
+        chunks[-1].append(job)
+        names = wanted
+    return chunks
+
+
+def _suffix(qmodel: onnx.ModelProto, before: set[str], arrays: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """`qmodel` without the nodes that compute as in fp32: the tensors they made become inputs."""
+    graph = qmodel.graph
+    kept = [n for n in graph.node if not {o for o in n.output if o} <= before]
+    made = {o for n in kept for o in n.output}
+    read = {name for n in kept for name in n.input}
+    boundary = [name for name in dict.fromkeys(name for n in kept for name in n.input) if name in before]
+    inputs = [i for i in graph.input if i.name in read]
+    inputs += [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arrays[name].dtype), None)
+               for name in boundary]
+    outputs = [o for o in graph.output if o.name in made]
+    initializers = [t for t in graph.initializer if t.name in read]
+    del graph.node[:], graph.input[:], graph.output[:], graph.initializer[:], graph.value_info[:]
+    graph.node.extend(kept)
+    graph.input.extend(inputs)
+    graph.output.extend(outputs)
+    graph.initializer.extend(initializers)
+    return qmodel
+
+
 def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                       batches: list[Batch], nodes: Optional[list[str]] = None, threads: int = 0,
                       on_layer: Optional[Callable[[Layer], None]] = None) -> list[LayerSensitivity]:
@@ -92,30 +156,54 @@ def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: 
 
     `nodes` restricts the ranking to these layers (names as in `layers()`); `table` must
     hold the ranges of the layers' activations (a table made for the whole model does).
+
+    Everything before a layer computes exactly as in fp32, so each layer's model is run
+    from the first node its quantization changes, fed with fp32 tensors that one exposed
+    fp32 run per chunk of layers keeps (CACHE_BUDGET_BYTES at most): about half the work
+    of running every layer's model from the graph inputs.
     """
     if not batches:
         raise QtoolError("sensitivity needs at least one batch of samples")
     model = prepare(load_model(model_path), options.upgrade_opset, model_path)
     selected = _select(layers(model, build_plan(model, options)), nodes)
-    macs = node_macs(model, sample_shapes(batches[0].feeds))
+    shapes = sample_shapes(batches[0].feeds)
+    macs = node_macs(model, shapes)
+    sizes = {name: 4 * math.prod(dims) for name, dims in tensor_shapes(model, shapes).items()}
     outputs = [o.name for o in model.graph.output]
+    graph_inputs = {i.name for i in model.graph.input}
     fp32 = create_session(model, threads, str(model_path))
-    reference = [fp32.run(outputs, batch.feeds) for batch in batches]
-    del fp32
+    reference = [dict(zip(outputs, fp32.run(outputs, batch.feeds))) for batch in batches]
 
     results = []
-    for layer in selected:
-        plan = build_plan(model, options, only=set(layer.nodes))
-        params = params_from_table(plan, table, options, allow_missing=True)
-        qmodel, _ = quantize_graph(model, plan, params, options.per_channel)
-        session = create_session(qmodel, threads, layer.node)
-        fidelity = [FidelityAccumulator() for _ in outputs]
-        for batch, ref in zip(batches, reference):
-            for acc, r, t in zip(fidelity, ref, session.run(outputs, batch.feeds)):
-                acc.update(r, t)
-        figures = [acc.result() for acc in fidelity]
-        results.append(LayerSensitivity(layer.node, layer.op_type, min(f["sqnr_db"] for f in figures),
-                                        macs.get(layer.node, 0), min(f["cosine"] for f in figures), layer.nodes))
-        if on_layer:
-            on_layer(layer)
+    samples = sum(len(b) for b in batches)
+    jobs = [_job(model, layer, options) for layer in selected]
+    for chunk in _chunks(jobs, sizes, samples):
+        exposed = sorted({n for job in chunk for n in job.boundary} - graph_inputs)
+        session = create_session(with_outputs(model, exposed), threads, str(model_path)) if exposed else None
+        cache = [{**batch.feeds, **dict(zip(exposed, session.run(exposed, batch.feeds)))} if session else batch.feeds
+                 for batch in batches]
+        del session
+        for job in chunk:
+            results.append(_measure(model, job, table, options, batches, reference, cache, threads, macs))
+            if on_layer:
+                on_layer(job.layer)
+        del cache
     return sorted(results, key=lambda r: r.sqnr_db)
+
+
+def _measure(model, job: _Job, table, options, batches, reference, cache, threads, macs) -> LayerSensitivity:
+    params = params_from_table(job.plan, table, options, allow_missing=True)
+    qmodel, _ = quantize_graph(model, job.plan, params, options.per_channel)
+    before = {out for node in list(model.graph.node)[:job.start] for out in node.output if out}
+    suffix = _suffix(qmodel, before, cache[0])
+    session = create_session(suffix, threads, job.layer.node)
+    feeds_names = [i.name for i in suffix.graph.input]
+    produced = [o.name for o in suffix.graph.output]
+    fidelity = {name: FidelityAccumulator() for name in reference[0]}
+    for ref, feeds in zip(reference, cache):
+        test = {**ref, **dict(zip(produced, session.run(produced, {n: feeds[n] for n in feeds_names})))}
+        for name, acc in fidelity.items():
+            acc.update(ref[name], test[name])
+    figures = [acc.result() for acc in fidelity.values()]
+    return LayerSensitivity(job.layer.node, job.layer.op_type, min(f["sqnr_db"] for f in figures),
+                            macs.get(job.layer.node, 0), min(f["cosine"] for f in figures), job.layer.nodes)

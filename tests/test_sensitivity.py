@@ -83,3 +83,49 @@ def test_unknown_layer_is_a_user_error(setup):
     path, table, batches = setup
     with pytest.raises(QtoolError, match="relu"):
         layer_sensitivity(path, table, OPTIONS, batches, nodes=["relu"])
+
+
+def _two_input_two_output_model(rng) -> onnx.ModelProto:
+    """a -> conv_a -> c -> sigmoid -> y1 (an output made early); add(c, b) -> conv_d -> gap -> y2"""
+    wa = rng.normal(0, 0.4, (4, 4, 3, 3)).astype(np.float32)
+    wd = rng.normal(0, 0.4, (4, 4, 1, 1)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["a", "wa"], ["c"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["y1"], name="sigmoid"),
+             helper.make_node("Add", ["c", "b"], ["s"], name="add"),
+             helper.make_node("Conv", ["s", "wd"], ["d"], name="conv_d"),
+             helper.make_node("GlobalAveragePool", ["d"], ["y2"], name="gap")]
+    shape = ["N", 4, 6, 6]
+    return graphs.model(nodes, [graphs.tensor("a", shape), graphs.tensor("b", shape)],
+                        [graphs.tensor("y1", None), graphs.tensor("y2", None)],
+                        [graphs.init("wa", wa), graphs.init("wd", wd)])
+
+
+def test_layers_after_an_early_output_and_a_second_input(tmp_path):
+    """Runs that start mid-graph (fed fp32 tensors) give the figures of whole-model runs."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "m.onnx"
+    onnx.save(_two_input_two_output_model(rng), path)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(8):
+        np.savez(data / f"s{i}.npz", a=rng.normal(0, 1, (1, 4, 6, 6)).astype(np.float32),
+                 b=rng.normal(0, 1, (1, 4, 6, 6)).astype(np.float32))
+    options = QuantizeConfig()
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
+    feeds = {k: np.random.default_rng(1).normal(0, 1, (4, 4, 6, 6)).astype(np.float32) for k in ("a", "b")}
+    batches = [Batch(list("abcd"), feeds)]
+    ranking = layer_sensitivity(path, table, options, batches)
+    assert {r.node for r in ranking} == {"conv_a", "sigmoid", "add", "conv_d", "gap"}
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    every = ("conv_a", "sigmoid", "add", "conv_d", "gap")
+    for result in ranking:
+        others = tuple(n for n in every if n != result.node)
+        only = quantize_model(path, table, QuantizeConfig(exclude_nodes=others)).model
+        test = ort.InferenceSession(only.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+        figures = []
+        for r, t in zip(ref, test):
+            acc = FidelityAccumulator()
+            acc.update(r, t)
+            figures.append(acc.result())
+        assert result.sqnr_db == pytest.approx(min(f["sqnr_db"] for f in figures), abs=1e-3), result.node
+        assert result.cosine == pytest.approx(min(f["cosine"] for f in figures), abs=1e-6), result.node
