@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from pathlib import Path
 
 from qtool import atomic
@@ -18,13 +19,14 @@ STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
 h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: 8px 0; }
-th, td { padding: 3px 10px; border-bottom: 1px solid #eee; text-align: right; }
-th:first-child, td:first-child { text-align: left; }
+th, td { padding: 3px 10px; border-bottom: 1px solid #eee; text-align: left; }
+.num { text-align: right; }
 .meta { color: #555; } .pass { color: #17692b; font-weight: 600; } .fail { color: #b3261e; font-weight: 600; }
 svg text { font: 11px system-ui, sans-serif; fill: #333; }
 """
 
 GOOD, WORST = "#4c78a8", "#d62728"
+NUMBER = re.compile(r"^(drop |speedup |recall )?[-+]?(\d|inf|nan)")
 CHART_WIDTH, CHART_HEIGHT = 1100, 300
 AXIS_CAP_DB = 60.0
 
@@ -43,9 +45,16 @@ def _clip(value, lo: float, hi: float) -> float:
     return min(max(value, lo), hi)
 
 
+def _cell(text: str, tag: str = "td") -> str:
+    numeric = bool(NUMBER.match(text))
+    return f"<{tag}{' class=num' if numeric else ''}>{_e(text)}</{tag}>"
+
+
 def _table(rows: list[tuple[str, ...]]) -> str:
-    head = "".join(f"<th>{_e(c)}</th>" for c in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows[1:])
+    """Numbers right-aligned, text left-aligned; a column of numbers gets a right-aligned header."""
+    numeric = [any(NUMBER.match(row[i]) for row in rows[1:]) for i in range(len(rows[0]))]
+    head = "".join(f"<th{' class=num' if numeric[i] else ''}>{_e(c)}</th>" for i, c in enumerate(rows[0]))
+    body = "".join("<tr>" + "".join(_cell(c) for c in row) + "</tr>" for row in rows[1:])
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -72,8 +81,9 @@ def column_chart(labels: list[str], values: list[float], highlight: set[str], un
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" height="{CHART_HEIGHT}" '
              f'role="img" aria-label="per-layer {unit} chart">']
-    for i in range(6):  # grid lines and axis labels
-        v = lo + (hi - lo) * i / 5
+    tick = 5.0 if hi - lo <= 40 else 10.0
+    for i in range(int((hi - lo) / tick) + 1):  # grid lines and axis labels
+        v = lo + tick * i
         parts.append(f'<line x1="{left}" x2="{CHART_WIDTH - 10}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e5e5e5"/>')
         parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0f}</text>')
     for i, (label, value) in enumerate(zip(labels, values)):

@@ -115,11 +115,13 @@ def test_html_renders_in_headless_chromium(full_report, tmp_path):
     image = cv2.imread(str(shot))
     assert image is not None and image.shape[:2] == (1600, 1200)
 
-    def pixels(rgb: tuple[int, int, int]) -> int:
-        return int(np.sum(np.all(np.abs(image.astype(int) - rgb[::-1]) <= 8, axis=2)))
+    def pixels(rgb: tuple[int, int, int]) -> np.ndarray:
+        return np.all(np.abs(image.astype(int) - rgb[::-1]) <= 8, axis=2)
 
-    assert pixels((0xd6, 0x27, 0x28)) > 500  # worst-ten bars
-    assert pixels((0x4c, 0x78, 0xa8)) > 2000  # the other bars
+    red, blue = pixels((0xd6, 0x27, 0x28)), pixels((0x4c, 0x78, 0xa8))
+    assert red.sum() > 500 and blue.sum() > 2000  # worst-ten bars and the others
+    columns = np.nonzero((red | blue).any(axis=0))[0]
+    assert columns.max() - columns.min() > 900  # the bars spread over the chart's width
 
 
 def test_failed_thresholds_exit_1_with_one_line_each(effnet, tmp_path):
