@@ -9,6 +9,11 @@ its predecessors feed it, so the ranking says what keeping L in float would buy.
 A layer is a compute node together with the Relu/Clip it absorbs (they run as one
 fused kernel, as in the fully quantized model). Movement ops (MaxPool, Reshape, ...)
 are not layers: alone they stay float because they only follow a quantized producer.
+
+Everything before the first node that L's quantization changes computes exactly as in
+fp32, so L's model is run from that node on, fed with fp32 tensors cached from one
+exposed fp32 run per chunk of layers: about half the work of whole-model runs, with
+the same figures.
 """
 
 from __future__ import annotations
@@ -96,8 +101,9 @@ class _Job:
 
     layer: Layer
     plan: QuantPlan
-    start: int  # index of the first node the layer's quantization changes
-    boundary: list[str]  # tensors computed before `start` and read from there on
+    before: set[str]  # tensors made before the first node the layer's quantization changes
+    boundary: list[str]  # those of them read from there on
+    start: int  # that first node's index
 
 
 def _job(model: onnx.ModelProto, layer: Layer, options: QuantizeConfig) -> _Job:
@@ -110,7 +116,7 @@ def _job(model: onnx.ModelProto, layer: Layer, options: QuantizeConfig) -> _Job:
                   if node_label(node) in quantized or any(name in touched for name in node.input)), len(nodes))
     before = {out for node in nodes[:start] for out in node.output if out}
     boundary = list(dict.fromkeys(name for node in nodes[start:] for name in node.input if name in before))
-    return _Job(layer, plan, start, boundary)
+    return _Job(layer, plan, before, boundary, start)
 
 
 def _chunks(jobs: list[_Job], sizes: dict[str, int], samples: int) -> list[list[_Job]]:
@@ -119,11 +125,9 @@ def _chunks(jobs: list[_Job], sizes: dict[str, int], samples: int) -> list[list[
     names: set[str] = set()
     for job in sorted(jobs, key=lambda j: j.start):
         wanted = names | set(job.boundary)
-        if chunks and chunks[-1] and samples * sum(sizes.get(n, 0) for n in wanted) > CACHE_BUDGET_BYTES:
+        if not chunks or samples * sum(sizes.get(n, 0) for n in wanted) > CACHE_BUDGET_BYTES:
             chunks.append([])
             wanted = set(job.boundary)
-        if not chunks:
-            chunks.append([])
         chunks[-1].append(job)
         names = wanted
     return chunks
@@ -156,11 +160,6 @@ def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: 
 
     `nodes` restricts the ranking to these layers (names as in `layers()`); `table` must
     hold the ranges of the layers' activations (a table made for the whole model does).
-
-    Everything before a layer computes exactly as in fp32, so each layer's model is run
-    from the first node its quantization changes, fed with fp32 tensors that one exposed
-    fp32 run per chunk of layers keeps (CACHE_BUDGET_BYTES at most): about half the work
-    of running every layer's model from the graph inputs.
     """
     if not batches:
         raise QtoolError("sensitivity needs at least one batch of samples")
@@ -173,6 +172,7 @@ def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: 
     graph_inputs = {i.name for i in model.graph.input}
     fp32 = create_session(model, threads, str(model_path))
     reference = [dict(zip(outputs, fp32.run(outputs, batch.feeds))) for batch in batches]
+    del fp32
 
     results = []
     samples = sum(len(b) for b in batches)
@@ -184,24 +184,29 @@ def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: 
                  for batch in batches]
         del session
         for job in chunk:
-            results.append(_measure(model, job, table, options, batches, reference, cache, threads, macs))
+            results.append(_measure(model, job, table, options, reference, cache, threads, macs))
             if on_layer:
                 on_layer(job.layer)
         del cache
     return sorted(results, key=lambda r: r.sqnr_db)
 
 
-def _measure(model, job: _Job, table, options, batches, reference, cache, threads, macs) -> LayerSensitivity:
+def _measure(model: onnx.ModelProto, job: _Job, table: CalibrationTable, options: QuantizeConfig,
+             reference: list[dict[str, np.ndarray]], cache: list[dict[str, np.ndarray]], threads: int,
+             macs: dict[str, int]) -> LayerSensitivity:
+    """Run the layer's quantized model from its first changed node; outputs it does not
+    reach (made before that node) equal the reference."""
     params = params_from_table(job.plan, table, options, allow_missing=True)
     qmodel, _ = quantize_graph(model, job.plan, params, options.per_channel)
-    before = {out for node in list(model.graph.node)[:job.start] for out in node.output if out}
-    suffix = _suffix(qmodel, before, cache[0])
-    session = create_session(suffix, threads, job.layer.node)
-    feeds_names = [i.name for i in suffix.graph.input]
+    suffix = _suffix(qmodel, job.before, cache[0])
     produced = [o.name for o in suffix.graph.output]
+    session = create_session(suffix, threads, job.layer.node) if produced else None
+    feeds_names = [i.name for i in suffix.graph.input]
     fidelity = {name: FidelityAccumulator() for name in reference[0]}
     for ref, feeds in zip(reference, cache):
-        test = {**ref, **dict(zip(produced, session.run(produced, {n: feeds[n] for n in feeds_names})))}
+        test = dict(ref)
+        if session is not None:
+            test.update(zip(produced, session.run(produced, {n: feeds[n] for n in feeds_names})))
         for name, acc in fidelity.items():
             acc.update(ref[name], test[name])
     figures = [acc.result() for acc in fidelity.values()]
