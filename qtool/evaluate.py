@@ -115,14 +115,52 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     if output_names(int8_model) != outputs:
         raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
     source = open_data(inputs.data, specs, preprocess)
-    labels = _labels(inputs, source)
+    run = _compare(inputs, source, _labels(inputs, source), outputs, cfg, detection, progress)
 
+    sizes = {"fp32": _size(inputs.fp32), "int8": _size(inputs.int8)}
+    report: dict = {
+        "qtool_version": __version__,
+        "onnxruntime_version": ort.__version__,
+        "task": run.task.name,
+        "models": {name: {"path": str(path), "size_bytes": sizes[name]}
+                   for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},
+        "data": {"path": str(inputs.data), "samples": run.samples, "labels": inputs.labels},
+        "outputs": {name: acc.result() for name, acc in run.fidelity.items()},
+    }
+    if run.task.result() is not None:
+        report[run.task.name] = run.task.result()
+    report["size"] = {"fp32_bytes": sizes["fp32"], "int8_bytes": sizes["int8"],
+                      "ratio": sizes["fp32"] / max(1, sizes["int8"])}
+    macs = int8_macs(int8_model, sample_shapes(run.first_batch.feeds))
+    report["macs"] = {"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
+                      "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes}
+    report["latency"] = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
+    if cfg.per_layer:
+        report["per_layer"] = _per_layer(fp32_model, int8_model, run.subset)
+    if cfg.sensitivity:
+        report["sensitivity"] = _sensitivity(inputs, quantization, run.subset, progress)
+    verdicts = check_thresholds(report, cfg)
+    report["thresholds"] = [asdict(v) for v in verdicts]
+    report["passed"] = all(v.passed for v in verdicts)
+    return report
+
+
+@dataclass
+class _Comparison:
+    task: _Task
+    fidelity: dict[str, FidelityAccumulator]
+    samples: int
+    first_batch: Batch  # timed for latency
+    subset: list[Batch]  # the first layer_samples samples, for the per-layer runs
+
+
+def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: list[str], cfg: EvaluateConfig,
+             detection: DetectionConfig, progress: bool) -> _Comparison:
+    """Both models over the data, batch by batch: per-output fidelity and the task's figures."""
     fp32 = create_session(str(inputs.fp32), label=str(inputs.fp32))
     int8 = create_session(str(inputs.int8), label=str(inputs.int8))
     fidelity = {name: FidelityAccumulator() for name in outputs}
-    task: Optional[_Task] = None
-    first_batch: Optional[Batch] = None  # timed for latency
-    subset: list[Batch] = []  # the first samples, kept for the per-layer runs
+    run: Optional[_Comparison] = None
     wanted = cfg.layer_samples if cfg.per_layer or cfg.sensitivity else 0
     total = count_samples(source, cfg.num_samples)
     with tqdm(total=total, desc="evaluating", unit="sample", disable=None if progress else True, leave=False) as bar:
@@ -131,40 +169,15 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
             test = int8.run(outputs, batch.feeds)
             for name, r, t in zip(outputs, ref, test):
                 fidelity[name].update(r, t)
-            if task is None:
-                task, first_batch = _task(cfg, outputs, ref[0], detection), batch
-            task.update(dict(zip(outputs, ref)), dict(zip(outputs, test)),
-                        [labels.get(k) if labels else None for k in batch.keys])
-            kept = sum(len(b) for b in subset)
+            if run is None:
+                run = _Comparison(_task(cfg, outputs, ref[0], detection), fidelity, total, batch, [])
+            run.task.update(dict(zip(outputs, ref)), dict(zip(outputs, test)),
+                            [labels.get(k) if labels else None for k in batch.keys])
+            kept = sum(len(b) for b in run.subset)
             if kept < wanted:
-                subset.append(_head(batch, wanted - kept))
+                run.subset.append(_head(batch, wanted - kept))
             bar.update(len(batch))
-
-    report: dict = {
-        "qtool_version": __version__,
-        "onnxruntime_version": ort.__version__,
-        "task": task.name,
-        "models": {"fp32": {"path": str(inputs.fp32), "size_bytes": _size(inputs.fp32)},
-                   "int8": {"path": str(inputs.int8), "size_bytes": _size(inputs.int8)}},
-        "data": {"path": str(inputs.data), "samples": total, "labels": inputs.labels},
-        "outputs": {name: acc.result() for name, acc in fidelity.items()},
-    }
-    if task.result() is not None:
-        report[task.name] = task.result()
-    report["size"] = {"fp32_bytes": _size(inputs.fp32), "int8_bytes": _size(inputs.int8),
-                      "ratio": _size(inputs.fp32) / max(1, _size(inputs.int8))}
-    macs = int8_macs(int8_model, sample_shapes(first_batch.feeds))
-    report["macs"] = {"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
-                      "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes}
-    report["latency"] = measure_latency(str(inputs.fp32), str(inputs.int8), first_batch, cfg)
-    if cfg.per_layer:
-        report["per_layer"] = _per_layer(fp32_model, int8_model, subset)
-    if cfg.sensitivity:
-        report["sensitivity"] = _sensitivity(inputs, quantization, subset, progress)
-    verdicts = check_thresholds(report, cfg)
-    report["thresholds"] = [asdict(v) for v in verdicts]
-    report["passed"] = all(v.passed for v in verdicts)
-    return report
+    return run
 
 
 def _head(batch: Batch, count: int) -> Batch:
