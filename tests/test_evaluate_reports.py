@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 import cv2
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
@@ -210,3 +211,28 @@ def test_per_layer_needs_qdq_tensor_names_and_task_config_keys_are_checked(tmp_p
     result = run_qtool("evaluate", EFFNET, EFFNET, "--data", CALIB_SAMPLES, "--task", "detection",
                        "--task-config", bad)
     assert result.returncode == 2 and "did you mean 'conf_threshold'" in result.stderr
+
+
+def test_labels_from_class_folders(effnet, tmp_path):
+    """One folder per class, named by class index: folders named after fp32's own predictions give it 100%."""
+    from qtool.config import load_config
+    from qtool.dataset import batches, open_data
+    from qtool.modelio import input_specs
+
+    _, _, int8 = effnet
+    model = onnx.load(EFFNET)
+    source = open_data(CALIB_SAMPLES, input_specs(model), load_config(EFFNET_CONFIG).preprocess)
+    session = ort.InferenceSession(str(EFFNET), providers=["CPUExecutionProvider"])
+    data = tmp_path / "classes"
+    for batch in batches(source, 8):
+        for key, logits in zip(batch.keys, session.run(None, batch.feeds)[0]):
+            folder = data / str(int(np.argmax(logits)))
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copy(CALIB_SAMPLES / key, folder / key)
+    report = tmp_path / "r.json"
+    result = run_qtool("evaluate", EFFNET, int8, "--data", data, "--labels", "folders", "--config", EFFNET_CONFIG,
+                       "--runs", "1", "--json", report)
+    assert result.returncode == 0, result.stderr
+    cls = json.loads(report.read_text())["classification"]
+    assert cls["labelled"] == 10 and cls["top1"]["fp32"] == 1.0
+    assert cls["top1"]["int8"] == cls["agreement"] and cls["top5"]["int8"] >= cls["top1"]["int8"]
