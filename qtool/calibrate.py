@@ -90,7 +90,7 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 
 def calibrate(model_path: str | Path, data: str | Path, preprocess: PreprocessConfig, calib: CalibrationConfig,
               options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
-    model = prepare(load_model(model_path), options.upgrade_opset, model_path)
+    model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
     plan = build_plan(model, options)
     stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
     return build_table(plan, stats, calib, options, model_path, seen)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import warnings
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -112,20 +114,26 @@ def _image_input(specs: list[InputSpec], cfg: PreprocessConfig, root: Path) -> t
     return spec, (h, w)
 
 
-def _load_tensors(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
+def _read_arrays(path: Path) -> "np.ndarray | dict[str, np.ndarray]":
+    """One .npy array or the arrays of an .npz, whatever the file's suffix claims."""
     try:
-        if path.suffix.lower() == ".npy":
-            if len(specs) != 1:
-                raise QtoolError(f"a .npy file feeds a single-input model, but the model has {len(specs)} inputs "
-                                 f"({', '.join(s.name for s in specs)}): use .npz keyed by input name", path)
-            arrays = {specs[0].name: np.load(path, allow_pickle=False)}
-        else:
-            with np.load(path, allow_pickle=False) as npz:
-                arrays = {k: npz[k] for k in npz.files}
-    except QtoolError:
-        raise
-    except (OSError, ValueError, EOFError) as exc:
-        raise QtoolError(f"cannot read tensor file: {exc}", path) from None
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            with loaded:
+                return {k: loaded[k] for k in loaded.files}
+        return loaded
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise QtoolError(f"cannot read tensor file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                         path) from None
+
+
+def _load_tensors(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
+    arrays = _read_arrays(path)
+    if isinstance(arrays, np.ndarray):
+        if len(specs) != 1:
+            raise QtoolError(f"a .npy file feeds a single-input model, but the model has {len(specs)} inputs "
+                             f"({', '.join(s.name for s in specs)}): use .npz keyed by input name", path)
+        arrays = {specs[0].name: arrays}
     feeds = {}
     for spec in specs:
         if spec.name not in arrays:

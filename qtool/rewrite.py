@@ -16,6 +16,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool import qparams as qp
+from qtool.graph_prep import names_read
 from qtool.ops import rule_for
 from qtool.plan import QuantPlan
 
@@ -147,7 +148,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
             if output in act_set and output not in graph_inputs:
                 new_nodes.extend(builder.qdq_pair(output, params[output]))
 
-    used = {name for node in new_nodes + builder.head for name in node.input}
+    used = {name for node in new_nodes + builder.head for name in names_read(node)}
     keep_inits = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep_inits + builder.initializers)
