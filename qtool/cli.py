@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import click
+from tqdm import tqdm
 
 from qtool import __version__, interrupt
 from qtool.atomic import check_output_path
@@ -20,7 +21,8 @@ EXIT_BUG = 3
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
-    click.echo(f"warning: {message}", err=True)
+    # tqdm.write: a warning raised while a progress bar is drawn starts on its own line
+    tqdm.write(f"warning: {message}", file=sys.stderr)
 
 
 def _command(func):

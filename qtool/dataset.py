@@ -197,7 +197,7 @@ def iter_samples(source: DataSource, limit: Optional[int] = None) -> Iterator[Sa
                 yield sample
     if source.skipped:
         warnings.warn(f"{source.root}: skipped {len(source.skipped)} unreadable image file(s), "
-                      f"e.g. {source.skipped[0]}", stacklevel=2)
+                      f"e.g. {min(source.skipped)}", stacklevel=2)
     if produced == 0:
         raise QtoolError("no readable samples (every file failed to decode)", source.root)
 

@@ -109,6 +109,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                 per_out = fixed
             widened.append(f"{bplan.node} ({changed.size})")
         b_scale = qp.bias_scale(s_in, per_out)
+        if weight_scales[bplan.weight].ndim == 0 and b_scale.size:
+            b_scale = b_scale.reshape(-1)[0].reshape(())  # per-tensor: one scale, no axis (opset < 13 has none)
         bias_arrays[name] = (qp.quantize_bias(bias, b_scale), b_scale)
 
     if widened:
