@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from qtool import interrupt
 from qtool.errors import QtoolError
 
 
@@ -36,15 +37,19 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in the target's directory; rename it onto `path` on success."""
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    tmp_path = None
     try:
+        # A signal between creating the file and knowing its name would orphan it: hold it off.
+        with interrupt.deferred():
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+            os.close(fd)
+            tmp_path = Path(tmp)
         yield tmp_path
         os.replace(tmp_path, target)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
+        if tmp_path is not None:
+            with interrupt.deferred(), contextlib.suppress(FileNotFoundError):  # a second signal waits
+                tmp_path.unlink()
         raise
 
 

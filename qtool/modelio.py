@@ -120,15 +120,19 @@ def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False)
     # so an interrupted run never leaves a new model with old data or the reverse.
     path = Path(path)
     location = path.name + ".data"
-    workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else "."))
+    workdir = None
     try:
+        with interrupt.deferred():  # no signal between creating the directory and knowing its name
+            workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else "."))
         _save_external(model, workdir / path.name)
         with interrupt.deferred():
             if (workdir / location).exists():
                 os.replace(workdir / location, path.parent / location)
             os.replace(workdir / path.name, path)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            with interrupt.deferred():  # a signal now would leave half the directory behind
+                shutil.rmtree(workdir, ignore_errors=True)
 
 
 @dataclass(frozen=True)
