@@ -18,6 +18,13 @@ from qtool import interrupt
 from qtool.errors import QtoolError
 
 
+# mkstemp creates files readable by their owner only; outputs get the usual permissions
+# (0o666 minus the umask), read once at import while the process is single-threaded.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+_FILE_MODE = 0o666 & ~_UMASK
+
+
 def check_output_path(path: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
     """Refuse output paths whose directory is missing or that would overwrite an input."""
     out = Path(path)
@@ -42,6 +49,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         # A signal between creating the file and knowing its name would orphan it: hold it off.
         with interrupt.deferred():
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+            os.fchmod(fd, _FILE_MODE)
             os.close(fd)
             tmp_path = Path(tmp)
         yield tmp_path

@@ -109,5 +109,5 @@ def load_data(model: onnx.ModelProto, model_path: str | Path) -> None:
     path = Path(model_path)
     try:
         external_data_helper.load_external_data_for_model(model, str(path.parent))
-    except (OSError, ValueError) as exc:
-        raise QtoolError(f"cannot read external tensor data: {exc}", path) from None
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # onnx's own checks (it refuses symlinks)
+        raise QtoolError(f"cannot read external tensor data: {str(exc).strip().splitlines()[0]}", path) from None

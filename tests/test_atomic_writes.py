@@ -190,3 +190,11 @@ def test_deferred_signal_arrives_after_the_critical_section():
             order.append("not reached")
     assert order == ["critical section finished"]
     assert signal.getsignal(signal.SIGTERM) is before  # restored after the command
+
+
+def test_outputs_get_the_usual_permissions(tmp_path):
+    """Temporary files are private (0600); the renamed output must be readable like any new file."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    atomic.write_text(tmp_path / "report.json", "{}")
+    assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o666 & ~umask
