@@ -8,6 +8,7 @@ is one sample, loaded lazily so memory does not grow with the number of samples.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import warnings
 import zipfile
 import zlib
@@ -114,14 +115,22 @@ def _image_input(specs: list[InputSpec], cfg: PreprocessConfig, root: Path) -> t
     return spec, (h, w)
 
 
+# np.load parses each .npy header with ast.literal_eval, and CPython (seen on 3.11.7) keeps
+# the AST constructor's recursion depth in shared state: two loader threads parsing at
+# once fail at random with "SystemError: AST constructor recursion depth mismatch"
+# (cpython gh-106905; found by the fuzz test). Tensor files are read one at a time.
+_NPY_LOCK = threading.Lock()
+
+
 def _read_arrays(path: Path) -> "np.ndarray | dict[str, np.ndarray]":
     """One .npy array or the arrays of an .npz, whatever the file's suffix claims."""
     try:
-        loaded = np.load(path, allow_pickle=False)
-        if isinstance(loaded, np.lib.npyio.NpzFile):
-            with loaded:
-                return {k: loaded[k] for k in loaded.files}
-        return loaded
+        with _NPY_LOCK:
+            loaded = np.load(path, allow_pickle=False)
+            if isinstance(loaded, np.lib.npyio.NpzFile):
+                with loaded:
+                    return {k: loaded[k] for k in loaded.files}
+            return loaded
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         raise QtoolError(f"cannot read tensor file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
                          path) from None
