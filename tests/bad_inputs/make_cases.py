@@ -119,6 +119,10 @@ def make_files() -> None:
                              helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", 3, 8, 8])],
                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 8, 8])])
     _save("models/two_inputs.onnx", _model(two))
+    dynamic = _conv_graph("dynamic_hw")
+    dynamic.input[0].CopyFrom(helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"]))
+    dynamic.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, "H", "W"]))
+    _save("models/dynamic_hw.onnx", _model(dynamic))
 
     # External data (CVE-2024-27318): the weight bytes exist only outside ext/ (secret.bin),
     # reachable through '..', an absolute path or a symlink; plus a missing and a short file.
@@ -276,6 +280,9 @@ CASES = [
      f"{D}/npy_pickle/x.npy", "cannot read tensor file"),
     ("images_for_two_inputs", ["quantize", f"{M}/two_inputs.onnx", "--data", f"{D}/image", "-o", OUT],
      f"{D}/image", "an image folder can only feed a single-input model"),
+    ("images_for_dynamic_size_without_config", ["quantize", f"{M}/dynamic_hw.onnx", "--data", f"{D}/image", "-o",
+                                                OUT],
+     f"{D}/image", "has a dynamic image size; set preprocess.size in the config"),
     ("npy_for_two_inputs", ["quantize", f"{M}/two_inputs.onnx", "--data", f"{D}/ok", "-o", OUT], f"{D}/ok/x.npy",
      "a .npy file feeds a single-input model"),
     # configs
