@@ -26,7 +26,7 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path
     source = open_data(data, input_specs(model), preprocess)
     total = count_samples(source, calib.num_samples)
     seen = 0
-    with tqdm(total=total, desc="calibrating", unit="sample", disable=not progress, leave=False) as bar:
+    with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
         def advance(batch):
             nonlocal seen
             seen += len(batch)

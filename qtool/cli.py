@@ -40,6 +40,8 @@ def _command(func):
                 traceback.print_exc()
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except click.ClickException:
+            raise  # usage errors: click prints them and exits 2
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(interrupt.EXIT_SIGINT)
@@ -98,25 +100,32 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @config_option
 @_calibration_options
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Calibration table to write.")
+@click.option("--format", "table_format", default="qtool", show_default=True, metavar="FORMAT",
+              help="Table format to write: qtool, tensorrt, tengine, tpu-mlir, ncnn, amct, amct-binary, onnxruntime.")
 @_command
-def calibrate(model, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, output):
+def calibrate(model, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, output,
+              table_format):
     """Run calibration data through MODEL and write a calibration table."""
     from qtool.calibrate import calibrate as run_calibration
+    from qtool.formats import get_format, write_table
 
     if data is None:
         raise click.UsageError("--data is required")
     check_output_path(output, model)
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
     start = time.perf_counter()
+    get_format(table_format)
     table = run_calibration(model, data, cfg.preprocess, calib, quant)
-    table.save(output)
+    write_table(table, output, table_format, model, quant)
     click.echo(f"calibrated {len(table.tensors)} tensors on {table.num_samples} samples "
-               f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output}")
+               f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output} ({table_format})")
 
 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--table", "table_path", type=click.Path(path_type=Path), help="Calibration table to use.")
+@click.option("--table", "table_path", type=click.Path(path_type=Path),
+              help="Calibration table to use, in any supported format (detected from its content).")
+@click.option("--table-format", metavar="FORMAT", help="Read --table as this format instead of detecting it.")
 @data_option
 @config_option
 @_calibration_options
@@ -124,13 +133,13 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, activat
 @click.option("--allow-missing", is_flag=True, help="Keep tensors the table lacks in float instead of failing.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Int8 QDQ model to write.")
 @_command
-def quantize(model, table_path, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
-             save_table, allow_missing, output):
+def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, activation_dtype,
+             upgrade_opset, save_table, allow_missing, output):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool.calibrate import calibrate as run_calibration
+    from qtool.formats import read_table
     from qtool.modelio import has_external_data, save_model
     from qtool.quantize import quantize_model
-    from qtool.table import load_table
 
     if (table_path is None) == (data is None):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH")
@@ -140,7 +149,7 @@ def quantize(model, table_path, data, config_path, num_samples, batch_size, meth
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
     start = time.perf_counter()
     if table_path is not None:
-        table = load_table(table_path)
+        table, _ = read_table(table_path, table_format, model, quant)
     else:
         table = run_calibration(model, data, cfg.preprocess, calib, quant)
         if save_table:
@@ -182,6 +191,81 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, num_samples, bat
     click.echo(render_table(report))
     if json_path:
         write_json(report, json_path)
+
+
+@main.group()
+def table() -> None:
+    """Calibration tables of other toolchains: TensorRT, Tengine, TPU-MLIR, ncnn, AMCT, onnxruntime."""
+
+
+@table.command()
+@click.argument("table_in", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Table to write.")
+@click.option("--to", "to_format", required=True, metavar="FORMAT", help="Format to write.")
+@click.option("--table-format", metavar="FORMAT", help="Read TABLE_IN as this format instead of detecting it.")
+@click.option("--model", type=click.Path(path_type=Path),
+              help="The fp32 model: needed by layer-keyed formats (ncnn, amct), recorded in qtool tables.")
+@config_option
+@click.option("--activation-dtype", type=click.Choice(["uint8", "int8"]), help="Activation integer type.")
+@_command
+def convert(table_in, output, to_format, table_format, model, config_path, activation_dtype):
+    """Convert calibration table TABLE_IN to another format."""
+    from qtool.formats import get_format, read_table, write_table
+
+    check_output_path(output, table_in, model)
+    get_format(to_format)
+    quant = override(load_config(config_path).quantization, activation_dtype=activation_dtype)
+    table_data, source = read_table(table_in, table_format, model, quant)
+    write_table(table_data, output, to_format, model, quant)
+    click.echo(f"converted {len(table_data.tensors)} entries: {source.name} -> {to_format} -> {output}")
+
+
+@main.command("export-params")
+@click.argument("int8_model", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="JSON file to write.")
+@_command
+def export_params(int8_model, output):
+    """Write the fixed-point form of every quantized layer of INT8_MODEL (a QDQ model):
+    int32 multipliers and shifts per output channel, int32 biases, zero points, Add/pool/LeakyReLU/PReLU
+    parameters."""
+    from qtool.fixed_point import describe, export_params as run_export, write_params
+    from qtool.modelio import load_model
+
+    check_output_path(output, int8_model)
+    params = run_export(load_model(int8_model))
+    write_params(params, output)
+    click.echo(describe(output, params))
+
+
+@main.command("verify-int")
+@click.argument("int8_model", type=click.Path(path_type=Path))
+@data_option
+@config_option
+@click.option("--num-samples", type=click.IntRange(min=1), default=8, show_default=True, help="Samples to run.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write every figure to this JSON file.")
+@click.option("--min-exact", type=click.FloatRange(0, 1), help="Fail (exit 1) if fewer integer-only outputs "
+              "than this fraction are bit-exact.")
+@click.option("--max-lsb", type=click.IntRange(min=0), help="Fail (exit 1) if any output differs by more LSB.")
+@_command
+def verify_int(int8_model, data, config_path, num_samples, json_path, min_exact, max_lsb):
+    """Run INT8_MODEL's quantized layers in integer-only numpy and compare each with onnxruntime."""
+    from qtool.errors import ThresholdError
+    from qtool.report import write_json
+    from qtool.verify_int import render, verify
+
+    if data is None:
+        raise click.UsageError("--data is required")
+    if json_path:
+        check_output_path(json_path, int8_model)
+    report = verify(int8_model, data, load_config(config_path).preprocess, num_samples)
+    click.echo(render(report))
+    if json_path:
+        write_json(report, json_path)
+    fixed = report["totals"]["fixed"]
+    if min_exact is not None and fixed["fraction_exact"] < min_exact:
+        raise ThresholdError(f"only {100 * fixed['fraction_exact']:.4f}% of outputs bit-exact (< {100 * min_exact}%)")
+    if max_lsb is not None and fixed["max_lsb"] > max_lsb:
+        raise ThresholdError(f"an output differs by {fixed['max_lsb']} LSB (> {max_lsb})")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -194,16 +194,20 @@ def iter_samples(source: DataSource, limit: Optional[int] = None) -> Iterator[Sa
         pending: list = []
         position = 0
         produced = 0
-        while produced < wanted:
-            while position < len(files) and len(pending) < 16:
-                pending.append(pool.submit(source.load, files[position]))
-                position += 1
-            if not pending:
-                break
-            sample = pending.pop(0).result()
-            if sample is not None:
-                produced += 1
-                yield sample
+        try:
+            while produced < wanted:
+                while position < len(files) and len(pending) < 16:
+                    pending.append(pool.submit(source.load, files[position]))
+                    position += 1
+                if not pending:
+                    break
+                sample = pending.pop(0).result()
+                if sample is not None:
+                    produced += 1
+                    yield sample
+        finally:  # interrupted or stopped early: do not decode the rest of the queue first
+            for future in pending:
+                future.cancel()
     if source.skipped:
         warnings.warn(f"{source.root}: skipped {len(source.skipped)} unreadable image file(s), "
                       f"e.g. {min(source.skipped)}", stacklevel=2)

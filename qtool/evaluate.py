@@ -54,7 +54,7 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     classification: Optional[ClassificationAccumulator] = None
     first_batch: Optional[Batch] = None
     total = count_samples(source, cfg.num_samples)
-    with tqdm(total=total, desc="evaluating", unit="sample", disable=not progress, leave=False) as bar:
+    with tqdm(total=total, desc="evaluating", unit="sample", disable=None if progress else True, leave=False) as bar:
         for batch in batches(source, cfg.batch_size, cfg.num_samples):
             if first_batch is None:
                 first_batch = batch

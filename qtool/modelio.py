@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 import onnx
+from google.protobuf import json_format, text_format
 from google.protobuf.message import DecodeError
 
 from qtool import atomic, external_data, interrupt
@@ -44,7 +45,8 @@ def _read_proto(path: Path) -> onnx.ModelProto:
         raise QtoolError("model path is not a file", path)
     try:
         model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError) as exc:
+    # onnx.load picks a JSON or text parser from the extension (.json, .txt): their errors too
+    except (DecodeError, RuntimeError, ValueError, json_format.ParseError, text_format.ParseError) as exc:
         raise QtoolError(f"not an ONNX model (protobuf parse failed: {str(exc).splitlines()[0] or type(exc).__name__})", path) from None
     except OSError as exc:
         raise QtoolError(f"cannot read model: {exc.strerror or exc}", path) from None
@@ -159,8 +161,8 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
         if value.name in initializers:  # old exporters list weights as inputs too
             continue
         tensor_type = value.type.tensor_type
-        # Paddle exports write a dynamic dimension as dim_value -1 rather than a dim_param.
-        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None
+        # dim_value <= 0 (-1 in some exporters) means dynamic, like a dim_param
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
                      for d in tensor_type.shape.dim)
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
         specs.append(InputSpec(value.name, np.dtype(dtype), dims))

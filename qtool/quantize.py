@@ -35,7 +35,7 @@ def params_from_table(plan: QuantPlan, table: CalibrationTable, options: Quantiz
     Entries written for the same activation type are used as they are (so a converted
     table quantizes to the identical model); otherwise they are recomputed from the range.
     Shared-scale and fixed-range rules are re-applied in case the table came from a tool
-    that does not know them.
+    that does not know them; a shared-scale group whose entries already agree keeps them.
     """
     missing = [name for name in plan.activations if name not in table.tensors]
     if missing and not allow_missing:
@@ -45,7 +45,7 @@ def params_from_table(plan: QuantPlan, table: CalibrationTable, options: Quantiz
     ranges = {name: table.tensors[name].range for name in plan.activations if name in table.tensors}
     _, computed = resolve_qparams(plan, ranges, options)
     params = {}
-    tied = plan.group_of()
+    tied = _groups_needing_recompute(plan, table, options)
     for name in ranges:
         entry = table.tensors[name].qparams
         params[name] = entry if entry.dtype == options.activation_dtype and name not in tied else computed[name]
@@ -65,6 +65,20 @@ def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object
         if bad:
             raise QtoolError(f"constant '{name}' contains {bad} NaN/Inf value(s); fix the model before quantizing",
                              path)
+
+
+def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig) -> set[str]:
+    """Tensors of shared-scale groups whose table entries differ (or are of another type).
+
+    A table converted from another format carries one scale per tensor; when the group's
+    members agree it is used as is (bit for bit), otherwise the group gets the union range.
+    """
+    out = set()
+    for group in plan.tie_groups:
+        found = {table.tensors[n].qparams for n in group if n in table.tensors}
+        if len(found) > 1 or any(p.dtype != options.activation_dtype for p in found):
+            out.update(group)
+    return out
 
 
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,

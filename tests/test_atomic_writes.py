@@ -7,11 +7,16 @@ let it continue: the run must end with the signal's exit code and leave nothing 
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import re
+import select
 import signal
+import struct
 import subprocess
 import sys
-import threading
+import termios
 import time
 from pathlib import Path
 
@@ -95,7 +100,7 @@ def test_signal_during_model_write_leaves_nothing(tmp_path, sig, external):
 
 
 def _slow_model(folder: Path) -> Path:
-    """Five 64-channel 3x3 convolutions at 32x32: ~150 MFLOP per sample."""
+    """Five 64-channel 3x3 convolutions at 32x32."""
     rng = np.random.default_rng(0)
     nodes, weights, previous, channels = [], [], "x", 3
     for i in range(5):
@@ -112,7 +117,11 @@ def _slow_model(folder: Path) -> Path:
 
 
 def test_sigterm_during_calibration(tmp_path):
-    """A long calibration killed with SIGTERM stops promptly with exit 143 and writes no table."""
+    """SIGTERM in the middle of the sample loop: exit 143 promptly, no table, nothing left behind.
+
+    stderr is a pseudo-terminal, so qtool draws its progress bar; once the bar shows a
+    sample done, calibration is under way and the test sends SIGTERM.
+    """
     folder = tmp_path / "in"
     folder.mkdir()
     model = _slow_model(folder)
@@ -123,27 +132,38 @@ def test_sigterm_during_calibration(tmp_path):
         np.save(data / f"{i:04d}.npy", sample)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    proc = _popen("calibrate", model, "--data", data, "--batch-size", "1", "-o", out_dir / "t.json")
-    stderr: list[str] = []
-
-    def read() -> None:
-        for char in iter(lambda: proc.stderr.read(1), ""):
-            stderr.append(char)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # tqdm draws nothing at width 0
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "qtool", "calibrate", str(model), "--data", str(data),
+                             "--batch-size", "1", "-o", str(out_dir / "t.json")], env=env, stdout=subprocess.PIPE,
+                            stderr=terminal)
+    os.close(terminal)
+    seen = b""
     deadline = time.monotonic() + 120
-    while "calibrating:" not in "".join(stderr) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    time.sleep(0.5)  # well inside the sample loop
-    assert proc.poll() is None, "calibration finished before it could be interrupted: " + "".join(stderr)
+    while not re.search(rb"calibrating: +\d+%\|[^|]*\| *[1-9]\d*/1000", seen) and time.monotonic() < deadline:
+        if select.select([controller], [], [], 0.1)[0]:
+            try:
+                seen += os.read(controller, 4096)
+            except OSError:  # EIO: qtool exited already
+                break
+    assert proc.poll() is None, f"calibration ended before it could be interrupted: {seen[-500:]!r}"
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
-    reader.join(timeout=10)
-    text = "".join(stderr)
+    elapsed = time.monotonic() - start
+    while select.select([controller], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the terminal side is closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(controller)
+    text = seen.decode(errors="replace")
     assert proc.returncode == interrupt.EXIT_SIGTERM, text
-    assert time.monotonic() - start < 10
+    assert elapsed < 10
     assert text.rstrip().splitlines()[-1].split("\r")[-1] == "terminated"
     assert "Traceback" not in text
     assert os.listdir(out_dir) == []

@@ -1,0 +1,96 @@
+"""Small real ONNX graphs built with onnx.helper, and calibration data for them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+def model(nodes, inputs, outputs, initializers=(), opset=OPSET) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "test", inputs, outputs, list(initializers))
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    # outputs declared without a shape get the inferred one (the checker wants a shape)
+    done = onnx.shape_inference.infer_shapes(m).graph
+    inferred = {v.name: v for v in list(done.value_info) + list(done.output)}
+    for out in m.graph.output:
+        if not out.type.tensor_type.HasField("shape") and out.name in inferred:
+            out.CopyFrom(inferred[out.name])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def tensor(name, shape, elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def init(name, array) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(array), name)
+
+
+def conv_model(rng, c_in=8, c_out=16, group=1, activation=None, pool=None, size=12) -> onnx.ModelProto:
+    """x -> Conv(+bias) [-> Relu/Clip] [-> MaxPool/AveragePool/GlobalAveragePool] -> y"""
+    w = rng.normal(0, 0.3, (c_out, c_in // group, 3, 3)).astype(np.float32)
+    b = rng.normal(0, 0.1, c_out).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], name="conv", pads=[1, 1, 1, 1], group=group)]
+    inits = [init("w", w), init("b", b)]
+    last = "conv"
+    if activation == "Relu":
+        nodes.append(helper.make_node("Relu", [last], ["act"], name="relu"))
+        last = "act"
+    elif activation == "Clip":
+        inits += [init("lo", np.float32(0)), init("hi", np.float32(6))]
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["act"], name="clip"))
+        last = "act"
+    if pool == "MaxPool":
+        nodes.append(helper.make_node("MaxPool", [last], ["pool"], name="pool", kernel_shape=[2, 2], strides=[2, 2]))
+        last = "pool"
+    elif pool == "AveragePool":
+        nodes.append(helper.make_node("AveragePool", [last], ["pool"], name="pool", kernel_shape=[2, 2],
+                                      strides=[2, 2]))
+        last = "pool"
+    elif pool == "GlobalAveragePool":
+        nodes.append(helper.make_node("GlobalAveragePool", [last], ["pool"], name="pool"))
+        last = "pool"
+    # a final float op keeps `last` an internal tensor, so its Q/DQ is visible
+    nodes.append(helper.make_node("Sigmoid", [last], ["y"], name="out"))
+    return model(nodes, [tensor("x", ["N", c_in, size, size])], [tensor("y", None)], inits)
+
+
+def gemm_model(rng, k=32, n=10, trans_b=1) -> onnx.ModelProto:
+    w = rng.normal(0, 0.2, (n, k) if trans_b else (k, n)).astype(np.float32)
+    b = rng.normal(0, 0.1, n).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm", transB=trans_b)]
+    return model(nodes, [tensor("x", ["N", k])], [tensor("y", ["N", n])], [init("w", w), init("b", b)])
+
+
+def matmul_model(rng, k=32, n=24) -> onnx.ModelProto:
+    w = rng.normal(0, 0.2, (k, n)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"], name="matmul"),
+             helper.make_node("Relu", ["mm"], ["y"], name="relu")]
+    return model(nodes, [tensor("x", ["N", 5, k])], [tensor("y", None)], [init("w", w)])
+
+
+def add_model(rng, c=8) -> onnx.ModelProto:
+    """Two convs whose outputs are added: an Add of two activations, then Relu."""
+    w1 = rng.normal(0, 0.3, (c, c, 1, 1)).astype(np.float32)
+    w2 = rng.normal(0, 0.3, (c, c, 1, 1)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="conv_a"),
+             helper.make_node("Conv", ["x", "w2"], ["b"], name="conv_b"),
+             helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+             helper.make_node("Relu", ["s"], ["r"], name="relu"),
+             helper.make_node("Sigmoid", ["r"], ["y"], name="out")]
+    return model(nodes, [tensor("x", ["N", c, 6, 6])], [tensor("y", None)], [init("w1", w1), init("w2", w2)])
+
+
+def write_samples(folder: Path, rng, shape, count=16, name="x", scale=1.0) -> Path:
+    """One .npy file per sample (batch dimension 1)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        np.save(folder / f"s{i:03d}.npy", (rng.normal(0, scale, (1, *shape))).astype(np.float32))
+    return folder

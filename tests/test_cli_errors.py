@@ -1,0 +1,55 @@
+"""User errors: exit code 2 and one line on stderr naming the file, no traceback."""
+
+from __future__ import annotations
+
+from tests.conftest import CALIB_SAMPLES, EFFNET, run_qtool
+
+
+def _one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_missing_model(tmp_path):
+    _one_line_error(run_qtool("calibrate", tmp_path / "nope.onnx", "--data", CALIB_SAMPLES, "-o", tmp_path / "t.json"),
+                    "nope.onnx", "not found")
+
+
+def test_not_an_onnx_file(tmp_path):
+    bogus = tmp_path / "bogus.onnx"
+    bogus.write_bytes(b"\x00\x01 definitely not protobuf \xff" * 10)
+    _one_line_error(run_qtool("quantize", bogus, "--data", CALIB_SAMPLES, "-o", tmp_path / "q.onnx"), "bogus.onnx")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_output_in_missing_directory(tmp_path):
+    _one_line_error(run_qtool("calibrate", EFFNET, "--data", CALIB_SAMPLES, "-o", tmp_path / "no" / "t.json"),
+                    "does not exist")
+
+
+def test_output_equal_to_input(tmp_path):
+    _one_line_error(run_qtool("quantize", EFFNET, "--data", CALIB_SAMPLES, "-o", EFFNET), "same as an input")
+
+
+def test_table_for_another_model_lacks_tensors(tmp_path):
+    from tests import graphs
+    import numpy as np
+    import onnx
+
+    other = tmp_path / "other.onnx"
+    onnx.save(graphs.gemm_model(np.random.default_rng(0)), other)
+    data = graphs.write_samples(tmp_path / "d", np.random.default_rng(0), (32,), count=4)
+    table = tmp_path / "t.json"
+    assert run_qtool("calibrate", other, "--data", data, "-o", table).returncode == 0
+    result = run_qtool("quantize", EFFNET, "--table", table, "-o", tmp_path / "q.onnx")
+    _one_line_error(result, "t.json", "no entry for", "--allow-missing")
+    assert "different model" in result.stderr  # the sha256 mismatch is a warning first
+
+
+def test_usage_error_exits_2(tmp_path):
+    result = run_qtool("quantize", EFFNET, "-o", tmp_path / "q.onnx")
+    assert result.returncode == 2 and "exactly one of --table" in result.stderr

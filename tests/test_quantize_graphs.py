@@ -1,0 +1,157 @@
+"""Quantizing small graphs: structure (axes, int8/int32 types, exact bias scale) and fidelity."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from qtool.calibrate import calibrate
+from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.metrics import sqnr_db
+from qtool.quantize import quantize_model
+from qtool.rewrite import DQ_SUFFIX
+
+from tests import graphs
+
+
+def _quantize(tmp_path, m, sample_shape, options=QuantizeConfig(), scale=1.0):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "model.onnx"
+    onnx.save(m, path)
+    data = graphs.write_samples(tmp_path / "data", rng, sample_shape, count=16, scale=scale)
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=4), options, progress=False)
+    result = quantize_model(path, table, options)
+    onnx.checker.check_model(result.model, full_check=True)
+    return path, result, table
+
+
+def _run(model, x):
+    src = model if isinstance(model, str) else model.SerializeToString()
+    sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+
+
+def _fidelity(path, qmodel, shape, scale=1.0):
+    x = np.random.default_rng(1).normal(0, scale, (4, *shape)).astype(np.float32)
+    ref, test = _run(str(path), x), _run(qmodel, x)
+    return sqnr_db(float(np.sum(ref.astype(np.float64) ** 2)), float(np.sum((ref - test).astype(np.float64) ** 2)))
+
+
+def _inits(model):
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def _dq_node(model, output):
+    return next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == output)
+
+
+def _axis(node):
+    return next((a.i for a in node.attribute if a.name == "axis"), 1)
+
+
+def _check_weight_and_bias(qmodel, table_scale, weight, bias, axis, channels):
+    inits = _inits(qmodel)
+    wq = inits[weight + "_quantized"]
+    assert wq.dtype == np.int8 and wq.min() >= -127
+    ws = inits[weight + "_scale"]
+    assert ws.shape == (channels,)
+    assert np.all(inits[weight + "_zero_point"] == 0)
+    assert _axis(_dq_node(qmodel, weight + DQ_SUFFIX)) == axis
+    if bias is not None:
+        bq = inits[bias + "_quantized"]
+        assert bq.dtype == np.int32
+        # the int32 bias scale is exactly s_input * s_weight[c], as float32
+        expected = (np.float32(table_scale) * ws).astype(np.float32)
+        assert np.array_equal(inits[bias + "_scale"], expected)
+        assert np.all(inits[bias + "_zero_point"] == 0)
+        assert _axis(_dq_node(qmodel, bias + DQ_SUFFIX)) == 0
+    return ws
+
+
+@pytest.mark.parametrize("group", [1, 8], ids=["dense", "depthwise"])
+def test_conv_weights_per_output_channel_and_bias_scale(tmp_path, group):
+    m = graphs.conv_model(np.random.default_rng(0), c_in=8, c_out=16 if group == 1 else 8, group=group)
+    path, result, table = _quantize(tmp_path, m, (8, 12, 12))
+    channels = 16 if group == 1 else 8
+    ws = _check_weight_and_bias(result.model, table.tensors["x"].qparams.scale, "w", "b", axis=0, channels=channels)
+    # each channel's scale is its own max|w| / 127
+    w = numpy_helper.to_array(m.graph.initializer[0])
+    np.testing.assert_allclose(ws, np.abs(w).reshape(channels, -1).max(axis=1) / 127, rtol=1e-6)
+    assert _fidelity(path, result.model, (8, 12, 12)) > 25
+
+
+@pytest.mark.parametrize("trans_b,axis", [(1, 0), (0, 1)])
+def test_gemm_weight_axis_follows_transB(tmp_path, trans_b, axis):
+    m = graphs.gemm_model(np.random.default_rng(0), trans_b=trans_b)
+    path, result, table = _quantize(tmp_path, m, (32,))
+    _check_weight_and_bias(result.model, table.tensors["x"].qparams.scale, "w", "b", axis=axis, channels=10)
+    assert _fidelity(path, result.model, (32,)) > 25
+
+
+def test_matmul_constant_weight_per_column(tmp_path):
+    m = graphs.matmul_model(np.random.default_rng(0))
+    path, result, _ = _quantize(tmp_path, m, (5, 32))
+    _check_weight_and_bias(result.model, None, "w", None, axis=1, channels=24)
+    # MatMul -> Relu is fused: no Q/DQ on the MatMul output, only after the Relu
+    assert "mm" in result.plan.fused and "mm" not in result.plan.activations
+    assert _fidelity(path, result.model, (5, 32)) > 25
+
+
+@pytest.mark.parametrize("activation", ["Relu", "Clip"])
+def test_conv_activation_fused_and_quantized_after(tmp_path, activation):
+    m = graphs.conv_model(np.random.default_rng(0), activation=activation)
+    path, result, table = _quantize(tmp_path, m, (8, 12, 12))
+    names = {n.output[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert "act_QuantizeLinear_Output" in names and "conv_QuantizeLinear_Output" not in names
+    entry = table.tensors["act"]
+    assert entry.range[0] == 0.0  # post-ReLU range starts at zero: zero point at the bottom of uint8
+    assert entry.qparams.zero_point == 0
+    if activation == "Clip":
+        assert entry.range[1] <= 6.0
+    assert _fidelity(path, result.model, (8, 12, 12)) > 25
+
+
+def test_add_of_two_activations(tmp_path):
+    m = graphs.add_model(np.random.default_rng(0))
+    path, result, table = _quantize(tmp_path, m, (8, 6, 6))
+    add = next(n for n in result.model.graph.node if n.op_type == "Add")
+    assert list(add.input) == ["a" + DQ_SUFFIX, "b" + DQ_SUFFIX]
+    assert "s" in result.plan.fused  # Add -> Relu: no Q/DQ in between
+    assert _fidelity(path, result.model, (8, 6, 6)) > 25
+
+
+@pytest.mark.parametrize("pool", ["MaxPool", "AveragePool", "GlobalAveragePool"])
+def test_pooling(tmp_path, pool):
+    m = graphs.conv_model(np.random.default_rng(0), activation="Relu", pool=pool)
+    path, result, table = _quantize(tmp_path, m, (8, 12, 12))
+    assert "pool" in table.tensors
+    if pool == "MaxPool":
+        # MaxPool only selects values: its output keeps the input's scale and zero point
+        assert table.tensors["pool"].qparams == table.tensors["act"].qparams
+    assert _fidelity(path, result.model, (8, 12, 12)) > 25
+
+
+def test_int8_activations_option(tmp_path):
+    m = graphs.conv_model(np.random.default_rng(0), activation="Relu")
+    options = QuantizeConfig(activation_dtype="int8")
+    path, result, table = _quantize(tmp_path, m, (8, 12, 12), options)
+    assert table.tensors["act"].qparams.dtype == "int8"
+    assert table.tensors["act"].qparams.zero_point == -128
+    zp = _inits(result.model)["act_zero_point"]
+    assert zp.dtype == np.int8
+    assert _fidelity(path, result.model, (8, 12, 12)) > 25
+
+
+def test_int8_model_runs_integer_kernels_in_onnxruntime(tmp_path):
+    """onnxruntime must turn the QDQ Conv into QLinearConv, or the model is not faster."""
+    m = graphs.conv_model(np.random.default_rng(0), activation="Relu", c_in=8, c_out=16)
+    _, result, _ = _quantize(tmp_path, m, (8, 12, 12))
+    optimized = tmp_path / "optimized.onnx"
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(optimized)
+    ort.InferenceSession(result.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(optimized).graph.node]
+    assert "QLinearConv" in ops and "Conv" not in ops
