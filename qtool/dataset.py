@@ -115,10 +115,10 @@ def _image_input(specs: list[InputSpec], cfg: PreprocessConfig, root: Path) -> t
     return spec, (h, w)
 
 
-# np.load parses each .npy header with ast.literal_eval, and CPython (seen on 3.11.7) keeps
-# the AST constructor's recursion depth in shared state: two loader threads parsing at
-# once fail at random with "SystemError: AST constructor recursion depth mismatch"
-# (cpython gh-106905; found by the fuzz test). Tensor files are read one at a time.
+# np.load parses each .npy header with ast.literal_eval, and CPython 3.11's AST constructor
+# is not safe from two threads at once: loader threads parsing together fail at random with
+# "SystemError: AST constructor recursion depth mismatch" (seen on 3.11.7, cpython
+# gh-106905; found by the fuzz test). Tensor files are therefore read one at a time.
 _NPY_LOCK = threading.Lock()
 
 

@@ -70,7 +70,8 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     external_data.check_locations(model, path)
     external_data.load_data(model, path)
     try:
-        check_model(model)
+        # over 2 GiB the file (its data is external) is checked in place rather than copied
+        onnx.checker.check_model(model if fits_in_protobuf(model) else str(path))
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0]
         raise QtoolError(f"model fails the ONNX checker: {first}", path) from None

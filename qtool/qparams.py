@@ -111,6 +111,5 @@ def fit_weight_scales_to_bias(bias: np.ndarray, input_scale: float, scales: np.n
         return scales, over
     fixed = scales.copy()
     # A bias too large for any finite float32 weight scale saturates in quantize_bias instead.
-    widened = np.nextafter(np.minimum(needed[over], FLOAT32_MAX / 2).astype(np.float32), np.float32(np.inf))
-    fixed[over] = widened
+    fixed[over] = np.nextafter(np.minimum(needed[over], FLOAT32_MAX / 2).astype(np.float32), np.float32(np.inf))
     return fixed, over
