@@ -14,7 +14,15 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from qtool import interrupt
 from qtool.errors import QtoolError
+
+
+# mkstemp creates files readable by their owner only; outputs get the usual permissions
+# (0o666 minus the umask), read once at import while the process is single-threaded.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+_FILE_MODE = 0o666 & ~_UMASK
 
 
 def check_output_path(path: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
@@ -36,15 +44,20 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in the target's directory; rename it onto `path` on success."""
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    tmp_path = None
     try:
+        # A signal between creating the file and knowing its name would orphan it: hold it off.
+        with interrupt.deferred():
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+            os.fchmod(fd, _FILE_MODE)
+            os.close(fd)
+            tmp_path = Path(tmp)
         yield tmp_path
         os.replace(tmp_path, target)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
+        if tmp_path is not None:
+            with interrupt.deferred(), contextlib.suppress(FileNotFoundError):  # a second signal waits
+                tmp_path.unlink()
         raise
 
 

@@ -47,25 +47,29 @@ def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
 
     Tensors tied together (a MaxPool's input and output, a Concat's inputs and output)
     get the union of their ranges; a fixed-range output (Softmax) imposes its range on
-    its whole group.
+    its whole group, unless a member's range does not fit in it (a Concat of x*sigmoid(x)
+    and sigmoid(x)): then that member would be clipped, so the fixed tensors keep their
+    parameters and the others share the union of their own ranges.
     """
     dtype = options.activation_dtype
     final = {name: include_zero(*ranges[name]) for name in plan.activations if name in ranges}
+    imposed = {name: _fixed_params(plan, name, dtype) for name in plan.fixed if name in final}
     for group in plan.tie_groups:
         members = [n for n in group if n in final]
-        if members and not any(n in plan.fixed for n in members):
-            shared = (min(final[n][0] for n in members), max(final[n][1] for n in members))
-            for name in members:
-                final[name] = shared
-    params = {name: activation_qparams(*final[name], dtype, options.symmetric_activations) for name in final}
-    for group in [[n] for n in plan.fixed] + plan.tie_groups:
-        fixed = [n for n in group if n in plan.fixed and n in final]
+        free = [n for n in members if n not in plan.fixed]
+        fixed = [n for n in members if n in plan.fixed]
         if fixed:
-            shared_params = _fixed_params(plan, fixed[0], dtype)
-            for name in group:
-                if name in final:
-                    params[name] = shared_params
-                    final[name] = shared_params.range
+            lo, hi = imposed[fixed[0]].range
+            if all(lo <= final[n][0] and final[n][1] <= hi for n in free):
+                imposed.update({n: imposed[fixed[0]] for n in free})
+                continue
+        if free:
+            shared = (min(final[n][0] for n in free), max(final[n][1] for n in free))
+            final.update({n: shared for n in free})
+    params = {name: activation_qparams(*final[name], dtype, options.symmetric_activations) for name in final}
+    for name, fixed_params in imposed.items():
+        params[name] = fixed_params
+        final[name] = fixed_params.range
     return final, params
 
 
@@ -90,7 +94,7 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 
 def calibrate(model_path: str | Path, data: str | Path, preprocess: PreprocessConfig, calib: CalibrationConfig,
               options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
-    model = prepare(load_model(model_path), options.upgrade_opset, model_path)
+    model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
     plan = build_plan(model, options)
     stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
     return build_table(plan, stats, calib, options, model_path, seen)

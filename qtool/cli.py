@@ -10,8 +10,9 @@ import warnings
 from pathlib import Path
 
 import click
+from tqdm import tqdm
 
-from qtool import __version__
+from qtool import __version__, interrupt
 from qtool.atomic import check_output_path
 from qtool.config import load_config, override
 from qtool.errors import EXIT_INPUT, EXIT_THRESHOLD, QtoolError
@@ -20,7 +21,8 @@ EXIT_BUG = 3
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
-    click.echo(f"warning: {message}", err=True)
+    # tqdm.write: a warning raised while a progress bar is drawn starts on its own line
+    tqdm.write(f"warning: {message}", file=sys.stderr)
 
 
 def _command(func):
@@ -31,7 +33,8 @@ def _command(func):
         debug = click.get_current_context().find_root().params.get("debug", False)
         warnings.showwarning = _show_warning
         try:
-            return func(*args, **kwargs)
+            with interrupt.signals_raise():
+                return func(*args, **kwargs)
         except QtoolError as exc:
             if debug:
                 traceback.print_exc()
@@ -41,7 +44,10 @@ def _command(func):
             raise  # usage errors: click prints them and exits 2
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
-            sys.exit(130)
+            sys.exit(interrupt.EXIT_SIGINT)
+        except interrupt.Terminated:
+            click.echo("terminated", err=True)
+            sys.exit(interrupt.EXIT_SIGTERM)
         except Exception as exc:  # a bug in qtool: say so briefly, traceback with --debug
             if debug:
                 traceback.print_exc()
@@ -132,14 +138,14 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool.calibrate import calibrate as run_calibration
     from qtool.formats import read_table
-    from qtool.modelio import save_model
+    from qtool.modelio import has_external_data, save_model
     from qtool.quantize import quantize_model
 
     if (table_path is None) == (data is None):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH")
     check_output_path(output, model, table_path)
     if save_table:
-        check_output_path(save_table, model)
+        check_output_path(save_table, model, output)
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
     start = time.perf_counter()
     if table_path is not None:
@@ -151,7 +157,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     result = quantize_model(model, table, quant, table_path, allow_missing)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
-    save_model(result.model, output)
+    save_model(result.model, output, external=has_external_data(model))
     plan = result.plan
     click.echo(f"quantized {len(plan.quantized_nodes)} nodes ({len(plan.weights)} int8 weights, "
                f"{len(plan.activations)} activations, {len(plan.float_nodes)} nodes left float) "

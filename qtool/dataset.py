@@ -8,7 +8,10 @@ is one sample, loaded lazily so memory does not grow with the number of samples.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import warnings
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -112,20 +115,34 @@ def _image_input(specs: list[InputSpec], cfg: PreprocessConfig, root: Path) -> t
     return spec, (h, w)
 
 
-def _load_tensors(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
+# np.load parses each .npy header with ast.literal_eval, and CPython 3.11's AST constructor
+# is not safe from two threads at once: loader threads parsing together fail at random with
+# "SystemError: AST constructor recursion depth mismatch" (seen on 3.11.7, cpython
+# gh-106905; found by the fuzz test). Tensor files are therefore read one at a time.
+_NPY_LOCK = threading.Lock()
+
+
+def _read_arrays(path: Path) -> "np.ndarray | dict[str, np.ndarray]":
+    """One .npy array or the arrays of an .npz, whatever the file's suffix claims."""
     try:
-        if path.suffix.lower() == ".npy":
-            if len(specs) != 1:
-                raise QtoolError(f"a .npy file feeds a single-input model, but the model has {len(specs)} inputs "
-                                 f"({', '.join(s.name for s in specs)}): use .npz keyed by input name", path)
-            arrays = {specs[0].name: np.load(path, allow_pickle=False)}
-        else:
-            with np.load(path, allow_pickle=False) as npz:
-                arrays = {k: npz[k] for k in npz.files}
-    except QtoolError:
-        raise
-    except (OSError, ValueError, EOFError) as exc:
-        raise QtoolError(f"cannot read tensor file: {exc}", path) from None
+        with _NPY_LOCK:
+            loaded = np.load(path, allow_pickle=False)
+            if isinstance(loaded, np.lib.npyio.NpzFile):
+                with loaded:
+                    return {k: loaded[k] for k in loaded.files}
+            return loaded
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise QtoolError(f"cannot read tensor file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                         path) from None
+
+
+def _load_tensors(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
+    arrays = _read_arrays(path)
+    if isinstance(arrays, np.ndarray):
+        if len(specs) != 1:
+            raise QtoolError(f"a .npy file feeds a single-input model, but the model has {len(specs)} inputs "
+                             f"({', '.join(s.name for s in specs)}): use .npz keyed by input name", path)
+        arrays = {specs[0].name: arrays}
     feeds = {}
     for spec in specs:
         if spec.name not in arrays:
@@ -177,19 +194,23 @@ def iter_samples(source: DataSource, limit: Optional[int] = None) -> Iterator[Sa
         pending: list = []
         position = 0
         produced = 0
-        while produced < wanted:
-            while position < len(files) and len(pending) < 16:
-                pending.append(pool.submit(source.load, files[position]))
-                position += 1
-            if not pending:
-                break
-            sample = pending.pop(0).result()
-            if sample is not None:
-                produced += 1
-                yield sample
+        try:
+            while produced < wanted:
+                while position < len(files) and len(pending) < 16:
+                    pending.append(pool.submit(source.load, files[position]))
+                    position += 1
+                if not pending:
+                    break
+                sample = pending.pop(0).result()
+                if sample is not None:
+                    produced += 1
+                    yield sample
+        finally:  # interrupted or stopped early: do not decode the rest of the queue first
+            for future in pending:
+                future.cancel()
     if source.skipped:
         warnings.warn(f"{source.root}: skipped {len(source.skipped)} unreadable image file(s), "
-                      f"e.g. {source.skipped[0]}", stacklevel=2)
+                      f"e.g. {min(source.skipped)}", stacklevel=2)
     if produced == 0:
         raise QtoolError("no readable samples (every file failed to decode)", source.root)
 

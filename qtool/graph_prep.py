@@ -11,7 +11,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, version_converter
 
+from qtool import modelio
 from qtool.errors import QtoolError
+
+_SHAPE_ONLY_BYTES = 1 << 16  # initializers above this lose their payload in the >2 GiB shape-inference copy
 
 MIN_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist
 MIN_PER_CHANNEL_OPSET = 13  # DequantizeLinear gets its `axis` attribute
@@ -24,20 +27,30 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def check_opset(model: onnx.ModelProto, upgrade: bool, path: object = None) -> onnx.ModelProto:
-    """Per-channel int8 weights need opset 13; upgrade with onnx's converter when asked."""
+def check_opset(model: onnx.ModelProto, upgrade: bool, path: object = None,
+                per_channel: bool = True) -> onnx.ModelProto:
+    """QDQ needs opset 10, per-channel int8 weights 13; upgrade with onnx's converter when asked."""
     opset = default_opset(model)
-    if opset >= MIN_PER_CHANNEL_OPSET:
+    if opset >= (MIN_PER_CHANNEL_OPSET if per_channel else MIN_QDQ_OPSET):
         return model
     if not upgrade:
-        need = "QDQ" if opset < MIN_QDQ_OPSET else "per-channel weights"
-        raise QtoolError(f"opset {opset} is too old for {need} (needs >= {MIN_PER_CHANNEL_OPSET}); "
-                         f"re-run with --upgrade-opset to convert it with onnx's version converter", path)
+        why = (f"QuantizeLinear/DequantizeLinear need >= {MIN_QDQ_OPSET}" if opset < MIN_QDQ_OPSET else
+               f"per-channel weights need >= {MIN_PER_CHANNEL_OPSET}")
+        raise QtoolError(f"opset {opset} is too old ({why}); re-run with --upgrade-opset to convert it to opset "
+                         f"{MIN_PER_CHANNEL_OPSET} with onnx's version converter", path)
     try:
         return version_converter.convert_version(model, MIN_PER_CHANNEL_OPSET)
     except Exception as exc:  # the converter raises bare RuntimeErrors with C++ messages
         raise QtoolError(f"onnx version converter could not upgrade opset {opset} to "
                          f"{MIN_PER_CHANNEL_OPSET}: {str(exc).splitlines()[0]}", path) from None
+
+
+def check_float_input(model: onnx.ModelProto, path: object = None) -> None:
+    """Calibration observes float activations; a model without a float32 input has none to observe."""
+    specs = modelio.input_specs(model)
+    if not any(spec.dtype == np.float32 for spec in specs):
+        found = ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
+        raise QtoolError(f"the model has no float32 input (inputs: {found}); qtool quantizes float32 models", path)
 
 
 def constants_to_initializers(model: onnx.ModelProto) -> None:
@@ -60,15 +73,33 @@ def constants_to_initializers(model: onnx.ModelProto) -> None:
     model.graph.node.extend(keep)
 
 
+def body_reads(node: onnx.NodeProto) -> set[str]:
+    """Names read inside a node's If/Loop/Scan bodies (outer-scope references among them)."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        for graph in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for inner in graph.node:
+                names |= names_read(inner)
+    return names
+
+
+def names_read(node: onnx.NodeProto) -> set[str]:
+    """Names a node reads, its bodies included."""
+    return set(node.input) | body_reads(node)
+
+
 def remove_identities(model: onnx.ModelProto) -> None:
     """Drop Identity and inference-mode Dropout nodes, wiring their consumers to the input."""
-    graph_outputs = {o.name for o in model.graph.output}
+    # Graph outputs keep their names; so do names read inside subgraphs (rewiring those
+    # would mean editing the bodies too).
+    fixed_names = {o.name for o in model.graph.output}
+    fixed_names |= {name for node in model.graph.node for name in body_reads(node)}
     rename: dict[str, str] = {}
     keep = []
     for node in model.graph.node:
         passthrough = node.op_type == "Identity" or (
             node.op_type == "Dropout" and (len(node.output) == 1 or not node.output[1]))
-        if passthrough and node.domain in ("", "ai.onnx") and node.output[0] not in graph_outputs:
+        if passthrough and node.domain in ("", "ai.onnx") and node.output[0] not in fixed_names:
             source = node.input[0]
             rename[node.output[0]] = rename.get(source, source)
             continue
@@ -81,18 +112,45 @@ def remove_identities(model: onnx.ModelProto) -> None:
     model.graph.node.extend(keep)
 
 
+def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with the payload of its large initializers dropped (dims and type kept).
+
+    Shape inference reads tensor values only for small integer shape constants, so this
+    copy infers the same types and shapes and fits in one protobuf when the model does not.
+    """
+    light = onnx.ModelProto(ir_version=model.ir_version)
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    graph = light.graph
+    for name in ("node", "input", "output", "value_info"):
+        getattr(graph, name).extend(getattr(model.graph, name))
+    for tensor in model.graph.initializer:
+        if tensor.ByteSize() > _SHAPE_ONLY_BYTES:
+            tensor = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
+        graph.initializer.append(tensor)
+    return light
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    large = not modelio.fits_in_protobuf(model)
     try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_shapes_only(model) if large else model, data_prop=True)
     except Exception:  # inference is advisory: a model that fails it still quantizes
         return model
+    if large:
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(inferred.graph.value_info)
+        return model
+    return inferred
 
 
-def prepare(model: onnx.ModelProto, upgrade_opset: bool = False, path: object = None) -> onnx.ModelProto:
+def prepare(model: onnx.ModelProto, upgrade_opset: bool = False, path: object = None,
+            per_channel: bool = True) -> onnx.ModelProto:
     """Return a prepared copy; the input model is not modified."""
+    check_float_input(model, path)
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
-    prepared = check_opset(prepared, upgrade_opset, path)
+    prepared = check_opset(prepared, upgrade_opset, path, per_channel)
     constants_to_initializers(prepared)
     remove_identities(prepared)
     return infer_shapes(prepared)

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import onnx
 from google.protobuf import json_format, text_format
 from google.protobuf.message import DecodeError
 
-from qtool import atomic
+from qtool import atomic, external_data, interrupt
 from qtool.errors import QtoolError
 
-# Protobuf cannot serialise a message over 2 GiB; above that weights go to external data.
-_PROTOBUF_LIMIT = 2**31 - 1
+# Protobuf cannot serialise a message over 2 GiB; above that weights go to external data,
+# and sessions, shape inference and the checker get a file instead of bytes. A module
+# constant so a test can drive the large-model path without writing 2 GB.
+PROTOBUF_LIMIT = 2**31 - 1
 
 
 def sha256_file(path: str | Path) -> str:
@@ -30,49 +33,109 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def load_model(path: str | Path) -> onnx.ModelProto:
-    """Load and check a model; every failure is one line naming the file."""
-    path = Path(path)
+def fits_in_protobuf(model: onnx.ModelProto) -> bool:
+    return model.ByteSize() < PROTOBUF_LIMIT
+
+
+def _read_proto(path: Path) -> onnx.ModelProto:
+    """The model file alone, external tensor data not read (so its locations can be checked first)."""
     if not path.exists():
         raise QtoolError("model file not found", path)
     if not path.is_file():
         raise QtoolError("model path is not a file", path)
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
     # onnx.load picks a JSON or text parser from the extension (.json, .txt): their errors too
-    except (DecodeError, RuntimeError, json_format.ParseError, text_format.ParseError) as exc:
+    except (DecodeError, RuntimeError, ValueError, json_format.ParseError, text_format.ParseError) as exc:
         raise QtoolError(f"not an ONNX model (protobuf parse failed: {str(exc).splitlines()[0] or type(exc).__name__})", path) from None
     except OSError as exc:
         raise QtoolError(f"cannot read model: {exc.strerror or exc}", path) from None
     if not model.graph.node:
         raise QtoolError("not an ONNX model (no graph nodes; wrong or truncated file?)", path)
+    return model
+
+
+def has_external_data(path: str | Path) -> bool:
+    """Whether the model file keeps tensors in side files (its output should, too)."""
+    return bool(external_data.external_tensors(_read_proto(Path(path))))
+
+
+def load_model(path: str | Path) -> onnx.ModelProto:
+    """Load and check a model; every failure is one line naming the file.
+
+    External data locations are validated before any of them is opened, then read.
+    """
+    path = Path(path)
+    model = _read_proto(path)
+    external_data.check_locations(model, path)
+    external_data.load_data(model, path)
     try:
-        onnx.checker.check_model(model)
+        # over 2 GiB the file (its data is external) is checked in place rather than copied
+        onnx.checker.check_model(model if fits_in_protobuf(model) else str(path))
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0]
         raise QtoolError(f"model fails the ONNX checker: {first}", path) from None
     return model
 
 
-def save_model(model: onnx.ModelProto, path: str | Path) -> None:
-    """Write a model atomically (temporary file in the same directory, then rename)."""
-    data = model.SerializeToString() if model.ByteSize() < _PROTOBUF_LIMIT else None
-    if data is not None:
-        atomic.write_bytes(path, data)
+def check_model(model: onnx.ModelProto, full_check: bool = False) -> None:
+    """onnx.checker for models of any size (over 2 GiB it needs a file)."""
+    if fits_in_protobuf(model):
+        onnx.checker.check_model(model, full_check=full_check)
         return
-    # Large models: the weights go into one external data file beside the model, named with a
-    # relative location. Both files are written in a private temporary directory inside the
-    # target directory and renamed into place, data first, so no half-written pair is visible.
+    with on_disk(model) as path:
+        onnx.checker.check_model(str(path), full_check=full_check)
+
+
+def _save_external(model: onnx.ModelProto, path: Path) -> None:
+    """Model + one external data file `<name>.data` beside it (relative location); fsynced."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # onnx moves tensors out of the proto it saves: keep the caller's intact
+    location = path.name + ".data"
+    onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=location, size_threshold=1024)
+    for written in (path, path.parent / location):
+        if written.exists():
+            with open(written, "rb+") as f:
+                os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def on_disk(model: onnx.ModelProto) -> Iterator[Path]:
+    """A temporary file copy of `model` (external data beside it), for APIs that need a path."""
+    with tempfile.TemporaryDirectory(prefix="qtool-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        _save_external(model, path)
+        yield path
+
+
+def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False) -> None:
+    """Write a model atomically (temporary file in the same directory, then rename).
+
+    With `external`, or when the model is too large for one protobuf, the tensors go
+    to one external data file `<name>.data` beside the model, with a relative location.
+    """
+    if not external and fits_in_protobuf(model):
+        atomic.write_bytes(path, model.SerializeToString())
+        return
+    # Both files are written in a private temporary directory inside the target directory
+    # and renamed into place, data first; signals are held off between the two renames
+    # so an interrupted run never leaves a new model with old data or the reverse.
     path = Path(path)
     location = path.name + ".data"
-    workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else "."))
+    workdir = None
     try:
-        onnx.save_model(model, str(workdir / path.name), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=location, size_threshold=1024)
-        os.replace(workdir / location, path.parent / location)
-        os.replace(workdir / path.name, path)
+        with interrupt.deferred():  # no signal between creating the directory and knowing its name
+            workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else "."))
+        _save_external(model, workdir / path.name)
+        with interrupt.deferred():
+            if (workdir / location).exists():
+                os.replace(workdir / location, path.parent / location)
+            os.replace(workdir / path.name, path)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            with interrupt.deferred():  # a signal now would leave half the directory behind
+                shutil.rmtree(workdir, ignore_errors=True)
 
 
 @dataclass(frozen=True)

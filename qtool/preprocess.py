@@ -16,6 +16,10 @@ import numpy as np
 
 from qtool.config import PreprocessConfig
 
+# qtool reports undecodable images itself (one warning with a count); OpenCV's own
+# per-file warnings on stderr would only bury that line.
+cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_ERROR)
+
 _INTERPOLATION = {
     "nearest": cv2.INTER_NEAREST,
     "bilinear": cv2.INTER_LINEAR,

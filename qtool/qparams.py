@@ -22,6 +22,11 @@ INT32_MAX = 2**31 - 1
 # Scale used when a range is empty (an all-zero tensor or weight channel): any positive
 # finite scale represents zero exactly; 1.0 keeps the int32 bias of such a channel small.
 EMPTY_RANGE_SCALE = 1.0
+# Smallest scale qtool writes. A bias scale is s_input * s_weight; with both factors at
+# least 2^-60 the product (>= 2^-120) stays a normal float32 instead of flushing to zero.
+# A tensor whose whole range is below 255 * 2^-60 is zero for every practical purpose.
+MIN_SCALE = 2.0**-60
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False
     scale32 = np.float32(scale)
     if not (math.isfinite(float(scale32)) and scale32 > 0):
         scale32 = np.float32(EMPTY_RANGE_SCALE)
+    scale32 = max(scale32, np.float32(MIN_SCALE))
     if zero_point is None:
         zero_point = int(np.clip(np.rint(qmin - lo / float(scale32)), qmin, qmax))
     return QParams(float(scale32), zero_point, dtype)
@@ -69,7 +75,8 @@ def weight_scales(weight: np.ndarray, axis: Optional[int]) -> np.ndarray:
         amax = w.max(axis=tuple(i for i in range(w.ndim) if i != axis))
     scales = (amax / WEIGHT_QMAX).astype(np.float32)
     bad = ~np.isfinite(scales) | (scales <= 0)
-    return np.where(bad, np.float32(EMPTY_RANGE_SCALE), scales).astype(np.float32)
+    scales = np.where(bad, np.float32(EMPTY_RANGE_SCALE), scales)
+    return np.maximum(scales, np.float32(MIN_SCALE)).astype(np.float32)
 
 
 def quantize_weight(weight: np.ndarray, scales: np.ndarray, axis: Optional[int]) -> np.ndarray:
@@ -103,5 +110,6 @@ def fit_weight_scales_to_bias(bias: np.ndarray, input_scale: float, scales: np.n
     if over.size == 0:
         return scales, over
     fixed = scales.copy()
-    fixed[over] = np.nextafter(needed[over].astype(np.float32), np.float32(np.inf))
+    # A bias too large for any finite float32 weight scale saturates in quantize_bias instead.
+    fixed[over] = np.nextafter(np.minimum(needed[over], FLOAT32_MAX / 2).astype(np.float32), np.float32(np.inf))
     return fixed, over

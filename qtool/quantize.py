@@ -6,15 +6,17 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from qtool.calibrate import resolve_qparams
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph_prep import prepare
-from qtool.modelio import load_model, sha256_file
+from qtool.modelio import check_model, load_model, sha256_file
 from qtool.plan import QuantPlan, build_plan
-from qtool.qparams import QParams
+from qtool.qparams import MIN_SCALE, QParams
 from qtool.rewrite import check_no_bad_scales, quantize_graph
 from qtool.table import CalibrationTable
 
@@ -49,7 +51,20 @@ def params_from_table(plan: QuantPlan, table: CalibrationTable, options: Quantiz
         params[name] = entry if entry.dtype == options.activation_dtype and name not in tied else computed[name]
         if name in plan.fixed:
             params[name] = computed[name]
+        if params[name].scale < MIN_SCALE:  # a foreign table's near-zero scale would underflow the bias scale
+            params[name] = QParams(MIN_SCALE, params[name].zero_point, params[name].dtype)
     return params
+
+
+def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
+    """NaN/Inf in a weight or bias has no int8 representation: the model itself is broken."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    for name in [*plan.weights, *plan.biases]:
+        values = numpy_helper.to_array(initializers[name])
+        bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+        if bad:
+            raise QtoolError(f"constant '{name}' contains {bad} NaN/Inf value(s); fix the model before quantizing",
+                             path)
 
 
 def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig) -> set[str]:
@@ -71,13 +86,14 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
-    model = prepare(load_model(model_path), options.upgrade_opset, model_path)
+    model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
     plan = build_plan(model, options)
+    check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
     qmodel, notes = quantize_graph(model, plan, params, options.per_channel)
     check_no_bad_scales(qmodel)
     try:
-        onnx.checker.check_model(qmodel, full_check=True)
+        check_model(qmodel, full_check=True)
     except onnx.checker.ValidationError as exc:
         raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
     return QuantizeResult(qmodel, plan, notes)

@@ -16,6 +16,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool import qparams as qp
+from qtool.graph_prep import names_read
 from qtool.ops import rule_for
 from qtool.plan import QuantPlan
 
@@ -108,6 +109,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                 per_out = fixed
             widened.append(f"{bplan.node} ({changed.size})")
         b_scale = qp.bias_scale(s_in, per_out)
+        if weight_scales[bplan.weight].ndim == 0 and b_scale.size:
+            b_scale = b_scale.reshape(-1)[0].reshape(())  # per-tensor: one scale, no axis (opset < 13 has none)
         bias_arrays[name] = (qp.quantize_bias(bias, b_scale), b_scale)
 
     if widened:
@@ -147,7 +150,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
             if output in act_set and output not in graph_inputs:
                 new_nodes.extend(builder.qdq_pair(output, params[output]))
 
-    used = {name for node in new_nodes + builder.head for name in node.input}
+    used = {name for node in new_nodes + builder.head for name in names_read(node)}
     keep_inits = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep_inits + builder.initializers)

@@ -1,0 +1,202 @@
+"""Hypothesis strategy for random small valid ONNX graphs built from qtool's supported ops.
+
+A graph is an NCHW trunk of random layers (Conv and ConvTranspose with random channels,
+groups, kernels, strides, dilations and asymmetric pads; pooling; activations; Add/Mul/
+Concat with earlier tensors; Transpose, Reshape, Unsqueeze/Squeeze, Softmax; an
+activation x activation MatMul), optionally followed by a 2-D head (Flatten, Gemm with
+random transB/alpha/beta, MatMul with a constant, Softmax). Every draw tracks shapes so
+the graph is valid by construction; the batch dimension is dynamic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+TRUNK_OPS = ("Conv", "ConvTranspose", "Relu", "Clip", "Sigmoid", "MaxPool", "AveragePool", "Add", "Mul", "Concat",
+             "Transpose", "Reshape", "Unsqueeze", "Softmax", "MatMulSelf", "SiLU")
+HEAD_OPS = ("Gemm", "MatMul", "Relu", "Softmax", "Clip", "Add")
+# Softmax's int8 output has the fixed scale 1/256 (LiteRT spec): over a long axis every
+# probability is below one step, which is the spec's known limit, not something to fuzz.
+SOFTMAX_MAX_AXIS = 32
+
+
+@dataclass
+class Builder:
+    rng: np.random.Generator
+    nodes: list = field(default_factory=list)
+    inits: list = field(default_factory=list)
+    shapes: dict = field(default_factory=dict)  # tensor -> per-sample shape (without batch)
+    count: int = 0
+
+    def name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def const(self, array: np.ndarray, prefix: str = "k") -> str:
+        name = self.name(prefix)
+        self.inits.append(numpy_helper.from_array(np.asarray(array, np.float32) if array.dtype.kind == "f"
+                                                  else array, name))
+        return name
+
+    def node(self, op: str, inputs: list[str], shape: tuple, **attrs) -> str:
+        out = self.name(op.lower() + "_")
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out + "_node", **attrs))
+        self.shapes[out] = tuple(shape)
+        return out
+
+    def weight(self, shape: tuple, fan_in: int) -> str:
+        return self.const(self.rng.normal(0, 1 / np.sqrt(max(fan_in, 1)), shape).astype(np.float32), "w")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _conv_out(size: int, k: int, s: int, d: int, pb: int, pe: int) -> int:
+    return (size + pb + pe - d * (k - 1) - 1) // s + 1
+
+
+@st.composite
+def _conv(draw, b: Builder, x: str, transpose: bool) -> str:
+    c, h, w = b.shapes[x]
+    group = draw(st.sampled_from(_divisors(c)))
+    out_c = group * draw(st.integers(1, 3))
+    k = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    s = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    d = (1, 1) if transpose else (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    pads = [draw(st.integers(0, k[i] - 1)) for i in (0, 1)] + [draw(st.integers(0, k[i] - 1)) for i in (0, 1)]
+    attrs = dict(kernel_shape=list(k), strides=list(s), dilations=list(d), pads=pads, group=group)
+    if transpose:
+        out_pad = [draw(st.integers(0, s[i] - 1)) for i in (0, 1)]
+        attrs["output_padding"] = out_pad
+        size = [s[i] * ((h, w)[i] - 1) + out_pad[i] + (k[i] - 1) * d[i] + 1 - pads[i] - pads[i + 2] for i in (0, 1)]
+        w_shape, fan_in = (c, out_c // group, *k), c // group * k[0] * k[1]
+    else:
+        size = [_conv_out((h, w)[i], k[i], s[i], d[i], pads[i], pads[i + 2]) for i in (0, 1)]
+        w_shape, fan_in = (out_c, c // group, *k), c // group * k[0] * k[1]
+    if min(size) < 1 or max(size) > 24:
+        return x  # this geometry does not fit: skip the layer
+    inputs = [x, b.weight(w_shape, fan_in)]
+    if draw(st.booleans()):
+        inputs.append(b.const(b.rng.normal(0, 0.2, out_c).astype(np.float32), "bias"))
+    return b.node("ConvTranspose" if transpose else "Conv", inputs, (out_c, *size), **attrs)
+
+
+@st.composite
+def _pool(draw, b: Builder, x: str, op: str) -> str:
+    c, h, w = b.shapes[x]
+    k = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    s = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    pads = [draw(st.integers(0, k[i] - 1)) for i in (0, 1)] * 2
+    size = [_conv_out((h, w)[i], k[i], s[i], 1, pads[i], pads[i + 2]) for i in (0, 1)]
+    if min(size) < 1:
+        return x
+    attrs = dict(kernel_shape=list(k), strides=list(s), pads=pads)
+    if op == "AveragePool":
+        attrs["count_include_pad"] = draw(st.integers(0, 1))
+    return b.node(op, [x], (c, *size), **attrs)
+
+
+def _same_shape_partner(draw, b: Builder, x: str) -> str | None:
+    partners = [t for t, s in b.shapes.items() if s == b.shapes[x] and t != x]
+    return draw(st.sampled_from(partners)) if partners and draw(st.booleans()) else None
+
+
+@st.composite
+def _trunk_layer(draw, b: Builder, x: str) -> str:
+    op = draw(st.sampled_from(TRUNK_OPS))
+    c, h, w = b.shapes[x]
+    if op in ("Conv", "ConvTranspose"):
+        return draw(_conv(b, x, op == "ConvTranspose"))
+    if op in ("MaxPool", "AveragePool"):
+        return draw(_pool(b, x, op))
+    if op in ("Relu", "Sigmoid"):
+        return b.node(op, [x], (c, h, w))
+    if op == "SiLU":
+        return b.node("Mul", [x, b.node("Sigmoid", [x], (c, h, w))], (c, h, w))
+    if op == "Clip":
+        low, high = draw(st.sampled_from([(0.0, 6.0), (-1.0, 1.0), (0.0, 1.0)]))
+        return b.node("Clip", [x, b.const(np.array(low, np.float32)), b.const(np.array(high, np.float32))],
+                      (c, h, w))
+    if op in ("Add", "Mul"):
+        partner = _same_shape_partner(draw, b, x)
+        if partner is None:
+            partner = b.const(b.rng.normal(0.5 if op == "Mul" else 0, 0.5, (c, 1, 1)).astype(np.float32))
+        return b.node(op, [x, partner], (c, h, w))
+    if op == "Concat":
+        partners = [t for t, s in b.shapes.items() if s[1:] == (h, w)]
+        other = draw(st.sampled_from(partners))
+        return b.node("Concat", [x, other], (c + b.shapes[other][0], h, w), axis=1)
+    if op == "Transpose":
+        return b.node("Transpose", [x], (c, w, h), perm=[0, 1, 3, 2])
+    if op == "Reshape":  # fold H into C and back: shape ops on a quantized path
+        flat = b.node("Reshape", [x, b.const(np.array([0, c * h, w], np.int64))], (c * h, w))
+        return b.node("Reshape", [flat, b.const(np.array([0, c, h, w], np.int64))], (c, h, w))
+    if op == "Unsqueeze":
+        up = b.node("Unsqueeze", [x, b.const(np.array([2], np.int64))], (c, 1, h, w))
+        return b.node("Squeeze", [up, b.const(np.array([2], np.int64))], (c, h, w))
+    if op == "Softmax":
+        axis = draw(st.integers(1, 3))
+        if (c, h, w)[axis - 1] > SOFTMAX_MAX_AXIS:
+            return x
+        return b.node("Softmax", [x], (c, h, w), axis=axis)
+    # MatMulSelf: activation x activation, x @ x^T over the last two axes. Once per graph:
+    # chained, it raises values to the 8th power, whose range no 8-bit grid covers.
+    if any(n.op_type == "MatMul" for n in b.nodes):
+        return x
+    t = b.node("Transpose", [x], (c, w, h), perm=[0, 1, 3, 2])
+    return b.node("MatMul", [x, t], (c, h, h))
+
+
+@st.composite
+def _head_layer(draw, b: Builder, x: str) -> str:
+    (f,) = b.shapes[x]
+    op = draw(st.sampled_from(HEAD_OPS))
+    if op in ("Gemm", "MatMul"):
+        k = draw(st.integers(1, 12))
+        if op == "MatMul":
+            return b.node("MatMul", [x, b.weight((f, k), f)], (k,))
+        trans_b = draw(st.integers(0, 1))
+        inputs = [x, b.weight((k, f) if trans_b else (f, k), f)]
+        if draw(st.booleans()):
+            inputs.append(b.const(b.rng.normal(0, 0.2, k).astype(np.float32), "bias"))
+        alpha, beta = draw(st.sampled_from([(1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (1.0, 2.0)]))
+        return b.node("Gemm", inputs, (k,), transB=trans_b, alpha=alpha, beta=beta)
+    if op == "Clip":
+        return b.node("Clip", [x, b.const(np.array(0.0, np.float32)), b.const(np.array(6.0, np.float32))], (f,))
+    if op == "Add":
+        return b.node("Add", [x, b.const(b.rng.normal(0, 0.5, f).astype(np.float32))], (f,))
+    if op == "Softmax" and f > SOFTMAX_MAX_AXIS:
+        return x
+    return b.node(op, [x], (f,))
+
+
+@st.composite
+def random_model(draw) -> tuple[onnx.ModelProto, tuple[int, int, int]]:
+    """A random valid model with input `x` [N, C, H, W] and output `y`; returns it and (C, H, W)."""
+    b = Builder(np.random.default_rng(draw(st.integers(0, 2**32 - 1))))
+    shape = (draw(st.integers(1, 6)), draw(st.integers(3, 10)), draw(st.integers(3, 10)))
+    b.shapes["x"] = shape
+    current = "x"
+    for _ in range(draw(st.integers(1, 5))):
+        current = draw(_trunk_layer(b, current))
+    if draw(st.booleans()):
+        if draw(st.booleans()):
+            current = b.node("GlobalAveragePool", [current], (b.shapes[current][0], 1, 1))
+        c, h, w = b.shapes[current]
+        current = b.node("Flatten", [current], (c * h * w,))
+        for _ in range(draw(st.integers(1, 3))):
+            current = draw(_head_layer(b, current))
+    if current == "x":
+        current = b.node("Relu", ["x"], shape)
+    graph = helper.make_graph(b.nodes, "fuzz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape])],
+                              [helper.make_tensor_value_info(current, TensorProto.FLOAT, ["N", *b.shapes[current]])],
+                              b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model, shape

@@ -1,0 +1,183 @@
+"""External tensor data: loaded from relative locations, written as one side file, and
+locations escaping the model's directory refused before anything is read (CVE-2024-27318)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool import graph_prep, modelio
+from qtool.cli import main
+from tests.conftest import run_qtool
+
+
+def _convnet() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(0, 0.2, (16, 3, 3, 3)).astype(np.float32), "W1"),
+             numpy_helper.from_array(rng.normal(0, 0.1, (16,)).astype(np.float32), "B1"),
+             numpy_helper.from_array(rng.normal(0, 0.1, (32, 16, 3, 3)).astype(np.float32), "W2"),
+             numpy_helper.from_array(rng.normal(0, 0.1, (32,)).astype(np.float32), "B2"),
+             numpy_helper.from_array(rng.normal(0, 0.1, (32, 10)).astype(np.float32), "W3")]
+    nodes = [helper.make_node("Conv", ["x", "W1", "B1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "W2", "B2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("GlobalAveragePool", ["r2"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["f"]),
+             helper.make_node("MatMul", ["f", "W3"], ["y"])]
+    graph = helper.make_graph(nodes, "convnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _data(folder: Path, count: int = 4) -> Path:
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for i in range(count):
+        np.save(folder / f"{i}.npy", rng.normal(size=(1, 3, 16, 16)).astype(np.float32))
+    return folder
+
+
+def _external_model(folder: Path, location: str = "weights/convnet.bin") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "convnet.onnx"
+    (folder / location).parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(_convnet(), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=location, size_threshold=0)
+    return path
+
+
+def _initializers(path: Path) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+
+
+def _external_locations(path: Path) -> set[str]:
+    model = onnx.load(str(path), load_external_data=False)
+    return {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+
+
+def test_external_data_model_round_trip(tmp_path):
+    data = _data(tmp_path / "data")
+    plain = tmp_path / "plain" / "convnet.onnx"
+    plain.parent.mkdir()
+    onnx.save(_convnet(), str(plain))
+    external = _external_model(tmp_path / "ext")
+    assert _external_locations(external) == {"weights/convnet.bin"}
+
+    outputs = tmp_path / "out"
+    outputs.mkdir()
+    for name, model in (("plain", plain), ("external", external)):
+        proc = run_qtool("quantize", model, "--data", data, "-o", outputs / f"{name}.onnx")
+        assert proc.returncode == 0, proc.stderr
+    # The external-data input gives an external-data output: one file, relative, beside it.
+    assert sorted(os.listdir(outputs)) == ["external.onnx", "external.onnx.data", "plain.onnx"]
+    assert _external_locations(outputs / "external.onnx") == {"external.onnx.data"}
+    assert _external_locations(outputs / "plain.onnx") == set()
+    # ... and it is the same int8 model.
+    a, b = _initializers(outputs / "plain.onnx"), _initializers(outputs / "external.onnx")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    x = np.load(data / "0.npy")
+    ya = ort.InferenceSession(str(outputs / "plain.onnx")).run(None, {"x": x})[0]
+    yb = ort.InferenceSession(str(outputs / "external.onnx")).run(None, {"x": x})[0]
+    assert np.array_equal(ya, yb)
+    proc = run_qtool("evaluate", external, outputs / "external.onnx", "--data", data, "--runs", "1")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_symlink_inside_the_model_directory_is_refused_cleanly(tmp_path):
+    """onnx itself refuses symlinked external data; qtool reports it as one line."""
+    model = _external_model(tmp_path / "m", location="convnet.bin")
+    (tmp_path / "m" / "real").mkdir()
+    os.replace(tmp_path / "m" / "convnet.bin", tmp_path / "m" / "real" / "convnet.bin")
+    os.symlink("real/convnet.bin", tmp_path / "m" / "convnet.bin")
+    proc = run_qtool("calibrate", model, "--data", _data(tmp_path / "data"), "-o", tmp_path / "t.json")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {model}: cannot read external tensor data: ")
+
+
+def _retarget(model_path: Path, location: str) -> None:
+    model = onnx.load(str(model_path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+    model_path.write_bytes(model.SerializeToString())
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink_file", "symlink_dir"])
+def test_escaping_locations_are_refused_before_reading(tmp_path, how):
+    """The outside target is a FIFO: opening it to read would block, so the timeout proves it was never opened."""
+    model = _external_model(tmp_path / "models" / "m", location="convnet.bin")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.mkfifo(outside / "secret.bin")
+    folder = model.parent
+    location = {"dotdot": "../../outside/secret.bin", "absolute": str(outside / "secret.bin"),
+                "symlink_file": "link.bin", "symlink_dir": "linkdir/secret.bin"}[how]
+    if how == "symlink_file":
+        os.symlink(outside / "secret.bin", folder / "link.bin")
+    if how == "symlink_dir":
+        os.symlink(outside, folder / "linkdir")
+    _retarget(model, location)
+    proc = run_qtool("calibrate", model, "--data", _data(tmp_path / "data"), "-o", tmp_path / "t.json", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {model}: refusing external data of tensor '")
+    assert "CVE-2024-27318" in line
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_models_over_the_protobuf_limit(tmp_path, monkeypatch):
+    """The >2 GiB code paths, driven by lowering the limit to 5 kB (the fp32 convnet is 22 kB, int8 9 kB).
+
+    Sessions then get a temporary file with external data, shape inference runs on a copy
+    without weight payloads, the checker gets a path, and the output is written with one
+    external data file, all as they would for a real 2 GB model. The results must be
+    identical to the ordinary path's.
+    """
+    data = _data(tmp_path / "data")
+    model = tmp_path / "convnet.onnx"
+    onnx.save(_convnet(), str(model))
+    assert model.stat().st_size > 20_000
+    runner = CliRunner()
+    normal = runner.invoke(main, ["quantize", str(model), "--data", str(data), "--save-table",
+                                  str(tmp_path / "normal.json"), "-o", str(tmp_path / "normal.onnx")])
+    assert normal.exit_code == 0, normal.output
+
+    calls = {"on_disk": 0, "shapes_only": 0}
+    real_on_disk, real_shapes_only = modelio.on_disk, graph_prep._shapes_only
+
+    def counting(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(modelio, "PROTOBUF_LIMIT", 5_000)
+    monkeypatch.setattr(graph_prep, "_SHAPE_ONLY_BYTES", 1_000)  # so the shape-inference copy drops payloads
+    monkeypatch.setattr(modelio, "on_disk", counting("on_disk", real_on_disk))
+    monkeypatch.setattr(graph_prep, "_shapes_only", counting("shapes_only", real_shapes_only))
+    large = runner.invoke(main, ["quantize", str(model), "--data", str(data), "--save-table",
+                                 str(tmp_path / "large.json"), "-o", str(tmp_path / "large.onnx")])
+    assert large.exit_code == 0, large.output
+    assert calls["on_disk"] >= 2 and calls["shapes_only"] >= 2  # sessions/checker, and prepare x2
+    assert (tmp_path / "large.onnx.data").exists()
+    assert _external_locations(tmp_path / "large.onnx") == {"large.onnx.data"}
+    assert json.loads((tmp_path / "large.json").read_text())["tensors"] == \
+        json.loads((tmp_path / "normal.json").read_text())["tensors"]
+    a, b = _initializers(tmp_path / "normal.onnx"), _initializers(tmp_path / "large.onnx")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    evaluated = runner.invoke(main, ["evaluate", str(model), str(tmp_path / "large.onnx"), "--data", str(data),
+                                     "--runs", "1"])
+    assert evaluated.exit_code == 0, evaluated.output
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporaries left
