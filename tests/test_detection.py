@@ -86,6 +86,7 @@ def test_accumulator_recall_and_precision():
     assert result["recall"] == pytest.approx(3 / 4) and result["precision"] == pytest.approx(3 / 5)
 
 
+@pytest.mark.slow
 def test_kit_yolov8_detection_report(tmp_path):
     """The kit's YOLOv8n detector through quantize and evaluate --task detection."""
     model = kit_path("models", "nudenet_yolov8n_320.onnx")
