@@ -156,3 +156,35 @@ def merge_files(paths: list[Path], model_sha256: str) -> tuple[dict[str, TensorS
     if len(set(shards)) != len(shards):
         raise QtoolError(f"the same shard is given twice: {shards}")
     return merge_all(list(parts)), sum(int(h["num_samples"]) for h in headers)
+
+
+def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,
+                    options: QuantizeConfig, shard: tuple[int, int], output: Path) -> tuple[int, int]:
+    """Collect one shard's statistics (with histograms for every tensor) and write them to `output`."""
+    from qtool.calibrate import collect_statistics, prepared_model
+    from qtool.modelio import sha256_file
+
+    if calib.workers > 1:
+        stats, seen = collect_parallel(model_path, data, preprocess, calib, options, shard, force_histograms=True)
+    else:
+        model, plan = prepared_model(model_path, options)
+        stats, seen = collect_statistics(model, plan, data, preprocess, calib, shard=shard, all_histograms=True)
+    save_stats(output, stats, {"model_file": Path(model_path).name, "model_sha256": sha256_file(model_path),
+                               "num_samples": seen, "shard": list(shard), "batch_size": calib.batch_size,
+                               "histogram_sample": calib.histogram_sample})
+    return len(stats), seen
+
+
+def merge_tables(model_path, paths: list[Path], calib: CalibrationConfig, options: QuantizeConfig):
+    """The calibration table of the union of the shards' data."""
+    from qtool.calibrate import build_table, prepared_model, warn_nonfinite
+    from qtool.modelio import sha256_file
+
+    model, plan = prepared_model(model_path, options)
+    stats, seen = merge_files(paths, sha256_file(model_path))
+    missing = [t for t in plan.activations if t not in stats]
+    if missing:
+        raise QtoolError(f"the statistics lack tensor '{missing[0]}' that this quantization needs "
+                         "(collected with other quantization options?)", paths[0])
+    warn_nonfinite(stats)
+    return build_table(plan, stats, calib, options, model_path, seen, model)
