@@ -8,7 +8,7 @@ tensor, a few nodes to a copy of the model:
 
     Reshape(t, [-1]) -> ReduceMin, ReduceMax, Size      exact extremes and count, as scalars
                      -> Slice(step = s - s % 2 + 1, s = Size // K)
-                                                         a strided sample of K..2K values,
+                                                         a strided sample of ~K values (K/2..2K),
                                                          only for tensors whose method needs
                                                          a histogram
 
