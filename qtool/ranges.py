@@ -32,7 +32,7 @@ RangeMethod = Callable[[TensorStats, CalibrationConfig], tuple[float, float]]
 
 BINS = 2048  # the linear |x| histogram of the TensorRT recipe
 LEVELS = 128  # int8 magnitude levels: candidate thresholds start here
-ENTROPY_STRIDE = 8  # candidate thresholds every 8 bins (0.4% of max |x|): 240 candidates
+ENTROPY_COARSE, ENTROPY_FINE = 32, 4  # candidates every 32 bins, then every 4 bins around the best (0.2% of max)
 
 
 def _abs_max(stats: TensorStats) -> float:
@@ -104,34 +104,37 @@ def entropy_threshold(hist: np.ndarray) -> int:
     For each candidate i (from LEVELS bins up): the reference P is the first i bins with
     the mass beyond folded into bin i-1; Q quantizes those i bins into LEVELS levels
     (each level's mass spread evenly over its non-empty bins). The smallest KL(P||Q)
-    wins. Folding the tail makes clipping costly only in proportion to its mass, so a
+    wins (searched coarse to fine). Folding the tail makes clipping costly only in proportion to its mass, so a
     heavy rare tail is clipped and a uniform distribution keeps its whole range."""
     total = hist.sum()
     if total <= 0:
         return hist.size
+    hist = hist.astype(np.float64)
     suffix = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])
-    best_i, best_kl = hist.size, math.inf
-    candidates = list(range(LEVELS, hist.size + 1, ENTROPY_STRIDE))
-    if candidates[-1] != hist.size:
-        candidates.append(hist.size)  # the full range is always a candidate
-    for i in candidates:
-        kept = hist[:i]
-        p = kept.astype(np.float64).copy()
+    nonzero = (hist != 0).astype(np.float64)
+    mass = np.concatenate([[0.0], np.cumsum(hist)])  # prefix sums: a level's mass and its non-empty bins
+    filled = np.concatenate([[0.0], np.cumsum(nonzero)])
+    levels = np.arange(LEVELS + 1)
+
+    def kl_at(i: int) -> float:
+        p = hist[:i].copy()
         p[-1] += suffix[i]
         # LEVELS chunks of (nearly) equal numbers of bins, as np.array_split makes them
-        starts = (np.arange(LEVELS) * i) // LEVELS
-        sums = np.add.reduceat(kept, starts)
-        nonzero = (kept != 0).astype(np.float64)
-        nz_per = np.add.reduceat(nonzero, starts)
-        lengths = np.diff(np.append(starts, i))
-        per_bin = np.divide(sums, nz_per, out=np.zeros_like(sums, dtype=np.float64), where=nz_per > 0)
-        q = np.repeat(per_bin, lengths) * nonzero
+        edges = (levels * i) // LEVELS
+        sums = mass[edges[1:]] - mass[edges[:-1]]
+        nz_per = filled[edges[1:]] - filled[edges[:-1]]
+        per_bin = np.divide(sums, nz_per, out=np.zeros(LEVELS), where=nz_per > 0)
+        q = np.repeat(per_bin, np.diff(edges)) * nonzero[:i]
         ps, qs = _smooth(p), _smooth(q)
-        if ps is None or qs is None:
-            continue
-        kl = _kl(ps, qs)
-        if kl < best_kl:
-            best_i, best_kl = i, kl
+        return math.inf if ps is None or qs is None else _kl(ps, qs)
+
+    # coarse to fine: every 32 bins from LEVELS (and the full range), then every 4 bins around the best
+    coarse = sorted(set(range(LEVELS, hist.size + 1, ENTROPY_COARSE)) | {hist.size})
+    kls = {i: kl_at(i) for i in coarse}
+    best = min(kls, key=lambda i: (kls[i], i))
+    fine = range(max(LEVELS, best - ENTROPY_COARSE), min(hist.size, best + ENTROPY_COARSE) + 1, ENTROPY_FINE)
+    kls.update({i: kl_at(i) for i in fine if i not in kls})
+    best_i = min(kls, key=lambda i: (kls[i], i))
     return best_i
 
 
