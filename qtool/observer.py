@@ -16,7 +16,9 @@ the same single pass as the real outputs:
              of the activation bytes of a ReLU/ReLU6 network.
     count    Size of the flattened tensor, or channel maxima x the static H x W
     sample   only for tensors whose method needs a histogram: Slice(flat, step = s - s % 2
-             + 1, s = Size // K), a strided sample of ~K values (K/2..2K) per batch
+             + 1, s = Size // K), a strided sample of ~K values (K/2..2K) per batch; for the
+             non-negative 4-D tensors above, of MaxPool(t, 1x1 window, stride 2) (every
+             other row and column, on the NCHWc layout), so they still need no full reorder
 
 Python receives a few scalars and bounded samples per tensor and batch, and folds them
 into fixed-size summaries (qtool.statistics) before the next batch. The odd step keeps
@@ -121,9 +123,19 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
         spatial = dims[2] * dims[3] if image_like and dims[2] and dims[3] else 0
         nodes, outs = [], []
         skip_min = image_like and name in floor_zero
-        need_flat = not skip_min or not spatial or name in sampled
+        # a non-negative 4-D tensor is sampled from every other row and column (MaxPool with a
+        # 1x1 window, on the NCHWc layout): only a quarter of it is reordered and sliced
+        pooled_sample = skip_min and bool(spatial) and name in sampled
+        need_flat = not skip_min or not spatial
         if need_flat:
             nodes.append(helper.make_node("Reshape", [name, flat], [f"{p}_flat"], name=f"{p}_reshape"))
+        sample_source = f"{p}_flat"
+        if pooled_sample:
+            nodes += [helper.make_node("MaxPool", [name], [f"{p}_sub"], kernel_shape=[1, 1], strides=[2, 2],
+                                       name=f"{p}_subsample"),
+                      helper.make_node("Reshape", [f"{p}_sub", flat], [f"{p}_subflat"], name=f"{p}_subreshape"),
+                      helper.make_node("Size", [f"{p}_subflat"], [f"{p}_subsize"], name=f"{p}_subsize")]
+            sample_source = f"{p}_subflat"
         if image_like:
             # GlobalMaxPool runs on onnxruntime's blocked NCHWc layout: no reorder to NCHW
             nodes.append(helper.make_node("GlobalMaxPool", [name], [f"{p}_max"], name=f"{p}_gmp"))
@@ -143,11 +155,12 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
             size_name = f"{p}_size"
         sample_name = ""
         if name in sampled:
-            nodes += [helper.make_node("Div", [f"{p}_size", limit], [f"{p}_s"], name=f"{p}_div"),
+            counted = f"{p}_subsize" if pooled_sample else f"{p}_size"
+            nodes += [helper.make_node("Div", [counted, limit], [f"{p}_s"], name=f"{p}_div"),
                       helper.make_node("Mod", [f"{p}_s", two], [f"{p}_odd"], name=f"{p}_mod"),
                       helper.make_node("Sub", [f"{p}_s", f"{p}_odd"], [f"{p}_even"], name=f"{p}_sub"),
                       helper.make_node("Add", [f"{p}_even", one], [f"{p}_step"], name=f"{p}_step"),
-                      helper.make_node("Slice", [f"{p}_flat", f"{_PREFIX}_zero", f"{_PREFIX}_end",
+                      helper.make_node("Slice", [sample_source, f"{_PREFIX}_zero", f"{_PREFIX}_end",
                                                  f"{_PREFIX}_zero", f"{p}_step"], [f"{p}_sample"],
                                        name=f"{p}_slice")]
             outs.append(helper.make_tensor_value_info(f"{p}_sample", elem, [None]))
