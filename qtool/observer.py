@@ -17,8 +17,8 @@ the same single pass as the real outputs:
     count    Size of the flattened tensor, or channel maxima x the static H x W
     sample   only for tensors whose method needs a histogram: Slice(flat, step = s - s % 2
              + 1, s = Size // K), a strided sample of ~K values (K/2..2K) per batch; for the
-             non-negative 4-D tensors above, of MaxPool(t, 1x1 window, stride 2) (every
-             other row and column, on the NCHWc layout), so they still need no full reorder
+             non-negative 4-D tensors above, of MaxPool(t, 1x1 window, stride 2 or 4: a grid
+             of rows and columns, on the NCHWc layout), so they still need no full reorder
 
 Python receives a few scalars and bounded samples per tensor and batch, and folds them
 into fixed-size summaries (qtool.statistics) before the next batch. The odd step keeps
@@ -69,6 +69,13 @@ def _shapes(model: onnx.ModelProto) -> dict[str, list]:
     graph = inferred.graph
     return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
             for v in [*graph.value_info, *graph.output, *graph.input] if v.type.tensor_type.HasField("shape")}
+
+
+def pool_stride(height: int, width: int) -> int:
+    """Row/column stride of the grid sample of a non-negative 4-D tensor: 4 from 28x28 maps up,
+    2 from 8x8, else 1 (every position), so even small maps give many values per channel."""
+    side = min(height, width)
+    return 4 if side >= 28 else 2 if side >= 8 else 1
 
 
 def nonnegative(model: onnx.ModelProto) -> set[str]:
@@ -123,15 +130,16 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
         spatial = dims[2] * dims[3] if image_like and dims[2] and dims[3] else 0
         nodes, outs = [], []
         skip_min = image_like and name in floor_zero
-        # a non-negative 4-D tensor is sampled from every other row and column (MaxPool with a
-        # 1x1 window, on the NCHWc layout): only a quarter of it is reordered and sliced
+        # a non-negative 4-D tensor is sampled from a grid of rows and columns (MaxPool with a
+        # 1x1 window, on the NCHWc layout): only 1/4 or 1/16 of it is reordered and sliced
         pooled_sample = skip_min and bool(spatial) and name in sampled
         need_flat = not skip_min or not spatial
         if need_flat:
             nodes.append(helper.make_node("Reshape", [name, flat], [f"{p}_flat"], name=f"{p}_reshape"))
         sample_source = f"{p}_flat"
         if pooled_sample:
-            nodes += [helper.make_node("MaxPool", [name], [f"{p}_sub"], kernel_shape=[1, 1], strides=[2, 2],
+            stride = pool_stride(dims[2], dims[3])
+            nodes += [helper.make_node("MaxPool", [name], [f"{p}_sub"], kernel_shape=[1, 1], strides=[stride, stride],
                                        name=f"{p}_subsample"),
                       helper.make_node("Reshape", [f"{p}_sub", flat], [f"{p}_subflat"], name=f"{p}_subreshape"),
                       helper.make_node("Size", [f"{p}_subflat"], [f"{p}_subsize"], name=f"{p}_subsize")]

@@ -82,11 +82,11 @@ def test_workers_equal_a_single_run(tmp_path):
 
 
 def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
-    model = prepare(conv_model(np.random.default_rng(0), activation="Relu"), False, "m", True)
+    model = prepare(conv_model(np.random.default_rng(0), activation="Relu", size=32), False, "m", True)
     names = [n.output[0] for n in model.graph.node]
     relu = next(n.output[0] for n in model.graph.node if n.op_type == "Relu")
     rng = np.random.default_rng(1)
-    feeds = [rng.normal(size=(b, 8, 12, 12)).astype(np.float32) for b in (1, 3, 2, 5)]
+    feeds = [rng.normal(size=(b, 8, 32, 32)).astype(np.float32) for b in (1, 3, 2, 5)]
     got = observe(model, names, [Batch([str(i)], {"x": f}) for i, f in enumerate(feeds)], histogram_for=names,
                   sample_limit=256)
     import onnxruntime as ort
@@ -97,9 +97,9 @@ def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
         want.sample_limit = 256
         for f in feeds:
             array = session.run([name], {"x": f})[0]
-            if name == relu:  # non-negative 4-D: sampled from every other row and column, min not observed
+            if name == relu:  # non-negative 4-D: sampled from every 4th row and column, min not observed
                 want.add_extremes(0.0, float(array.max()), array.size)
-                flat = array[:, :, ::2, ::2].reshape(-1)
+                flat = np.ascontiguousarray(array[:, :, ::4, ::4]).reshape(-1)
                 s = flat.size // 256
                 want.add_sample(flat[::s - s % 2 + 1])
             else:
@@ -107,7 +107,7 @@ def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
         want.flush()
         assert (got[name].min, got[name].max, got[name].count) == (want.min, want.max, want.count), name
         np.testing.assert_array_equal(got[name].hist, want.hist, err_msg=name)  # the same strided sample
-        assert 64 * len(feeds) <= got[name].sampled < got[name].count / 4  # bounded, not everything
+        assert 64 * len(feeds) <= got[name].sampled < got[name].count / 8  # bounded, not everything
 
 
 def test_method_by_op_type_and_tensor_pattern(tmp_path):
