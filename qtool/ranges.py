@@ -98,32 +98,38 @@ def _smooth(dist: np.ndarray, eps: float = 1e-4) -> Optional[np.ndarray]:
     return out if (out > 0).all() else None
 
 
-def entropy_threshold(hist: np.ndarray) -> int:
+def entropy_threshold(hist: np.ndarray, levels: int = LEVELS) -> int:
     """TensorRT's recipe on a linear histogram of |x|: the number of bins to keep.
 
     For each candidate i (from LEVELS bins up): the reference P is the first i bins with
-    the mass beyond folded into bin i-1; Q quantizes those i bins into LEVELS levels
+    the mass beyond folded into bin i-1; Q quantizes those i bins into `levels` levels
     (each level's mass spread evenly over its non-empty bins). The smallest KL(P||Q)
-    wins (searched coarse to fine). Folding the tail makes clipping costly only in proportion to its mass, so a
-    heavy rare tail is clipped and a uniform distribution keeps its whole range."""
+    wins (searched coarse to fine). Folding the tail makes clipping costly only in
+    proportion to its mass, so a heavy rare tail is clipped and a uniform distribution
+    keeps its whole range. As in NVIDIA's own implementation (pytorch-quantization), the
+    first bin takes the count of the second: the exact zeros of a ReLU are a spike that
+    no threshold represents better or worse, but it would dominate the KL and drive the
+    threshold down to where the spike's level is narrowest (0.7 of 6 on ReLU6 outputs)."""
+    hist = hist.astype(np.float64).copy()
+    if hist.size > 1:
+        hist[0] = hist[1]
     total = hist.sum()
     if total <= 0:
         return hist.size
-    hist = hist.astype(np.float64)
     suffix = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])
     nonzero = (hist != 0).astype(np.float64)
     mass = np.concatenate([[0.0], np.cumsum(hist)])  # prefix sums: a level's mass and its non-empty bins
     filled = np.concatenate([[0.0], np.cumsum(nonzero)])
-    levels = np.arange(LEVELS + 1)
+    grid = np.arange(levels + 1)
 
     def kl_at(i: int) -> float:
         p = hist[:i].copy()
         p[-1] += suffix[i]
-        # LEVELS chunks of (nearly) equal numbers of bins, as np.array_split makes them
-        edges = (levels * i) // LEVELS
+        # `levels` chunks of (nearly) equal numbers of bins, as np.array_split makes them
+        edges = (grid * i) // levels
         sums = mass[edges[1:]] - mass[edges[:-1]]
         nz_per = filled[edges[1:]] - filled[edges[:-1]]
-        per_bin = np.divide(sums, nz_per, out=np.zeros(LEVELS), where=nz_per > 0)
+        per_bin = np.divide(sums, nz_per, out=np.zeros(levels), where=nz_per > 0)
         q = np.repeat(per_bin, np.diff(edges)) * nonzero[:i]
         ps, qs = _smooth(p), _smooth(q)
         return math.inf if ps is None or qs is None else _kl(ps, qs)
@@ -143,7 +149,8 @@ def entropy(stats: TensorStats, calib: CalibrationConfig) -> tuple[float, float]
     if top <= 0:
         return stats.min, stats.max
     lin = histogram.abs_linear(_hist(stats), top, BINS)
-    t = entropy_threshold(lin) * top / BINS
+    # Q has 128 levels per side for a signed tensor, 256 for a non-negative one (its uint8 grid)
+    t = entropy_threshold(lin, LEVELS if stats.min < 0 else 2 * LEVELS) * top / BINS
     return _symmetric(*_clip_to(stats, t)) if calib.symmetric else _clip_to(stats, t)
 
 
