@@ -67,7 +67,7 @@ class PreprocessConfig:
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    method: str = "minmax"
+    method: str = "minmax"  # the only method that keeps every kit model's floor (README, "Calibration engine")
     num_samples: Optional[int] = None  # None: every sample in the data folder
     batch_size: int = 8
     percentile: float = 99.99  # percentile method: kept fraction of |x| (symmetric) or of each tail
