@@ -163,7 +163,9 @@ def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: Calib
     """Collect one shard's statistics (with histograms for every tensor) and write them to `output`."""
     from qtool.calibrate import collect_statistics, prepared_model
     from qtool.modelio import sha256_file
+    from qtool.ranges import check_method
 
+    check_method(calib.method)  # the shard file serves any method, but a typo should fail now
     if calib.workers > 1:
         stats, seen = collect_parallel(model_path, data, preprocess, calib, options, shard, force_histograms=True)
     else:
