@@ -53,6 +53,9 @@ def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
     """
     dtype = options.activation_dtype
     final = {name: include_zero(*ranges[name]) for name in plan.activations if name in ranges}
+    for name, value in plan.include_values.items():  # a Pad's constant border must not be clipped
+        if name in final:
+            final[name] = (min(final[name][0], value), max(final[name][1], value))
     imposed = {name: _fixed_params(plan, name, dtype) for name in plan.fixed if name in final}
     for group in plan.tie_groups:
         members = [n for n in group if n in final]

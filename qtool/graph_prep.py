@@ -12,6 +12,7 @@ import onnx
 from onnx import numpy_helper, version_converter
 
 from qtool import modelio
+from qtool.bn_fold import fold_batchnorm
 from qtool.errors import QtoolError
 
 _SHAPE_ONLY_BYTES = 1 << 16  # initializers above this lose their payload in the >2 GiB shape-inference copy
@@ -153,4 +154,5 @@ def prepare(model: onnx.ModelProto, upgrade_opset: bool = False, path: object = 
     prepared = check_opset(prepared, upgrade_opset, path, per_channel)
     constants_to_initializers(prepared)
     remove_identities(prepared)
+    fold_batchnorm(prepared)
     return infer_shapes(prepared)

@@ -15,6 +15,7 @@ import onnx
 
 from qtool.config import QuantizeConfig
 from qtool.ops import OpRule, attribute, rule_for
+from qtool.ops.pad import pad_value
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class QuantPlan:
     quantized_nodes: list[str] = field(default_factory=list)
     float_nodes: list[str] = field(default_factory=list)  # nodes left in float, with their op type
     fused: list[str] = field(default_factory=list)  # compute outputs absorbed by the activation after them
+    # tensor -> a real value its range must contain (a Pad's non-zero constant border)
+    include_values: dict[str, float] = field(default_factory=dict)
 
     def group_of(self) -> dict[str, int]:
         return {t: i for i, group in enumerate(self.tie_groups) for t in group}
@@ -149,13 +152,23 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
                 plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
                 continue
         _plan_node(node, rule, inputs, ctx, plan, want, fused)
-        out = node.output[0] if node.output else ""
-        if out and out not in fused and out not in ctx.graph_outputs and ctx.is_float(out):
-            want(out)
-            if rule.output == "tie":
-                ties.append([n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized] + [out])
-            elif rule.output == "fixed":
-                plan.fixed[out] = rule
+        # A tie op's every float output (Split has several) shares the input's parameters;
+        # other ops quantize their first output (MaxPool's second one is int64 indices).
+        outputs = [o for o in node.output if o] if rule.output == "tie" else list(node.output[:1])
+        tied_inputs = [n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized]
+        tied_outputs = []
+        for out in outputs:
+            if out and out not in fused and out not in ctx.graph_outputs and ctx.is_float(out):
+                want(out)
+                tied_outputs.append(out)
+                if rule.output == "fixed":
+                    plan.fixed[out] = rule
+        if rule.output == "tie" and tied_outputs:
+            ties.append(tied_inputs + tied_outputs)
+            if node.op_type == "Pad":
+                value = pad_value(node, ctx)
+                if value != 0.0:
+                    plan.include_values[tied_outputs[0]] = value
         plan.quantized_nodes.append(_node_label(node))
 
     plan.activations = ordered

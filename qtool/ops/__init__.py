@@ -72,4 +72,5 @@ def attribute(node: onnx.NodeProto, name: str, default=None):
 
 
 # Importing the rule modules fills RULES.
-from qtool.ops import activations, conv, elementwise, gemm, matmul, pooling, shape_ops, softmax  # noqa: E402,F401
+from qtool.ops import (activations, conv, elementwise, gemm, matmul, pad, pooling, resize,  # noqa: E402,F401
+                       shape_ops, softmax)
