@@ -126,6 +126,11 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
         user_rule = rules.get(user_index)
         if user_rule is not None and user_rule.fusable_activation:
             fused.add(out)
+        elif (options.target == "tensorrt" and rule.weight is not None and users[0].op_type == "Add"
+              and user_rule is not None and not any(i in fused for i in users[0].input)):
+            # TensorRT fuses a weighted layer into the residual Add after it (Conv+Add+Relu):
+            # the layer's output gets no Q/DQ, the Add's other input does.
+            fused.add(out)
     plan.fused = sorted(fused)
 
     quantized: set[str] = set()

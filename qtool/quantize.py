@@ -19,6 +19,7 @@ from qtool.plan import QuantPlan, build_plan
 from qtool.qparams import MIN_SCALE, QParams
 from qtool.rewrite import check_no_bad_scales, quantize_graph
 from qtool.table import CalibrationTable
+from qtool.targets import check_model as check_target, weight_qmax
 
 
 @dataclass
@@ -90,8 +91,13 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     plan = build_plan(model, options)
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
-    qmodel, notes = quantize_graph(model, plan, params, options.per_channel)
+    qmodel, notes = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range))
     check_no_bad_scales(qmodel)
+    problems = check_target(qmodel, options, plan)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
+        notes.append(f"the model does not satisfy target {options.target}'s constraints "
+                     f"({len(problems)} problem(s), from the options overriding the preset): {shown}")
     try:
         check_model(qmodel, full_check=True)
     except onnx.checker.ValidationError as exc:

@@ -66,7 +66,7 @@ class _Builder:
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
-                   per_channel: bool = True) -> tuple[onnx.ModelProto, list[str]]:
+                   per_channel: bool = True, weight_qmax: int = qp.WEIGHT_QMAX) -> tuple[onnx.ModelProto, list[str]]:
     """Return the QDQ model and notes about what was adjusted (bias overflow, ...)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -81,7 +81,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     for name, wplan in plan.weights.items():
         weight = numpy_helper.to_array(float_inits[name])
         axis = wplan.axis if per_channel else None
-        weight_scales[name] = qp.weight_scales(weight, axis)
+        weight_scales[name] = qp.weight_scales(weight, axis, weight_qmax)
         weight_data[name] = weight
 
     # Biases: int32, scale exactly s_in * s_w[c]; widen a channel's weight scale where the
@@ -121,7 +121,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     for name, weight in weight_data.items():
         axis = plan.weights[name].axis if per_channel else None
         scales = weight_scales[name]
-        q = qp.quantize_weight(weight, scales, axis)
+        q = qp.quantize_weight(weight, scales, axis, weight_qmax)
         replace[name] = builder.dequantized_constant(name, q, scales, np.zeros(scales.shape, np.int8),
                                                      axis if scales.ndim else None)
     for name, (q, scale) in bias_arrays.items():
