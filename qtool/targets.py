@@ -100,10 +100,14 @@ def describe(options) -> str:
 
 
 def check_model(model: onnx.ModelProto, options, plan=None) -> list[str]:
-    """Constraint violations of the written QDQ model against the options of its target."""
+    """Constraint violations of the written QDQ model: the target's hard requirements (an option
+    overriding the preset can break them) and the options it was written with."""
     inits = {t.name: t for t in model.graph.initializer}
     problems: list[str] = []
-    expected = np.int8 if options.activation_dtype == "int8" else np.uint8
+    # TensorRT and LiteRT run int8 activations only (TensorRT: zero point 0 only); ort-cpu runs either.
+    hard_int8 = options.target in ("tensorrt", "litert")
+    expected = np.int8 if hard_int8 or options.activation_dtype == "int8" else np.uint8
+    symmetric = options.target == "tensorrt" or options.symmetric_activations
     qmax = weight_qmax(options.reduce_range)
     params: dict[str, tuple[float, int]] = {}  # quantized tensor -> (scale, zero point)
     for node in model.graph.node:
@@ -117,7 +121,7 @@ def check_model(model: onnx.ModelProto, options, plan=None) -> list[str]:
         if node.op_type == "QuantizeLinear":  # an activation
             if zero.dtype != expected:
                 problems.append(f"{node.input[0]}: activation type {zero.dtype}, target wants {expected.__name__}")
-            elif options.symmetric_activations and int(zero) != (0 if expected == np.int8 else 128):
+            elif symmetric and int(zero) != (0 if expected == np.int8 else 128):
                 problems.append(f"{node.input[0]}: zero point {int(zero)} on a symmetric target")
             params[node.input[0]] = (float(scale), int(zero))
         elif node.input[0] in inits and zero.dtype == np.int8:  # a weight
