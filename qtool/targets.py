@@ -132,7 +132,9 @@ def check_model(model: onnx.ModelProto, options, plan=None) -> list[str]:
                 problems.append(f"{node.input[0]}: per-tensor weight on a per-channel target")
     if plan is not None:
         for group in plan.tie_groups:
-            found = {params[n] for n in group if n in params}
+            # a fixed-range member (Softmax) keeps its spec parameters when the others do not fit in
+            # them (calibrate.resolve_qparams); the others must still agree among themselves
+            found = {params[n] for n in group if n in params and n not in plan.fixed}
             if len(found) > 1:
                 problems.append(f"shared-scale group {group[:3]}...: parameters differ")
         if options.target == "litert":

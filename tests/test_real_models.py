@@ -128,3 +128,38 @@ def test_real_model_end_to_end(name, tmp_path):
     failed = [what for what, check in spec.checks.items() if not check(report)]
     assert not failed, f"{name}: {failed}; report: {json.dumps({k: report.get(k) for k in ('outputs', 'classification')})}"
 
+
+
+@pytest.mark.parametrize("target", ["ort-cpu", "tensorrt", "litert"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_kit_model_quantizes_with_each_preset_and_runs(name, target, tmp_path):
+    """Few samples (2 to calibrate, 1 to run): the point is that every preset's model is valid,
+    meets its target's constraints and runs in onnxruntime with finite outputs."""
+    import numpy as np
+
+    from qtool.config import QuantizeConfig
+    from qtool.dataset import batches, open_data
+    from qtool.modelio import input_specs
+    from qtool.runtime import create_session
+    from qtool.targets import check_model
+
+    spec = SPECS[name]
+    model = kit_path("models", name)
+    int8 = tmp_path / "int8.onnx"
+    if spec.images:
+        data, extra = kit_path("data", "calib", "images"), ("--config", EFFNET_CONFIG)
+    else:
+        data, extra = _split(model.stem, tmp_path)[0], ()
+    runner = CliRunner()
+    result = runner.invoke(main, [str(a) for a in ("quantize", model, "--data", data, "--num-samples", 2,
+                                                   "--target", target, *spec.flags, *extra, "-o", int8)])
+    assert result.exit_code == 0, result.stderr[-3000:]
+    assert "does not satisfy" not in result.stderr
+    quantized = onnx.load(str(int8))
+    assert check_model(quantized, QuantizeConfig(target=target)) == []
+    assert sum(n.op_type == "QuantizeLinear" for n in quantized.graph.node) > 0
+    from qtool.config import load_config
+    preprocess = load_config(EFFNET_CONFIG).preprocess if spec.images else load_config(None).preprocess
+    batch = next(batches(open_data(data, input_specs(quantized), preprocess), 1, 1))
+    outputs = create_session(quantized, threads=1).run(None, batch.feeds)
+    assert all(np.all(np.isfinite(o)) for o in outputs if o.dtype.kind == "f")
