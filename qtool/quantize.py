@@ -11,6 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.calibrate import resolve_qparams
+from qtool.channel_pad import pad_input_channels
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph_prep import prepare
@@ -92,6 +93,10 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
     qmodel, notes = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range))
+    if options.target == "ort-cpu":
+        for name in pad_input_channels(qmodel):
+            notes.append(f"input '{name}' padded with zero channels to a multiple of 4 before its QuantizeLinear, "
+                         "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
     check_no_bad_scales(qmodel)
     problems = check_target(qmodel, options, plan)
     if problems:
