@@ -50,8 +50,8 @@ MODELS = {
     "rapidocr_v4_det": (KIT / "inputs" / "rapidocr_v4_det" / "calib", None, True),
 }
 # The DB detector's samples have different sizes (longer side <= 960, multiples of 32);
-# timing needs one shape: the samples are centre-cropped to this (a typical text-crop size).
-DET_TIMING_SIZE = (480, 480)
+# timing needs one shape: the samples at least this large are centre-cropped to it.
+DET_TIMING_SIZE = (320, 320)
 
 
 class _Reader:
@@ -83,9 +83,11 @@ def _crop(array: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 def _timing_feeds(samples: list[dict], batch: int, model: str) -> dict:
     name = next(iter(samples[0]))
-    arrays = [s[name] for s in samples[:batch]]
-    if model == "rapidocr_v4_det":
-        arrays = [_crop(a, DET_TIMING_SIZE) for a in arrays]
+    arrays = [s[name] for s in samples]
+    if model == "rapidocr_v4_det":  # the samples at least DET_TIMING_SIZE large, centre-cropped to it
+        arrays = [_crop(a, DET_TIMING_SIZE) for a in arrays if a.shape[-2] >= DET_TIMING_SIZE[0]
+                  and a.shape[-1] >= DET_TIMING_SIZE[1]]
+    arrays = arrays[:batch]
     while len(arrays) < batch:
         arrays += arrays[:batch - len(arrays)]
     return {name: np.ascontiguousarray(np.concatenate(arrays))}
@@ -98,7 +100,6 @@ def build_variants(model: str, work: Path, calib_samples: int) -> tuple[dict[str
     # fp32 reference: the model as a user has it (opset-upgraded where onnxruntime's and qtool's QDQ need it)
     fp32_path = work / f"{model}_fp32.onnx"
     prepared_path = work / f"{model}_prepared.onnx"
-    base = QuantizeConfig(upgrade_opset=upgrade)
     if upgrade:
         from qtool.graph_prep import check_opset
         save_model(check_opset(load_model(source), True, source), fp32_path)
@@ -120,7 +121,6 @@ def build_variants(model: str, work: Path, calib_samples: int) -> tuple[dict[str
                     per_channel=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                     calibrate_method=CalibrationMethod.MinMax)
     variants["onnxruntime u8s8"] = str(ort_out)
-    del base
     return variants, samples
 
 

@@ -7,9 +7,9 @@ convolution reads RGB (3 channels), misses that path and falls back to im2col + 
 K of 27: on EfficientNet-Lite0 (batch 8, 1 thread) the stem alone then costs as much in
 int8 as in fp32 (3.6 ms), and 2.3 ms with a fourth channel.
 
-The rewrite: the float graph input gets a zero fourth channel (Pad on axis 1) before its
-QuantizeLinear, and the stem's int8 weight a zero input channel. Real 0 quantizes to the
-zero point, and zero weights add nothing, so the outputs are bit-identical. Applied only where
+The rewrite: the quantized graph input gets a fourth channel filled with its zero point (real
+0; a Pad between its QuantizeLinear and DequantizeLinear), and the stem's int8 weight a zero
+input channel. Zero weights add nothing, so the outputs are bit-identical. Applied only where
 the quantized input feeds nothing but such convolutions (anything else would see the
 extra channel). The padded tensor has a new name, so no tool mistakes it for the fp32 input.
 """
@@ -62,16 +62,17 @@ def pad_input_channels(model: onnx.ModelProto) -> list[str]:
         pads = np.zeros(2 * rank, np.int64)
         pads[rank + 1] = extra  # end of axis 1
         graph.initializer.append(numpy_helper.from_array(pads, pads_name))
-        pad_out = name + PAD_SUFFIX
-        pad = helper.make_node("Pad", [name, pads_name], [pad_out], name=name + PAD_SUFFIX, mode="constant")
-        old_q, old_dq = q.output[0], dqs[0].output[0]
-        q.input[0] = pad_out
-        q.output[0] = old_q.replace(name, pad_out, 1)
-        dqs[0].input[0] = q.output[0]
-        dqs[0].output[0] = old_dq.replace(name, pad_out, 1)
+        # Pad the quantized tensor with its zero point (real 0): a quarter of the bytes a float Pad
+        # would move (measured 1.0 ms in float against 0.2 ms in uint8 at batch 8).
+        pad_name = name + PAD_SUFFIX
+        pad_out = q.output[0].replace(name, pad_name, 1)
+        pad = helper.make_node("Pad", [q.output[0], pads_name, q.input[2]], [pad_out], name=pad_name, mode="constant")
+        dqs[0].input[0] = pad_out
+        dqs[0].output[0] = dqs[0].output[0].replace(name, pad_name, 1)
         for conv in convs:
             conv.input[0] = dqs[0].output[0]
-        nodes = [pad] + list(graph.node)
+        nodes = list(graph.node)
+        nodes.insert(nodes.index(q) + 1, pad)
         del graph.node[:]
         graph.node.extend(nodes)
         padded.append(name)

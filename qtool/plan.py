@@ -44,6 +44,8 @@ class QuantPlan:
     quantized_nodes: list[str] = field(default_factory=list)
     float_nodes: list[str] = field(default_factory=list)  # nodes left in float, with their op type
     fused: list[str] = field(default_factory=list)  # compute outputs absorbed by the activation after them
+    # float constant operands stored quantized per tensor (Add/Mul operands) -> first node reading them
+    constants: dict[str, str] = field(default_factory=dict)
     # tensor -> a real value its range must contain (a Pad's non-zero constant border)
     include_values: dict[str, float] = field(default_factory=dict)
 
@@ -196,7 +198,10 @@ def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphContext, plan: Q
         if i == rule.weight and constant_weight:
             continue
         if ctx.is_constant(name):
-            continue  # constant non-weight inputs (e.g. an Add's bias vector) stay float
+            # constant non-weight inputs stay float unless the rule stores them quantized
+            if rule.quantize_constants and ctx.is_float(name) and name not in plan.weights:
+                plan.constants.setdefault(name, _node_label(node))
+            continue
         want(name)
     if constant_weight and weight_name not in plan.weights:
         rank = ctx.rank(weight_name)

@@ -92,10 +92,11 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     plan = build_plan(model, options)
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
-    qmodel, notes = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range))
+    qmodel, notes = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
+                                   options.activation_dtype, options.symmetric_activations)
     if options.target == "ort-cpu":
         for name in pad_input_channels(qmodel):
-            notes.append(f"input '{name}' padded with zero channels to a multiple of 4 before its QuantizeLinear, "
+            notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
                          "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
     check_no_bad_scales(qmodel)
     problems = check_target(qmodel, options, plan)

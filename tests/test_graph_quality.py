@@ -200,14 +200,14 @@ def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkey
     table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(num_samples=4), options, progress=False)
     padded = quantize_module.quantize_model(EFFNET, table, options)
     assert any("padded with zero channels" in n for n in padded.notes)
-    pad = padded.model.graph.node[0]
-    assert pad.op_type == "Pad" and pad.input[0] == "input"
+    pad = next(n for n in padded.model.graph.node if n.op_type == "Pad")
+    assert pad.input[0] == "input_QuantizeLinear_Output" and pad.input[2] == "input_zero_point"
     stem = next(n for n in padded.model.graph.node if n.op_type == "Conv")
     weights = {t.name: numpy_helper.to_array(t) for t in padded.model.graph.initializer}
     dq = next(n for n in padded.model.graph.node if n.output[0] == stem.input[1])
     assert weights[dq.input[0]].shape[1] == 4 and not weights[dq.input[0]][:, 3].any()
     monkeypatch.setattr(quantize_module, "pad_input_channels", lambda model: [])
     plain = quantize_module.quantize_model(EFFNET, table, options)
-    assert plain.model.graph.node[0].op_type != "Pad"
+    assert not any(n.op_type == "Pad" for n in plain.model.graph.node)
     x = np.random.default_rng(0).normal(0, 1, (2, 3, 224, 224)).astype(np.float32)
     np.testing.assert_array_equal(_run(padded.model, {"input": x})[0], _run(plain.model, {"input": x})[0])
