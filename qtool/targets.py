@@ -110,6 +110,10 @@ def check_model(model: onnx.ModelProto, options, plan=None) -> list[str]:
     symmetric = options.target == "tensorrt" or options.symmetric_activations
     qmax = weight_qmax(options.reduce_range)
     params: dict[str, tuple[float, int]] = {}  # quantized tensor -> (scale, zero point)
+    # A weight is a dequantized constant read as a Conv/ConvTranspose/Gemm/MatMul's second input;
+    # other dequantized int8/uint8 constants (Add/Mul operands) are quantized like activations.
+    weight_inputs = {n.input[1] for n in model.graph.node
+                     if n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(n.input) > 1}
     for node in model.graph.node:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
             continue
@@ -118,13 +122,17 @@ def check_model(model: onnx.ModelProto, options, plan=None) -> list[str]:
             continue
         if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
             problems.append(f"{node.name}: scale not finite and positive")
-        if node.op_type == "QuantizeLinear":  # an activation
+        constant = node.op_type == "DequantizeLinear" and node.input[0] in inits
+        is_weight = constant and node.output[0] in weight_inputs
+        if node.op_type == "QuantizeLinear" or (constant and not is_weight and zero.dtype != np.int32):
+            # an activation, or a constant operand quantized like one
             if zero.dtype != expected:
                 problems.append(f"{node.input[0]}: activation type {zero.dtype}, target wants {expected.__name__}")
             elif symmetric and int(zero) != (0 if expected == np.int8 else 128):
                 problems.append(f"{node.input[0]}: zero point {int(zero)} on a symmetric target")
-            params[node.input[0]] = (float(scale), int(zero))
-        elif node.input[0] in inits and zero.dtype == np.int8:  # a weight
+            if node.op_type == "QuantizeLinear":
+                params[node.input[0]] = (float(scale), int(zero))
+        elif is_weight and zero.dtype == np.int8:
             q = numpy_helper.to_array(inits[node.input[0]])
             if np.any(zero != 0) or q.min(initial=0) < -qmax or q.max(initial=0) > qmax:
                 problems.append(f"{node.input[0]}: weight outside [-{qmax}, {qmax}] or zero point not 0")
