@@ -113,6 +113,16 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
             continue
         rules[index] = rule
 
+    # A Relu/Clip after a float op (no rule, excluded) runs in float with it: quantizing its input
+    # would only add a Q/DQ pair that no kernel absorbs (onnxruntime leaves DQ -> Q behind).
+    nodes_list = list(model.graph.node)
+    for index in [i for i, r in rules.items() if r.fusable_activation]:
+        producer = ctx.producer.get(nodes_list[index].input[0])
+        if producer is not None and nodes_list.index(producer) not in rules:
+            node = nodes_list[index]
+            del rules[index]
+            plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
+
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
     fused: set[str] = set()
     nodes = list(model.graph.node)
