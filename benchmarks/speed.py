@@ -124,6 +124,68 @@ def build_variants(model: str, work: Path, calib_samples: int) -> tuple[dict[str
     return variants, samples
 
 
+def conv_kinds(fp32_path: str) -> dict[str, str]:
+    """Profiler node name -> kind of Conv ("depthwise", "pointwise", "other conv"). onnxruntime names
+    an int8 kernel after the fp32 Conv node (QLinearConv "<conv>_token_N"), an fp32 NCHWc kernel
+    after the tensor it writes ("<conv or fused Clip output>_nchwc")."""
+    import onnx
+
+    model = onnx.load(fp32_path)
+    inits = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    kinds = {}
+    for node in model.graph.node:
+        if node.op_type != "Conv" or node.input[1] not in inits:
+            continue
+        dims = inits[node.input[1]].dims
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        kind = "depthwise" if group > 1 and dims[1] == 1 else "pointwise" if list(dims[2:]) == [1, 1] else "other conv"
+        kinds[node.name] = kind
+        for out in [node.output[0]] + [r.output[0] for r in readers.get(node.output[0], []) if r.op_type == "Clip"]:
+            kinds[out + "_nchwc"] = kind
+    return kinds
+
+
+def by_conv_kind(events: list, kinds: dict[str, str], runs: int) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for event in events:
+        name = event["name"][: -len("_kernel_time")]
+        kind = kinds.get(name) or kinds.get(name.split("_token_")[0]) or "not a conv"
+        totals[kind] = totals.get(kind, 0.0) + event["dur"] / 1000.0 / runs
+    return totals
+
+
+def profile_ops(path: str, feeds: dict, threads: int = 1, runs: int = 5,
+                kinds: dict[str, str] | None = None) -> dict[str, float]:
+    """Milliseconds per run spent in each op type of onnxruntime's optimized graph (its profiler),
+    and with `kinds` per kind of Conv ("conv: depthwise", ...)."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(tmp, "profile")
+        options.log_severity_level = 3
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        for _ in range(runs + 1):
+            session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    totals: dict[str, float] = {}
+    kernel_events = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    per_run = len(kernel_events) // (runs + 1)
+    for event in kernel_events[per_run:]:  # the first run warms up
+        op = event["args"]["op_name"]
+        totals[op] = totals.get(op, 0.0) + event["dur"] / 1000.0 / runs
+    result = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    if kinds:
+        result.update({f"conv: {k}": v for k, v in by_conv_kind(kernel_events[per_run:], kinds, runs).items()})
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -133,6 +195,8 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="5 timed runs, 8 calibration samples")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "speed.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where each variant's time goes (ms per op type, batch 8, 1 thread)")
     args = parser.parse_args()
     runs, calib_samples = (5, 8) if args.quick else (args.runs, args.calib_samples)
     results = {"load_average": os.getloadavg(), "runs": runs, "calib_samples": calib_samples, "models": {}}
@@ -147,6 +211,15 @@ def main() -> None:
                                  "quantize_linear": k.ops.get("QuantizeLinear", 0),
                                  "dequantize_linear": k.ops.get("DequantizeLinear", 0)}
             entry = {"kernels": kernels, "latency": []}
+            if args.profile:
+                feeds = _timing_feeds(samples, 8, model)
+                kinds = conv_kinds(variants["fp32"])
+                entry["profile_ms"] = {name: profile_ops(path, feeds, kinds=kinds) for name, path in variants.items()}
+                for name, ops in entry["profile_ms"].items():
+                    plain = {op: ms for op, ms in ops.items() if not op.startswith("conv: ")}
+                    top = ", ".join(f"{op} {ms:.1f}" for op, ms in list(plain.items())[:6])
+                    split = ", ".join(f"{op} {ms:.1f}" for op, ms in ops.items() if op.startswith("conv: "))
+                    print(f"{model} {name}: {sum(plain.values()):.1f} ms in kernels: {top} | {split}", flush=True)
             for batch in args.batches:
                 feeds = _timing_feeds(samples, batch, model)
                 for threads in args.threads:
