@@ -130,7 +130,10 @@ def conv_kinds(fp32_path: str) -> dict[str, str]:
     after the tensor it writes ("<conv or fused Clip output>_nchwc")."""
     import onnx
 
+    from qtool.graph_prep import constants_to_initializers
+
     model = onnx.load(fp32_path)
+    constants_to_initializers(model)  # Paddle exports keep weights in Constant nodes
     inits = {t.name: t for t in model.graph.initializer}
     readers: dict[str, list] = {}
     for node in model.graph.node:
