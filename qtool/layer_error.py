@@ -20,6 +20,7 @@ from qtool.macs import node_label
 from qtool.metrics import FidelityAccumulator
 from qtool.observer import with_outputs
 from qtool.channel_pad import PAD_SUFFIX
+from qtool.stem_s2d import S2D_SUFFIX, undo
 from qtool.rewrite import DQ_SUFFIX
 from qtool.runtime import create_session
 
@@ -57,6 +58,9 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
         if tensor.endswith(PAD_SUFFIX) and tensor[: -len(PAD_SUFFIX)] in inputs:
             # an input padded with zero channels (qtool.channel_pad): compared on its real channels
             pairs.append(TensorPair(tensor[: -len(PAD_SUFFIX)], "", "input", -1, out))
+        elif tensor.endswith(S2D_SUFFIX) and tensor[: -len(S2D_SUFFIX)] in inputs:
+            # an input rearranged into 2x2 blocks (qtool.stem_s2d): compared in the input's layout
+            pairs.append(TensorPair(tensor[: -len(S2D_SUFFIX)], "", "input", -1, out))
         elif tensor in inputs:
             pairs.append(TensorPair(tensor, "", "input", -1))
         elif tensor in producers and producers[tensor][1].op_type != "Constant":
@@ -79,6 +83,8 @@ def layer_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable
         ref = dict(zip(ref_names, ref_session.run(ref_names, batch.feeds) if ref_names else []))
         ref.update({name: batch.feeds[name] for name in feeds_only})
         for pair, array in zip(pairs, test_session.run(test_names, batch.feeds)):
+            if pair.test_name.endswith(S2D_SUFFIX + DQ_SUFFIX) and array.ndim == 4:
+                array = undo(array)
             if array.ndim >= 2 and array.shape[1] != ref[pair.tensor].shape[1]:
                 array = array[:, :ref[pair.tensor].shape[1]]  # drop padded zero channels
             fidelity[pair.tensor].update(ref[pair.tensor], array)

@@ -19,6 +19,7 @@ from qtool.modelio import check_model, load_model, sha256_file
 from qtool.plan import QuantPlan, build_plan
 from qtool.qparams import MIN_SCALE, QParams
 from qtool.rewrite import check_no_bad_scales, quantize_graph
+from qtool.stem_s2d import space_to_depth_stems
 from qtool.table import CalibrationTable
 from qtool.targets import check_model as check_target, weight_qmax
 
@@ -95,6 +96,10 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     qmodel, notes = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
                                    options.activation_dtype, options.symmetric_activations)
     if options.target == "ort-cpu":
+        for name in space_to_depth_stems(qmodel):
+            notes.append(f"input '{name}' rearranged into 2x2 blocks (SpaceToDepth) after its QuantizeLinear, "
+                         "so onnxruntime runs the 3x3 stride-2 stem as a 2x2 stride-1 Conv over 12 channels "
+                         "(fewer kernel taps, outputs unchanged)")
         for name in pad_input_channels(qmodel):
             notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
                          "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")

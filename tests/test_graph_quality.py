@@ -198,6 +198,8 @@ def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkey
     cfg = load_config(EFFNET_CONFIG)
     options = QuantizeConfig()
     table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(num_samples=4), options, progress=False)
+    # the stride-2 stem is rewritten as space-to-depth first (tested below); padding is the fallback
+    monkeypatch.setattr(quantize_module, "space_to_depth_stems", lambda model: [])
     padded = quantize_module.quantize_model(EFFNET, table, options)
     assert any("padded with zero channels" in n for n in padded.notes)
     pad = next(n for n in padded.model.graph.node if n.op_type == "Pad")
@@ -211,3 +213,95 @@ def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkey
     assert not any(n.op_type == "Pad" for n in plain.model.graph.node)
     x = np.random.default_rng(0).normal(0, 1, (2, 3, 224, 224)).astype(np.float32)
     np.testing.assert_array_equal(_run(padded.model, {"input": x})[0], _run(plain.model, {"input": x})[0])
+
+
+def _qdq_stem(pads, height=32, out_channels=16, stride=2, kernel=3):
+    """input -> Q -> DQ -> Conv (int8 weight via DQ) -> Q -> DQ: onnxruntime runs it as a QLinearConv."""
+    rng = np.random.default_rng(1)
+    weight = rng.integers(-127, 128, (out_channels, 3, kernel, kernel)).astype(np.int8)
+    nodes = [helper.make_node("QuantizeLinear", ["input", "xs", "xz"], ["input_q"]),
+             helper.make_node("DequantizeLinear", ["input_q", "xs", "xz"], ["input_DequantizeLinear_Output"]),
+             helper.make_node("DequantizeLinear", ["w_q", "ws", "wz"], ["w"], axis=0),
+             helper.make_node("Conv", ["input_DequantizeLinear_Output", "w", "b"], ["y"], kernel_shape=[kernel] * 2,
+                              strides=[stride] * 2, pads=pads),
+             helper.make_node("QuantizeLinear", ["y", "ys", "yz"], ["y_q"]),
+             helper.make_node("DequantizeLinear", ["y_q", "ys", "yz"], ["out"])]
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "xs"),
+             numpy_helper.from_array(np.array(0.01, np.float32), "ys"), numpy_helper.from_array(np.array(128, np.uint8), "yz"), numpy_helper.from_array(np.array(120, np.uint8), "xz"),
+             numpy_helper.from_array(weight, "w_q"),
+             numpy_helper.from_array(rng.uniform(0.001, 0.01, out_channels).astype(np.float32), "ws"),
+             numpy_helper.from_array(np.zeros(out_channels, np.int8), "wz"),
+             numpy_helper.from_array(rng.normal(0, 0.1, out_channels).astype(np.float32), "b")]
+    graph = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT,
+                                                                            ["N", 3, height, height])],
+                              [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["N", out_channels, "h", "w"])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("pads", [[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 0]])
+def test_space_to_depth_stem_rewrite_is_exact_for_every_padding(pads):
+    """3x3 stride-2 stem -> SpaceToDepth + 2x2 stride-1 Conv: same integer sums, identical outputs."""
+    from qtool.stem_s2d import space_to_depth_stems
+
+    model = _qdq_stem(pads)
+    x = np.random.default_rng(0).uniform(-2.5, 2.5, (2, 3, 32, 32)).astype(np.float32)
+    before = _run(model, {"input": x})[0]
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert space_to_depth_stems(rewritten) == ["input"]
+    onnx.checker.check_model(rewritten)
+    conv = next(n for n in rewritten.graph.node if n.op_type == "Conv")
+    assert [list(a.ints) for a in conv.attribute if a.name in ("kernel_shape", "strides")] == [[2, 2], [1, 1]]
+    after = _run(rewritten, {"input": x})[0]
+    assert after.shape == before.shape
+    np.testing.assert_array_equal(after, before)
+
+
+def test_space_to_depth_stem_not_applied_where_it_cannot_hold():
+    from qtool.stem_s2d import space_to_depth_stems
+
+    assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], height=31)) == []  # odd input size
+    assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], stride=1)) == []
+    assert space_to_depth_stems(_qdq_stem([2, 2, 2, 2], kernel=5)) == []
+    assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], out_channels=12)) == []  # ConvSym needs >= 16 outputs
+    dynamic = _qdq_stem([1, 1, 1, 1])
+    dynamic.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
+    assert space_to_depth_stems(dynamic) == []
+
+
+def test_efficientnet_stem_runs_as_space_to_depth_in_integer_kernels(tmp_path, monkeypatch):
+    """ort-cpu: the kit's EfficientNet-Lite0 stem becomes SpaceToDepth (uint8, between the input's Q and
+    DQ) + a 2x2 stride-1 QLinearConv over 12 channels; outputs identical to the channel-padded stem;
+    onnxruntime keeps every Conv integer and adds no Q/DQ; per-layer error still compares the input."""
+    import qtool.quantize as quantize_module
+    from qtool.calibrate import calibrate
+    from qtool.config import CalibrationConfig, load_config
+    from qtool.dataset import Batch
+    from qtool.layer_error import layer_errors
+
+    cfg = load_config(EFFNET_CONFIG)
+    options = QuantizeConfig()
+    table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(num_samples=4), options, progress=False)
+    result = quantize_module.quantize_model(EFFNET, table, options)
+    assert any("SpaceToDepth" in n for n in result.notes)
+    graph = result.model.graph
+    s2d = next(n for n in graph.node if n.op_type == "SpaceToDepth")
+    assert s2d.input[0] == "input_QuantizeLinear_Output" and not any(n.op_type == "Pad" for n in graph.node)
+    stem = next(n for n in graph.node if n.op_type == "Conv")
+    weights = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    dq = next(n for n in graph.node if n.output[0] == stem.input[1])
+    assert weights[dq.input[0]].shape == (32, 12, 2, 2)
+    path = tmp_path / "s2d.onnx"
+    onnx.save(result.model, str(path))
+    monkeypatch.setattr(quantize_module, "space_to_depth_stems", lambda model: [])
+    padded = quantize_module.quantize_model(EFFNET, table, options)
+    assert any(n.op_type == "Pad" for n in padded.model.graph.node)
+    onnx.save(padded.model, str(tmp_path / "padded.onnx"))
+    counts, reference = count_kernels(path), count_kernels(tmp_path / "padded.onnx")
+    assert counts.all_convs_integer and counts.float_convs == 0 and counts.ops.get("SpaceToDepth") == 1
+    for op in ("QuantizeLinear", "DequantizeLinear"):
+        assert counts.ops.get(op, 0) == reference.ops.get(op, 0)
+    x = np.random.default_rng(0).uniform(-1, 1, (2, 3, 224, 224)).astype(np.float32)
+    np.testing.assert_array_equal(_run(result.model, {"input": x})[0], _run(padded.model, {"input": x})[0])
+    errors = {e.tensor: e for e in layer_errors(onnx.load(EFFNET), result.model, [Batch(["a", "b"], {"input": x})])}
+    assert errors["input"].sqnr_db > 30
