@@ -11,8 +11,8 @@ Three measurements, each interleaved in one process (medians, 1 thread, batch 8)
    - "u8s8 wzp": the same with a non-zero weight zero point -> MlasConvDepthwise / MlasGemm + requantize;
    - "s8s8": int8 activations (litert/tensorrt presets) -> no ConvSym on x86.
    plus, for depthwise 3x3 at 112x112, a channel sweep (the per-output-pixel cost).
-3. stem as space-to-depth: the 3x3 stride-2 stem rewritten as a 2x2 stride-1 conv over a
-   space-to-depth input (12 channels, bit-identical outputs), whole model against qtool's.
+3. stem: qtool's space-to-depth stem (qtool/stem_s2d.py) against the 4-channel padded stem it
+   replaced (qtool/channel_pad.py), whole model, outputs compared bit for bit.
 
     python benchmarks/conv_paths.py            # about 3 minutes
 """
@@ -28,7 +28,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
@@ -39,6 +38,7 @@ from qtool.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, QuantizeConfig, load_config  # noqa: E402
 from qtool.evaluate import time_models  # noqa: E402
 from qtool.modelio import save_model  # noqa: E402
+import qtool.quantize as quantize_module  # noqa: E402
 from qtool.quantize import quantize_model  # noqa: E402
 
 KIT = ROOT.parent / "shared" / "bench"
@@ -146,49 +146,6 @@ def kernels(runs: int) -> None:
     print("depthwise 3x3/1 @112, u8s8 sym, by channels: " + ", ".join(f"{n} {v:.2f}" for n, v in ms.items()))
 
 
-def space_to_depth_stem(model: onnx.ModelProto) -> onnx.ModelProto:
-    """qtool's model with the padded 4-channel 3x3/2 stem replaced by a 2x2/1 conv over a
-    space-to-depth of the quantized input (NHWC order, so onnxruntime's own NCHW->NHWC Transpose
-    cancels ours). Same int32 sums, so bit-identical outputs."""
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    pad = next(n for n in graph.node if n.op_type == "Pad")
-    quant = next(n for n in graph.node if pad.input[0] in n.output)
-    dq = next(n for n in graph.node if pad.output[0] in n.input)
-    conv = next(n for n in graph.node if n.op_type == "Conv" and n.input[0] == dq.output[0])
-    weight_dq = next(n for n in graph.node if conv.input[1] in n.output)
-    weight = numpy_helper.to_array(inits[weight_dq.input[0]])[:, :3]  # drop the zero 4th channel
-    pads = next(list(a.ints) for a in conv.attribute if a.name == "pads")
-    begin = pads[0]
-    # tap k of the 3x3/2 kernel reads block (k - begin) // 2 (+1 when the pad is at the start), phase (k - begin) % 2
-    blocks = np.zeros((weight.shape[0], 2, 2, 3, 2, 2), np.int8)  # out, dy, dx, c, by, bx
-    for ky in range(3):
-        for kx in range(3):
-            by, bx = (ky - begin) // 2 + begin, (kx - begin) // 2 + begin
-            blocks[:, (ky - begin) % 2, (kx - begin) % 2, :, by, bx] = weight[:, :, ky, kx]
-    inits[weight_dq.input[0]].CopyFrom(numpy_helper.from_array(blocks.reshape(-1, 12, 2, 2), weight_dq.input[0]))
-    for attribute in conv.attribute:
-        if attribute.name in ("strides", "kernel_shape"):
-            attribute.ints[:] = [1, 1] if attribute.name == "strides" else [2, 2]
-        elif attribute.name == "pads":
-            attribute.ints[:] = [1, 1, 0, 0] if begin else [0, 0, 1, 1]
-    h = 224 // 2
-    graph.initializer.extend([numpy_helper.from_array(np.array([-1, 2, h, 6], np.int64), "s2d_rows"),
-                              numpy_helper.from_array(np.array([-1, h, h, 12], np.int64), "s2d_nhwc")])
-    new = [helper.make_node("Transpose", [quant.output[0]], ["s2d_t"], perm=[0, 2, 3, 1]),
-           helper.make_node("Reshape", ["s2d_t", "s2d_rows"], ["s2d_r"]),
-           helper.make_node("Transpose", ["s2d_r"], ["s2d_b"], perm=[0, 2, 1, 3]),
-           helper.make_node("Reshape", ["s2d_b", "s2d_nhwc"], ["s2d_c"]),
-           helper.make_node("Transpose", ["s2d_c"], ["s2d"], perm=[0, 3, 1, 2])]
-    dq.input[0] = "s2d"
-    nodes = [n for n in graph.node if n is not pad]
-    at = nodes.index(quant) + 1
-    nodes[at:at] = new
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return model
-
-
 def main() -> None:
     runs = int(os.environ.get("RUNS", "20"))
     print(f"onnxruntime {ort.__version__}, load average {os.getloadavg()}")
@@ -203,12 +160,15 @@ def main() -> None:
         x = np.random.default_rng(0).standard_normal((BATCH, 3, 224, 224)).astype(np.float32)
         per_layer(str(FP32), int8, {"input": x}, runs)
         kernels(runs)
-        s2d = os.path.join(tmp, "s2d.onnx")
-        save_model(space_to_depth_stem(onnx.load(int8)), s2d)
-        same = np.array_equal(_session(int8).run(None, {"input": x})[0], _session(s2d).run(None, {"input": x})[0])
-        times = time_models({"fp32": str(FP32), "qtool": int8, "qtool s2d stem": s2d}, {"input": x}, 1, 3, runs)
+        padded = os.path.join(tmp, "padded.onnx")
+        rewrite, quantize_module.space_to_depth_stems = quantize_module.space_to_depth_stems, lambda model: []
+        save_model(quantize_module.quantize_model(FP32, table, options).model, padded)
+        quantize_module.space_to_depth_stems = rewrite
+        same = np.array_equal(_session(int8).run(None, {"input": x})[0], _session(padded).run(None, {"input": x})[0])
+        times = time_models({"fp32": str(FP32), "qtool padded stem": padded, "qtool s2d stem": int8}, {"input": x},
+                            1, 3, runs)
         ms = {name: 1000 * float(np.median(t)) for name, t in times.items()}
-        print(f"\n3. stem as space-to-depth (outputs bit-identical: {same}), whole model ms (speedup): "
+        print(f"\n3. stem (outputs bit-identical: {same}), whole model ms (speedup): "
               + ", ".join(f"{n} {v:.1f} ({ms['fp32'] / v:.2f}x)" for n, v in ms.items()))
     print(f"load average at the end {os.getloadavg()}")
 
