@@ -69,7 +69,11 @@ def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
     """
     dtype = options.activation_dtype
     final = {name: include_zero(*ranges[name]) for name in plan.activations if name in ranges}
-    imposed = {name: _fixed_params(plan, name, dtype) for name in plan.fixed if name in final}
+    for name, value in plan.include_values.items():  # a Pad's constant border must not be clipped
+        if name in final:
+            final[name] = (min(final[name][0], value), max(final[name][1], value))
+    imposed = {name: _fixed_params(plan, name, dtype, options.symmetric_activations)
+               for name in plan.fixed if name in final}
     for group in plan.tie_groups:
         members = [n for n in group if n in final]
         free = [n for n in members if n not in plan.fixed]
@@ -89,9 +93,13 @@ def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
     return final, params
 
 
-def _fixed_params(plan: QuantPlan, name: str, dtype: str) -> QParams:
+def _fixed_params(plan: QuantPlan, name: str, dtype: str, symmetric: bool = False) -> QParams:
     scale, zero_point = plan.fixed[name].fixed(dtype)
-    return QParams(scale, zero_point, dtype)
+    fixed = QParams(scale, zero_point, dtype)
+    if symmetric and zero_point != (0 if dtype == "int8" else 128):
+        # a symmetric target (TensorRT: zero point 0 only) gets the symmetric grid over the fixed range
+        return activation_qparams(*fixed.range, dtype, symmetric=True)
+    return fixed
 
 
 def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: CalibrationConfig, options: QuantizeConfig,

@@ -8,6 +8,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import click
 from tqdm import tqdm
@@ -89,11 +90,35 @@ def _calibration_options(func):
     return func
 
 
-def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers=None):
+def _names(values: tuple[str, ...]) -> Optional[tuple[str, ...]]:
+    """Repeated and/or comma-separated CLI values; None when the flag was not given."""
+    names = tuple(n.strip() for v in values for n in v.split(",") if n.strip())
+    return names or None
+
+
+def _target_options(func):
+    """Options that shape the quantization plan, so calibrate and quantize both take them."""
+    for option in reversed([
+        click.option("--target", type=click.Choice(["ort-cpu", "tensorrt", "litert"]),
+                     help="Runtime preset (default ort-cpu); options given explicitly override it one by one."),
+        click.option("--reduce-range", is_flag=True, default=None, help="7-bit weights (x86 CPUs without VNNI)."),
+        click.option("--exclude-op-types", multiple=True, metavar="OPS",
+                     help="Keep these op types in float (comma-separated or repeated), e.g. Softmax,Sigmoid."),
+        click.option("--exclude-nodes", multiple=True, metavar="NAMES",
+                     help="Keep these nodes in float: names or glob patterns (comma-separated or repeated)."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers=None,
+                   target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=()):
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
                      workers=workers)
-    quant = override(cfg.quantization, activation_dtype=activation_dtype, upgrade_opset=upgrade_opset)
+    quant = override(cfg.quantization, activation_dtype=activation_dtype, upgrade_opset=upgrade_opset, target=target,
+                     reduce_range=reduce_range, exclude_op_types=_names(exclude_op_types),
+                     exclude_nodes=_names(exclude_nodes))
     return cfg, calib, quant
 
 
@@ -102,6 +127,7 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @data_option
 @config_option
 @_calibration_options
+@_target_options
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
               help="Calibration table to write (with --shard: the shard's statistics file, .npz).")
 @click.option("--format", "table_format", default="qtool", show_default=True, metavar="FORMAT",
@@ -111,7 +137,7 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def calibrate(model, data, config_path, num_samples, batch_size, method, workers, activation_dtype, upgrade_opset,
-              output, table_format, shard, merge, stats_files):
+              target, reduce_range, exclude_op_types, exclude_nodes, output, table_format, shard, merge, stats_files):
     """Run calibration data through MODEL and write a calibration table.
 
     \b
@@ -130,7 +156,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
         raise click.UsageError("--data is required")
     check_output_path(output, model)
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
-                                       workers)
+                                       workers, target, reduce_range, exclude_op_types, exclude_nodes)
     start = time.perf_counter()
     if shard:
         k, n = parse_shard(shard)
@@ -156,17 +182,21 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @data_option
 @config_option
 @_calibration_options
+@_target_options
 @click.option("--save-table", type=click.Path(path_type=Path), help="With --data: also write the table.")
 @click.option("--allow-missing", is_flag=True, help="Keep tensors the table lacks in float instead of failing.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Int8 QDQ model to write.")
 @_command
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers,
-             activation_dtype, upgrade_opset, save_table, allow_missing, output):
+             activation_dtype, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, save_table,
+             allow_missing, output):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool.calibrate import calibrate as run_calibration
     from qtool.formats import read_table
     from qtool.modelio import has_external_data, save_model
+    from qtool.ort_kernels import kernel_summary
     from qtool.quantize import quantize_model
+    from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
     if (table_path is None) == (data is None):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH")
@@ -174,7 +204,10 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     if save_table:
         check_output_path(save_table, model, output)
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
-                                       workers)
+                                       workers, target, reduce_range, exclude_op_types, exclude_nodes)
+    warning = vnni_warning(quant, cpu_has_vnni())
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
     start = time.perf_counter()
     if table_path is not None:
         table, _ = read_table(table_path, table_format, model, quant)
@@ -190,6 +223,9 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     click.echo(f"quantized {len(plan.quantized_nodes)} nodes ({len(plan.weights)} int8 weights, "
                f"{len(plan.activations)} activations, {len(plan.float_nodes)} nodes left float) "
                f"in {time.perf_counter() - start:.1f} s -> {output}")
+    click.echo(describe_target(quant))
+    if quant.target == "ort-cpu":
+        click.echo(kernel_summary(output))
 
 
 @main.command()

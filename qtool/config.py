@@ -96,14 +96,28 @@ class CalibrationConfig:
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    activation_dtype: str = "uint8"
-    symmetric_activations: bool = False
-    per_channel: bool = True
+    # activation_dtype, symmetric_activations, per_channel, reduce_range: None takes the value
+    # of the target preset (qtool/targets.py); a value given here (or on the CLI) wins.
+    activation_dtype: Optional[str] = None
+    symmetric_activations: Optional[bool] = None
+    per_channel: Optional[bool] = None
     exclude_op_types: tuple[str, ...] = ()
     exclude_nodes: tuple[str, ...] = ()  # node names or glob patterns
     upgrade_opset: bool = False
+    target: str = "ort-cpu"  # ort-cpu | tensorrt | litert
+    reduce_range: Optional[bool] = None  # 7-bit weights (x86 without VNNI)
+    # Names of the fields filled from the target preset (not given by the user).
+    from_target: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
 
     def __post_init__(self):
+        from qtool.targets import PRESET_FIELDS, TARGETS
+
+        _one_of("target", self.target, tuple(TARGETS))
+        preset = TARGETS[self.target].preset()
+        filled = tuple(name for name in PRESET_FIELDS if getattr(self, name) is None)
+        for name in filled:
+            object.__setattr__(self, name, preset[name])
+        object.__setattr__(self, "from_target", filled)
         _one_of("activation_dtype", self.activation_dtype, ACTIVATION_DTYPES)
 
 
@@ -282,7 +296,10 @@ def override(section, **values):
     given = {k: v for k, v in values.items() if v is not None}
     if not given:
         return section
+    # Fields a preset filled in are not the user's: they follow a new target.
+    base = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.init}
+    base.update({name: None for name in getattr(section, "from_target", ())})
     try:
-        return dataclasses.replace(section, **given)
+        return type(section)(**{**base, **given})
     except ValueError as exc:
         raise QtoolError(str(exc)) from None

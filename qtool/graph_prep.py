@@ -12,6 +12,7 @@ import onnx
 from onnx import numpy_helper, version_converter
 
 from qtool import modelio
+from qtool.bn_fold import fold_batchnorm
 from qtool.errors import QtoolError
 
 _SHAPE_ONLY_BYTES = 1 << 16  # initializers above this lose their payload in the >2 GiB shape-inference copy
@@ -112,6 +113,36 @@ def remove_identities(model: onnx.ModelProto) -> None:
     model.graph.node.extend(keep)
 
 
+def divisions_to_multiplications(model: onnx.ModelProto) -> None:
+    """Div by a float constant becomes Mul by its reciprocal (PP-OCR's HardSwish ends in "/ 6").
+
+    Runtimes have integer kernels for Mul (onnxruntime QLinearMul, LiteRT MUL) but not for
+    Div, which would stay in float between a DequantizeLinear and a QuantizeLinear. x * (1/c)
+    differs from x / c by at most one float32 rounding.
+    """
+    inits = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in names_read(node):
+            readers[name] = readers.get(name, 0) + 1
+    for node in model.graph.node:
+        if node.op_type != "Div" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        init = inits.get(node.input[1])
+        if init is None or init.data_type != onnx.TensorProto.FLOAT:
+            continue
+        divisor = numpy_helper.to_array(init)
+        if divisor.size == 0 or not np.all(np.isfinite(divisor)) or np.any(divisor == 0):
+            continue
+        name = init.name + "_reciprocal"
+        if name not in inits:
+            reciprocal = numpy_helper.from_array((1.0 / divisor.astype(np.float64)).astype(np.float32), name)
+            model.graph.initializer.append(reciprocal)
+            inits[name] = reciprocal
+        node.op_type = "Mul"
+        node.input[1] = name
+
+
 def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model with the payload of its large initializers dropped (dims and type kept).
 
@@ -153,4 +184,6 @@ def prepare(model: onnx.ModelProto, upgrade_opset: bool = False, path: object = 
     prepared = check_opset(prepared, upgrade_opset, path, per_channel)
     constants_to_initializers(prepared)
     remove_identities(prepared)
+    fold_batchnorm(prepared)
+    divisions_to_multiplications(prepared)
     return infer_shapes(prepared)

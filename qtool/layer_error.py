@@ -19,6 +19,8 @@ from qtool.dataset import Batch
 from qtool.macs import node_label
 from qtool.metrics import FidelityAccumulator
 from qtool.observer import with_outputs
+from qtool.channel_pad import PAD_SUFFIX
+from qtool.stem_s2d import S2D_SUFFIX, undo
 from qtool.rewrite import DQ_SUFFIX
 from qtool.runtime import create_session
 
@@ -29,6 +31,7 @@ class TensorPair:
     node: str  # the fp32 node producing it ("" for a graph input)
     op_type: str
     position: int  # index of the producing node in the fp32 graph (-1 for a graph input)
+    test_name: str = ""  # the int8 model's DequantizeLinear output, if not tensor + DQ_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,13 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
         if node.op_type != "DequantizeLinear" or not out.endswith(DQ_SUFFIX):
             continue
         tensor = out[: -len(DQ_SUFFIX)]
-        if tensor in inputs:
+        if tensor.endswith(PAD_SUFFIX) and tensor[: -len(PAD_SUFFIX)] in inputs:
+            # an input padded with zero channels (qtool.channel_pad): compared on its real channels
+            pairs.append(TensorPair(tensor[: -len(PAD_SUFFIX)], "", "input", -1, out))
+        elif tensor.endswith(S2D_SUFFIX) and tensor[: -len(S2D_SUFFIX)] in inputs:
+            # an input rearranged into 2x2 blocks (qtool.stem_s2d): compared in the input's layout
+            pairs.append(TensorPair(tensor[: -len(S2D_SUFFIX)], "", "input", -1, out))
+        elif tensor in inputs:
             pairs.append(TensorPair(tensor, "", "input", -1))
         elif tensor in producers and producers[tensor][1].op_type != "Constant":
             index, producer = producers[tensor]
@@ -66,7 +75,7 @@ def layer_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable
     pairs = twins(fp32, int8)
     feeds_only = [p.tensor for p in pairs if p.position < 0]
     ref_names = [p.tensor for p in pairs if p.position >= 0]
-    test_names = [p.tensor + DQ_SUFFIX for p in pairs]
+    test_names = [p.test_name or p.tensor + DQ_SUFFIX for p in pairs]
     ref_session = create_session(with_outputs(fp32, ref_names), threads, "fp32 with per-layer outputs")
     test_session = create_session(with_outputs(int8, test_names), threads, "int8 with per-layer outputs")
     fidelity = {p.tensor: FidelityAccumulator() for p in pairs}
@@ -74,6 +83,10 @@ def layer_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable
         ref = dict(zip(ref_names, ref_session.run(ref_names, batch.feeds) if ref_names else []))
         ref.update({name: batch.feeds[name] for name in feeds_only})
         for pair, array in zip(pairs, test_session.run(test_names, batch.feeds)):
+            if pair.test_name.endswith(S2D_SUFFIX + DQ_SUFFIX) and array.ndim == 4:
+                array = undo(array)
+            if array.ndim >= 2 and array.shape[1] != ref[pair.tensor].shape[1]:
+                array = array[:, :ref[pair.tensor].shape[1]]  # drop padded zero channels
             fidelity[pair.tensor].update(ref[pair.tensor], array)
     errors = []
     for pair in pairs:

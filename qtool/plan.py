@@ -15,6 +15,7 @@ import onnx
 
 from qtool.config import QuantizeConfig
 from qtool.ops import OpRule, attribute, rule_for
+from qtool.ops.pad import pad_value
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class QuantPlan:
     quantized_nodes: list[str] = field(default_factory=list)
     float_nodes: list[str] = field(default_factory=list)  # nodes left in float, with their op type
     fused: list[str] = field(default_factory=list)  # compute outputs absorbed by the activation after them
+    # float constant operands stored quantized per tensor (Add/Mul operands) -> first node reading them
+    constants: dict[str, str] = field(default_factory=dict)
+    # tensor -> a real value its range must contain (a Pad's non-zero constant border)
+    include_values: dict[str, float] = field(default_factory=dict)
 
     def group_of(self) -> dict[str, int]:
         return {t: i for i, group in enumerate(self.tie_groups) for t in group}
@@ -108,6 +113,16 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
             continue
         rules[index] = rule
 
+    # A Relu/Clip after a float op (no rule, excluded) runs in float with it: quantizing its input
+    # would only add a Q/DQ pair that no kernel absorbs (onnxruntime leaves DQ -> Q behind).
+    nodes_list = list(model.graph.node)
+    for index in [i for i, r in rules.items() if r.fusable_activation]:
+        producer = ctx.producer.get(nodes_list[index].input[0])
+        if producer is not None and nodes_list.index(producer) not in rules:
+            node = nodes_list[index]
+            del rules[index]
+            plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
+
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
     fused: set[str] = set()
     nodes = list(model.graph.node)
@@ -122,6 +137,11 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
         user_index = nodes.index(users[0])
         user_rule = rules.get(user_index)
         if user_rule is not None and user_rule.fusable_activation:
+            fused.add(out)
+        elif (options.target == "tensorrt" and rule.weight is not None and users[0].op_type == "Add"
+              and user_rule is not None and not any(i in fused for i in users[0].input)):
+            # TensorRT fuses a weighted layer into the residual Add after it (Conv+Add+Relu):
+            # the layer's output gets no Q/DQ, the Add's other input does.
             fused.add(out)
     plan.fused = sorted(fused)
 
@@ -149,13 +169,23 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
                 plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
                 continue
         _plan_node(node, rule, inputs, ctx, plan, want, fused)
-        out = node.output[0] if node.output else ""
-        if out and out not in fused and out not in ctx.graph_outputs and ctx.is_float(out):
-            want(out)
-            if rule.output == "tie":
-                ties.append([n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized] + [out])
-            elif rule.output == "fixed":
-                plan.fixed[out] = rule
+        # A tie op's every float output (Split has several) shares the input's parameters;
+        # other ops quantize their first output (MaxPool's second one is int64 indices).
+        outputs = [o for o in node.output if o] if rule.output == "tie" else list(node.output[:1])
+        tied_inputs = [n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized]
+        tied_outputs = []
+        for out in outputs:
+            if out and out not in fused and out not in ctx.graph_outputs and ctx.is_float(out):
+                want(out)
+                tied_outputs.append(out)
+                if rule.output == "fixed":
+                    plan.fixed[out] = rule
+        if rule.output == "tie" and tied_outputs:
+            ties.append(tied_inputs + tied_outputs)
+            if node.op_type == "Pad":
+                value = pad_value(node, ctx)
+                if value != 0.0:
+                    plan.include_values[tied_outputs[0]] = value
         plan.quantized_nodes.append(_node_label(node))
 
     plan.activations = ordered
@@ -178,7 +208,10 @@ def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphContext, plan: Q
         if i == rule.weight and constant_weight:
             continue
         if ctx.is_constant(name):
-            continue  # constant non-weight inputs (e.g. an Add's bias vector) stay float
+            # constant non-weight inputs stay float unless the rule stores them quantized
+            if rule.quantize_constants and ctx.is_float(name) and name not in plan.weights:
+                plan.constants.setdefault(name, _node_label(node))
+            continue
         want(name)
     if constant_weight and weight_name not in plan.weights:
         rank = ctx.rank(weight_name)

@@ -66,25 +66,26 @@ def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False
     return QParams(float(scale32), zero_point, dtype)
 
 
-def weight_scales(weight: np.ndarray, axis: Optional[int]) -> np.ndarray:
-    """Symmetric int8 scales: max|w| / 127 per channel along `axis` (a scalar array if None)."""
+def weight_scales(weight: np.ndarray, axis: Optional[int], qmax: int = WEIGHT_QMAX) -> np.ndarray:
+    """Symmetric int8 scales: max|w| / 127 per channel along `axis` (a scalar array if None).
+    qmax 63: 7-bit weights (reduce_range)."""
     w = np.abs(weight.astype(np.float64))
     if axis is None:
         amax = np.asarray(w.max() if w.size else 0.0)
     else:
         amax = w.max(axis=tuple(i for i in range(w.ndim) if i != axis))
-    scales = (amax / WEIGHT_QMAX).astype(np.float32)
+    scales = (amax / qmax).astype(np.float32)
     bad = ~np.isfinite(scales) | (scales <= 0)
     scales = np.where(bad, np.float32(EMPTY_RANGE_SCALE), scales)
     return np.maximum(scales, np.float32(MIN_SCALE)).astype(np.float32)
 
 
-def quantize_weight(weight: np.ndarray, scales: np.ndarray, axis: Optional[int]) -> np.ndarray:
+def quantize_weight(weight: np.ndarray, scales: np.ndarray, axis: Optional[int], qmax: int = WEIGHT_QMAX) -> np.ndarray:
     shape = [1] * weight.ndim
     if axis is not None:
         shape[axis] = -1
     q = np.rint(weight.astype(np.float64) / scales.astype(np.float64).reshape(shape))
-    return np.clip(q, -WEIGHT_QMAX, WEIGHT_QMAX).astype(np.int8)
+    return np.clip(q, -qmax, qmax).astype(np.int8)
 
 
 def bias_scale(input_scale: float, weight_scales_: np.ndarray) -> np.ndarray:

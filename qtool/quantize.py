@@ -11,6 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.calibrate import resolve_qparams
+from qtool.channel_pad import pad_input_channels
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph_prep import prepare
@@ -18,7 +19,9 @@ from qtool.modelio import check_model, load_model, sha256_file
 from qtool.plan import QuantPlan, build_plan
 from qtool.qparams import MIN_SCALE, QParams
 from qtool.rewrite import check_no_bad_scales, quantize_graph
+from qtool.stem_s2d import space_to_depth_stems
 from qtool.table import CalibrationTable
+from qtool.targets import check_model as check_target, weight_qmax
 
 
 @dataclass
@@ -90,8 +93,22 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     plan = build_plan(model, options)
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
-    qmodel, notes = quantize_graph(model, plan, params, options.per_channel)
+    qmodel, notes = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
+                                   options.activation_dtype, options.symmetric_activations)
+    if options.target == "ort-cpu":
+        for name in space_to_depth_stems(qmodel):
+            notes.append(f"input '{name}' rearranged into 2x2 blocks (SpaceToDepth) after its QuantizeLinear, "
+                         "so onnxruntime runs the 3x3 stride-2 stem as a 2x2 stride-1 Conv over 12 channels "
+                         "(fewer kernel taps, outputs unchanged)")
+        for name in pad_input_channels(qmodel):
+            notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
+                         "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
     check_no_bad_scales(qmodel)
+    problems = check_target(qmodel, options, plan)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
+        notes.append(f"the model does not satisfy target {options.target}'s constraints "
+                     f"({len(problems)} problem(s), from the options overriding the preset): {shown}")
     try:
         check_model(qmodel, full_check=True)
     except onnx.checker.ValidationError as exc:

@@ -66,7 +66,8 @@ class _Builder:
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
-                   per_channel: bool = True) -> tuple[onnx.ModelProto, list[str]]:
+                   per_channel: bool = True, weight_qmax: int = qp.WEIGHT_QMAX, activation_dtype: str = "uint8",
+                   symmetric: bool = False) -> tuple[onnx.ModelProto, list[str]]:
     """Return the QDQ model and notes about what was adjusted (bias overflow, ...)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -81,7 +82,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     for name, wplan in plan.weights.items():
         weight = numpy_helper.to_array(float_inits[name])
         axis = wplan.axis if per_channel else None
-        weight_scales[name] = qp.weight_scales(weight, axis)
+        weight_scales[name] = qp.weight_scales(weight, axis, weight_qmax)
         weight_data[name] = weight
 
     # Biases: int32, scale exactly s_in * s_w[c]; widen a channel's weight scale where the
@@ -121,9 +122,20 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     for name, weight in weight_data.items():
         axis = plan.weights[name].axis if per_channel else None
         scales = weight_scales[name]
-        q = qp.quantize_weight(weight, scales, axis)
+        q = qp.quantize_weight(weight, scales, axis, weight_qmax)
         replace[name] = builder.dequantized_constant(name, q, scales, np.zeros(scales.shape, np.int8),
                                                      axis if scales.ndim else None)
+    for name in plan.constants:
+        # a constant operand: quantized per tensor like an activation, over its own exact range
+        values = numpy_helper.to_array(float_inits[name]).astype(np.float32)
+        if values.size == 0 or not np.all(np.isfinite(values)):
+            continue
+        cp = qp.activation_qparams(float(values.min()), float(values.max()), activation_dtype, symmetric)
+        qmin, qmax = qp.INT_RANGES[activation_dtype]
+        q = np.clip(np.rint(values.astype(np.float64) / cp.scale) + cp.zero_point, qmin, qmax)
+        replace[name] = builder.dequantized_constant(name, q.astype(_NP_DTYPE[activation_dtype]),
+                                                     np.array(cp.scale, np.float32),
+                                                     np.array(cp.zero_point, _NP_DTYPE[activation_dtype]), None)
     for name, (q, scale) in bias_arrays.items():
         replace[name] = builder.dequantized_constant(name, q, scale, np.zeros(scale.shape, np.int32),
                                                      0 if scale.ndim else None)
@@ -161,7 +173,11 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
 
 def _constant_slot(node: onnx.NodeProto, index: int) -> bool:
     rule = rule_for(node.op_type, node.domain)
-    return rule is not None and index in (rule.weight, rule.bias)
+    if rule is None:
+        return False
+    if rule.quantize_constants and (rule.activations is None or index in rule.activations):
+        return True
+    return index in (rule.weight, rule.bias)
 
 
 def check_no_bad_scales(model: onnx.ModelProto) -> None:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 TRUNK_OPS = ("Conv", "ConvTranspose", "Relu", "Clip", "Sigmoid", "MaxPool", "AveragePool", "Add", "Mul", "Concat",
-             "Transpose", "Reshape", "Unsqueeze", "Softmax", "MatMulSelf", "SiLU")
+             "Transpose", "Reshape", "Unsqueeze", "Softmax", "MatMulSelf", "SiLU", "Sub", "Tanh", "LeakyRelu",
+             "PRelu", "HardSigmoid", "HardSwish", "ReduceMean", "Resize", "Pad", "Gather", "Split")
 HEAD_OPS = ("Gemm", "MatMul", "Relu", "Softmax", "Clip", "Add")
 # Softmax's int8 output has the fixed scale 1/256 (LiteRT spec): over a long axis every
 # probability is below one step, which is the spec's known limit, not something to fuzz.
@@ -119,6 +120,46 @@ def _trunk_layer(draw, b: Builder, x: str) -> str:
         return b.node(op, [x], (c, h, w))
     if op == "SiLU":
         return b.node("Mul", [x, b.node("Sigmoid", [x], (c, h, w))], (c, h, w))
+    if op in ("Tanh", "HardSigmoid", "HardSwish"):
+        return b.node(op, [x], (c, h, w))
+    if op == "LeakyRelu":
+        return b.node(op, [x], (c, h, w), alpha=draw(st.sampled_from([0.01, 0.1, 0.3])))
+    if op == "PRelu":
+        return b.node(op, [x, b.const(b.rng.uniform(0, 0.5, (c, 1, 1)).astype(np.float32))], (c, h, w))
+    if op == "Sub":  # x minus its channel mean (ReduceMean then Sub), or minus an earlier tensor
+        partner = _same_shape_partner(draw, b, x)
+        if partner is None:
+            partner = b.node("ReduceMean", [x], (1, h, w), axes=[1], keepdims=1)
+        return b.node("Sub", [x, partner], (c, h, w))
+    if op == "ReduceMean":  # squeeze-excite style: spatial mean scales the channels
+        mean = b.node("ReduceMean", [x], (c, 1, 1), axes=[2, 3], keepdims=1)
+        return b.node("Mul", [x, b.node("Sigmoid", [mean], (c, 1, 1))], (c, h, w))
+    if op == "Resize":  # upsample 2x (nearest or linear), then Slice back to h x w
+        mode = draw(st.sampled_from(["nearest", "linear"]))
+        up = b.node("Resize", [x, "", b.const(np.array([1, 1, 2, 2], np.float32))], (c, 2 * h, 2 * w), mode=mode)
+        return b.node("Slice", [up, b.const(np.array([0, 0], np.int64)), b.const(np.array([h, w], np.int64)),
+                                b.const(np.array([2, 3], np.int64))], (c, h, w))
+    if op == "Pad":  # pad by one (constant 0 or a non-zero value, or reflect), then a 3x3 max pool
+        mode, value = draw(st.sampled_from([("constant", 0.0), ("constant", -0.5), ("reflect", 0.0)]))
+        if mode == "reflect" and min(h, w) < 2:
+            return x
+        inputs = [x, b.const(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64))]
+        if value:
+            inputs.append(b.const(np.array(value, np.float32)))
+        padded = b.node("Pad", inputs, (c, h + 2, w + 2), mode=mode)
+        return b.node("MaxPool", [padded], (c, h, w), kernel_shape=[3, 3])
+    if op == "Gather":  # channels in a random order
+        order = b.rng.permutation(c).astype(np.int64)
+        return b.node("Gather", [x, b.const(order)], (c, h, w), axis=1)
+    if op == "Split":  # split the channels and concatenate them the other way round
+        if c < 2:
+            return x
+        first = draw(st.integers(1, c - 1))
+        out_a, out_b = b.name("split_"), b.name("split_")
+        b.nodes.append(helper.make_node("Split", [x, b.const(np.array([first, c - first], np.int64))],
+                                        [out_a, out_b], name=out_a + "_node", axis=1))
+        b.shapes[out_a], b.shapes[out_b] = (first, h, w), (c - first, h, w)
+        return b.node("Concat", [out_b, out_a], (c, h, w), axis=1)
     if op == "Clip":
         low, high = draw(st.sampled_from([(0.0, 6.0), (-1.0, 1.0), (0.0, 1.0)]))
         return b.node("Clip", [x, b.const(np.array(low, np.float32)), b.const(np.array(high, np.float32))],

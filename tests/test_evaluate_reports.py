@@ -66,7 +66,7 @@ def test_json_has_every_section_with_stable_keys(full_report, effnet):
     by_sqnr = sorted(per_layer["tensors"], key=lambda t: float(t["sqnr_db"]))
     assert per_layer["worst"] == [t["tensor"] for t in by_sqnr[:10]]
     ranking = doc["sensitivity"]["layers"]
-    assert len(ranking) == 59  # 49 Conv (with their ReLU6), 9 Add, 1 Gemm
+    assert len(ranking) == 60  # 49 Conv (with their ReLU6), 9 Add, 1 ReduceMean, 1 Gemm
     assert [r["sqnr_db"] for r in ranking] == sorted(r["sqnr_db"] for r in ranking)
     assert [v["name"] for v in doc["thresholds"]] == ["min_cosine", "min_sqnr"] and doc["passed"] is True
 

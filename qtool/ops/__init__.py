@@ -48,6 +48,10 @@ class OpRule:
     fusable_activation: bool = False
     # Extra condition on the node (e.g. Clip with constant bounds only).
     applies: Optional[Callable[[onnx.NodeProto, "object"], bool]] = None
+    # Constant float operands among `activations` are stored quantized per tensor like an
+    # activation (Add's bias vector, HardSwish's "+ 3"): onnxruntime fuses DQ -> Add -> Q into
+    # QLinearAdd only when every input comes from a DequantizeLinear.
+    quantize_constants: bool = False
 
 
 RULES: dict[str, OpRule] = {}
@@ -72,4 +76,5 @@ def attribute(node: onnx.NodeProto, name: str, default=None):
 
 
 # Importing the rule modules fills RULES.
-from qtool.ops import activations, conv, elementwise, gemm, matmul, pooling, shape_ops, softmax  # noqa: E402,F401
+from qtool.ops import (activations, conv, elementwise, gemm, matmul, pad, pooling, resize,  # noqa: E402,F401
+                       shape_ops, softmax)

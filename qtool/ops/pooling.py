@@ -1,5 +1,6 @@
-"""Pooling. MaxPool only selects values, so its output keeps the input's scale and
-zero point; average pooling computes new values and gets its own range."""
+"""Pooling and reductions. MaxPool only selects values, so its output keeps the input's
+scale and zero point; averaging ops (AveragePool, GlobalAveragePool, ReduceMean) compute
+new values and get their own range (a mean's range is narrower than its input's)."""
 
 from qtool.ops import OpRule, register
 
@@ -7,4 +8,5 @@ register(
     OpRule("MaxPool", output="tie"),
     OpRule("AveragePool"),
     OpRule("GlobalAveragePool"),
+    OpRule("ReduceMean", activations=(0,)),
 )

@@ -1,0 +1,67 @@
+"""Which kernels onnxruntime actually runs for a QDQ model.
+
+A QDQ model is fast only if onnxruntime's graph optimizer turns each DQ -> Conv -> Q group
+into one integer kernel (QLinearConv); a Q/DQ pair in the wrong place leaves the Conv in
+float between a dequantize and a quantize, which is slower than plain fp32. The optimizer's
+output (SessionOptions.optimized_model_filepath, at the level where the QDQ fusions run,
+before hardware-specific layout changes) tells which happened.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+INTEGER_CONV = ("QLinearConv", "ConvInteger")
+INTEGER_MATMUL = ("QGemm", "QLinearMatMul", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")
+
+
+@dataclass(frozen=True)
+class KernelCounts:
+    quantized_convs: int  # Conv nodes of the QDQ model whose weight is a DequantizeLinear output
+    integer_convs: int  # QLinearConv / ConvInteger in onnxruntime's optimized graph
+    float_convs: int  # Conv left in float by onnxruntime
+    ops: dict[str, int]  # every op type of the optimized graph
+
+    @property
+    def all_convs_integer(self) -> bool:
+        return self.integer_convs >= self.quantized_convs
+
+
+def count_kernels(model_path: str | Path) -> KernelCounts:
+    model = onnx.load(str(model_path), load_external_data=False)
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    quantized = sum(1 for n in model.graph.node
+                    if n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in dq_outputs)
+    with tempfile.TemporaryDirectory() as tmp:
+        optimized = os.path.join(tmp, "optimized.onnx")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = optimized
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 3
+        ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        ops = Counter(n.op_type for n in onnx.load(optimized, load_external_data=False).graph.node)
+    return KernelCounts(quantized, sum(ops[o] for o in INTEGER_CONV), ops["Conv"] + ops["FusedConv"], dict(ops))
+
+
+def kernel_summary(model_path: str | Path) -> str:
+    try:
+        counts = count_kernels(model_path)
+    except Exception as exc:  # advisory only: a model onnxruntime cannot load is reported, not fatal
+        return f"onnxruntime kernels: not checked ({str(exc).splitlines()[0]})"
+    ops = counts.ops
+    matmuls = sum(ops.get(o, 0) for o in INTEGER_MATMUL)
+    text = (f"onnxruntime kernels: {counts.integer_convs} integer Conv (QLinearConv/ConvInteger) for "
+            f"{counts.quantized_convs} quantized Conv, {counts.float_convs} float Conv, {matmuls} integer "
+            f"Gemm/MatMul, {ops.get('QuantizeLinear', 0)} QuantizeLinear, {ops.get('DequantizeLinear', 0)} "
+            f"DequantizeLinear left")
+    if not counts.all_convs_integer:
+        text += f" (warning: {counts.quantized_convs - counts.integer_convs} quantized Conv not fused)"
+    return text

@@ -1,0 +1,155 @@
+"""Target presets: the runtime a model is quantized for decides the options that make it
+fast and correct there. Each preset is a named table of defaults; any option the user sets
+(CLI flag or config key) wins over the preset, one by one.
+
+- ort-cpu (default): onnxruntime on CPU. uint8 asymmetric activations x int8 symmetric
+  per-channel weights: onnxruntime's u8s8 kernels (QLinearConv, QGemm via MLAS) are its
+  fastest path on x86; int8 activations fall back to slower s8s8 code (measured on
+  EfficientNet-Lite0, batch 8, 1 thread: 2.35x vs 1.25x fp32). On x86 CPUs without VNNI
+  the u8s8 path uses vpmaddubsw, whose int16 intermediate sums can saturate; 7-bit
+  weights (`reduce_range`) avoid that at a small accuracy cost.
+- tensorrt: TensorRT explicit quantization. Symmetric int8 everywhere (zero point 0: TensorRT
+  supports no other), per-channel weights; Q/DQ on the inputs of quantized layers (qtool's QDQ
+  form puts one pair on each quantized tensor, read by every consumer), none between a layer and
+  the activation it fuses, and the residual Add's other input quantized so TensorRT fuses
+  Conv+Add+Relu. Fixed-range outputs (Softmax, Sigmoid) get the symmetric grid [-1, 1).
+- litert: the LiteRT (TFLite) int8 spec. int8 asymmetric activations in [-128, 127], int8
+  symmetric per-channel weights in [-127, 127], per-op rules: Softmax/Sigmoid outputs
+  1/256 and -128, Tanh 1/128 and 0, movement ops keep their input's parameters.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    activation_dtype: str
+    symmetric_activations: bool
+    per_channel: bool
+    reduce_range: bool
+    description: str
+
+    def preset(self) -> dict:
+        """The option values this target sets (field names of QuantizeConfig)."""
+        return {"activation_dtype": self.activation_dtype, "symmetric_activations": self.symmetric_activations,
+                "per_channel": self.per_channel, "reduce_range": self.reduce_range}
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("ort-cpu", "uint8", False, True, False,
+           "onnxruntime CPU: uint8 asymmetric activations, int8 symmetric per-channel weights (u8s8 kernels)"),
+    Target("tensorrt", "int8", True, True, False,
+           "TensorRT explicit quantization: int8 symmetric activations (zero point 0), per-channel weights"),
+    Target("litert", "int8", False, True, False,
+           "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules"),
+)}
+DEFAULT_TARGET = "ort-cpu"
+PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")
+
+
+def weight_qmax(reduce_range: bool) -> int:
+    # 7-bit weights keep u8 x s8 pair sums (2 * 255 * 63) inside int16: no vpmaddubsw saturation.
+    return 63 if reduce_range else 127
+
+
+def cpu_has_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[bool]:
+    """True/False on x86 Linux; None where it cannot be told (other OS or architecture)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return None
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_vnni", "avx_vnni"})
+    return None
+
+
+def vnni_warning(options, has_vnni: Optional[bool]) -> Optional[str]:
+    if options.target != "ort-cpu" or options.activation_dtype != "uint8" or options.reduce_range:
+        return None
+    if has_vnni is False:
+        return ("this x86 CPU has no VNNI (avx512_vnni/avx_vnni): onnxruntime's u8s8 kernels can saturate "
+                "int16 sums with full-range int8 weights; if accuracy suffers, quantize with --reduce-range "
+                "(7-bit weights)")
+    return None
+
+
+def describe(options) -> str:
+    """One line: the target, the effective settings, and which ones the user overrode."""
+    target = TARGETS[options.target]
+    weights = f"int8 symmetric {'per-channel' if options.per_channel else 'per-tensor'} weights " \
+              f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
+    acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
+    overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
+                  if name not in options.from_target and getattr(options, name) != target.preset()[name]]
+    tail = f"; overridden: {', '.join(overridden)}" if overridden else ""
+    return f"target {target.name}: {acts}, {weights}{tail}"
+
+
+def check_model(model: onnx.ModelProto, options, plan=None) -> list[str]:
+    """Constraint violations of the written QDQ model: the target's hard requirements (an option
+    overriding the preset can break them) and the options it was written with."""
+    inits = {t.name: t for t in model.graph.initializer}
+    problems: list[str] = []
+    # TensorRT and LiteRT run int8 activations only (TensorRT: zero point 0 only); ort-cpu runs either.
+    hard_int8 = options.target in ("tensorrt", "litert")
+    expected = np.int8 if hard_int8 or options.activation_dtype == "int8" else np.uint8
+    symmetric = options.target == "tensorrt" or options.symmetric_activations
+    qmax = weight_qmax(options.reduce_range)
+    params: dict[str, tuple[float, int]] = {}  # quantized tensor -> (scale, zero point)
+    # A weight is a dequantized constant read as a Conv/ConvTranspose/Gemm/MatMul's second input;
+    # other dequantized int8/uint8 constants (Add/Mul operands) are quantized like activations.
+    weight_inputs = {n.input[1] for n in model.graph.node
+                     if n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(n.input) > 1}
+    for node in model.graph.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
+            continue
+        scale, zero = (numpy_helper.to_array(inits[n]) if n in inits else None for n in node.input[1:3])
+        if scale is None or zero is None:
+            continue
+        if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
+            problems.append(f"{node.name}: scale not finite and positive")
+        constant = node.op_type == "DequantizeLinear" and node.input[0] in inits
+        is_weight = constant and node.output[0] in weight_inputs
+        if node.op_type == "QuantizeLinear" or (constant and not is_weight and zero.dtype != np.int32):
+            # an activation, or a constant operand quantized like one
+            if zero.dtype != expected:
+                problems.append(f"{node.input[0]}: activation type {zero.dtype}, target wants {expected.__name__}")
+            elif symmetric and int(zero) != (0 if expected == np.int8 else 128):
+                problems.append(f"{node.input[0]}: zero point {int(zero)} on a symmetric target")
+            if node.op_type == "QuantizeLinear":
+                params[node.input[0]] = (float(scale), int(zero))
+        elif is_weight and zero.dtype == np.int8:
+            q = numpy_helper.to_array(inits[node.input[0]])
+            if np.any(zero != 0) or q.min(initial=0) < -qmax or q.max(initial=0) > qmax:
+                problems.append(f"{node.input[0]}: weight outside [-{qmax}, {qmax}] or zero point not 0")
+            if options.per_channel and q.ndim >= 2 and scale.ndim == 0:
+                problems.append(f"{node.input[0]}: per-tensor weight on a per-channel target")
+    if plan is not None:
+        for group in plan.tie_groups:
+            # a fixed-range member (Softmax) keeps its spec parameters when the others do not fit in
+            # them (calibrate.resolve_qparams); the others must still agree among themselves
+            found = {params[n] for n in group if n in params and n not in plan.fixed}
+            if len(found) > 1:
+                problems.append(f"shared-scale group {group[:3]}...: parameters differ")
+        if options.target == "litert":
+            for name, rule in plan.fixed.items():
+                if name in params:
+                    want = rule.fixed(options.activation_dtype)
+                    got = params[name]
+                    if not (np.float32(got[0]) == np.float32(want[0]) and got[1] == want[1]):
+                        problems.append(f"{name}: {rule.op_type} output {got}, LiteRT spec wants {want}")
+    return problems

