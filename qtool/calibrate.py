@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.dataset import batches, count_samples, open_data
+from qtool.equalize import equalize
 from qtool.graph_prep import prepare
 from qtool.modelio import input_specs, load_model, sha256_file
 from qtool.observer import observe
@@ -95,6 +96,8 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 def calibrate(model_path: str | Path, data: str | Path, preprocess: PreprocessConfig, calib: CalibrationConfig,
               options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
     model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
+    if options.equalize:  # before calibration, so the table matches the equalized graph
+        equalize(model)
     plan = build_plan(model, options)
     stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
     return build_table(plan, stats, calib, options, model_path, seen)

@@ -25,6 +25,8 @@ INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "area")
 CHANNEL_ORDERS = ("RGB", "BGR")
 LAYOUTS = ("NCHW", "NHWC")
 ACTIVATION_DTYPES = ("uint8", "int8")
+BIAS_CORRECTIONS = ("off", "fast")
+WEIGHT_ROUNDINGS = ("nearest", "adaptive")
 
 
 def _one_of(name: str, value: Any, allowed: tuple) -> None:
@@ -85,9 +87,17 @@ class QuantizeConfig:
     exclude_op_types: tuple[str, ...] = ()
     exclude_nodes: tuple[str, ...] = ()  # node names or glob patterns
     upgrade_opset: bool = False
+    equalize: bool = False  # cross-layer equalization of Conv->act->Conv pairs before calibration
+    bias_correction: str = "off"  # fast: correct int32 biases by the per-channel output mean shift
+    weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
+    correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
 
     def __post_init__(self):
         _one_of("activation_dtype", self.activation_dtype, ACTIVATION_DTYPES)
+        _one_of("bias_correction", self.bias_correction, BIAS_CORRECTIONS)
+        _one_of("weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
+        if self.correction_samples < 1:
+            raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
 
 
 TASKS = ("auto", "classification", "detection", "generic")

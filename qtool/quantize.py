@@ -5,14 +5,19 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qtool.adaround import adaptive_rounding
+from qtool.bias_correction import correct_biases
 from qtool.calibrate import resolve_qparams
+from qtool.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
+from qtool.equalize import equalize
 from qtool.graph_prep import prepare
 from qtool.modelio import check_model, load_model, sha256_file
 from qtool.plan import QuantPlan, build_plan
@@ -82,15 +87,28 @@ def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options:
 
 
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
-                   table_path: object = None, allow_missing: bool = False) -> QuantizeResult:
+                   table_path: object = None, allow_missing: bool = False,
+                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizeResult:
+    """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them)."""
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
     model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
+    if options.equalize:  # before calibration, so the table matches the equalized graph
+        equalize(model)
     plan = build_plan(model, options)
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
-    qmodel, notes = quantize_graph(model, plan, params, options.per_channel)
+    needs_data = options.bias_correction != "off" or options.weight_rounding != "nearest"
+    if needs_data and data is None:
+        raise QtoolError("bias correction and adaptive weight rounding need calibration data (--data)")
+    samples = list(data(options.correction_samples)) if needs_data else []
+    rounding = adaptive_rounding(model, plan, params, samples, options) if options.weight_rounding == "adaptive" else None
+    qmodel, notes = quantize_graph(model, plan, params, options.per_channel, rounding)
+    if options.bias_correction == "fast":
+        report = correct_biases(model, qmodel, plan, samples)
+        notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
+                     f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
     check_no_bad_scales(qmodel)
     try:
         check_model(qmodel, full_check=True)

@@ -10,6 +10,7 @@ about 4x smaller and the runtime never quantizes constants at load time.
 from __future__ import annotations
 
 import warnings
+from typing import Callable, Optional
 
 import numpy as np
 import onnx
@@ -66,8 +67,11 @@ class _Builder:
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
-                   per_channel: bool = True) -> tuple[onnx.ModelProto, list[str]]:
-    """Return the QDQ model and notes about what was adjusted (bias overflow, ...)."""
+                   per_channel: bool = True, rounding: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
+    """Return the QDQ model and notes about what was adjusted (bias overflow, ...).
+
+    `rounding(name, weight, scales, axis)`: int8 values of a weight at its final scales
+    (adaptive rounding), or None for round-to-nearest."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -121,7 +125,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     for name, weight in weight_data.items():
         axis = plan.weights[name].axis if per_channel else None
         scales = weight_scales[name]
-        q = qp.quantize_weight(weight, scales, axis)
+        q = rounding(name, weight, scales, axis) if rounding else None
+        q = qp.quantize_weight(weight, scales, axis) if q is None else q
         replace[name] = builder.dequantized_constant(name, q, scales, np.zeros(scales.shape, np.int8),
                                                      axis if scales.ndim else None)
     for name, (q, scale) in bias_arrays.items():
