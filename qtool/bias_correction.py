@@ -69,6 +69,44 @@ class _Means:
         return self.sum / max(self.count, 1)
 
 
+def _add_zero_biases(qmodel: onnx.ModelProto) -> list[_Target]:
+    """Give int8 Convs without a bias (those followed by an unfolded BatchNormalization) an int32
+    zero bias at scale s_in x s_w, so that they can be corrected too."""
+    producers = {o: n for n in qmodel.graph.node for o in n.output}
+    inits = {t.name: t for t in qmodel.graph.initializer}
+    added, head = [], []
+    for node in qmodel.graph.node:
+        if node.op_type != "Conv" or (len(node.input) > 2 and node.input[2]) or len(node.input) < 2:
+            continue
+        dqs = [producers.get(name) for name in node.input[:2]]
+        if any(dq is None or dq.op_type != "DequantizeLinear" or dq.input[1] not in inits for dq in dqs):
+            continue
+        s_in = numpy_helper.to_array(inits[dqs[0].input[1]])
+        s_w = numpy_helper.to_array(inits[dqs[1].input[1]])
+        if s_in.ndim != 0 or dqs[0].input[0] in inits:
+            continue  # per-tensor activation scale only; a constant input is not an activation
+        name = node_label(node) + "_corrected_bias"
+        channels = inits[dqs[1].input[0]].dims[0]
+        scale = (np.float32(s_in) * s_w.astype(np.float32)).astype(np.float32)
+        axis = {"axis": 0} if scale.ndim else {}
+        qmodel.graph.initializer.extend([
+            numpy_helper.from_array(np.zeros(channels, np.int32), name + WEIGHT_SUFFIX),
+            numpy_helper.from_array(scale, name + SCALE_SUFFIX),
+            numpy_helper.from_array(np.zeros(scale.shape, np.int32), name + "_zero_point")])
+        head.append(helper.make_node("DequantizeLinear", [name + WEIGHT_SUFFIX, name + SCALE_SUFFIX,
+                                                          name + "_zero_point"], [name + "_DequantizeLinear_Output"],
+                                     name=name + "_DequantizeLinear", **axis))
+        while len(node.input) < 2:
+            node.input.append("")
+        node.input.append(name + "_DequantizeLinear_Output")
+        added.append(_Target(node_label(node), node.output[0], name, CHANNEL_AXIS["Conv"]))
+    if head:
+        nodes = head + list(qmodel.graph.node)
+        del qmodel.graph.node[:]
+        qmodel.graph.node.extend(nodes)
+    return added
+
+
 def _targets(qmodel: onnx.ModelProto, plan: QuantPlan) -> list[_Target]:
     inits = {t.name for t in qmodel.graph.initializer}
     by_label = {node_label(n): n for n in qmodel.graph.node}
@@ -78,6 +116,7 @@ def _targets(qmodel: onnx.ModelProto, plan: QuantPlan) -> list[_Target]:
         if node is None or node.op_type not in CHANNEL_AXIS or name + WEIGHT_SUFFIX not in inits:
             continue
         found.append(_Target(bias.node, node.output[0], name, CHANNEL_AXIS[node.op_type]))
+    found += _add_zero_biases(qmodel)
     order = {node_label(n): i for i, n in enumerate(qmodel.graph.node)}
     return sorted(found, key=lambda t: order[t.node])
 
