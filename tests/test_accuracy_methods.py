@@ -281,3 +281,38 @@ def test_equalize_flag_calibrates_the_equalized_graph(tmp_path, qtool_cli):
     scales = q["w1" + SCALE_SUFFIX]
     assert scales.max() / np.median(scales) < 0.5 * np.abs(w1.reshape(8, -1)).max(1).max() / np.median(
         np.abs(w1.reshape(8, -1)).max(1))
+
+
+def test_bias_correction_gives_a_conv_without_bias_one(tmp_path):
+    """An unfolded-BN style Conv without bias gets an int32 bias (scale s_in x s_w) that removes its mean shift."""
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 0.3, (8, 4, 3, 3)).astype(np.float32)
+    w[0, 0, 0, 0] = 30.0  # per-tensor weights: everything else is rounded coarsely
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1])]
+    path = tmp_path / "m.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 4, 8, 8])], [graphs.tensor("y", None)],
+                           [graphs.init("w", w)]), path)
+    data = graphs.write_samples(tmp_path / "d", rng, (4, 8, 8), count=16)
+    x = np.concatenate([np.load(p) for p in sorted(data.iterdir())]) + 2.0  # inputs with a non-zero mean
+    for i, p in enumerate(sorted(data.iterdir())):
+        np.save(p, x[i:i + 1])
+    options = QuantizeConfig(per_channel=False, bias_correction="fast")
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
+    feeds = [Batch(["a"], {"x": x})]
+    plain = quantize_model(path, table, replace_bc(options, "off")).model
+    fixed = quantize_model(path, table, options, data=lambda n: iter(feeds)).model
+    conv = next(n for n in fixed.graph.node if n.op_type == "Conv")
+    assert len(conv.input) == 3 and conv.input[2]
+    inits = _weights(fixed)
+    bias_name = conv.input[2].replace("_DequantizeLinear_Output", "")
+    assert inits[bias_name + WEIGHT_SUFFIX].dtype == np.int32
+    s_in = next(v for k, v in inits.items() if k.startswith("x") and k.endswith(SCALE_SUFFIX))
+    np.testing.assert_array_equal(inits[bias_name + SCALE_SUFFIX], np.float32(s_in) * inits["w" + SCALE_SUFFIX])
+    ref = _run(onnx.load(path), {"x": x})[0].mean(axis=(0, 2, 3))
+    shift = [np.abs(_run(q, {"x": x})[0].mean(axis=(0, 2, 3)) - ref).mean() for q in (plain, fixed)]
+    assert shift[1] < 0.2 * shift[0]
+
+
+def replace_bc(options, value):
+    from dataclasses import replace
+    return replace(options, bias_correction=value)
