@@ -21,6 +21,7 @@ on the calibration inputs.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -43,6 +44,7 @@ LEARNING_RATE = 0.05
 REG_WEIGHT = 0.01
 ZETA, GAMMA = 1.1, -0.1
 WARMUP = 0.2  # fraction of the steps without the regulariser
+_MEMO: dict = {}  # the last model's layer statistics and roundings (see adaptive_rounding)
 
 
 @dataclass
@@ -242,13 +244,24 @@ def output_error(weight: np.ndarray, q: np.ndarray, scales: np.ndarray, layer: _
 
 def adaptive_rounding(model: onnx.ModelProto, plan: QuantPlan, params, data: list[Batch],
                       options: QuantizeConfig, threads: int = 0) -> Callable:
-    """The `rounding` callback of quantize_graph: adaptive for every layer we could observe."""
-    layers = collect_inputs(model, plan, data, threads)
+    """The `rounding` callback of quantize_graph: adaptive for every layer we could observe.
+
+    Results are memoised for the process: the mixed-precision search quantizes the same
+    model many times with different layers left float, and a layer's inputs (fp32) and
+    rounding do not depend on which other layers are float."""
+    key = (hashlib.sha256(model.SerializeToString()).hexdigest(), tuple(k for b in data for k in b.keys))
+    if _MEMO.get("key") != key:
+        _MEMO.clear()
+        _MEMO.update(key=key, layers=collect_inputs(model, plan, data, threads), rounded={})
+    layers, rounded = _MEMO["layers"], _MEMO["rounded"]
 
     def rounding(name: str, weight: np.ndarray, scales: np.ndarray, axis) -> Optional[np.ndarray]:
         layer = layers.get(name)
         if layer is None:
             return None
-        return round_layer(weight, scales, layer)
+        memo = (name, np.asarray(scales).tobytes())
+        if memo not in rounded:
+            rounded[memo] = round_layer(weight, scales, layer)
+        return rounded[memo]
 
     return rounding

@@ -134,10 +134,12 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, activat
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Int8 QDQ model to write.")
 @click.option("--equalize", is_flag=True, default=None,
               help="Cross-layer equalization of Conv->Relu/ReLU6->Conv weights before calibration (exact in fp32).")
-@click.option("--bias-correction", type=click.Choice(["fast", "off"]),
-              help="Correct int32 biases by the per-channel output mean shift on the calibration data.")
-@click.option("--weight-rounding", type=click.Choice(["nearest", "adaptive"]),
-              help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs).")
+@click.option("--bias-correction", type=click.Choice(["auto", "fast", "off"]),
+              help="Correct int32 biases by the per-channel output mean shift on the calibration data "
+                   "(default auto: fast when --data is given).")
+@click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
+              help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
+                   "default auto: adaptive when --data is given).")
 @click.option("--correction-samples", type=click.IntRange(min=1),
               help="Calibration samples used by bias correction and adaptive rounding (64).")
 @click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")
@@ -164,7 +166,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
     quant = override(quant, equalize=equalize, bias_correction=bias_correction, weight_rounding=weight_rounding,
                      correction_samples=correction_samples)
-    needs_data = quant.bias_correction != "off" or quant.weight_rounding != "nearest"
+    needs_data = quant.bias_correction == "fast" or quant.weight_rounding == "adaptive"
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "
                                "bias correction or adaptive rounding)")

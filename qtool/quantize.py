@@ -86,6 +86,28 @@ def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options:
     return out
 
 
+def resolve_data_steps(options: QuantizeConfig, have_data: bool) -> tuple[str, str]:
+    """(bias correction, weight rounding) to run: `auto` means on when calibration data is at hand.
+    Asking for either explicitly without data is a user error."""
+    explicit = options.bias_correction == "fast" or options.weight_rounding == "adaptive"
+    if explicit and not have_data:
+        raise QtoolError("bias correction and adaptive weight rounding need calibration data (--data)")
+    bias = "fast" if options.bias_correction == "auto" and have_data else options.bias_correction
+    rounding = "adaptive" if options.weight_rounding == "auto" and have_data else options.weight_rounding
+    return ("off" if bias == "auto" else bias), ("nearest" if rounding == "auto" else rounding)
+
+
+def _optional(setting: str, what: str, notes: list[str], step: Callable):
+    """Run a data-driven step; in `auto` mode a graph it cannot handle keeps the plain result, with a note."""
+    if setting != "auto":
+        return step()
+    try:
+        return step()
+    except Exception as exc:  # auto mode must never make quantization fail where it used to succeed
+        notes.append(f"{what} skipped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return None
+
+
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                    table_path: object = None, allow_missing: bool = False,
                    data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizeResult:
@@ -99,16 +121,30 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     plan = build_plan(model, options)
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
-    needs_data = options.bias_correction != "off" or options.weight_rounding != "nearest"
-    if needs_data and data is None:
-        raise QtoolError("bias correction and adaptive weight rounding need calibration data (--data)")
-    samples = list(data(options.correction_samples)) if needs_data else []
-    rounding = adaptive_rounding(model, plan, params, samples, options) if options.weight_rounding == "adaptive" else None
-    qmodel, notes = quantize_graph(model, plan, params, options.per_channel, rounding)
-    if options.bias_correction == "fast":
-        report = correct_biases(model, qmodel, plan, samples)
-        notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
-                     f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
+    bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
+    samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
+    notes: list[str] = []
+    rounding = None
+    if rounding_mode == "adaptive":
+        rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
+                             lambda: adaptive_rounding(model, plan, params, samples, options))
+    try:
+        qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, rounding)
+    except Exception as exc:
+        if rounding is None or options.weight_rounding != "auto":
+            raise
+        notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
+        qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel)
+    notes = graph_notes + notes
+    if bias_correction == "fast":
+        corrected = onnx.ModelProto()
+        corrected.CopyFrom(qmodel)  # a step that fails half-way in auto mode leaves qmodel untouched
+        report = _optional(options.bias_correction, "bias correction", notes,
+                           lambda: correct_biases(model, corrected, plan, samples))
+        if report is not None:
+            qmodel = corrected
+            notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
+                         f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
     check_no_bad_scales(qmodel)
     try:
         check_model(qmodel, full_check=True)
