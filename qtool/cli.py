@@ -183,7 +183,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     calib_data = None
     if data is not None:
         specs = input_specs(load_model(model))
-        calib_data = lambda limit: batches(open_data(data, specs, cfg.preprocess), calib.batch_size, limit)  # noqa: E731
+        calib_data = lambda limit: batches(open_data(data, specs, cfg.preprocess), calib.batch_size,  # noqa: E731
+                                           min(limit, calib.num_samples or limit))
     if any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr)):
         from qtool.mixed_precision import Target
         target = Target(target_agreement, target_top1_drop, target_sqnr)
