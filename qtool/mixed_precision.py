@@ -15,12 +15,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-import numpy as np
 import onnx
 
 from qtool.config import QuantizeConfig
@@ -29,7 +27,6 @@ from qtool.errors import ThresholdError
 from qtool.labels import Labels
 from qtool.macs import int8_macs, sample_shapes
 from qtool.metrics import ClassificationAccumulator, FidelityAccumulator
-from qtool.modelio import load_model
 from qtool.quantize import QuantizeResult, quantize_model
 from qtool.runtime import create_session
 from qtool.sensitivity import layer_sensitivity

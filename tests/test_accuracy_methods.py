@@ -24,7 +24,7 @@ from qtool.quantize import quantize_model
 from qtool.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
 
 from tests import graphs
-from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, kit_path
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG
 
 
 def _run(model, feeds, names=None):
