@@ -136,10 +136,10 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, activat
               help="Cross-layer equalization of Conv->Relu/ReLU6->Conv weights before calibration (exact in fp32).")
 @click.option("--bias-correction", type=click.Choice(["auto", "fast", "off"]),
               help="Correct int32 biases by the per-channel output mean shift on the calibration data "
-                   "(default auto: fast when --data is given).")
+                   "(auto: fast when --data is given; default off, configs/efficientnet_lite0.yaml: auto).")
 @click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
               help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
-                   "default auto: adaptive when --data is given).")
+                   "auto: adaptive when --data is given; default nearest).")
 @click.option("--correction-samples", type=click.IntRange(min=1),
               help="Calibration samples used by bias correction and adaptive rounding (64).")
 @click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")

@@ -88,8 +88,8 @@ class QuantizeConfig:
     exclude_nodes: tuple[str, ...] = ()  # node names or glob patterns
     upgrade_opset: bool = False
     equalize: bool = False  # cross-layer equalization of Conv->act->Conv pairs before calibration
-    bias_correction: str = "auto"  # fast: correct int32 biases by the per-channel output mean shift
-    weight_rounding: str = "auto"  # adaptive: AdaRound-style per-layer rounding
+    bias_correction: str = "off"  # fast: correct int32 biases by the per-channel output mean shift
+    weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
 
     def __post_init__(self):
