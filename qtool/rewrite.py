@@ -150,6 +150,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                 node.input[i] = name + DQ_SUFFIX
             elif name in replace and _node_label(node) in quantized_nodes and _constant_slot(node, i):
                 node.input[i] = replace[name]
+        if _needs_float_guard(node, quantized_nodes, act_set, float_inits):
+            new_nodes.append(_float_guard(node, builder))
         new_nodes.append(node)
         for output in node.output:
             if output in act_set and output not in graph_inputs:
@@ -162,6 +164,31 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     del graph.node[:]
     graph.node.extend(builder.head + new_nodes)
     return out, notes
+
+
+GUARDED_OPS = ("Conv", "ConvTranspose", "Gemm")
+FLOAT_GUARD_SUFFIX = "_float_guard"
+
+
+def _needs_float_guard(node: onnx.NodeProto, quantized_nodes: set[str], act_set: set[str],
+                       float_inits: dict) -> bool:
+    """A float Conv/ConvTranspose/Gemm reading a DequantizeLinear output with a float weight
+    initializer: onnxruntime's WeightBiasQuantization transformer would quantize its weight to
+    per-tensor int8 behind our back (measured on EfficientNet-Lite0: a depthwise conv meant to
+    stay float cost 9 dB of output SQNR), so a layer left in float would not be float at all."""
+    return (node.op_type in GUARDED_OPS and node.domain in ("", "ai.onnx") and _node_label(node) not in quantized_nodes
+            and len(node.input) > 1 and node.input[0].endswith(DQ_SUFFIX)
+            and node.input[0][:-len(DQ_SUFFIX)] in act_set and node.input[1] in float_inits)
+
+
+def _float_guard(node: onnx.NodeProto, builder: _Builder) -> onnx.NodeProto:
+    """Max(x, lowest float32): the identity for every finite x, an op between the DequantizeLinear
+    and the float layer that no onnxruntime transformer removes or moves a DequantizeLinear across."""
+    source = node.input[0]
+    guarded = _node_label(node) + FLOAT_GUARD_SUFFIX
+    lowest = builder.add_init(np.array(np.finfo(np.float32).min, np.float32), guarded + "_lowest")
+    node.input[0] = guarded
+    return helper.make_node("Max", [source, lowest], [guarded], name=guarded)
 
 
 def _constant_slot(node: onnx.NodeProto, index: int) -> bool:

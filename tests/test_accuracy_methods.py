@@ -316,3 +316,19 @@ def test_bias_correction_gives_a_conv_without_bias_one(tmp_path):
 def replace_bc(options, value):
     from dataclasses import replace
     return replace(options, bias_correction=value)
+
+
+def test_a_float_layer_after_an_int8_one_stays_float_in_onnxruntime(crushed):
+    """onnxruntime's WeightBiasQuantization quantizes the float weights of a Conv fed by a
+    DequantizeLinear to per-tensor int8; the rewrite's guard keeps an excluded layer really float."""
+    path, table, options, evals = crushed
+    qmodel = quantize_model(path, table, QuantizeConfig(per_channel=True, exclude_nodes=("conv_b",))).model
+    assert any(n.op_type == "Max" and n.output[0] == "conv_b_float_guard" for n in qmodel.graph.node)
+    feeds = evals[0].feeds
+    ref = _run(onnx.load(path), feeds)[0]
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    unoptimized = ort.InferenceSession(qmodel.SerializeToString(), plain, providers=["CPUExecutionProvider"])
+    got, expected = _run(qmodel, feeds)[0], unoptimized.run(None, feeds)[0]
+    # conv_b's single outlier weight would crush the others to zero in per-tensor int8
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
