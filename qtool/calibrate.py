@@ -14,6 +14,7 @@ from qtool.dataset import batches, count_samples, open_data
 from qtool.equalize import equalize
 from qtool.graph_prep import prepare
 from qtool.modelio import input_specs, load_model, sha256_file
+from qtool.method_rules import methods_for, needs_histogram
 from qtool.observer import observe
 from qtool.plan import QuantPlan, build_plan
 from qtool.qparams import QParams, activation_qparams, include_zero
@@ -23,9 +24,18 @@ from qtool.table import CalibrationTable, TableEntry
 
 
 def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path, preprocess: PreprocessConfig,
-                       calib: CalibrationConfig, progress: bool = True) -> tuple[dict[str, TensorStats], int]:
+                       calib: CalibrationConfig, progress: bool = True, shard: tuple[int, int] = (0, 1),
+                       threads: int = 0, sub: tuple[int, int] = (0, 1), warn: bool = True,
+                       all_histograms: bool = False) -> tuple[dict[str, TensorStats], int]:
+    """One streaming pass over shard `shard` = (k, n) of the data (the whole data for (0, 1)),
+    sub-shard `sub` of it; histograms for the tensors whose method needs one (all_histograms: every tensor)."""
+    from qtool.shards import select_shard
+
     source = open_data(data, input_specs(model), preprocess)
-    total = count_samples(source, calib.num_samples)
+    limit = select_shard(source, calib, *shard, sub=sub)
+    total = count_samples(source, limit)
+    histogram_for = set(plan.activations) if all_histograms else needs_histogram(
+        methods_for(model, plan.activations, calib))
     seen = 0
     with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
         def advance(batch):
@@ -33,13 +43,19 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path
             seen += len(batch)
             bar.update(len(batch))
 
-        stats = observe(model, plan.activations, batches(source, calib.batch_size, calib.num_samples),
-                        on_batch=advance)
+        stats = observe(model, plan.activations, batches(source, calib.batch_size, limit),
+                        histogram_for=histogram_for, threads=threads, on_batch=advance,
+                        sample_limit=calib.histogram_sample)
+    if warn:
+        warn_nonfinite(stats)
+    return stats, seen
+
+
+def warn_nonfinite(stats: dict[str, TensorStats]) -> None:
     for name, s in stats.items():
         if s.nonfinite:
             warnings.warn(f"tensor '{name}': {s.nonfinite} NaN/Inf values excluded from its statistics",
-                          stacklevel=2)
-    return stats, seen
+                          stacklevel=3)
 
 
 def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
@@ -80,10 +96,11 @@ def _fixed_params(plan: QuantPlan, name: str, dtype: str) -> QParams:
 
 
 def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: CalibrationConfig, options: QuantizeConfig,
-                model_path: str | Path, num_samples: int) -> CalibrationTable:
-    ranges = {name: choose_range(stats[name], calib.method) for name in plan.activations}
+                model_path: str | Path, num_samples: int, model: onnx.ModelProto | None = None) -> CalibrationTable:
+    methods = methods_for(model, plan.activations, calib) if model is not None else {}
+    ranges = {name: choose_range(stats[name], methods.get(name, calib.method), calib) for name in plan.activations}
     final, params = resolve_qparams(plan, ranges, options)
-    settings = {"batch_size": calib.batch_size, **asdict(options)}
+    settings = {"batch_size": calib.batch_size, **_range_settings(calib), **asdict(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples)
     for name in plan.activations:
@@ -93,11 +110,30 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     return table
 
 
-def calibrate(model_path: str | Path, data: str | Path, preprocess: PreprocessConfig, calib: CalibrationConfig,
-              options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
+def _range_settings(calib: CalibrationConfig) -> dict:
+    """The calibration options that shape ranges, where they differ from the defaults
+    (so tables of default settings keep their bytes)."""
+    defaults = CalibrationConfig()
+    keys = ("percentile", "symmetric", "moving_average", "aciq_distribution", "method_by_op_type",
+            "method_by_tensor", "histogram_sample")
+    return {k: [list(p) for p in v] if isinstance(v, tuple) else v
+            for k in keys if (v := getattr(calib, k)) != getattr(defaults, k)}
+
+
+def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
     model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
-    plan = build_plan(model, options)
-    stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
-    return build_table(plan, stats, calib, options, model_path, seen)
+    return model, build_plan(model, options)
+
+
+def calibrate(model_path: str | Path, data: str | Path, preprocess: PreprocessConfig, calib: CalibrationConfig,
+              options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
+    from qtool.shards import collect_parallel
+
+    model, plan = prepared_model(model_path, options)
+    if calib.workers > 1:
+        stats, seen = collect_parallel(model_path, data, preprocess, calib, options)
+    else:
+        stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
+    return build_table(plan, stats, calib, options, model_path, seen, model)

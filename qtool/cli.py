@@ -78,7 +78,9 @@ def _calibration_options(func):
     for option in reversed([
         click.option("--num-samples", type=click.IntRange(min=1), help="Use at most this many samples."),
         click.option("--batch-size", type=click.IntRange(min=1), help="Samples per batch (dynamic-batch models)."),
-        click.option("--method", type=str, help="Range method (minmax)."),
+        click.option("--method", type=str, help="Range method: minmax, percentile, entropy, mse, aciq."),
+        click.option("--workers", type=click.IntRange(min=1),
+                     help="onnxruntime sessions in separate processes over shards of the data."),
         click.option("--activation-dtype", type=click.Choice(["uint8", "int8"]), help="Activation integer type."),
         click.option("--upgrade-opset", is_flag=True, default=None,
                      help="Convert models older than opset 13 with onnx's version converter."),
@@ -87,9 +89,10 @@ def _calibration_options(func):
     return func
 
 
-def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset):
+def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers=None):
     cfg = load_config(config_path)
-    calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method)
+    calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
+                     workers=workers)
     quant = override(cfg.quantization, activation_dtype=activation_dtype, upgrade_opset=upgrade_opset)
     return cfg, calib, quant
 
@@ -99,23 +102,47 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @data_option
 @config_option
 @_calibration_options
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Calibration table to write.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
+              help="Calibration table to write (with --shard: the shard's statistics file, .npz).")
 @click.option("--format", "table_format", default="qtool", show_default=True, metavar="FORMAT",
               help="Table format to write: qtool, tensorrt, tengine, tpu-mlir, ncnn, amct, amct-binary, onnxruntime.")
+@click.option("--shard", metavar="K/N", help="Only shard K of N (0-based) of the data; write its statistics to -o.")
+@click.option("--merge", "merge", is_flag=True, help="Merge the statistics FILES of shards into the table -o.")
+@click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
-def calibrate(model, data, config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, output,
-              table_format):
-    """Run calibration data through MODEL and write a calibration table."""
+def calibrate(model, data, config_path, num_samples, batch_size, method, workers, activation_dtype, upgrade_opset,
+              output, table_format, shard, merge, stats_files):
+    """Run calibration data through MODEL and write a calibration table.
+
+    \b
+    Sharded:  qtool calibrate MODEL --data D --shard 0/2 -o s0.npz   (and 1/2 -> s1.npz)
+              qtool calibrate MODEL --merge s0.npz s1.npz -o table.json
+    """
     from qtool.calibrate import calibrate as run_calibration
     from qtool.formats import get_format, write_table
+    from qtool.shards import calibrate_shard, merge_tables, parse_shard
 
-    if data is None:
+    if stats_files and not merge:
+        raise click.UsageError(f"unexpected argument '{stats_files[0]}' (statistics files go with --merge)")
+    if merge and (not stats_files or data is not None or shard):
+        raise click.UsageError("--merge takes statistics FILES, without --data or --shard")
+    if not merge and data is None:
         raise click.UsageError("--data is required")
     check_output_path(output, model)
-    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
+    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
+                                       workers)
     start = time.perf_counter()
+    if shard:
+        k, n = parse_shard(shard)
+        count, samples = calibrate_shard(model, data, cfg.preprocess, calib, quant, (k, n), output)
+        click.echo(f"shard {k}/{n}: statistics of {count} tensors on {samples} samples in "
+                   f"{time.perf_counter() - start:.1f} s -> {output}")
+        return
     get_format(table_format)
-    table = run_calibration(model, data, cfg.preprocess, calib, quant)
+    if merge:
+        table = merge_tables(model, list(stats_files), calib, quant)
+    else:
+        table = run_calibration(model, data, cfg.preprocess, calib, quant)
     write_table(table, output, table_format, model, quant)
     click.echo(f"calibrated {len(table.tensors)} tensors on {table.num_samples} samples "
                f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output} ({table_format})")
@@ -152,9 +179,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, activat
 @click.option("--max-float-layers", type=click.IntRange(min=0), default=10, show_default=True,
               help="Layer budget of the --target-* search; exit 1 when the target needs more.")
 @_command
-def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, activation_dtype,
-             upgrade_opset, save_table, allow_missing, output, equalize, bias_correction, weight_rounding,
-             correction_samples, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
+def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers,
+             activation_dtype, upgrade_opset, save_table, allow_missing, output, equalize, bias_correction,
+             weight_rounding, correction_samples, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
              max_float_layers):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool.calibrate import calibrate as run_calibration
@@ -163,7 +190,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     from qtool.modelio import has_external_data, input_specs, load_model, save_model
     from qtool.quantize import quantize_model
 
-    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset)
+    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
+                                       workers)
     quant = override(quant, equalize=equalize, bias_correction=bias_correction, weight_rounding=weight_rounding,
                      correction_samples=correction_samples)
     needs_data = quant.bias_correction == "fast" or quant.weight_rounding == "adaptive"

@@ -27,6 +27,7 @@ LAYOUTS = ("NCHW", "NHWC")
 ACTIVATION_DTYPES = ("uint8", "int8")
 BIAS_CORRECTIONS = ("auto", "off", "fast")  # auto: fast when calibration data is at hand (quantize --data)
 WEIGHT_ROUNDINGS = ("auto", "nearest", "adaptive")  # auto: adaptive when calibration data is at hand
+ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 
 
 def _one_of(name: str, value: Any, allowed: tuple) -> None:
@@ -68,15 +69,31 @@ class PreprocessConfig:
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    method: str = "minmax"
+    method: str = "minmax"  # the only method that keeps every kit model's floor (README, "Calibration engine")
     num_samples: Optional[int] = None  # None: every sample in the data folder
     batch_size: int = 8
+    percentile: float = 99.99  # percentile method: kept fraction of |x| (symmetric) or of each tail
+    symmetric: bool = False  # ranges symmetric about 0 (minmax, percentile on |x|)
+    moving_average: bool = False  # minmax: mean of the per-batch extremes instead of the overall ones
+    aciq_distribution: str = "laplace"  # aciq: laplace or gaussian
+    # per-tensor method choices, e.g. {Softmax: minmax} (inputs of every Softmax node) and
+    # {"*attn*": percentile} (tensor name glob); a tensor-name match wins over an op-type match
+    method_by_op_type: tuple[tuple[str, str], ...] = ()
+    method_by_tensor: tuple[tuple[str, str], ...] = ()
+    histogram_sample: int = 16384  # values per tensor and batch that feed the histogram (strided sample)
+    workers: int = 1  # onnxruntime sessions in separate processes, each over a shard of the data
 
     def __post_init__(self):
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.num_samples is not None and self.num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        if not 50.0 < self.percentile <= 100.0:
+            raise ValueError(f"percentile must be in (50, 100], got {self.percentile}")
+        _one_of("aciq_distribution", self.aciq_distribution, ACIQ_DISTRIBUTIONS)
+        for name in ("histogram_sample", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -186,6 +203,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key)
     if origin is tuple:
+        if isinstance(value, dict):
+            value = list(value.items())  # `method_by_op_type: {Softmax: minmax}`: (key, value) pairs
         if isinstance(value, (int, float)) and args and args[-1] is not Ellipsis:
             value = [value] * len(args)  # `size: 224` means 224x224
         if isinstance(value, str):

@@ -53,8 +53,10 @@ def test_table_is_byte_identical_across_runs(shipped_job, tmp_path):
                        "-o", again)
     assert result.returncode == 0, result.stderr
     doc, doc_again = json.loads(table.read_text()), json.loads(again.read_text())
-    # min-max statistics do not depend on how samples are batched
-    assert doc["tensors"] == doc_again["tensors"]
+    # the observed extremes do not depend on how samples are batched (the config's mse ranges
+    # come from a per-batch strided histogram sample, which does)
+    assert {n: (e["min"], e["max"]) for n, e in doc["tensors"].items()} == \
+        {n: (e["min"], e["max"]) for n, e in doc_again["tensors"].items()}
     result = run_qtool("calibrate", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "-o", again)
     assert again.read_bytes() == table.read_bytes()
 

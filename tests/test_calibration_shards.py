@@ -1,0 +1,125 @@
+"""Sharded, merged and multi-process calibration equal a single run; method rules; in-graph statistics."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from qtool.cli import main
+from qtool.config import CalibrationConfig, load_config
+from qtool.graph_prep import prepare
+from qtool.method_rules import methods_for
+from qtool.modelio import load_model
+from qtool.observer import observe
+from qtool.dataset import Batch
+from qtool.statistics import TensorStats
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG
+from tests.graphs import conv_model
+
+BASE = ["--config", str(EFFNET_CONFIG), "--batch-size", "2"]
+
+
+def _run(*args) -> None:
+    result = CliRunner().invoke(main, ["calibrate", str(EFFNET), *map(str, args)])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.fixture(scope="module")
+def shard_files(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    files = []
+    for k in range(3):  # 10 samples in batches of 2: 5 batches over 3 shards (1, 2, 2 batches)
+        files.append(out / f"s{k}.npz")
+        _run("--data", CALIB_SAMPLES, *BASE, "--shard", f"{k}/3", "-o", files[-1])
+    return files
+
+
+@pytest.mark.parametrize("method", ["minmax", "entropy", "percentile", "mse", "aciq"])
+def test_merged_shards_equal_a_single_run(tmp_path, shard_files, method):
+    _run("--data", CALIB_SAMPLES, *BASE, "--method", method, "-o", tmp_path / "single.json")
+    _run(*BASE, "--method", method, "--merge", *shard_files, "-o", tmp_path / "merged.json")
+    single, merged = (json.loads((tmp_path / f).read_text()) for f in ("single.json", "merged.json"))
+    assert merged["num_samples"] == single["num_samples"] == 10
+    if method == "minmax":
+        assert (tmp_path / "merged.json").read_bytes() == (tmp_path / "single.json").read_bytes()
+    for name, entry in single["tensors"].items():
+        other = merged["tensors"][name]
+        assert (other["min"], other["max"]) == (entry["min"], entry["max"]), name
+        bin_width = max(abs(entry["min"]), abs(entry["max"])) / 2048  # one bin of the 2048-bin |x| histogram
+        np.testing.assert_allclose(other["range"], entry["range"], rtol=0, atol=bin_width, err_msg=name)
+
+
+def test_shard_statistics_of_one_shard_differ_from_the_whole(tmp_path, shard_files):
+    _run(*BASE, "--merge", shard_files[0], "-o", tmp_path / "one.json")
+    _run("--data", CALIB_SAMPLES, *BASE, "-o", tmp_path / "single.json")
+    one, single = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "single.json"))
+    assert one["num_samples"] == 2
+    assert one["tensors"] != single["tensors"]
+
+
+def test_merge_refuses_a_repeated_shard_and_a_foreign_file(tmp_path, shard_files):
+    result = CliRunner().invoke(main, ["calibrate", str(EFFNET), *BASE, "--merge", str(shard_files[0]),
+                                       str(shard_files[0]), "-o", str(tmp_path / "t.json")])
+    assert result.exit_code == 2 and "same shard" in result.output
+    bogus = tmp_path / "bogus.npz"
+    bogus.write_bytes(b"not a zip")
+    result = CliRunner().invoke(main, ["calibrate", str(EFFNET), *BASE, "--merge", str(bogus),
+                                       "-o", str(tmp_path / "t.json")])
+    assert result.exit_code == 2 and "bogus.npz" in result.output and not (tmp_path / "t.json").exists()
+    result = CliRunner().invoke(main, ["calibrate", str(EFFNET), *BASE, "--data", str(CALIB_SAMPLES),
+                                       "--shard", "3/3", "-o", str(tmp_path / "s.npz")])
+    assert result.exit_code == 2 and "0 <= K < N" in result.output
+
+
+@pytest.mark.slow
+def test_workers_equal_a_single_run(tmp_path):
+    _run("--data", CALIB_SAMPLES, *BASE, "--method", "entropy", "-o", tmp_path / "single.json")
+    _run("--data", CALIB_SAMPLES, *BASE, "--method", "entropy", "--workers", "2", "-o", tmp_path / "w2.json")
+    assert (tmp_path / "w2.json").read_bytes() == (tmp_path / "single.json").read_bytes()
+
+
+def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
+    model = prepare(conv_model(np.random.default_rng(0), activation="Relu", size=32), False, "m", True)
+    names = [n.output[0] for n in model.graph.node]
+    relu = next(n.output[0] for n in model.graph.node if n.op_type == "Relu")
+    rng = np.random.default_rng(1)
+    feeds = [rng.normal(size=(b, 8, 32, 32)).astype(np.float32) for b in (1, 3, 2, 5)]
+    got = observe(model, names, [Batch([str(i)], {"x": f}) for i, f in enumerate(feeds)], histogram_for=names,
+                  sample_limit=256)
+    import onnxruntime as ort
+    from qtool.observer import with_outputs
+    session = ort.InferenceSession(with_outputs(model, names).SerializeToString(), providers=["CPUExecutionProvider"])
+    for name in names:
+        want = TensorStats.with_histogram()
+        want.sample_limit = 256
+        for f in feeds:
+            array = session.run([name], {"x": f})[0]
+            if name == relu:  # non-negative 4-D: sampled from every 4th row and column, min not observed
+                want.add_extremes(0.0, float(array.max()), array.size)
+                flat = np.ascontiguousarray(array[:, :, ::4, ::4]).reshape(-1)
+                s = flat.size // 256
+                want.add_sample(flat[::s - s % 2 + 1])
+            else:
+                want.update(array)
+        want.flush()
+        assert (got[name].min, got[name].max, got[name].count) == (want.min, want.max, want.count), name
+        np.testing.assert_array_equal(got[name].hist, want.hist, err_msg=name)  # the same strided sample
+        assert 64 * len(feeds) <= got[name].sampled < got[name].count / 8  # bounded, not everything
+
+
+def test_method_by_op_type_and_tensor_pattern(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("calibration:\n  method: entropy\n  method_by_op_type: {Relu: minmax}\n"
+                      "  method_by_tensor: {'c*': percentile}\n")
+    calib = load_config(config).calibration
+    assert calib.method_by_op_type == (("Relu", "minmax"),)
+    model = prepare(conv_model(np.random.default_rng(0), activation="Relu"), False, "m", True)
+    relu_input = next(n.input[0] for n in model.graph.node if n.op_type == "Relu")
+    chosen = methods_for(model, ["x", relu_input, "other"], calib)
+    assert chosen["x"] == "entropy"
+    assert chosen[relu_input] == ("percentile" if relu_input.startswith("c") else "minmax")
+    chosen = methods_for(model, [relu_input], CalibrationConfig(method="mse", method_by_op_type=(("Relu", "aciq"),)))
+    assert chosen[relu_input] == "aciq"

@@ -1,0 +1,178 @@
+"""Known answers of every range method on synthetic distributions, and the histogram it rests on.
+
+The data go through the same streaming summaries as a real calibration (TensorStats fed
+batch by batch); each test states the value a method must find and fails if a method
+falls back to the observed extremes (min-max) where it must clip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from qtool import histogram, ranges
+from qtool.config import CalibrationConfig
+from qtool.statistics import TensorStats
+
+N = 1_000_000
+
+
+def _stats(values: np.ndarray, batches: int = 10) -> TensorStats:
+    stats = TensorStats.with_histogram()
+    stats.sample_limit = values.size  # every value feeds the histogram
+    for chunk in np.array_split(values.astype(np.float32), batches):
+        stats.update(chunk)
+    stats.flush()
+    return stats
+
+
+def _range(stats, method, **options):
+    return ranges.choose_range(stats, method, CalibrationConfig(method=method, **options))
+
+
+@pytest.fixture(scope="module")
+def outliers():
+    """Standard Gaussian with one value at +50 sigma and one at -50 (one in a million each)."""
+    x = np.random.default_rng(1).normal(size=N)
+    x[[1000, 500_000]] = [50.0, -50.0]
+    return _stats(x)
+
+
+@pytest.mark.parametrize("method", sorted(ranges.METHODS))
+def test_uniform_data_every_method_keeps_about_the_whole_range(method):
+    stats = _stats(np.random.default_rng(0).uniform(-1, 1, N))
+    lo, hi = _range(stats, method)
+    assert -1.0 <= lo <= -0.97 and 0.97 <= hi <= 1.0, (lo, hi)
+
+
+def test_minmax_keeps_the_outlier(outliers):
+    assert _range(outliers, "minmax") == (-50.0, 50.0)
+
+
+@pytest.mark.parametrize("method,low,high", [("percentile", 3.5, 4.2),  # 99.99% per tail of N(0,1): 3.72
+                                             ("entropy", 3.0, 10.0),
+                                             # 2 (50 - t)^2 clipped + 1e6 (t / 127.5)^2 / 12 rounded: t = 14.0
+                                             ("mse", 13.0, 15.0),
+                                             ("aciq", 7.5, 8.5)])  # 9.89 * E|x| = 9.89 * 0.798
+def test_histogram_methods_clip_far_below_a_rare_outlier(outliers, method, low, high):
+    lo, hi = _range(outliers, method)
+    assert low <= hi <= high and -high <= lo <= -low, (method, lo, hi)
+    assert hi < 0.3 * _range(outliers, "minmax")[1]  # really not min-max
+
+
+def test_percentile_symmetric_uses_abs_and_asymmetric_each_tail():
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.exponential(1.0, N), -rng.exponential(0.1, N)])  # long right tail, short left
+    stats = _stats(x)
+    lo, hi = _range(stats, "percentile", percentile=99.9)
+    np.testing.assert_allclose(hi, np.quantile(x, 0.999), rtol=0.02)
+    np.testing.assert_allclose(lo, np.quantile(x, 0.001), rtol=0.02)
+    slo, shi = _range(stats, "percentile", percentile=99.9, symmetric=True)
+    np.testing.assert_allclose(shi, np.quantile(np.abs(x), 0.999), rtol=0.02)
+    assert slo == -shi
+
+
+@pytest.mark.parametrize("b", [0.5, 3.0])
+def test_aciq_laplace_closed_form(b):
+    # Banner et al.: for 8 bits the MSE-optimal clipping of Laplace(0, b) is 9.89 b
+    assert ranges.aciq_alpha("laplace") == pytest.approx(9.89, abs=0.01)
+    assert ranges.aciq_alpha("gaussian") == pytest.approx(3.92, abs=0.01)
+    x = np.random.default_rng(3).laplace(0.0, b, 4 * N)  # max |x| ~ 15 b: the clip is below it
+    lo, hi = _range(_stats(x), "aciq")
+    assert hi == pytest.approx(9.89 * b, rel=0.02) and lo == pytest.approx(-9.89 * b, rel=0.02)
+    assert hi < 0.85 * np.abs(x).max()
+
+
+def test_aciq_gaussian_fit():
+    x = np.random.default_rng(4).normal(0.0, 2.0, N)
+    lo, hi = _range(_stats(x), "aciq", aciq_distribution="gaussian")
+    assert hi == pytest.approx(3.92 * 2.0, rel=0.02) and lo == pytest.approx(-3.92 * 2.0, rel=0.02)
+
+
+def test_entropy_is_the_tensorrt_recipe_on_a_known_histogram():
+    # an exponentially decaying bulk (scale 40 bins) and a sparse tail of single counts out to
+    # bin 2047: clipping near the bulk's end loses less information than 16-bin levels do
+    bins = np.arange(2048)
+    hist = np.floor(1e5 * np.exp(-bins / 40.0))
+    hist[bins % 7 == 0] += 1.0
+    kept = ranges.entropy_threshold(hist)
+    assert 128 <= kept <= 700, kept
+    # but a histogram whose bins are all needed is kept whole (KL of quantizing it is 0 at 2048)
+    sparse = np.zeros(2048)
+    sparse[::16] = 5.0
+    assert ranges.entropy_threshold(sparse) > 2032  # the last non-empty bin is kept
+    flat = np.full(2048, 10.0)  # uniform: every clip moves mass into the last bin
+    assert ranges.entropy_threshold(flat) == 2048
+
+
+def test_mse_threshold_balances_clipping_against_rounding():
+    # uniform on [0, 1], 255 steps: error(t) = t^3 / (12 * 255^2) + (1 - t)^3 / 3, minimum near t = 0.998
+    hist = np.full(2048, 100.0)
+    assert ranges.mse_threshold(hist, 1.0, 255.0) == pytest.approx(0.998, abs=0.002)
+    # against brute force over every candidate edge on a lumpy histogram
+    rng = np.random.default_rng(7)
+    lumpy = rng.exponential(1.0, 2048) * np.exp(-np.arange(2048) / 100.0)
+    lumpy[-1] = 3.0
+    centres = (np.arange(2048) + 0.5) / 2048
+    errors = [np.sum(lumpy * np.where(centres > t, (centres - t) ** 2, (t / 127.5) ** 2 / 12))
+              for t in np.arange(1, 2049) / 2048]
+    assert ranges.mse_threshold(lumpy, 1.0, 127.5) == pytest.approx((np.argmin(errors) + 1) / 2048)
+
+
+def test_moving_average_and_symmetric_minmax():
+    stats = TensorStats()
+    for lo, hi in [(-1.0, 2.0), (-3.0, 4.0)]:
+        stats.update(np.array([lo, 0.5, hi], np.float32))
+    assert _range(stats, "minmax") == (-3.0, 4.0)
+    assert _range(stats, "minmax", moving_average=True) == (-2.0, 3.0)
+    assert _range(stats, "minmax", symmetric=True) == (-4.0, 4.0)
+
+
+def test_histogram_covers_every_finite_float_and_merges_by_addition():
+    rng = np.random.default_rng(5)
+    a = (rng.standard_cauchy(100_000) * 1e3).astype(np.float32)  # spans many decades
+    b = np.array([3e38, -3e38, 1e-40, 0.0, -0.0, np.inf, np.nan], np.float32)
+    ha, hb = histogram.count(histogram.keys(a)), histogram.count(histogram.keys(b))
+    np.testing.assert_array_equal(ha + hb, histogram.count(histogram.keys(np.concatenate([a, b]))))
+    # every finite value lands in a bin whose span holds it, within 1/128 relative width
+    k = histogram.keys(a).astype(np.uint32)
+    low = (k << 16).view(np.float32)
+    high = ((k + 1) << 16).view(np.float32)
+    mag = np.abs(a)
+    assert np.all((np.abs(low) <= mag) & (mag <= np.abs(high)))
+    assert np.all(np.abs(high - low) <= mag / 128 + 1e-38)
+    # re-binned to linear |x| bins: the counts of numpy's own histogram, within the bf16 resolution
+    x = rng.normal(size=N).astype(np.float32)
+    top = float(np.abs(x).max())
+    lin = histogram.abs_linear(histogram.count(histogram.keys(x)), top, 256)
+    ref, _ = np.histogram(np.abs(x), 256, (0, top))
+    assert lin.sum() == pytest.approx(N)
+    np.testing.assert_allclose(lin, ref, atol=0.03 * ref.max())
+
+
+def test_statistics_merge_equals_one_pass():
+    rng = np.random.default_rng(6)
+    parts = [rng.normal(size=50_000).astype(np.float32) * s for s in (1.0, 3.0, 0.5)]
+    whole = TensorStats.with_histogram()
+    for p in parts:
+        whole.update(p)
+    merged = None
+    for p in parts:
+        s = TensorStats.with_histogram()
+        s.update(p)
+        merged = s if merged is None else merged.merge(s)
+    whole.flush()
+    assert (merged.min, merged.max, merged.count, merged.batches) == (whole.min, whole.max, whole.count,
+                                                                       whole.batches)
+    np.testing.assert_array_equal(merged.hist, whole.hist)
+    for method in ranges.METHODS:
+        assert _range(merged, method) == _range(whole, method)
+
+
+def test_unknown_method_is_a_clear_error():
+    from qtool.errors import QtoolError
+    with pytest.raises(QtoolError, match="unknown calibration method 'kl'.*entropy"):
+        ranges.choose_range(TensorStats(), "kl")
+    assert math.isfinite(ranges.aciq_alpha("laplace"))
