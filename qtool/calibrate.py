@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.dataset import batches, count_samples, open_data
+from qtool.equalize import equalize
 from qtool.graph_prep import prepare
 from qtool.modelio import input_specs, load_model, sha256_file
 from qtool.method_rules import methods_for, needs_histogram
@@ -129,6 +130,8 @@ def _range_settings(calib: CalibrationConfig) -> dict:
 
 def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
     model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
+    if options.equalize:  # before calibration, so the table matches the equalized graph
+        equalize(model)
     return model, build_plan(model, options)
 
 

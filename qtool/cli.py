@@ -186,25 +186,50 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--save-table", type=click.Path(path_type=Path), help="With --data: also write the table.")
 @click.option("--allow-missing", is_flag=True, help="Keep tensors the table lacks in float instead of failing.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Int8 QDQ model to write.")
+@click.option("--equalize", is_flag=True, default=None,
+              help="Cross-layer equalization of Conv->Relu/ReLU6->Conv weights before calibration (exact in fp32).")
+@click.option("--bias-correction", type=click.Choice(["auto", "fast", "off"]),
+              help="Correct int32 biases by the per-channel output mean shift on the calibration data "
+                   "(auto: fast when --data is given; default off, configs/efficientnet_lite0.yaml: auto).")
+@click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
+              help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
+                   "auto: adaptive when --data is given; default nearest).")
+@click.option("--correction-samples", type=click.IntRange(min=1),
+              help="Calibration samples used by bias correction and adaptive rounding (64).")
+@click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")
+@click.option("--labels", type=str, help="Labels of --eval-data ('filename<TAB>class_index' file, or 'folders').")
+@click.option("--target-agreement", type=click.FloatRange(0, 100),
+              help="Keep the fewest sensitive layers float so top-1 agreement with fp32 reaches this percent.")
+@click.option("--target-top1-drop", type=click.FloatRange(min=0),
+              help="... so top-1 drops by at most this many points (needs --labels).")
+@click.option("--target-sqnr", type=float, help="... so every output's SQNR reaches this many dB.")
+@click.option("--max-float-layers", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Layer budget of the --target-* search; exit 1 when the target needs more.")
 @_command
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers,
              activation_dtype, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, save_table,
-             allow_missing, output):
+             allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples, eval_data, labels,
+             target_agreement, target_top1_drop, target_sqnr, max_float_layers):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool.calibrate import calibrate as run_calibration
+    from qtool.dataset import batches, open_data
     from qtool.formats import read_table
-    from qtool.modelio import has_external_data, save_model
+    from qtool.modelio import has_external_data, input_specs, load_model, save_model
     from qtool.ort_kernels import kernel_summary
     from qtool.quantize import quantize_model
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
-    if (table_path is None) == (data is None):
-        raise click.UsageError("give exactly one of --table TABLE or --data PATH")
+    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
+                                       workers, target, reduce_range, exclude_op_types, exclude_nodes)
+    quant = override(quant, equalize=equalize, bias_correction=bias_correction, weight_rounding=weight_rounding,
+                     correction_samples=correction_samples)
+    needs_data = quant.bias_correction == "fast" or quant.weight_rounding == "adaptive"
+    if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data):
+        raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "
+                               "bias correction or adaptive rounding)")
     check_output_path(output, model, table_path)
     if save_table:
         check_output_path(save_table, model, output)
-    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
-                                       workers, target, reduce_range, exclude_op_types, exclude_nodes)
     warning = vnni_warning(quant, cpu_has_vnni())
     if warning:
         click.echo(f"warning: {warning}", err=True)
@@ -215,7 +240,17 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         table = run_calibration(model, data, cfg.preprocess, calib, quant)
         if save_table:
             table.save(save_table)
-    result = quantize_model(model, table, quant, table_path, allow_missing)
+    calib_data = None
+    if data is not None:
+        specs = input_specs(load_model(model))
+        calib_data = lambda limit: batches(open_data(data, specs, cfg.preprocess), calib.batch_size,  # noqa: E731
+                                           min(limit, calib.num_samples or limit))
+    if any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr)):
+        from qtool.mixed_precision import Target
+        goal = Target(target_agreement, target_top1_drop, target_sqnr)  # not the --target preset
+        result = _mixed_precision(model, table, quant, goal, eval_data, labels, max_float_layers, calib_data, cfg)
+    else:
+        result = quantize_model(model, table, quant, table_path, allow_missing, data=calib_data)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     save_model(result.model, output, external=has_external_data(model))
@@ -226,6 +261,29 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     click.echo(describe_target(quant))
     if quant.target == "ort-cpu":
         click.echo(kernel_summary(output))
+
+
+def _mixed_precision(model, table, quant, target, eval_data, labels, max_float_layers, calib_data, cfg):
+    """--target-*: search the float layers, report them, return the chosen model's QuantizeResult."""
+    from qtool.dataset import batches, open_data
+    from qtool.evaluate import EvaluateInputs, _labels
+    from qtool.mixed_precision import describe_figures, search
+    from qtool.modelio import input_specs, load_model
+
+    if eval_data is None:
+        raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr need --eval-data")
+    source = open_data(eval_data, input_specs(load_model(model)), cfg.preprocess)
+    label_map = _labels(EvaluateInputs(model, model, eval_data, labels), source) if labels else None
+    eval_batches = list(batches(source, cfg.evaluation.batch_size, cfg.evaluation.num_samples))
+    click.echo(f"searching the fewest float layers for {target.describe()} on {len(source)} evaluation samples:",
+               err=True)
+    found = search(model, table, quant, target, eval_batches, label_map, max_float_layers, calib_data,
+                   cfg.evaluation.layer_samples, log=lambda message: click.echo(message, err=True))
+    chosen = found.chosen
+    click.echo(f"target met with {len(chosen.float_layers)} layer(s) in float"
+               f"{': ' + ', '.join(chosen.float_layers) if chosen.float_layers else ''}; "
+               f"{100 * chosen.int8_mac_fraction:.1f}% of MACs in int8; {describe_figures(chosen.figures)}")
+    return chosen.result
 
 
 @main.command()

@@ -25,6 +25,8 @@ INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "area")
 CHANNEL_ORDERS = ("RGB", "BGR")
 LAYOUTS = ("NCHW", "NHWC")
 ACTIVATION_DTYPES = ("uint8", "int8")
+BIAS_CORRECTIONS = ("auto", "off", "fast")  # auto: fast when calibration data is at hand (quantize --data)
+WEIGHT_ROUNDINGS = ("auto", "nearest", "adaptive")  # auto: adaptive when calibration data is at hand
 ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 
 
@@ -108,6 +110,10 @@ class QuantizeConfig:
     reduce_range: Optional[bool] = None  # 7-bit weights (x86 without VNNI)
     # Names of the fields filled from the target preset (not given by the user).
     from_target: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
+    equalize: bool = False  # cross-layer equalization of Conv->act->Conv pairs before calibration
+    bias_correction: str = "off"  # fast: correct int32 biases by the per-channel output mean shift
+    weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
+    correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
 
     def __post_init__(self):
         from qtool.targets import PRESET_FIELDS, TARGETS
@@ -119,6 +125,10 @@ class QuantizeConfig:
             object.__setattr__(self, name, preset[name])
         object.__setattr__(self, "from_target", filled)
         _one_of("activation_dtype", self.activation_dtype, ACTIVATION_DTYPES)
+        _one_of("bias_correction", self.bias_correction, BIAS_CORRECTIONS)
+        _one_of("weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
+        if self.correction_samples < 1:
+            raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
 
 
 TASKS = ("auto", "classification", "detection", "generic")

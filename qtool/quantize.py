@@ -5,15 +5,20 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qtool.adaround import adaptive_rounding
+from qtool.bias_correction import correct_biases
 from qtool.calibrate import resolve_qparams
 from qtool.channel_pad import pad_input_channels
+from qtool.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
+from qtool.equalize import equalize
 from qtool.graph_prep import prepare
 from qtool.modelio import check_model, load_model, sha256_file
 from qtool.plan import QuantPlan, build_plan
@@ -84,17 +89,68 @@ def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options:
     return out
 
 
+def resolve_data_steps(options: QuantizeConfig, have_data: bool) -> tuple[str, str]:
+    """(bias correction, weight rounding) to run: `auto` means on when calibration data is at hand.
+    Asking for either explicitly without data is a user error."""
+    explicit = options.bias_correction == "fast" or options.weight_rounding == "adaptive"
+    if explicit and not have_data:
+        raise QtoolError("bias correction and adaptive weight rounding need calibration data (--data)")
+    bias = "fast" if options.bias_correction == "auto" and have_data else options.bias_correction
+    rounding = "adaptive" if options.weight_rounding == "auto" and have_data else options.weight_rounding
+    return ("off" if bias == "auto" else bias), ("nearest" if rounding == "auto" else rounding)
+
+
+def _optional(setting: str, what: str, notes: list[str], step: Callable):
+    """Run a data-driven step; in `auto` mode a graph it cannot handle keeps the plain result, with a note."""
+    if setting != "auto":
+        return step()
+    try:
+        return step()
+    except Exception as exc:  # auto mode must never make quantization fail where it used to succeed
+        notes.append(f"{what} skipped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return None
+
+
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
-                   table_path: object = None, allow_missing: bool = False) -> QuantizeResult:
+                   table_path: object = None, allow_missing: bool = False,
+                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizeResult:
+    """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them)."""
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
     model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
+    if options.equalize:  # before calibration, so the table matches the equalized graph
+        equalize(model)
     plan = build_plan(model, options)
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
-    qmodel, notes = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
-                                   options.activation_dtype, options.symmetric_activations)
+    qmax = weight_qmax(options.reduce_range)
+    bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
+    samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
+    notes: list[str] = []
+    rounding = None
+    if rounding_mode == "adaptive":
+        rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
+                             lambda: adaptive_rounding(model, plan, params, samples, options))
+    try:
+        qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
+                                             options.activation_dtype, options.symmetric_activations, rounding)
+    except Exception as exc:
+        if rounding is None or options.weight_rounding != "auto":
+            raise
+        notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
+        qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
+                                             options.activation_dtype, options.symmetric_activations)
+    notes = graph_notes + notes
+    if bias_correction == "fast":
+        corrected = onnx.ModelProto()
+        corrected.CopyFrom(qmodel)  # a step that fails half-way in auto mode leaves qmodel untouched
+        report = _optional(options.bias_correction, "bias correction", notes,
+                           lambda: correct_biases(model, corrected, plan, samples))
+        if report is not None:
+            qmodel = corrected
+            notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
+                         f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
     if options.target == "ort-cpu":
         for name in space_to_depth_stems(qmodel):
             notes.append(f"input '{name}' rearranged into 2x2 blocks (SpaceToDepth) after its QuantizeLinear, "

@@ -10,6 +10,7 @@ about 4x smaller and the runtime never quantizes constants at load time.
 from __future__ import annotations
 
 import warnings
+from typing import Callable, Optional
 
 import numpy as np
 import onnx
@@ -67,8 +68,11 @@ class _Builder:
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
                    per_channel: bool = True, weight_qmax: int = qp.WEIGHT_QMAX, activation_dtype: str = "uint8",
-                   symmetric: bool = False) -> tuple[onnx.ModelProto, list[str]]:
-    """Return the QDQ model and notes about what was adjusted (bias overflow, ...)."""
+                   symmetric: bool = False, rounding: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
+    """Return the QDQ model and notes about what was adjusted (bias overflow, ...).
+
+    `rounding(name, weight, scales, axis)`: int8 values of a weight at its final scales
+    (adaptive rounding), or None for round-to-nearest."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -122,7 +126,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     for name, weight in weight_data.items():
         axis = plan.weights[name].axis if per_channel else None
         scales = weight_scales[name]
-        q = qp.quantize_weight(weight, scales, axis, weight_qmax)
+        q = rounding(name, weight, scales, axis) if rounding else None
+        q = qp.quantize_weight(weight, scales, axis, weight_qmax) if q is None else q
         replace[name] = builder.dequantized_constant(name, q, scales, np.zeros(scales.shape, np.int8),
                                                      axis if scales.ndim else None)
     for name in plan.constants:
@@ -157,6 +162,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                 node.input[i] = name + DQ_SUFFIX
             elif name in replace and _node_label(node) in quantized_nodes and _constant_slot(node, i):
                 node.input[i] = replace[name]
+        if _needs_float_guard(node, quantized_nodes, act_set, float_inits):
+            new_nodes.append(_float_guard(node, builder))
         new_nodes.append(node)
         for output in node.output:
             if output in act_set and output not in graph_inputs:
@@ -169,6 +176,31 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     del graph.node[:]
     graph.node.extend(builder.head + new_nodes)
     return out, notes
+
+
+GUARDED_OPS = ("Conv", "ConvTranspose", "Gemm")
+FLOAT_GUARD_SUFFIX = "_float_guard"
+
+
+def _needs_float_guard(node: onnx.NodeProto, quantized_nodes: set[str], act_set: set[str],
+                       float_inits: dict) -> bool:
+    """A float Conv/ConvTranspose/Gemm reading a DequantizeLinear output with a float weight
+    initializer: onnxruntime's WeightBiasQuantization transformer would quantize its weight to
+    per-tensor int8 behind our back (measured on EfficientNet-Lite0: a depthwise conv meant to
+    stay float cost 9 dB of output SQNR), so a layer left in float would not be float at all."""
+    return (node.op_type in GUARDED_OPS and node.domain in ("", "ai.onnx") and _node_label(node) not in quantized_nodes
+            and len(node.input) > 1 and node.input[0].endswith(DQ_SUFFIX)
+            and node.input[0][:-len(DQ_SUFFIX)] in act_set and node.input[1] in float_inits)
+
+
+def _float_guard(node: onnx.NodeProto, builder: _Builder) -> onnx.NodeProto:
+    """Max(x, lowest float32): the identity for every finite x, an op between the DequantizeLinear
+    and the float layer that no onnxruntime transformer removes or moves a DequantizeLinear across."""
+    source = node.input[0]
+    guarded = _node_label(node) + FLOAT_GUARD_SUFFIX
+    lowest = builder.add_init(np.array(np.finfo(np.float32).min, np.float32), guarded + "_lowest")
+    node.input[0] = guarded
+    return helper.make_node("Max", [source, lowest], [guarded], name=guarded)
 
 
 def _constant_slot(node: onnx.NodeProto, index: int) -> bool:

@@ -30,6 +30,7 @@ from onnx import helper
 from qtool.config import QuantizeConfig
 from qtool.dataset import Batch
 from qtool.errors import QtoolError
+from qtool.equalize import equalize
 from qtool.graph_prep import prepare
 from qtool.macs import node_label, node_macs, sample_shapes, tensor_shapes
 from qtool.metrics import FidelityAccumulator
@@ -165,6 +166,8 @@ def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: 
     if not batches:
         raise QtoolError("sensitivity needs at least one batch of samples")
     model = prepare(load_model(model_path), options.upgrade_opset, model_path)
+    if options.equalize:
+        equalize(model)
     selected = _select(layers(model, build_plan(model, options)), nodes)
     shapes = sample_shapes(batches[0].feeds)
     macs = node_macs(model, shapes)

@@ -1,0 +1,334 @@
+"""Beyond min-max: cross-layer equalization, bias correction, adaptive rounding, mixed precision."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from qtool import adaround, qparams as qp
+from qtool.bias_correction import _Means
+from qtool.calibrate import calibrate
+from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig, load_config
+from qtool.dataset import Batch, batches, open_data
+from qtool.equalize import equalize, find_pairs
+from qtool.errors import ThresholdError
+from qtool.graph_prep import prepare
+from qtool.mixed_precision import Target, search
+from qtool.modelio import input_specs, load_model
+from qtool.observer import with_outputs
+from qtool.plan import build_plan
+from qtool.quantize import quantize_model
+from qtool.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
+
+from tests import graphs
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG
+
+
+def _run(model, feeds, names=None):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(names, feeds)
+
+
+def _chain_model(rng) -> onnx.ModelProto:
+    """x -> clip6 -> conv1 -> relu -> dw -> clip6 -> conv3 -> conv4 -> y, with outlier channels."""
+    w1 = rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32)
+    w1[2] *= 25.0  # an outlier output channel: equalization must shrink it
+    dw = rng.normal(0, 0.3, (8, 1, 3, 3)).astype(np.float32)
+    dw[5] *= 0.01  # a quiet channel: never reaches 6 whatever its [0, 6] input, so ReLU6 lets it move
+    dw[1] *= 20.0  # a loud one that saturates: must stay as it is
+    w3 = rng.normal(0, 0.3, (6, 8, 1, 1)).astype(np.float32)
+    w4 = rng.normal(0, 0.3, (4, 6, 1, 1)).astype(np.float32)
+    w4[:, 3] *= 30.0
+    inits = [graphs.init("w1", w1), graphs.init("b1", rng.normal(0, 0.1, 8).astype(np.float32)),
+             graphs.init("dw", dw), graphs.init("bdw", np.full(8, 0.05, np.float32)),
+             graphs.init("w3", w3), graphs.init("b3", rng.normal(0, 0.1, 6).astype(np.float32)),
+             graphs.init("w4", w4), graphs.init("zero", np.float32(0)), graphs.init("six", np.float32(6))]
+    nodes = [helper.make_node("Clip", ["x", "zero", "six"], ["x6"], name="clip0"),
+             helper.make_node("Conv", ["x6", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "dw", "bdw"], ["c2"], name="dw", pads=[1, 1, 1, 1], group=8),
+             helper.make_node("Clip", ["c2", "zero", "six"], ["r2"], name="relu6"),
+             helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], name="conv3"),
+             helper.make_node("Conv", ["c3", "w4"], ["y"], name="conv4")]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 10, 10])], [graphs.tensor("y", None)], inits)
+
+
+def _weights(model):
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def test_equalization_keeps_the_fp32_outputs_and_balances_ranges():
+    rng = np.random.default_rng(0)
+    model = _chain_model(rng)
+    before = _weights(model)
+    pairs = find_pairs(model)
+    assert [(p.first.name, p.act.name if p.act else None, p.second.name) for p in pairs] == \
+        [("conv1", "relu1", "dw"), ("dw", "relu6", "conv3"), ("conv3", None, "conv4")]
+    eq = onnx.ModelProto()
+    eq.CopyFrom(model)
+    report = equalize(eq)
+    after = _weights(eq)
+    x = {"x": rng.uniform(-1, 8, (4, 3, 10, 10)).astype(np.float32)}  # inputs both inside and beyond the clip
+    ref, got = _run(model, x)[0], _run(eq, x)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    def spread(w):  # largest over median per-output-channel range
+        r = np.abs(w.reshape(w.shape[0], -1)).max(axis=1)
+        return r.max() / np.median(r)
+
+    assert spread(after["w1"]) < spread(before["w1"]) / 3  # the Relu pair: the outlier channel is balanced
+    assert report.pinned >= 1 and report.pairs == 3
+    # the linear pair conv3 -> conv4 balances its input channel 3 outlier
+    assert spread(np.moveaxis(after["w4"], 1, 0)) < spread(np.moveaxis(before["w4"], 1, 0)) / 3
+
+
+def test_relu6_pins_the_channels_that_can_saturate():
+    """dw -> ReLU6 -> conv3 alone: a channel that can reach 6 keeps s = 1, a provably quiet one moves."""
+    rng = np.random.default_rng(1)
+    full = _chain_model(rng)
+    keep = {"clip0", "dw", "relu6", "conv3"}
+    nodes = [n for n in full.graph.node if n.name in keep]
+    nodes[0].input[0] = "x"
+    nodes[1].input[0] = "x6"  # the dw reads the clipped input directly
+    inits = [t for t in full.graph.initializer if t.name in {"dw", "bdw", "w3", "b3", "zero", "six"}]
+    model = graphs.model(nodes, [graphs.tensor("x", ["N", 8, 6, 6])], [graphs.tensor("c3", ["N", 6, 6, 6])], inits)
+    model_before = onnx.ModelProto()
+    model_before.CopyFrom(model)
+    before = _weights(model)
+    report = equalize(model)
+    after = _weights(model)
+    ratio = after["dw"].reshape(8, -1)[:, 0] / before["dw"].reshape(8, -1)[:, 0]
+    assert ratio[1] == 1.0  # dw[1] * 20 saturates the clip: pinned
+    assert abs(ratio[5] - 1.0) > 0.1  # dw[5] * 0.01 never reaches 6 for inputs in [0, 6]
+    assert report.pairs == 1 and 1 <= report.pinned < 8
+    x = {"x": rng.uniform(-2, 9, (4, 8, 6, 6)).astype(np.float32)}
+    ref, got = _run(model_before, x)[0], _run(model, x)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_equalization_is_exact_on_efficientnet_lite0():
+    model = prepare(load_model(EFFNET))
+    eq = onnx.ModelProto()
+    eq.CopyFrom(model)
+    report = equalize(eq)
+    assert report.pairs >= 30 and report.channels > 1000
+    changed = sum(not np.array_equal(a, _weights(model)[name]) for name, a in _weights(eq).items())
+    assert changed > 50
+    cfg = load_config(EFFNET_CONFIG)
+    batch = next(batches(open_data(CALIB_SAMPLES, input_specs(model), cfg.preprocess), 8, 8))
+    ref, got = _run(model, batch.feeds)[0], _run(eq, batch.feeds)[0]
+    assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max()
+    assert (ref.argmax(1) == got.argmax(1)).all()
+
+
+@pytest.fixture(scope="module")
+def effnet_setup():
+    cfg = load_config(EFFNET_CONFIG)
+    model = prepare(load_model(EFFNET))
+    data = list(batches(open_data(CALIB_SAMPLES, input_specs(model), cfg.preprocess), 5, None))
+    table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(), cfg.quantization, progress=False)
+    return cfg, model, data, table
+
+
+def _channel_shift(fp32, qmodel, data, tensor):
+    """Mean over channels of |E[y] - E[y_q]| for one Conv output."""
+    means = []
+    for m in (fp32, qmodel):
+        acc = _Means()
+        for batch in data:
+            acc.update(_run(with_outputs(m, [tensor]), batch.feeds, [tensor])[0], 1)
+        means.append(acc.mean)
+    return float(np.mean(np.abs(means[0] - means[1])))
+
+
+@pytest.mark.slow
+def test_bias_correction_removes_the_mean_shift_and_keeps_the_bias_scale(effnet_setup):
+    cfg, model, data, table = effnet_setup
+    plain = quantize_model(EFFNET, table, cfg.quantization).model
+    options = QuantizeConfig(bias_correction="fast")
+    corrected = quantize_model(EFFNET, table, options, data=lambda n: iter(data)).model
+    plain_inits, corrected_inits = _weights(plain), _weights(corrected)
+    plan = build_plan(model, options)
+    moved = 0
+    for bias, bplan in plan.biases.items():
+        # the scale stays exactly s_in x s_w: only the int32 values move
+        np.testing.assert_array_equal(corrected_inits[bias + SCALE_SUFFIX], plain_inits[bias + SCALE_SUFFIX])
+        assert corrected_inits[bias + WEIGHT_SUFFIX].dtype == np.int32
+        moved += not np.array_equal(corrected_inits[bias + WEIGHT_SUFFIX], plain_inits[bias + WEIGHT_SUFFIX])
+    assert moved >= 40
+    # a deep layer (the head conv), measured on the same data: the shift is much smaller
+    head = next(n for n in model.graph.node if n.input[1] == "_conv_head.weight").output[0]
+    before, after = _channel_shift(model, plain, data, head), _channel_shift(model, corrected, data, head)
+    assert after < 0.5 * before
+    # and the model's outputs move closer to fp32
+    ref = [_run(model, b.feeds)[0] for b in data]
+    err = [sum(float(np.mean((_run(q, b.feeds)[0] - r) ** 2)) for b, r in zip(data, ref)) for q in (plain, corrected)]
+    assert err[1] < err[0]
+
+
+@pytest.mark.slow
+def test_adaptive_rounding_lowers_a_real_layers_output_error(effnet_setup):
+    cfg, model, data, table = effnet_setup
+    plan = build_plan(model, cfg.quantization)
+    wanted = {"_blocks.15._project_conv.weight", "_blocks.6._depthwise_conv.weight", "_conv_stem.weight"}
+    plan.weights = {k: v for k, v in plan.weights.items() if k in wanted}
+    layers = adaround.collect_inputs(model, plan, data)
+    assert set(layers) == wanted
+    weights = _weights(model)
+    for name, layer in layers.items():
+        w = weights[name]
+        axis = plan.weights[name].axis
+        scales = qp.weight_scales(w, axis)
+        nearest = qp.quantize_weight(w, scales, axis)
+        adaptive = adaround.round_layer(w, scales, layer, iterations=100)
+        assert adaptive.dtype == np.int8 and adaptive.shape == w.shape
+        assert np.abs(adaptive.astype(int) - nearest.astype(int)).max() <= 1  # only the rounding direction moves
+        assert adaround.output_error(w, adaptive, scales, layer) < 0.8 * adaround.output_error(w, nearest, scales,
+                                                                                                 layer)
+
+
+def _crushed_model(rng) -> onnx.ModelProto:
+    """x -> conv_a -> relu -> conv_b -> gap -> flatten -> y [N, 6]; conv_b's per-tensor weights are crushed."""
+    wa = rng.normal(0, 0.3, (6, 3, 3, 3)).astype(np.float32)
+    wb = rng.normal(0, 0.3, (6, 6, 1, 1)).astype(np.float32)
+    ba = np.zeros(6, np.float32)
+    ba[0] = -100.0
+    wb[0, 0, 0, 0] = 40.0
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "wb"], ["b"], name="conv_b"),
+             helper.make_node("GlobalAveragePool", ["b"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["y"], name="flatten")]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)],
+                        [graphs.init("wa", wa), graphs.init("ba", ba), graphs.init("wb", wb)])
+
+
+@pytest.fixture(scope="module")
+def crushed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mixed")
+    rng = np.random.default_rng(0)
+    path = tmp / "m.onnx"
+    onnx.save(_crushed_model(rng), path)
+    data = graphs.write_samples(tmp / "data", rng, (3, 8, 8), count=8)
+    options = QuantizeConfig(per_channel=False)
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
+    x = np.random.default_rng(1).normal(0, 1, (32, 3, 8, 8)).astype(np.float32)
+    evals = [Batch([f"s{i}" for i in range(j, j + 8)], {"x": x[j:j + 8]}) for j in range(0, 32, 8)]
+    return path, table, options, evals
+
+
+def test_mixed_precision_keeps_the_crushed_layer_float(crushed):
+    path, table, options, evals = crushed
+    all_int8 = search(path, table, options, Target(sqnr=-100.0), evals, None, 3)
+    assert all_int8.chosen.float_layers == [] and all_int8.chosen.int8_mac_fraction == 1.0
+    base = all_int8.chosen.figures["sqnr_db"]
+    found = search(path, table, options, Target(sqnr=base + 5.0), evals, None, 3)
+    assert found.chosen.float_layers == ["conv_b"]
+    assert found.chosen.figures["sqnr_db"] >= base + 5.0  # verified on the evaluation data
+    assert 0.0 < found.chosen.int8_mac_fraction < 1.0
+    assert [t["float_layers"] for t in found.tried] == [0, 1]
+
+
+def test_mixed_precision_fails_clearly_beyond_the_budget(crushed):
+    path, table, options, evals = crushed
+    with pytest.raises(ThresholdError, match="not met with up to 0 layer"):
+        search(path, table, options, Target(sqnr=200.0), evals, None, 0)
+    with pytest.raises(ThresholdError, match="not met with up to 2 layer"):
+        search(path, table, options, Target(sqnr=200.0), evals, None, 2)
+
+
+def test_quantize_cli_target_exit_codes(crushed, tmp_path, qtool_cli):
+    path, table, options, evals = crushed
+    data = graphs.write_samples(tmp_path / "eval", np.random.default_rng(2), (3, 8, 8), count=8)
+    table_path = tmp_path / "t.json"
+    table.save(table_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("quantization:\n  per_channel: false\n")
+    ok = qtool_cli("quantize", path, "--table", table_path, "--config", cfg, "--eval-data", data,
+                   "--target-agreement", "100", "-o", tmp_path / "q.onnx")
+    assert ok.returncode == 0, ok.stderr
+    assert "target met with" in ok.stdout and "% of MACs in int8" in ok.stdout and (tmp_path / "q.onnx").exists()
+    bad = qtool_cli("quantize", path, "--table", table_path, "--config", cfg, "--eval-data", data,
+                    "--target-sqnr", "300", "--max-float-layers", "1", "-o", tmp_path / "r.onnx")
+    assert bad.returncode == 1 and "not met with up to 1 layer" in bad.stderr
+    assert not (tmp_path / "r.onnx").exists()
+    missing = qtool_cli("quantize", path, "--table", table_path, "--target-sqnr", "3", "-o", tmp_path / "s.onnx")
+    assert missing.returncode == 2 and "--eval-data" in missing.stderr
+
+
+def test_bias_correction_without_data_is_a_user_error(crushed, tmp_path, qtool_cli):
+    path, table, options, evals = crushed
+    table_path = tmp_path / "t.json"
+    table.save(table_path)
+    result = qtool_cli("quantize", path, "--table", table_path, "--bias-correction", "fast", "-o", tmp_path / "q.onnx")
+    assert result.returncode == 2 and "need calibration data" in result.stderr
+
+
+def test_equalize_flag_calibrates_the_equalized_graph(tmp_path, qtool_cli):
+    rng = np.random.default_rng(3)
+    path = tmp_path / "m.onnx"
+    onnx.save(_chain_model(rng), path)
+    data = graphs.write_samples(tmp_path / "data", rng, (3, 10, 10), count=8, scale=3.0)
+    out = tmp_path / "q.onnx"
+    result = qtool_cli("quantize", path, "--data", data, "--equalize", "--bias-correction", "fast", "-o", out)
+    assert result.returncode == 0, result.stderr
+    q = _weights(onnx.load(out))
+    w1 = numpy_helper.to_array(onnx.load(path).graph.initializer[0])
+    # the int8 weights are those of the equalized conv1: its outlier channel no longer saturates the others
+    scales = q["w1" + SCALE_SUFFIX]
+    assert scales.max() / np.median(scales) < 0.5 * np.abs(w1.reshape(8, -1)).max(1).max() / np.median(
+        np.abs(w1.reshape(8, -1)).max(1))
+
+
+def test_bias_correction_gives_a_conv_without_bias_one(tmp_path):
+    """An unfolded-BN style Conv without bias gets an int32 bias (scale s_in x s_w) that removes its mean shift."""
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 0.3, (8, 4, 3, 3)).astype(np.float32)
+    w[0, 0, 0, 0] = 30.0  # per-tensor weights: everything else is rounded coarsely
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1])]
+    path = tmp_path / "m.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 4, 8, 8])], [graphs.tensor("y", None)],
+                           [graphs.init("w", w)]), path)
+    data = graphs.write_samples(tmp_path / "d", rng, (4, 8, 8), count=16)
+    x = np.concatenate([np.load(p) for p in sorted(data.iterdir())]) + 2.0  # inputs with a non-zero mean
+    for i, p in enumerate(sorted(data.iterdir())):
+        np.save(p, x[i:i + 1])
+    options = QuantizeConfig(per_channel=False, bias_correction="fast")
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
+    feeds = [Batch(["a"], {"x": x})]
+    plain = quantize_model(path, table, replace_bc(options, "off")).model
+    fixed = quantize_model(path, table, options, data=lambda n: iter(feeds)).model
+    conv = next(n for n in fixed.graph.node if n.op_type == "Conv")
+    assert len(conv.input) == 3 and conv.input[2]
+    inits = _weights(fixed)
+    bias_name = conv.input[2].replace("_DequantizeLinear_Output", "")
+    assert inits[bias_name + WEIGHT_SUFFIX].dtype == np.int32
+    s_in = next(v for k, v in inits.items() if k.startswith("x") and k.endswith(SCALE_SUFFIX))
+    np.testing.assert_array_equal(inits[bias_name + SCALE_SUFFIX], np.float32(s_in) * inits["w" + SCALE_SUFFIX])
+    ref = _run(onnx.load(path), {"x": x})[0].mean(axis=(0, 2, 3))
+    shift = [np.abs(_run(q, {"x": x})[0].mean(axis=(0, 2, 3)) - ref).mean() for q in (plain, fixed)]
+    assert shift[1] < 0.2 * shift[0]
+
+
+def replace_bc(options, value):
+    from dataclasses import replace
+    return replace(options, bias_correction=value)
+
+
+def test_a_float_layer_after_an_int8_one_stays_float_in_onnxruntime(crushed):
+    """onnxruntime's WeightBiasQuantization quantizes the float weights of a Conv fed by a
+    DequantizeLinear to per-tensor int8; the rewrite's guard keeps an excluded layer really float."""
+    path, table, options, evals = crushed
+    qmodel = quantize_model(path, table, QuantizeConfig(per_channel=True, exclude_nodes=("conv_b",))).model
+    assert any(n.op_type == "Max" and n.output[0] == "conv_b_float_guard" for n in qmodel.graph.node)
+    feeds = evals[0].feeds
+    ref = _run(onnx.load(path), feeds)[0]
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    unoptimized = ort.InferenceSession(qmodel.SerializeToString(), plain, providers=["CPUExecutionProvider"])
+    got, expected = _run(qmodel, feeds)[0], unoptimized.run(None, feeds)[0]
+    # conv_b's single outlier weight would crush the others to zero in per-tensor int8
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
