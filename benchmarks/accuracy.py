@@ -86,20 +86,38 @@ def _stride(batch_count: int) -> int:
 
 def qtool_variants(model: Path, calib_dir: Path, samples: int, out: Path) -> dict[str, dict]:
     cfg = load_config(CONFIG)
-    settings = [(f"qtool {m}, u8 act" + (" (default)" if m == cfg.calibration.method else ""), m, "uint8")
-                for m in METHODS]
-    settings.append((f"qtool {cfg.calibration.method}, s8 act", cfg.calibration.method, "int8"))
+    # Every range method alone (ranges only: quantize from the table, as `quantize --table` does),
+    # then the config's full job (`quantize --data`: its data-driven steps, bias correction and
+    # adaptive rounding when the config turns them on).
+    settings = [(f"qtool {m}, u8 act, ranges only", m, "uint8", False) for m in METHODS]
+    settings.append((f"qtool {cfg.calibration.method}, s8 act, ranges only", cfg.calibration.method, "int8", False))
+    settings.append((f"qtool default (config: {_steps(cfg)}), u8 act", cfg.calibration.method, "uint8", True))
     variants = {}
-    for name, method, dtype in settings:
+    for name, method, dtype, with_data in settings:
         start = time.perf_counter()
         options = replace(cfg.quantization, activation_dtype=dtype)
         calib = CalibrationConfig(method=method, num_samples=samples, batch_size=BATCH)
         table = calibrate(model, calib_dir, cfg.preprocess, calib, options, progress=False)
-        path = out / f"qtool_{method}_{dtype}.onnx"
-        save_model(quantize_model(model, table, options).model, path)
+        path = out / f"qtool_{method}_{dtype}{'_data' if with_data else ''}.onnx"
+        specs = input_specs(load_model(model))
+        data = (lambda limit: batches(open_data(calib_dir, specs, cfg.preprocess), BATCH, min(limit, samples))) \
+            if with_data else None
+        save_model(quantize_model(model, table, options, data=data).model, path)
         variants[name] = {"path": str(path), "seconds_to_quantize": time.perf_counter() - start}
         print(f"  {name}: {variants[name]['seconds_to_quantize']:.1f} s", flush=True)
     return variants
+
+
+def _steps(cfg) -> str:
+    """The config's method and the data-driven steps it turns on."""
+    steps = [cfg.calibration.method]
+    if cfg.quantization.bias_correction != "off":
+        steps.append("bias correction")
+    if cfg.quantization.weight_rounding != "nearest":
+        steps.append("adaptive rounding")
+    if cfg.quantization.equalize:
+        steps.append("equalization")
+    return " + ".join(steps)
 
 
 def ort_variants(model: Path, calib: list[Batch], out: Path) -> dict[str, dict]:

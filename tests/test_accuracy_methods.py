@@ -188,6 +188,9 @@ def test_adaptive_rounding_lowers_a_real_layers_output_error(effnet_setup):
         assert np.abs(adaptive.astype(int) - nearest.astype(int)).max() <= 1  # only the rounding direction moves
         assert adaround.output_error(w, adaptive, scales, layer) < 0.8 * adaround.output_error(w, nearest, scales,
                                                                                                  layer)
+        # 7-bit weights (--reduce-range): the adaptive values stay inside [-63, 63] too
+        scales7 = qp.weight_scales(w, axis, 63)
+        assert np.abs(adaround.round_layer(w, scales7, layer, iterations=20, qmax=63).astype(int)).max() <= 63
 
 
 def _crushed_model(rng) -> onnx.ModelProto:

@@ -17,7 +17,7 @@ import pytest
 from onnx import helper
 
 from tests import graphs
-from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, run_qtool
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, RANGES_ONLY, run_qtool
 
 REPORT_KEYS = ["qtool_version", "onnxruntime_version", "task", "models", "data", "outputs", "classification", "size",
                "macs", "latency", "per_layer", "sensitivity", "thresholds", "passed"]
@@ -28,8 +28,8 @@ def effnet(tmp_path_factory):
     """The shipped EfficientNet-Lite0 quantized on the ten shipped photos, with its table."""
     tmp = tmp_path_factory.mktemp("evaluate")
     table, int8 = tmp / "calib.json", tmp / "e.int8.onnx"
-    result = run_qtool("quantize", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--save-table", table,
-                       "-o", int8)
+    result = run_qtool("quantize", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, *RANGES_ONLY,
+                       "--save-table", table, "-o", int8)
     assert result.returncode == 0, result.stderr
     return tmp, table, int8
 

