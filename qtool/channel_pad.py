@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
+
+from qtool.input_chain import GraphIndex, insert_on_codes, quantized_inputs
 
 from qtool.ops import attribute
 
@@ -29,25 +31,11 @@ PAD_SUFFIX = "_chpad"
 
 def pad_input_channels(model: onnx.ModelProto) -> list[str]:
     """Rewrite in place; returns the names of the graph inputs padded."""
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    index = GraphIndex.of(model)
     padded = []
-    for graph_input in graph.input:
-        name = graph_input.name
-        quantizers = [n for n in consumers.get(name, []) if n.op_type == "QuantizeLinear"]
-        if len(consumers.get(name, [])) != 1 or len(quantizers) != 1:
-            continue
-        q = quantizers[0]
-        dqs = consumers.get(q.output[0], [])
-        if len(dqs) != 1 or dqs[0].op_type != "DequantizeLinear":
-            continue
-        convs = consumers.get(dqs[0].output[0], [])
-        weights = [_conv_weight(conv, dqs[0].output[0], producer, inits) for conv in convs]
+    for chain in quantized_inputs(model, index):
+        convs = chain.readers
+        weights = [_conv_weight(conv, chain.dq.output[0], index.producer, index.inits) for conv in convs]
         if not convs or any(w is None for w in weights):
             continue
         channels = weights[0][1].shape[1]
@@ -60,26 +48,16 @@ def pad_input_channels(model: onnx.ModelProto) -> list[str]:
         for init_name, weight in {w[0]: w[1] for w in weights}.items():
             pad_shape = (weight.shape[0], extra, *weight.shape[2:])
             grown = np.concatenate([weight, np.zeros(pad_shape, weight.dtype)], axis=1)
-            inits[init_name].CopyFrom(numpy_helper.from_array(grown, init_name))
-        pads_name = name + PAD_SUFFIX + "_pads"
+            index.inits[init_name].CopyFrom(numpy_helper.from_array(grown, init_name))
+        pads_name = chain.name + PAD_SUFFIX + "_pads"
         rank = len(weights[0][1].shape)
         pads = np.zeros(2 * rank, np.int64)
         pads[rank + 1] = extra  # end of axis 1
-        graph.initializer.append(numpy_helper.from_array(pads, pads_name))
+        model.graph.initializer.append(numpy_helper.from_array(pads, pads_name))
         # Pad the quantized tensor with its zero point (real 0): a quarter of the bytes a float Pad
         # would move (measured 1.0 ms in float against 0.2 ms in uint8 at batch 8).
-        pad_name = name + PAD_SUFFIX
-        pad_out = q.output[0].replace(name, pad_name, 1)
-        pad = helper.make_node("Pad", [q.output[0], pads_name, q.input[2]], [pad_out], name=pad_name, mode="constant")
-        dqs[0].input[0] = pad_out
-        dqs[0].output[0] = dqs[0].output[0].replace(name, pad_name, 1)
-        for conv in convs:
-            conv.input[0] = dqs[0].output[0]
-        nodes = list(graph.node)
-        nodes.insert(nodes.index(q) + 1, pad)
-        del graph.node[:]
-        graph.node.extend(nodes)
-        padded.append(name)
+        insert_on_codes(model, chain, "Pad", [pads_name, chain.q.input[2]], PAD_SUFFIX, mode="constant")
+        padded.append(chain.name)
     return padded
 
 

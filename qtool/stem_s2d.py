@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool.input_chain import GraphIndex, insert_on_codes, quantized_inputs
 from qtool.ops import attribute
 
 BLOCK = 2
@@ -35,48 +36,24 @@ S2D_SUFFIX = "_s2d"
 
 def space_to_depth_stems(model: onnx.ModelProto) -> list[str]:
     """Rewrite in place; returns the names of the graph inputs rewritten."""
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    index = GraphIndex.of(model)
     done = []
-    for graph_input in graph.input:
-        name = graph_input.name
-        q = consumers.get(name, [])
-        if len(q) != 1 or q[0].op_type != "QuantizeLinear":
-            continue
-        q = q[0]
-        dqs = consumers.get(q.output[0], [])
-        if len(dqs) != 1 or dqs[0].op_type != "DequantizeLinear":
-            continue
-        dq = dqs[0]
-        height, width = _static_hw(graph_input)
+    for chain in quantized_inputs(model, index):
+        height, width = _static_hw(chain.graph_input)
         if height is None or height % BLOCK or width % BLOCK:
             continue
-        convs = consumers.get(dq.output[0], [])
-        plans = [_plan(conv, dq.output[0], producer, inits, height, width) for conv in convs]
-        if not convs or any(p is None for p in plans) or not _runtime_supports(_zero_type(q, inits)):
+        convs = chain.readers
+        plans = [_plan(conv, chain.dq.output[0], index.producer, index.inits, height, width) for conv in convs]
+        if not convs or any(p is None for p in plans) or not _runtime_supports(_zero_type(chain.q, index.inits)):
             continue
         for conv, (init_name, weight, pads) in zip(convs, plans):
-            inits[init_name].CopyFrom(numpy_helper.from_array(_blocked_weight(weight, pads[0], pads[1]), init_name))
+            blocked = _blocked_weight(weight, pads[0], pads[1])
+            index.inits[init_name].CopyFrom(numpy_helper.from_array(blocked, init_name))
             _set_ints(conv, "kernel_shape", [BLOCK, BLOCK])
             _set_ints(conv, "strides", [1, 1])
             _set_ints(conv, "pads", _blocked_pads(pads, height, width))
-        s2d_name = name + S2D_SUFFIX
-        s2d_out = q.output[0].replace(name, s2d_name, 1)
-        s2d = helper.make_node("SpaceToDepth", [q.output[0]], [s2d_out], name=s2d_name, blocksize=BLOCK)
-        dq.input[0] = s2d_out
-        dq.output[0] = dq.output[0].replace(name, s2d_name, 1)
-        for conv in convs:
-            conv.input[0] = dq.output[0]
-        nodes = list(graph.node)
-        nodes.insert(nodes.index(q) + 1, s2d)
-        del graph.node[:]
-        graph.node.extend(nodes)
-        done.append(name)
+        insert_on_codes(model, chain, "SpaceToDepth", [], S2D_SUFFIX, blocksize=BLOCK)
+        done.append(chain.name)
     return done
 
 
