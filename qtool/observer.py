@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool import saturation
 from qtool.dataset import Batch
 from qtool.runtime import create_session
 from qtool.statistics import SAMPLE_LIMIT, TensorStats
@@ -182,21 +183,29 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
 def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch],
             histogram_for: Collection[str] = (), threads: int = 0,
             on_batch: Optional[Callable[[Batch], None]] = None,
-            sample_limit: int = SAMPLE_LIMIT) -> dict[str, TensorStats]:
-    """One pass over `batches`; returns a summary per tensor (with a histogram for `histogram_for`)."""
+            sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()) -> dict[str, TensorStats]:
+    """One pass over `batches`; returns a summary per tensor (with a histogram for `histogram_for`).
+
+    `saturate`: tensors whose table entry needs only their overall extremes (plain min-max);
+    those bounded by construction stop being observed once they reach their bounds
+    (qtool.saturation)."""
     inputs = {i.name for i in model.graph.input}
     fetched = [t for t in tensors if t not in inputs]  # graph inputs are read from the feeds
-    reduced, outputs = with_reductions(model, fetched, set(histogram_for), sample_limit)
-    session = create_session(reduced, threads)
-    names = [o for t in fetched for o in outputs[t][:4] if o]
+    bounded = {t: b for t, b in saturation.bounds(model).items()
+               if t in saturate and t in fetched and t not in histogram_for}
+    shapes = _shapes(model)
+    weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}
+    active = list(fetched)
+    session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads)
+    rebuilds = 0
     fallback = None
     stats = {t: TensorStats.with_histogram() if t in histogram_for else TensorStats() for t in tensors}
     for s in stats.values():
         s.sample_limit = sample_limit  # the same stride for graph inputs, sampled in numpy
     for batch in batches:
-        values = dict(zip(names, session.run(names, batch.feeds))) if fetched else {}
+        values = dict(zip(names, session.run(names, batch.feeds))) if active else {}
         bad = []
-        for name in fetched:
+        for name in active:
             min_name, max_name, size_name, sample_name, spatial = outputs[name]
             maxima = values[max_name]
             size = int(values[size_name]) if size_name else maxima.size * spatial
@@ -219,8 +228,25 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
             if name in inputs:
                 stats[name].update(batch.feeds[name])
         del values
+        done = [t for t in active if t in bounded and stats[t].seen
+                and saturation.saturated(stats[t].min, stats[t].max, bounded[t])]
+        if done and saturation.worth_rebuilding(sum(weight[t] for t in done), sum(weight[t] for t in active),
+                                                rebuilds):
+            active = [t for t in active if t not in done]
+            session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads)
+            rebuilds += 1
         if on_batch:
             on_batch(batch)
     for s in stats.values():
         s.flush()
     return stats
+
+
+def _observing_session(model: onnx.ModelProto, names: list[str], histogram_for: Collection[str],
+                       sample_limit: int, threads: int):
+    """(session, per-tensor output names, the session outputs to fetch); no session when nothing
+    is left to observe (every observed tensor saturated: the model need not run at all)."""
+    if not names:
+        return None, {}, []
+    reduced, outputs = with_reductions(model, names, set(histogram_for), sample_limit)
+    return create_session(reduced, threads), outputs, [o for t in names for o in outputs[t][:4] if o]
