@@ -7,7 +7,8 @@ measurement runs in its own subprocess that streams the same raw float32 batches
 samples) from a file and reports its wall time and its peak RSS
 (getrusage(RUSAGE_SELF).ru_maxrss); the measurements of a round run in a rotated order,
 and the table quotes the median of the rounds, with each time also as a ratio to the
-plain inference of the same sample count.
+plain inference of the same sample count: the median over rounds of the ratio to the same
+round's plain inference (the JSON also has `x_plain`, the ratio of the medians).
 
     plain       onnxruntime session over the batches, outputs discarded
     qtool X     qtool's statistics pass + range choice with method X (in-graph reductions)
@@ -221,6 +222,12 @@ def summarize(results, counts, kinds) -> dict:
         for kind, row in rows.items():
             if "seconds" in row and plain:
                 row["x_plain"] = row["seconds"] / plain
+            # each round's time over the same round's plain inference (the same load), then the median:
+            # fairer than the ratio of medians on a machine whose load changes between rounds
+            runs = zip(results[str(count)][kind], results[str(count)]["plain"])
+            paired = [r["seconds"] / p["seconds"] for r, p in runs if "seconds" in r and "seconds" in p]
+            if "seconds" in row and paired:
+                row["x_plain_rounds"] = statistics.median(paired)
         summary[str(count)] = rows
     for kind in kinds:  # memory growth from the smaller to the larger sample count
         a, b = (summary[str(c)][kind].get("peak_rss_mb") for c in counts)
@@ -230,14 +237,16 @@ def summarize(results, counts, kinds) -> dict:
 
 
 def markdown(summary, counts, kinds) -> str:
-    lines = ["| method | " + " | ".join(f"{c} samples: time, x plain, peak RSS" for c in counts)
+    lines = ["| method | " + " | ".join(f"{c} samples: time, x plain (median of per-round ratios), peak RSS"
+                                       for c in counts)
              + f" | RSS {counts[-1]}/{counts[0]} |", "|---|" + "---|" * (len(counts) + 1)]
     for kind in kinds:
         cells = []
         for c in counts:
             row = summary[str(c)][kind]
             if "seconds" in row:
-                cells.append(f"{row['seconds']:.2f} s, {row.get('x_plain', 0):.2f}x, {row['peak_rss_mb']:.0f} MB")
+                ratio = row.get("x_plain_rounds", 0)
+                cells.append(f"{row['seconds']:.2f} s, {ratio:.2f}x, {row['peak_rss_mb']:.0f} MB")
             else:
                 cells.append(f"did not fit: {row['error']}")
         growth = summary[str(counts[-1])][kind].get("rss_growth")

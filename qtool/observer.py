@@ -102,7 +102,8 @@ def nonnegative(model: onnx.ModelProto) -> set[str]:
 
 
 def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collection[str],
-                    sample_limit: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+                    sample_limit: int, shapes: Optional[dict[str, list]] = None
+                    ) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     """A copy of `model` that outputs, per tensor, (min, max, size, sample, spatial) as described above.
 
     min is "" for a provably non-negative 4-D tensor (its low end is 0), size is "" when the
@@ -112,7 +113,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     reduced.CopyFrom(model)
     graph = reduced.graph
     types = _elem_types(model)
-    shapes = _shapes(model)
+    shapes = _shapes(model) if shapes is None else shapes  # shape inference is slow: callers may pass it
     floor_zero = nonnegative(model)
     flat, limit, two, one = (f"{_PREFIX}_flat", f"{_PREFIX}_limit", f"{_PREFIX}_two", f"{_PREFIX}_one")
     graph.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), flat),
@@ -196,7 +197,7 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
     shapes = _shapes(model)
     weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}
     active = list(fetched)
-    session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads)
+    session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads, shapes)
     rebuilds = 0
     fallback = None
     stats = {t: TensorStats.with_histogram() if t in histogram_for else TensorStats() for t in tensors}
@@ -233,7 +234,8 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
         if done and saturation.worth_rebuilding(sum(weight[t] for t in done), sum(weight[t] for t in active),
                                                 rebuilds):
             active = [t for t in active if t not in done]
-            session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads)
+            session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads,
+                                                         shapes)
             rebuilds += 1
         if on_batch:
             on_batch(batch)
@@ -243,10 +245,10 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
 
 
 def _observing_session(model: onnx.ModelProto, names: list[str], histogram_for: Collection[str],
-                       sample_limit: int, threads: int):
+                       sample_limit: int, threads: int, shapes: Optional[dict[str, list]] = None):
     """(session, per-tensor output names, the session outputs to fetch); no session when nothing
     is left to observe (every observed tensor saturated: the model need not run at all)."""
     if not names:
         return None, {}, []
-    reduced, outputs = with_reductions(model, names, set(histogram_for), sample_limit)
+    reduced, outputs = with_reductions(model, names, set(histogram_for), sample_limit, shapes)
     return create_session(reduced, threads), outputs, [o for t in names for o in outputs[t][:4] if o]
