@@ -19,6 +19,7 @@ kills any measurement whose RSS passes --cap-gb (default 4) and the table says s
 
     python benchmarks/calibration.py                 # 256 and 1024 samples, 3 rounds (~15 min)
     python benchmarks/calibration.py --quick         # 64 and 128 samples, 1 round
+    python benchmarks/calibration.py --kinds "qtool minmax" --rounds 5 --json benchmarks/calibration_minmax.json
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cap-gb", type=float, default=4.0)
+    parser.add_argument("--kinds", help="comma-separated subset of the measurements, e.g. 'plain,qtool minmax'")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "calibration.json")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -183,6 +185,12 @@ def main(argv=None) -> int:
         parser.error(f"the bench kit is not at {args.kit} (--kit)")
     counts, rounds = ([64, 128], 1) if args.quick else ([256, 1024], args.rounds)
     kinds = ["plain", *(f"qtool {m}" for m in QTOOL_METHODS), *(f"ort {m}" for m in ORT_METHODS)]
+    if args.kinds:  # plain always: every ratio divides by it
+        wanted = {k.strip() for k in args.kinds.split(",")}
+        unknown = wanted - set(kinds)
+        if unknown:
+            parser.error(f"unknown --kinds {sorted(unknown)}; choose from {kinds}")
+        kinds = [k for k in kinds if k in wanted or k == "plain"]
     results: dict[str, dict[str, list]] = {str(c): {k: [] for k in kinds} for c in counts}
     with tempfile.TemporaryDirectory(prefix="qtool-calbench-") as tmp:
         files = make_samples(args.kit, Path(tmp), counts)
