@@ -24,7 +24,9 @@ Python receives a few scalars and bounded samples per tensor and batch, and fold
 into fixed-size summaries (qtool.statistics) before the next batch. The odd step keeps
 the sample from locking onto one channel or column of a power-of-two layout. A batch
 whose extremes are not finite (NaN/Inf) is re-run with the offending tensors exposed
-whole so their non-finite values can be counted and excluded exactly.
+whole so their non-finite values can be counted and excluded exactly. For plain min-max,
+a tensor bounded by construction (a Clip output) whose extremes have reached its bounds stops
+being observed: the session is rebuilt without its reductions (qtool.saturation).
 """
 
 from __future__ import annotations
