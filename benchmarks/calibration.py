@@ -7,7 +7,8 @@ measurement runs in its own subprocess that streams the same raw float32 batches
 samples) from a file and reports its wall time and its peak RSS
 (getrusage(RUSAGE_SELF).ru_maxrss); the measurements of a round run in a rotated order,
 and the table quotes the median of the rounds, with each time also as a ratio to the
-plain inference of the same sample count.
+plain inference of the same sample count: the median over rounds of the ratio to the same
+round's plain inference (the JSON also has `x_plain`, the ratio of the medians).
 
     plain       onnxruntime session over the batches, outputs discarded
     qtool X     qtool's statistics pass + range choice with method X (in-graph reductions)
@@ -18,6 +19,7 @@ kills any measurement whose RSS passes --cap-gb (default 4) and the table says s
 
     python benchmarks/calibration.py                 # 256 and 1024 samples, 3 rounds (~15 min)
     python benchmarks/calibration.py --quick         # 64 and 128 samples, 1 round
+    python benchmarks/calibration.py --kinds "qtool minmax" --rounds 5 --json benchmarks/calibration_minmax.json
 """
 
 from __future__ import annotations
@@ -112,10 +114,13 @@ def measure(kind: str, model: Path, path: Path, count: int, scratch: Path) -> di
         cfg = load_config(CONFIG)
         calib = CalibrationConfig(method=kind.split()[1], batch_size=BATCH)
         prepared, plan = prepared_model(model, cfg.quantization)
-        histogram_for = needs_histogram(methods_for(prepared, plan.activations, calib))
+        from qtool.saturation import minmax_only
+        methods = methods_for(prepared, plan.activations, calib)
+        histogram_for = needs_histogram(methods)
         data = (Batch([""] * len(b), {"input": b}) for b in _batches(path, count))
         stats = observe(prepared, plan.activations, data, histogram_for=histogram_for,
-                        sample_limit=calib.histogram_sample)
+                        sample_limit=calib.histogram_sample,
+                        saturate=minmax_only(methods, calib, histogram_for))
         build_table(plan, stats, calib, cfg.quantization, model, count, prepared)
     else:
         from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
@@ -164,6 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cap-gb", type=float, default=4.0)
+    parser.add_argument("--kinds", help="comma-separated subset of the measurements, e.g. 'plain,qtool minmax'")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "calibration.json")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -179,6 +185,12 @@ def main(argv=None) -> int:
         parser.error(f"the bench kit is not at {args.kit} (--kit)")
     counts, rounds = ([64, 128], 1) if args.quick else ([256, 1024], args.rounds)
     kinds = ["plain", *(f"qtool {m}" for m in QTOOL_METHODS), *(f"ort {m}" for m in ORT_METHODS)]
+    if args.kinds:  # plain always: every ratio divides by it
+        wanted = {k.strip() for k in args.kinds.split(",")}
+        unknown = wanted - set(kinds)
+        if unknown:
+            parser.error(f"unknown --kinds {sorted(unknown)}; choose from {kinds}")
+        kinds = [k for k in kinds if k in wanted or k == "plain"]
     results: dict[str, dict[str, list]] = {str(c): {k: [] for k in kinds} for c in counts}
     with tempfile.TemporaryDirectory(prefix="qtool-calbench-") as tmp:
         files = make_samples(args.kit, Path(tmp), counts)
@@ -218,6 +230,12 @@ def summarize(results, counts, kinds) -> dict:
         for kind, row in rows.items():
             if "seconds" in row and plain:
                 row["x_plain"] = row["seconds"] / plain
+            # each round's time over the same round's plain inference (the same load), then the median:
+            # fairer than the ratio of medians on a machine whose load changes between rounds
+            runs = zip(results[str(count)][kind], results[str(count)]["plain"])
+            paired = [r["seconds"] / p["seconds"] for r, p in runs if "seconds" in r and "seconds" in p]
+            if "seconds" in row and paired:
+                row["x_plain_rounds"] = statistics.median(paired)
         summary[str(count)] = rows
     for kind in kinds:  # memory growth from the smaller to the larger sample count
         a, b = (summary[str(c)][kind].get("peak_rss_mb") for c in counts)
@@ -227,14 +245,16 @@ def summarize(results, counts, kinds) -> dict:
 
 
 def markdown(summary, counts, kinds) -> str:
-    lines = ["| method | " + " | ".join(f"{c} samples: time, x plain, peak RSS" for c in counts)
+    lines = ["| method | " + " | ".join(f"{c} samples: time, x plain (median of per-round ratios), peak RSS"
+                                       for c in counts)
              + f" | RSS {counts[-1]}/{counts[0]} |", "|---|" + "---|" * (len(counts) + 1)]
     for kind in kinds:
         cells = []
         for c in counts:
             row = summary[str(c)][kind]
             if "seconds" in row:
-                cells.append(f"{row['seconds']:.2f} s, {row.get('x_plain', 0):.2f}x, {row['peak_rss_mb']:.0f} MB")
+                ratio = row.get("x_plain_rounds", 0)
+                cells.append(f"{row['seconds']:.2f} s, {ratio:.2f}x, {row['peak_rss_mb']:.0f} MB")
             else:
                 cells.append(f"did not fit: {row['error']}")
         growth = summary[str(counts[-1])][kind].get("rss_growth")

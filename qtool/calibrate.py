@@ -19,6 +19,7 @@ from qtool.observer import observe
 from qtool.plan import QuantPlan, build_plan
 from qtool.qparams import QParams, activation_qparams, include_zero
 from qtool.ranges import choose_range
+from qtool.saturation import minmax_only
 from qtool.statistics import TensorStats
 from qtool.table import CalibrationTable, TableEntry
 
@@ -34,8 +35,9 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path
     source = open_data(data, input_specs(model), preprocess)
     limit = select_shard(source, calib, *shard, sub=sub)
     total = count_samples(source, limit)
-    histogram_for = set(plan.activations) if all_histograms else needs_histogram(
-        methods_for(model, plan.activations, calib))
+    methods = methods_for(model, plan.activations, calib)
+    histogram_for = set(plan.activations) if all_histograms else needs_histogram(methods)
+    saturate = minmax_only(methods, calib, histogram_for)  # may stop being observed once saturated
     seen = 0
     with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
         def advance(batch):
@@ -45,7 +47,7 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path
 
         stats = observe(model, plan.activations, batches(source, calib.batch_size, limit),
                         histogram_for=histogram_for, threads=threads, on_batch=advance,
-                        sample_limit=calib.histogram_sample)
+                        sample_limit=calib.histogram_sample, saturate=saturate)
     if warn:
         warn_nonfinite(stats)
     return stats, seen

@@ -24,7 +24,9 @@ Python receives a few scalars and bounded samples per tensor and batch, and fold
 into fixed-size summaries (qtool.statistics) before the next batch. The odd step keeps
 the sample from locking onto one channel or column of a power-of-two layout. A batch
 whose extremes are not finite (NaN/Inf) is re-run with the offending tensors exposed
-whole so their non-finite values can be counted and excluded exactly.
+whole so their non-finite values can be counted and excluded exactly. For plain min-max,
+a tensor bounded by construction (a Clip output) whose extremes have reached its bounds stops
+being observed: the session is rebuilt without its reductions (qtool.saturation).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool import saturation
 from qtool.dataset import Batch
 from qtool.runtime import create_session
 from qtool.statistics import SAMPLE_LIMIT, TensorStats
@@ -101,7 +104,8 @@ def nonnegative(model: onnx.ModelProto) -> set[str]:
 
 
 def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collection[str],
-                    sample_limit: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+                    sample_limit: int, shapes: Optional[dict[str, list]] = None
+                    ) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     """A copy of `model` that outputs, per tensor, (min, max, size, sample, spatial) as described above.
 
     min is "" for a provably non-negative 4-D tensor (its low end is 0), size is "" when the
@@ -111,7 +115,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     reduced.CopyFrom(model)
     graph = reduced.graph
     types = _elem_types(model)
-    shapes = _shapes(model)
+    shapes = _shapes(model) if shapes is None else shapes  # shape inference is slow: callers may pass it
     floor_zero = nonnegative(model)
     flat, limit, two, one = (f"{_PREFIX}_flat", f"{_PREFIX}_limit", f"{_PREFIX}_two", f"{_PREFIX}_one")
     graph.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), flat),
@@ -182,21 +186,29 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
 def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch],
             histogram_for: Collection[str] = (), threads: int = 0,
             on_batch: Optional[Callable[[Batch], None]] = None,
-            sample_limit: int = SAMPLE_LIMIT) -> dict[str, TensorStats]:
-    """One pass over `batches`; returns a summary per tensor (with a histogram for `histogram_for`)."""
+            sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()) -> dict[str, TensorStats]:
+    """One pass over `batches`; returns a summary per tensor (with a histogram for `histogram_for`).
+
+    `saturate`: tensors whose table entry needs only their overall extremes (plain min-max);
+    those bounded by construction stop being observed once they reach their bounds
+    (qtool.saturation)."""
     inputs = {i.name for i in model.graph.input}
     fetched = [t for t in tensors if t not in inputs]  # graph inputs are read from the feeds
-    reduced, outputs = with_reductions(model, fetched, set(histogram_for), sample_limit)
-    session = create_session(reduced, threads)
-    names = [o for t in fetched for o in outputs[t][:4] if o]
+    bounded = {t: b for t, b in saturation.bounds(model).items()
+               if t in saturate and t in fetched and t not in histogram_for}
+    shapes = _shapes(model)
+    weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}
+    active = list(fetched)
+    session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads, shapes)
+    rebuilds = 0
     fallback = None
     stats = {t: TensorStats.with_histogram() if t in histogram_for else TensorStats() for t in tensors}
     for s in stats.values():
         s.sample_limit = sample_limit  # the same stride for graph inputs, sampled in numpy
     for batch in batches:
-        values = dict(zip(names, session.run(names, batch.feeds))) if fetched else {}
+        values = dict(zip(names, session.run(names, batch.feeds))) if active else {}
         bad = []
-        for name in fetched:
+        for name in active:
             min_name, max_name, size_name, sample_name, spatial = outputs[name]
             maxima = values[max_name]
             size = int(values[size_name]) if size_name else maxima.size * spatial
@@ -219,8 +231,26 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
             if name in inputs:
                 stats[name].update(batch.feeds[name])
         del values
+        done = [t for t in active if t in bounded and stats[t].seen
+                and saturation.saturated(stats[t].min, stats[t].max, bounded[t])]
+        if done and saturation.worth_rebuilding(sum(weight[t] for t in done), sum(weight[t] for t in active),
+                                                rebuilds):
+            active = [t for t in active if t not in done]
+            session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads,
+                                                         shapes)
+            rebuilds += 1
         if on_batch:
             on_batch(batch)
     for s in stats.values():
         s.flush()
     return stats
+
+
+def _observing_session(model: onnx.ModelProto, names: list[str], histogram_for: Collection[str],
+                       sample_limit: int, threads: int, shapes: Optional[dict[str, list]] = None):
+    """(session, per-tensor output names, the session outputs to fetch); no session when nothing
+    is left to observe (every observed tensor saturated: the model need not run at all)."""
+    if not names:
+        return None, {}, []
+    reduced, outputs = with_reductions(model, names, set(histogram_for), sample_limit, shapes)
+    return create_session(reduced, threads), outputs, [o for t in names for o in outputs[t][:4] if o]

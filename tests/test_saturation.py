@@ -1,0 +1,113 @@
+"""Early saturation (qtool.saturation): min-max tables stay byte-identical, and the rule stops
+observing a bounded tensor only once its extremes have reached both of its bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import qtool.calibrate as calibrate_module
+import qtool.observer as observer_module
+from qtool.calibrate import calibrate
+from qtool.config import load_config
+from qtool.dataset import Batch
+from qtool.observer import observe
+from qtool.saturation import bounds
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, kit_path
+
+
+def _two_clips():
+    """x -> Clip(0, 6) -> a (ReLU6: both bounds reachable); x -> Clip(-1, 100) -> b -> Sigmoid -> y."""
+    inits = [numpy_helper.from_array(np.array(v, np.float32), n)
+             for n, v in (("z", 0.0), ("six", 6.0), ("m1", -1.0), ("hundred", 100.0))]
+    nodes = [helper.make_node("Clip", ["x", "z", "six"], ["a"], name="relu6"),
+             helper.make_node("Clip", ["x", "m1", "hundred"], ["b"], name="wide"),
+             helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+             helper.make_node("Sigmoid", ["s"], ["y"], name="out")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_saturation_stops_a_bounded_tensor_and_keeps_observing_the_others(monkeypatch):
+    model = _two_clips()
+    assert bounds(model) == {"a": (0.0, 6.0), "b": (-1.0, 100.0)}
+    rng = np.random.default_rng(0)
+    feeds = [rng.uniform(0, 3, (2, 4, 8, 8)),   # a not saturated yet (max < 6)
+             rng.uniform(-5, 10, (2, 4, 8, 8)),  # a reaches 0 and 6: saturated; b reaches -1 but not 100
+             rng.uniform(-5, 50, (2, 4, 8, 8)),  # b's max moves to ~50: it must still be observed
+             rng.uniform(-5, 80, (2, 4, 8, 8))]
+    feeds = [f.astype(np.float32) for f in feeds]
+    built = []
+    real = observer_module._observing_session
+    monkeypatch.setattr(observer_module, "_observing_session",
+                        lambda model, names, *rest: built.append(list(names)) or real(model, names, *rest))
+    batches = [Batch([str(i)], {"x": f}) for i, f in enumerate(feeds)]
+    got = observe(model, ["a", "b", "s"], batches, saturate={"a", "b", "s"})
+    assert built == [["a", "b", "s"], ["b", "s"]]  # one rebuild, after the second batch, without a
+    full = observe(model, ["a", "b", "s"], batches)  # nothing saturates: every batch observed
+    per_batch = feeds[0].size
+    for name in ("a", "b", "s"):
+        assert (got[name].min, got[name].max) == (full[name].min, full[name].max), name
+    assert (got["a"].min, got["a"].max) == (0.0, 6.0)
+    assert got["b"].max == float(np.max(feeds[3])) and got["b"].min == -1.0
+    assert got["a"].count == 2 * per_batch  # the values seen until it saturated
+    assert got["b"].count == full["b"].count == 4 * per_batch
+    assert full["a"].count == 4 * per_batch
+
+
+def test_not_saturated_without_permission_or_before_both_bounds(monkeypatch):
+    model = _two_clips()
+    built = []
+    real = observer_module._observing_session
+    monkeypatch.setattr(observer_module, "_observing_session",
+                        lambda model, names, *rest: built.append(list(names)) or real(model, names, *rest))
+    low = np.full((1, 4, 8, 8), 3.0, np.float32)  # a's max stays below 6: never saturated
+    high = np.full((1, 4, 8, 8), 9.0, np.float32)
+    observe(model, ["a", "b"], [Batch(["0"], {"x": low})] * 3, saturate={"a", "b"})
+    observe(model, ["a", "b"], [Batch(["0"], {"x": high})] * 3, saturate=())  # e.g. a histogram method
+    observe(model, ["a", "b"], [Batch(["0"], {"x": high})] * 3, saturate={"a"}, histogram_for={"a"})
+    assert built == [["a", "b"]] * 3
+
+
+def _table_bytes(monkeypatch, saturating: bool, *args) -> tuple[str, dict]:
+    seen = {}
+    real = calibrate_module.observe
+
+    def spy(*a, **kw):
+        if not saturating:
+            kw["saturate"] = ()
+        seen.update(real(*a, **kw))
+        return seen
+
+    monkeypatch.setattr(calibrate_module, "observe", spy)
+    table = calibrate(*args, progress=False)
+    monkeypatch.undo()
+    return table.to_json_text(), seen
+
+
+def _assert_same_tables(monkeypatch, model, data, cfg):
+    old, old_stats = _table_bytes(monkeypatch, False, model, data, cfg.preprocess, cfg.calibration, cfg.quantization)
+    new, new_stats = _table_bytes(monkeypatch, True, model, data, cfg.preprocess, cfg.calibration, cfg.quantization)
+    assert new == old
+    # the saturated path really was taken: some tensors stopped being counted early
+    assert any(new_stats[t].count < old_stats[t].count for t in old_stats)
+
+
+def test_minmax_tables_identical_on_the_shipped_model(monkeypatch):
+    cfg = load_config(EFFNET_CONFIG)
+    cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(cfg.calibration, method="minmax", batch_size=2))
+    _assert_same_tables(monkeypatch, EFFNET, CALIB_SAMPLES, cfg)
+
+
+@pytest.mark.slow
+def test_minmax_tables_identical_on_a_kit_model(monkeypatch):
+    model = kit_path("models", "efficientnet_lite0_dyn.onnx")
+    data = kit_path("data", "calib", "images")
+    cfg = load_config(EFFNET_CONFIG)
+    cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(cfg.calibration, method="minmax",
+                                                                   num_samples=96))
+    _assert_same_tables(monkeypatch, model, data, cfg)
