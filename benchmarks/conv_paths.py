@@ -19,7 +19,6 @@ Three measurements, each interleaved in one process (medians, 1 thread, batch 8)
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from qtool.config import CalibrationConfig, QuantizeConfig, load_config  # noqa:
 from qtool.evaluate import time_models  # noqa: E402
 from qtool.modelio import save_model  # noqa: E402
 import qtool.quantize as quantize_module  # noqa: E402
+from speed import kernel_events  # noqa: E402  (benchmarks/speed.py, same folder)
 from qtool.quantize import quantize_model  # noqa: E402
 
 KIT = ROOT.parent / "shared" / "bench"
@@ -68,18 +68,8 @@ def _interleaved(cases: dict[str, tuple[bytes, dict]], runs: int) -> dict[str, f
 
 def conv_ms(path: str, feeds: dict, runs: int) -> list[tuple[str, float, list]]:
     """(op, median ms, input shapes) of every Conv/QLinearConv in execution order."""
-    with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.enable_profiling = True
-        options.profile_file_prefix = os.path.join(tmp, "profile")
-        options.log_severity_level = 3
-        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        for _ in range(runs + 1):
-            session.run(None, feeds)
-        events = json.loads(Path(session.end_profiling()).read_text())
-    events = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-              and e["args"]["op_name"] in ("Conv", "FusedConv", "QLinearConv")]
+    events = [e for e in kernel_events(path, feeds, 1, runs)
+              if e["args"]["op_name"] in ("Conv", "FusedConv", "QLinearConv")]
     per_run = len(events) // (runs + 1)
     rows = []
     for i in range(per_run):

@@ -161,10 +161,8 @@ def by_conv_kind(events: list, kinds: dict[str, str], runs: int) -> dict[str, fl
     return totals
 
 
-def profile_ops(path: str, feeds: dict, threads: int = 1, runs: int = 5,
-                kinds: dict[str, str] | None = None) -> dict[str, float]:
-    """Milliseconds per run spent in each op type of onnxruntime's optimized graph (its profiler),
-    and with `kinds` per kind of Conv ("conv: depthwise", ...)."""
+def kernel_events(path: str, feeds: dict, threads: int = 1, runs: int = 5) -> list[dict]:
+    """onnxruntime's profiler events of every node kernel over one warm-up and `runs` runs."""
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,15 +175,22 @@ def profile_ops(path: str, feeds: dict, threads: int = 1, runs: int = 5,
         for _ in range(runs + 1):
             session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
+    return [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+
+
+def profile_ops(path: str, feeds: dict, threads: int = 1, runs: int = 5,
+                kinds: dict[str, str] | None = None) -> dict[str, float]:
+    """Milliseconds per run spent in each op type of onnxruntime's optimized graph (its profiler),
+    and with `kinds` per kind of Conv ("conv: depthwise", ...)."""
+    events = kernel_events(path, feeds, threads, runs)
+    timed = events[len(events) // (runs + 1):]  # the first run warms up
     totals: dict[str, float] = {}
-    kernel_events = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-    per_run = len(kernel_events) // (runs + 1)
-    for event in kernel_events[per_run:]:  # the first run warms up
+    for event in timed:
         op = event["args"]["op_name"]
         totals[op] = totals.get(op, 0.0) + event["dur"] / 1000.0 / runs
     result = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
     if kinds:
-        result.update({f"conv: {k}": v for k, v in by_conv_kind(kernel_events[per_run:], kinds, runs).items()})
+        result.update({f"conv: {k}": v for k, v in by_conv_kind(timed, kinds, runs).items()})
     return result
 
 
