@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import sys
 import tempfile
 import time

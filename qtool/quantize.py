@@ -13,15 +13,13 @@ from onnx import numpy_helper
 
 from qtool.adaround import adaptive_rounding
 from qtool.bias_correction import correct_biases
-from qtool.calibrate import resolve_qparams
+from qtool.calibrate import prepared_model, resolve_qparams
 from qtool.channel_pad import pad_input_channels
 from qtool.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
-from qtool.equalize import equalize
-from qtool.graph_prep import prepare
-from qtool.modelio import check_model, load_model, sha256_file
-from qtool.plan import QuantPlan, build_plan
+from qtool.modelio import check_model, sha256_file
+from qtool.plan import QuantPlan
 from qtool.qparams import MIN_SCALE, QParams
 from qtool.rewrite import check_no_bad_scales, quantize_graph
 from qtool.stem_s2d import space_to_depth_stems
@@ -118,10 +116,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
-    model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
-    if options.equalize:  # before calibration, so the table matches the equalized graph
-        equalize(model)
-    plan = build_plan(model, options)
+    model, plan = prepared_model(model_path, options)  # the graph calibration saw, equalized if asked
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
     qmax = weight_qmax(options.reduce_range)

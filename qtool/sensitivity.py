@@ -30,13 +30,11 @@ from onnx import helper
 from qtool.config import QuantizeConfig
 from qtool.dataset import Batch
 from qtool.errors import QtoolError
-from qtool.equalize import equalize
-from qtool.graph_prep import prepare
 from qtool.macs import node_label, node_macs, sample_shapes, tensor_shapes
 from qtool.metrics import FidelityAccumulator
-from qtool.modelio import load_model
 from qtool.observer import with_outputs
 from qtool.ops import rule_for
+from qtool.calibrate import prepared_model
 from qtool.plan import QuantPlan, build_plan
 from qtool.quantize import params_from_table
 from qtool.rewrite import quantize_graph
@@ -165,10 +163,8 @@ def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: 
     """
     if not batches:
         raise QtoolError("sensitivity needs at least one batch of samples")
-    model = prepare(load_model(model_path), options.upgrade_opset, model_path)
-    if options.equalize:
-        equalize(model)
-    selected = _select(layers(model, build_plan(model, options)), nodes)
+    model, plan = prepared_model(model_path, options)
+    selected = _select(layers(model, plan), nodes)
     shapes = sample_shapes(batches[0].feeds)
     macs = node_macs(model, shapes)
     sizes = {name: 4 * math.prod(dims) for name, dims in tensor_shapes(model, shapes).items()}

@@ -14,7 +14,6 @@ files always carry histograms, so the range method can still be chosen at merge 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import io
 import json
 import multiprocessing

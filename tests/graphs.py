@@ -88,6 +88,22 @@ def add_model(rng, c=8) -> onnx.ModelProto:
     return model(nodes, [tensor("x", ["N", c, 6, 6])], [tensor("y", None)], [init("w1", w1), init("w2", w2)])
 
 
+def crushed_conv_pair(rng, tail: list, output: str = "y") -> onnx.ModelProto:
+    """x -> conv_a -> relu (r) -> conv_b (b) -> `tail` nodes -> `output`, where conv_b's per-tensor
+    weight scale is crushed: relu zeroes channel 0, and conv_b's one large weight on that channel
+    adds nothing to the output but sets the scale of every other weight."""
+    wa = rng.normal(0, 0.3, (6, 3, 3, 3)).astype(np.float32)
+    wb = rng.normal(0, 0.3, (6, 6, 1, 1)).astype(np.float32)
+    ba = np.zeros(6, np.float32)
+    ba[0] = -100.0  # relu zeroes channel 0 ...
+    wb[0, 0, 0, 0] = 40.0  # ... so this outlier adds nothing, but sets conv_b's per-tensor weight scale
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "wb"], ["b"], name="conv_b"), *tail]
+    return model(nodes, [tensor("x", ["N", 3, 8, 8])], [tensor(output, None)],
+                 [init("wa", wa), init("ba", ba), init("wb", wb)])
+
+
 def write_samples(folder: Path, rng, shape, count=16, name="x", scale=1.0) -> Path:
     """One .npy file per sample (batch dimension 1)."""
     folder.mkdir(parents=True, exist_ok=True)

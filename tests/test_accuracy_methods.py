@@ -195,18 +195,8 @@ def test_adaptive_rounding_lowers_a_real_layers_output_error(effnet_setup):
 
 def _crushed_model(rng) -> onnx.ModelProto:
     """x -> conv_a -> relu -> conv_b -> gap -> flatten -> y [N, 6]; conv_b's per-tensor weights are crushed."""
-    wa = rng.normal(0, 0.3, (6, 3, 3, 3)).astype(np.float32)
-    wb = rng.normal(0, 0.3, (6, 6, 1, 1)).astype(np.float32)
-    ba = np.zeros(6, np.float32)
-    ba[0] = -100.0
-    wb[0, 0, 0, 0] = 40.0
-    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["a"], ["r"], name="relu"),
-             helper.make_node("Conv", ["r", "wb"], ["b"], name="conv_b"),
-             helper.make_node("GlobalAveragePool", ["b"], ["g"], name="gap"),
-             helper.make_node("Flatten", ["g"], ["y"], name="flatten")]
-    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)],
-                        [graphs.init("wa", wa), graphs.init("ba", ba), graphs.init("wb", wb)])
+    return graphs.crushed_conv_pair(rng, [helper.make_node("GlobalAveragePool", ["b"], ["g"], name="gap"),
+                                          helper.make_node("Flatten", ["g"], ["y"], name="flatten")])
 
 
 @pytest.fixture(scope="module")

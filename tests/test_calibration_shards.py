@@ -12,7 +12,6 @@ from qtool.cli import main
 from qtool.config import CalibrationConfig, load_config
 from qtool.graph_prep import prepare
 from qtool.method_rules import methods_for
-from qtool.modelio import load_model
 from qtool.observer import observe
 from qtool.dataset import Batch
 from qtool.statistics import TensorStats

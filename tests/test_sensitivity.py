@@ -24,17 +24,7 @@ OPTIONS = QuantizeConfig(per_channel=False)
 
 def _two_conv_model(rng) -> onnx.ModelProto:
     """x -> conv_a -> relu -> conv_b -> add(conv_b, relu) -> y"""
-    wa = rng.normal(0, 0.3, (6, 3, 3, 3)).astype(np.float32)
-    wb = rng.normal(0, 0.3, (6, 6, 1, 1)).astype(np.float32)
-    ba = np.zeros(6, np.float32)
-    ba[0] = -100.0  # relu zeroes channel 0 ...
-    wb[0, 0, 0, 0] = 40.0  # ... so this outlier adds nothing, but sets conv_b's per-tensor weight scale
-    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["a"], ["r"], name="relu"),
-             helper.make_node("Conv", ["r", "wb"], ["b"], name="conv_b"),
-             helper.make_node("Add", ["b", "r"], ["y"], name="add")]
-    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)],
-                        [graphs.init("wa", wa), graphs.init("ba", ba), graphs.init("wb", wb)])
+    return graphs.crushed_conv_pair(rng, [helper.make_node("Add", ["b", "r"], ["y"], name="add")])
 
 
 @pytest.fixture(scope="module")
