@@ -205,11 +205,13 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--target-sqnr", type=float, help="... so every output's SQNR reaches this many dB.")
 @click.option("--max-float-layers", type=click.IntRange(min=0), default=10, show_default=True,
               help="Layer budget of the --target-* search; exit 1 when the target needs more.")
+@click.option("--min-int8-macs", type=click.FloatRange(0, 100), default=0.0, show_default=True,
+              help="MAC budget of the --target-* search: at least this percent of the MACs stays int8.")
 @_command
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers,
              activation_dtype, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, save_table,
              allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples, eval_data, labels,
-             target_agreement, target_top1_drop, target_sqnr, max_float_layers):
+             target_agreement, target_top1_drop, target_sqnr, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool.calibrate import calibrate as run_calibration
     from qtool.dataset import batches, open_data
@@ -248,7 +250,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     if any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr)):
         from qtool.mixed_precision import Target
         goal = Target(target_agreement, target_top1_drop, target_sqnr)  # not the --target preset
-        result = _mixed_precision(model, table, quant, goal, eval_data, labels, max_float_layers, calib_data, cfg)
+        result = _mixed_precision(model, table, quant, goal, eval_data, labels, max_float_layers, min_int8_macs,
+                                  calib_data, cfg)
     else:
         result = quantize_model(model, table, quant, table_path, allow_missing, data=calib_data)
     for note in result.notes:
@@ -263,7 +266,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         click.echo(kernel_summary(output))
 
 
-def _mixed_precision(model, table, quant, target, eval_data, labels, max_float_layers, calib_data, cfg):
+def _mixed_precision(model, table, quant, target, eval_data, labels, max_float_layers, min_int8_macs, calib_data,
+                     cfg):
     """--target-*: search the float layers, report them, return the chosen model's QuantizeResult."""
     from qtool.dataset import batches, open_data
     from qtool.evaluate import EvaluateInputs, _labels
@@ -278,7 +282,7 @@ def _mixed_precision(model, table, quant, target, eval_data, labels, max_float_l
     click.echo(f"searching the fewest float layers for {target.describe()} on {len(source)} evaluation samples:",
                err=True)
     found = search(model, table, quant, target, eval_batches, label_map, max_float_layers, calib_data,
-                   cfg.evaluation.layer_samples, log=lambda message: click.echo(message, err=True))
+                   min_int8_macs=min_int8_macs / 100.0, log=lambda message: click.echo(message, err=True))
     chosen = found.chosen
     click.echo(f"target met with {len(chosen.float_layers)} layer(s) in float"
                f"{': ' + ', '.join(chosen.float_layers) if chosen.float_layers else ''}; "

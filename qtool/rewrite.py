@@ -163,7 +163,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
             elif name in replace and _node_label(node) in quantized_nodes and _constant_slot(node, i):
                 node.input[i] = replace[name]
         if _needs_float_guard(node, quantized_nodes, act_set, float_inits):
-            new_nodes.append(_float_guard(node, builder))
+            new_nodes.append(float_guard(node, builder.add_init))
         new_nodes.append(node)
         for output in node.output:
             if output in act_set and output not in graph_inputs:
@@ -193,12 +193,13 @@ def _needs_float_guard(node: onnx.NodeProto, quantized_nodes: set[str], act_set:
             and node.input[0][:-len(DQ_SUFFIX)] in act_set and node.input[1] in float_inits)
 
 
-def _float_guard(node: onnx.NodeProto, builder: _Builder) -> onnx.NodeProto:
+def float_guard(node: onnx.NodeProto, add_init: Callable[[np.ndarray, str], str]) -> onnx.NodeProto:
     """Max(x, lowest float32): the identity for every finite x, an op between the DequantizeLinear
-    and the float layer that no onnxruntime transformer removes or moves a DequantizeLinear across."""
+    and the float layer that no onnxruntime transformer removes or moves a DequantizeLinear across.
+    Rewires `node` to read it and returns the new node; `add_init(array, name)` stores the constant."""
     source = node.input[0]
     guarded = _node_label(node) + FLOAT_GUARD_SUFFIX
-    lowest = builder.add_init(np.array(np.finfo(np.float32).min, np.float32), guarded + "_lowest")
+    lowest = add_init(np.array(np.finfo(np.float32).min, np.float32), guarded + "_lowest")
     node.input[0] = guarded
     return helper.make_node("Max", [source, lowest], [guarded], name=guarded)
 

@@ -24,7 +24,7 @@ from qtool.quantize import quantize_model
 from qtool.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
 
 from tests import graphs
-from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, kit_path
 
 
 def _run(model, feeds, names=None):
@@ -325,3 +325,89 @@ def test_a_float_layer_after_an_int8_one_stays_float_in_onnxruntime(crushed):
     got, expected = _run(qmodel, feeds)[0], unoptimized.run(None, feeds)[0]
     # conv_b's single outlier weight would crush the others to zero in per-tensor int8
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_restore_float_puts_one_layer_back_in_float_and_leaves_the_rest_int8(crushed):
+    """The mixed-precision search edits the finished int8 model: the restored layer computes with
+    its fp32 weights on the same dequantized input (guarded against onnxruntime re-quantizing it),
+    every other layer is untouched, and no dangling DequantizeLinear or int8 weight is left."""
+    from qtool.calibrate import prepared_model
+    from qtool.float_fallback import restorable_layers, restore_float
+    from qtool.ort_kernels import count_kernels
+
+    path, table, options, evals = crushed
+    qmodel = quantize_model(path, table, options).model
+    prepared, _ = prepared_model(path, options)
+    pool = restorable_layers(qmodel, prepared)
+    assert sorted(pool) == ["conv_a", "conv_b"]
+    restored = restore_float(qmodel, prepared, [pool["conv_b"]])
+    onnx.checker.check_model(restored, full_check=True)
+    conv_b = next(n for n in restored.graph.node if n.name == "conv_b")
+    assert conv_b.input[0] == "conv_b_float_guard"
+    inits = _weights(restored)
+    np.testing.assert_array_equal(inits[conv_b.input[1]], _weights(onnx.load(path))["wb"])
+    assert "wb" + WEIGHT_SUFFIX not in inits  # the int8 copy and its DequantizeLinear are gone
+    produced = {o for n in restored.graph.node for o in n.output}
+    read = {i for n in restored.graph.node for i in n.input} | {o.name for o in restored.graph.output}
+    assert not [n.name for n in restored.graph.node if n.op_type == "DequantizeLinear" and n.output[0] not in read]
+    assert all(i in produced or i in inits or i == "x" or i == "" for n in restored.graph.node for i in n.input)
+    # conv_a is unchanged: the tensor conv_b reads is the int8 model's own, bit for bit
+    feeds = evals[0].feeds
+    names = ["r_DequantizeLinear_Output"]
+    np.testing.assert_array_equal(_run(with_outputs(qmodel, names), feeds, names)[0],
+                                  _run(with_outputs(restored, names), feeds, names)[0])
+    # ... and conv_b really runs in float in onnxruntime (the optimized session computes what the
+    # unoptimized one does, no per-tensor int8 weights behind our back), closer to fp32 than in int8
+    ref = _run(onnx.load(path), feeds)[0]
+    err = [np.abs(_run(m, feeds)[0] - ref).max() for m in (qmodel, restored)]
+    assert err[1] < 0.8 * err[0]
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    unoptimized = ort.InferenceSession(restored.SerializeToString(), plain, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(_run(restored, feeds)[0], unoptimized.run(None, feeds)[0], rtol=1e-4,
+                               atol=1e-4 * np.abs(ref).max())
+    q_path, r_path = path.parent / "int8.onnx", path.parent / "restored.onnx"
+    onnx.save(qmodel, q_path)
+    onnx.save(restored, r_path)
+    assert count_kernels(q_path).float_convs == 0 and count_kernels(r_path).float_convs == 1
+
+
+def test_focus_samples_are_the_smallest_fp32_margins():
+    from qtool.mixed_precision import _margins
+
+    logits = np.array([[3.0, 1.0, 0.0], [1.0, 1.2, 0.0], [0.0, 0.0, 5.0], [2.0, 1.99, 0.0]])
+    np.testing.assert_allclose(_margins(logits, logits.argmax(axis=1)), [2.0, 0.2, 5.0, 0.01])
+    # measured against another class: negative when that row's top-1 changed
+    np.testing.assert_allclose(_margins(logits, np.array([1, 1, 2, 1])), [-2.0, 0.2, 5.0, -0.01])
+
+
+def test_mixed_precision_reaches_an_agreement_target_on_the_kit(tmp_path):
+    """EfficientNet-Lite0 (ranges only, to stay fast) on 160 kit dev photos: ask for one more
+    agreeing image than the all-int8 model gives; the greedy search keeps a few layers in float,
+    verifies the target on all 160, and a MAC budget it cannot meet fails with exit-code semantics."""
+    from dataclasses import replace
+
+    dev = kit_path("data", "imagenet_dev", "images")
+    cfg = load_config(EFFNET_CONFIG)
+    options = replace(cfg.quantization, bias_correction="off", weight_rounding="nearest")
+    table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(), options, progress=False)
+    evals = list(batches(open_data(dev, input_specs(load_model(EFFNET)), cfg.preprocess), 8, 160))
+    base = search(EFFNET, table, options, Target(agreement=0.0), evals, None, 0).chosen
+    agreeing = round(base.figures["agreement"] * 160)
+    assert agreeing < 160, "the all-int8 model already agrees everywhere: no test"
+    goal = Target(agreement=100.0 * (agreeing + 1) / 160 - 1e-6)
+    found = search(EFFNET, table, options, goal, evals, None, 4, min_int8_macs=0.9)
+    chosen = found.chosen
+    assert 1 <= len(chosen.float_layers) <= 4 and goal.met(chosen.figures)
+    assert chosen.int8_mac_fraction >= 0.9
+    assert [t["float_layers"] for t in found.tried] == list(range(len(chosen.float_layers) + 1))
+    assert found.ranking[0] == chosen.float_layers[0]
+    # the written model is the verified one: its layers are float in onnxruntime's optimized graph
+    from qtool.ort_kernels import count_kernels
+    out = tmp_path / "mixed.onnx"
+    onnx.save(chosen.result.model, out)
+    counts = count_kernels(out)
+    assert counts.float_convs == sum(1 for n in chosen.float_layers if n != "node_linear")
+    # the smallest layer (the classifier, 0.3% of the MACs) cannot go float within a 99.9% MAC budget
+    with pytest.raises(ThresholdError, match="min-int8-macs 99.9"):
+        search(EFFNET, table, options, goal, evals, None, 4, min_int8_macs=0.999)
