@@ -163,9 +163,10 @@ def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    large = not modelio.fits_in_protobuf(model)
+    data = modelio.serialized(model)  # serialised once: shape inference takes the bytes
+    large = data is None
     try:
-        inferred = onnx.shape_inference.infer_shapes(_shapes_only(model) if large else model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_shapes_only(model) if large else data, data_prop=True)
     except Exception:  # inference is advisory: a model that fails it still quantizes
         return model
     if large:

@@ -63,15 +63,26 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     return {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.output, *graph.input]}
 
 
-def _shapes(model: onnx.ModelProto) -> dict[str, list]:
-    """Tensor dims (int, or None when symbolic/unknown) from shape inference."""
+def _declared_shapes(model: onnx.ModelProto) -> dict[str, list]:
+    graph = model.graph
+    return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            for v in [*graph.value_info, *graph.output, *graph.input] if v.type.tensor_type.HasField("shape")}
+
+
+def _shapes(model: onnx.ModelProto, needed: Optional[Collection[str]] = None) -> dict[str, list]:
+    """Tensor dims (int, or None when symbolic/unknown) from shape inference.
+
+    A model that already declares a shape for every `needed` tensor (qtool.graph_prep.prepare
+    ends with shape inference, whose results it keeps) is not inferred again: inference
+    keeps the shapes a model declares, so it would find the same ones."""
+    declared = _declared_shapes(model)
+    if needed is not None and all(name in declared for name in needed):
+        return declared
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:  # shape inference is only an optimisation here: unknown shapes take the generic path
         inferred = model
-    graph = inferred.graph
-    return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-            for v in [*graph.value_info, *graph.output, *graph.input] if v.type.tensor_type.HasField("shape")}
+    return _declared_shapes(inferred)
 
 
 def pool_stride(height: int, width: int) -> int:
@@ -115,7 +126,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     reduced.CopyFrom(model)
     graph = reduced.graph
     types = _elem_types(model)
-    shapes = _shapes(model) if shapes is None else shapes  # shape inference is slow: callers may pass it
+    shapes = _shapes(model, names) if shapes is None else shapes  # shape inference is slow: callers may pass it
     floor_zero = nonnegative(model)
     flat, limit, two, one = (f"{_PREFIX}_flat", f"{_PREFIX}_limit", f"{_PREFIX}_two", f"{_PREFIX}_one")
     graph.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), flat),
@@ -196,7 +207,7 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
     fetched = [t for t in tensors if t not in inputs]  # graph inputs are read from the feeds
     bounded = {t: b for t, b in saturation.bounds(model).items()
                if t in saturate and t in fetched and t not in histogram_for}
-    shapes = _shapes(model)
+    shapes = _shapes(model, fetched)
     weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}
     active = list(fetched)
     session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads, shapes)

@@ -20,12 +20,12 @@ def session_options(threads: int = 0) -> ort.SessionOptions:
 
 
 def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = "model") -> ort.InferenceSession:
-    if not isinstance(model, str) and not modelio.fits_in_protobuf(model):
+    source = model if isinstance(model, str) else modelio.serialized(model)
+    if source is None:
         # Over 2 GiB a model cannot be serialised to bytes: hand onnxruntime a file with external
         # data. onnxruntime has read the initializers once the session exists.
         with modelio.on_disk(model) as path:
             return create_session(str(path), threads, label)
-    source = model if isinstance(model, str) else model.SerializeToString()
     try:
         return ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
