@@ -33,7 +33,9 @@ reduced: the session is rebuilt without its max/min (and, for plain min-max, wit
 anything else of it; qtool.saturation). A saturated tensor with a histogram keeps its
 sample, and its count comes from the sample's source: the size of the pooled grid times
 H x W over the grid's positions, or the size of the flattened tensor, so its statistics
-stay exactly what they would have been (the extremes are the bounds).
+stay exactly what they would have been (the extremes are the bounds). The observing
+sessions are variants of one model: they share its weights, held once as onnxruntime
+values (qtool.runtime.SharedWeights), so a (re)build serialises only the graph.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool import saturation
 from qtool.dataset import Batch
-from qtool.runtime import create_session
+from qtool.runtime import SharedWeights, create_session
 from qtool.statistics import SAMPLE_LIMIT, TensorStats
 
 _PREFIX = "qtool_observe"
@@ -243,7 +245,8 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
     weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}
     active = list(fetched)  # extremes reduced (and sampled when in histogram_for)
     known: list[str] = []  # saturated histogram tensors: sampled and counted only
-    session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads, shapes)
+    weights = SharedWeights(model)  # the observing sessions are variants of one model: its weights held once
+    session, outputs, names = _observing_session(weights, active, histogram_for, sample_limit, threads, shapes)
     rebuilds = 0
     fallback = None
     stats = {t: TensorStats.with_histogram() if t in histogram_for else TensorStats() for t in tensors}
@@ -292,7 +295,7 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
                                                 rebuilds):
             active = [t for t in active if t not in done]
             known += [t for t in done if t in histogram_for]
-            session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads,
+            session, outputs, names = _observing_session(weights, active, histogram_for, sample_limit, threads,
                                                          shapes, known)
             rebuilds += 1
         if on_batch:
@@ -302,12 +305,13 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
     return stats
 
 
-def _observing_session(model: onnx.ModelProto, names: list[str], histogram_for: Collection[str],
+def _observing_session(weights: SharedWeights, names: list[str], histogram_for: Collection[str],
                        sample_limit: int, threads: int, shapes: Optional[dict[str, list]] = None,
                        known: Collection[str] = ()):
     """(session, per-tensor output names, the session outputs to fetch); no session when nothing
     is left to observe (every observed tensor saturated and none sampled: the model need not run at all)."""
     if not names and not known:
         return None, {}, []
-    reduced, outputs = with_reductions(model, names, set(histogram_for), sample_limit, shapes, known)
-    return create_session(reduced, threads), outputs, [o for t in [*names, *known] for o in outputs[t][:4] if o]
+    reduced, outputs = with_reductions(weights.light, names, set(histogram_for), sample_limit, shapes, known)
+    return (create_session(reduced, threads, weights=weights), outputs,
+            [o for t in [*names, *known] for o in outputs[t][:4] if o])
