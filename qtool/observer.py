@@ -9,10 +9,7 @@ the same single pass as the real outputs:
 
     max      4-D float tensors: GlobalMaxPool (channel maxima; it runs on the NCHWc
              layout, so the tensor is read once and never reordered); others: ReduceMax
-    min      4-D float tensors with static C, H, W and no sample: -GlobalMaxPool(Conv(t,
-             weight -1, one group per channel)), both on the NCHWc layout, so no reorder
-             (-max(-t) = min(t) exactly); others: ReduceMin of Reshape(t, [-1]) (which
-             converts an NCHWc tensor back to NCHW). Skipped for a 4-D output of Relu or of Clip
+    min      ReduceMin of Reshape(t, [-1]); skipped for a 4-D output of Relu or of Clip
              with a constant min >= 0: such a tensor's range starts at 0 whatever its
              minimum (the grid must hold 0 exactly), so its minimum can never change the
              table; the statistics record 0 as its min. This spares the reorder of most
@@ -161,11 +158,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
         # a non-negative 4-D tensor is sampled from a grid of rows and columns (MaxPool with a
         # 1x1 window, on the NCHWc layout): only 1/4 or 1/16 of it is reordered and sliced
         pooled_sample = skip_min and bool(spatial) and name in sampled
-        # the minimum of an unsampled signed 4-D tensor as -max(-t): a depthwise 1x1 Conv of weight -1 and
-        # GlobalMaxPool both run on the NCHWc layout, so it needs no reorder (negation is exact)
-        negated_min = (extremes and image_like and not skip_min and bool(spatial) and bool(dims[1])
-                       and name not in sampled)
-        need_flat = ((not skip_min and not negated_min) or not spatial) if extremes else not pooled_sample
+        need_flat = (not skip_min or not spatial) if extremes else not pooled_sample
         if need_flat:
             nodes.append(helper.make_node("Reshape", [name, flat], [f"{p}_flat"], name=f"{p}_reshape"))
         sample_source = f"{p}_flat"
@@ -189,14 +182,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
             outs.append(helper.make_tensor_value_info(f"{p}_max", elem, []))
             max_name = f"{p}_max"
         min_name = ""
-        if negated_min:
-            graph.initializer.append(numpy_helper.from_array(-np.ones((dims[1], 1, 1, 1), np.float32), f"{p}_minus"))
-            nodes += [helper.make_node("Conv", [name, f"{p}_minus"], [f"{p}_neg"], group=dims[1], kernel_shape=[1, 1],
-                                       name=f"{p}_neg"),
-                      helper.make_node("GlobalMaxPool", [f"{p}_neg"], [f"{p}_negmax"], name=f"{p}_negmax")]
-            outs.append(helper.make_tensor_value_info(f"{p}_negmax", elem, None))
-            min_name = f"{p}_negmax"
-        elif extremes and not skip_min:
+        if extremes and not skip_min:
             nodes.append(helper.make_node("ReduceMin", [f"{p}_flat"], [f"{p}_min"], keepdims=0, name=f"{p}_min"))
             outs.append(helper.make_tensor_value_info(f"{p}_min", elem, []))
             min_name = f"{p}_min"
@@ -222,7 +208,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
             sample_name = f"{p}_sample"
         graph.node.extend(nodes)
         graph.output.extend(outs)
-        outputs[name] = (min_name, max_name, size_name, sample_name, spatial, 0 if extremes else per_size, negated_min)
+        outputs[name] = (min_name, max_name, size_name, sample_name, spatial, 0 if extremes else per_size)
     return reduced, outputs
 
 
@@ -256,17 +242,14 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
         values = dict(zip(names, session.run(names, batch.feeds))) if names else {}
         bad = []
         for name in active:
-            min_name, max_name, size_name, sample_name, spatial, _, negated = outputs[name]
+            min_name, max_name, size_name, sample_name, spatial, _ = outputs[name]
             maxima = values[max_name]
             size = int(values[size_name]) if size_name else maxima.size * spatial
             if size == 0:
                 continue
             hi = float(np.max(maxima))
             # a non-negative tensor's range starts at 0 whatever its minimum (see the module doc)
-            if negated:  # channel maxima of -t (+ 0.0: a minimum of zero is +0.0, as ReduceMin gives it)
-                lo = -float(np.max(values[min_name])) + 0.0
-            else:
-                lo = float(values[min_name]) if min_name else min(0.0, hi)
+            lo = float(values[min_name]) if min_name else min(0.0, hi)
             if not (np.isfinite(lo) and np.isfinite(hi)):
                 bad.append(name)
                 continue
@@ -274,7 +257,7 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
             if sample_name:
                 stats[name].add_sample(values[sample_name])
         for name in known:  # its extremes are its bounds, reached already: only the count and sample grow
-            _, _, size_name, sample_name, spatial, per_size, _ = outputs[name]
+            _, _, size_name, sample_name, spatial, per_size = outputs[name]
             size = int(values[size_name])
             size = size // per_size * spatial if per_size else size
             if size == 0:
