@@ -114,13 +114,13 @@ def measure(kind: str, model: Path, path: Path, count: int, scratch: Path) -> di
         cfg = load_config(CONFIG)
         calib = CalibrationConfig(method=kind.split()[1], batch_size=BATCH)
         prepared, plan = prepared_model(model, cfg.quantization)
-        from qtool.saturation import minmax_only
+        from qtool.saturation import saturable
         methods = methods_for(prepared, plan.activations, calib)
         histogram_for = needs_histogram(methods)
         data = (Batch([""] * len(b), {"input": b}) for b in _batches(path, count))
         stats = observe(prepared, plan.activations, data, histogram_for=histogram_for,
                         sample_limit=calib.histogram_sample,
-                        saturate=minmax_only(methods, calib, histogram_for))
+                        saturate=saturable(methods, calib))
         build_table(plan, stats, calib, cfg.quantization, model, count, prepared)
     else:
         from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator

@@ -19,7 +19,7 @@ from qtool.observer import observe
 from qtool.plan import QuantPlan, build_plan
 from qtool.qparams import QParams, activation_qparams, include_zero
 from qtool.ranges import choose_range
-from qtool.saturation import minmax_only
+from qtool.saturation import saturable
 from qtool.statistics import TensorStats
 from qtool.table import CalibrationTable, TableEntry
 
@@ -37,7 +37,8 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path
     total = count_samples(source, limit)
     methods = methods_for(model, plan.activations, calib)
     histogram_for = set(plan.activations) if all_histograms else needs_histogram(methods)
-    saturate = minmax_only(methods, calib, histogram_for)  # may stop being observed once saturated
+    # may stop being observed once saturated; shard files keep every statistic (a merge may average them)
+    saturate = set() if all_histograms else saturable(methods, calib)
     seen = 0
     with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
         def advance(batch):

@@ -162,15 +162,30 @@ def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
     return light
 
 
+def _has_subgraphs(model: onnx.ModelProto) -> bool:
+    return any(attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for node in model.graph.node for attr in node.attribute)
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    large = not modelio.fits_in_protobuf(model)
+    """Shape inference, run on the copy without weight payloads (`_shapes_only`: serialising and
+    parsing the weights twice was most of its cost). Without If/Loop/Scan bodies (whose own
+    value_info inference fills) the result is the full model's: its value_info and the merged
+    types of its inputs and outputs are copied back. Over 2 GiB only the value_info is."""
+    light = not _has_subgraphs(model)
+    data = None if light else modelio.serialized(model)
+    large = not light and data is None
     try:
-        inferred = onnx.shape_inference.infer_shapes(_shapes_only(model) if large else model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_shapes_only(model) if light or large else data, data_prop=True)
     except Exception:  # inference is advisory: a model that fails it still quantizes
         return model
-    if large:
+    if light or large:
         del model.graph.value_info[:]
         model.graph.value_info.extend(inferred.graph.value_info)
+        if light:
+            for field in ("input", "output"):
+                del getattr(model.graph, field)[:]
+                getattr(model.graph, field).extend(getattr(inferred.graph, field))
         return model
     return inferred
 

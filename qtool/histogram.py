@@ -19,20 +19,26 @@ excluded by the statistics before any range is chosen.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 NUM_KEYS = 1 << 16
 _FINITE_KEYS = 0x7F80  # keys 0x0000..0x7F7F: finite non-negative (sign bit clear); 0x7F80.. are Inf/NaN
 
 
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0  # the uint16 holding a float32's top 16 bits
+
+
 def keys(values: np.ndarray) -> np.ndarray:
-    """The histogram key (top 16 bits) of each value, as uint16."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32)
-    return (bits >> 16).astype(np.uint16)
+    """The histogram key (top 16 bits) of each value, as uint16 (one strided copy of the high halves)."""
+    halves = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint16)
+    return halves[_HIGH_HALF::2].copy()
 
 
 def count(key_array: np.ndarray) -> np.ndarray:
-    return np.bincount(key_array, minlength=NUM_KEYS).astype(np.int64)
+    # np.bincount converts small integer types itself, more slowly than an explicit cast
+    return np.bincount(key_array.astype(np.intp), minlength=NUM_KEYS).astype(np.int64, copy=False)
 
 
 def _edges() -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 import numpy as np
 import onnx
 from google.protobuf import json_format, text_format
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 
 from qtool import atomic, external_data, interrupt
 from qtool.errors import QtoolError
@@ -35,6 +35,18 @@ def sha256_file(path: str | Path) -> str:
 
 def fits_in_protobuf(model: onnx.ModelProto) -> bool:
     return model.ByteSize() < PROTOBUF_LIMIT
+
+
+def serialized(model: onnx.ModelProto) -> Optional[bytes]:
+    """The model's bytes, or None when it does not fit in one protobuf (over PROTOBUF_LIMIT).
+
+    Serialising once is cheaper than asking ByteSize() first and serialising after: over
+    2 GiB protobuf refuses (ValueError, or its EncodeError), which means the same."""
+    try:
+        data = model.SerializeToString()
+    except (ValueError, EncodeError):
+        return None
+    return data if len(data) < PROTOBUF_LIMIT else None
 
 
 def _read_proto(path: Path) -> onnx.ModelProto:
@@ -71,7 +83,8 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     external_data.load_data(model, path)
     try:
         # over 2 GiB the file (its data is external) is checked in place rather than copied
-        onnx.checker.check_model(model if fits_in_protobuf(model) else str(path))
+        data = serialized(model)
+        onnx.checker.check_model(data if data is not None else str(path))
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0]
         raise QtoolError(f"model fails the ONNX checker: {first}", path) from None
@@ -80,8 +93,9 @@ def load_model(path: str | Path) -> onnx.ModelProto:
 
 def check_model(model: onnx.ModelProto, full_check: bool = False) -> None:
     """onnx.checker for models of any size (over 2 GiB it needs a file)."""
-    if fits_in_protobuf(model):
-        onnx.checker.check_model(model, full_check=full_check)
+    data = serialized(model)
+    if data is not None:
+        onnx.checker.check_model(data, full_check=full_check)
         return
     with on_disk(model) as path:
         onnx.checker.check_model(str(path), full_check=full_check)
@@ -115,8 +129,9 @@ def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False)
     With `external`, or when the model is too large for one protobuf, the tensors go
     to one external data file `<name>.data` beside the model, with a relative location.
     """
-    if not external and fits_in_protobuf(model):
-        atomic.write_bytes(path, model.SerializeToString())
+    data = None if external else serialized(model)
+    if data is not None:
+        atomic.write_bytes(path, data)
         return
     # Both files are written in a private temporary directory inside the target directory
     # and renamed into place, data first; signals are held off between the two renames

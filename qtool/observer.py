@@ -24,9 +24,15 @@ Python receives a few scalars and bounded samples per tensor and batch, and fold
 into fixed-size summaries (qtool.statistics) before the next batch. The odd step keeps
 the sample from locking onto one channel or column of a power-of-two layout. A batch
 whose extremes are not finite (NaN/Inf) is re-run with the offending tensors exposed
-whole so their non-finite values can be counted and excluded exactly. For plain min-max,
-a tensor bounded by construction (a Clip output) whose extremes have reached its bounds stops
-being observed: the session is rebuilt without its reductions (qtool.saturation).
+whole so their non-finite values can be counted and excluded exactly. A tensor bounded by
+construction (a Clip output) whose extremes have reached its bounds stops having them
+reduced: the session is rebuilt without its max/min (and, for plain min-max, without
+anything else of it; qtool.saturation). A saturated tensor with a histogram keeps its
+sample, and its count comes from the sample's source: the size of the pooled grid times
+H x W over the grid's positions, or the size of the flattened tensor, so its statistics
+stay exactly what they would have been (the extremes are the bounds). The observing
+sessions are variants of one model: they share its weights, held once as onnxruntime
+values (qtool.runtime.SharedWeights), so a (re)build serialises only the graph.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool import saturation
 from qtool.dataset import Batch
-from qtool.runtime import create_session
+from qtool.runtime import SharedWeights, create_session
 from qtool.statistics import SAMPLE_LIMIT, TensorStats
 
 _PREFIX = "qtool_observe"
@@ -63,15 +69,26 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     return {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.output, *graph.input]}
 
 
-def _shapes(model: onnx.ModelProto) -> dict[str, list]:
-    """Tensor dims (int, or None when symbolic/unknown) from shape inference."""
+def _declared_shapes(model: onnx.ModelProto) -> dict[str, list]:
+    graph = model.graph
+    return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            for v in [*graph.value_info, *graph.output, *graph.input] if v.type.tensor_type.HasField("shape")}
+
+
+def _shapes(model: onnx.ModelProto, needed: Optional[Collection[str]] = None) -> dict[str, list]:
+    """Tensor dims (int, or None when symbolic/unknown) from shape inference.
+
+    A model that already declares a shape for every `needed` tensor (qtool.graph_prep.prepare
+    ends with shape inference, whose results it keeps) is not inferred again: inference
+    keeps the shapes a model declares, so it would find the same ones."""
+    declared = _declared_shapes(model)
+    if needed is not None and all(name in declared for name in needed):
+        return declared
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:  # shape inference is only an optimisation here: unknown shapes take the generic path
         inferred = model
-    graph = inferred.graph
-    return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-            for v in [*graph.value_info, *graph.output, *graph.input] if v.type.tensor_type.HasField("shape")}
+    return _declared_shapes(inferred)
 
 
 def pool_stride(height: int, width: int) -> int:
@@ -104,18 +121,21 @@ def nonnegative(model: onnx.ModelProto) -> set[str]:
 
 
 def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collection[str],
-                    sample_limit: int, shapes: Optional[dict[str, list]] = None
+                    sample_limit: int, shapes: Optional[dict[str, list]] = None, known: Collection[str] = ()
                     ) -> tuple[onnx.ModelProto, dict[str, tuple]]:
-    """A copy of `model` that outputs, per tensor, (min, max, size, sample, spatial) as described above.
+    """A copy of `model` that outputs, per tensor, (min, max, size, sample, spatial, per_size) as described above.
 
     min is "" for a provably non-negative 4-D tensor (its low end is 0), size is "" when the
     count comes from the channel maxima times `spatial` (static H x W), sample is "" when no
-    histogram is needed."""
+    histogram is needed. `known`: sampled tensors whose extremes are known already (saturated,
+    see qtool.saturation): only their sample and count are computed, min and max are ""; the
+    count is int(size) * spatial // per_size (per_size: the positions of the pooled grid
+    sample, whose size is then the one computed; 0 when size is the tensor's own)."""
     reduced = onnx.ModelProto()
     reduced.CopyFrom(model)
     graph = reduced.graph
     types = _elem_types(model)
-    shapes = _shapes(model) if shapes is None else shapes  # shape inference is slow: callers may pass it
+    shapes = _shapes(model, [*names, *known]) if shapes is None else shapes  # inference is slow: callers may pass it
     floor_zero = nonnegative(model)
     flat, limit, two, one = (f"{_PREFIX}_flat", f"{_PREFIX}_limit", f"{_PREFIX}_two", f"{_PREFIX}_one")
     graph.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), flat),
@@ -126,8 +146,9 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
                               numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64),
                                                       f"{_PREFIX}_end")])
     outputs: dict[str, tuple] = {}
-    for i, name in enumerate(names):
+    for i, name in enumerate([*names, *known]):
         p = f"{_PREFIX}_{i}"
+        extremes = i < len(names)  # False: a saturated tensor, sampled only
         elem = types.get(name, TensorProto.FLOAT) or TensorProto.FLOAT
         dims = shapes.get(name)
         image_like = dims is not None and len(dims) == 4 and elem == TensorProto.FLOAT
@@ -137,10 +158,11 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
         # a non-negative 4-D tensor is sampled from a grid of rows and columns (MaxPool with a
         # 1x1 window, on the NCHWc layout): only 1/4 or 1/16 of it is reordered and sliced
         pooled_sample = skip_min and bool(spatial) and name in sampled
-        need_flat = not skip_min or not spatial
+        need_flat = (not skip_min or not spatial) if extremes else not pooled_sample
         if need_flat:
             nodes.append(helper.make_node("Reshape", [name, flat], [f"{p}_flat"], name=f"{p}_reshape"))
         sample_source = f"{p}_flat"
+        per_size = 0
         if pooled_sample:
             stride = pool_stride(dims[2], dims[3])
             nodes += [helper.make_node("MaxPool", [name], [f"{p}_sub"], kernel_shape=[1, 1], strides=[stride, stride],
@@ -148,15 +170,19 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
                       helper.make_node("Reshape", [f"{p}_sub", flat], [f"{p}_subflat"], name=f"{p}_subreshape"),
                       helper.make_node("Size", [f"{p}_subflat"], [f"{p}_subsize"], name=f"{p}_subsize")]
             sample_source = f"{p}_subflat"
-        if image_like:
+            per_size = ((dims[2] - 1) // stride + 1) * ((dims[3] - 1) // stride + 1)  # the grid's positions
+        max_name = ""
+        if extremes and image_like:
             # GlobalMaxPool runs on onnxruntime's blocked NCHWc layout: no reorder to NCHW
             nodes.append(helper.make_node("GlobalMaxPool", [name], [f"{p}_max"], name=f"{p}_gmp"))
             outs.append(helper.make_tensor_value_info(f"{p}_max", elem, None))
-        else:
+            max_name = f"{p}_max"
+        elif extremes:
             nodes.append(helper.make_node("ReduceMax", [f"{p}_flat"], [f"{p}_max"], keepdims=0, name=f"{p}_max"))
             outs.append(helper.make_tensor_value_info(f"{p}_max", elem, []))
+            max_name = f"{p}_max"
         min_name = ""
-        if not skip_min:
+        if extremes and not skip_min:
             nodes.append(helper.make_node("ReduceMin", [f"{p}_flat"], [f"{p}_min"], keepdims=0, name=f"{p}_min"))
             outs.append(helper.make_tensor_value_info(f"{p}_min", elem, []))
             min_name = f"{p}_min"
@@ -165,6 +191,9 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
             nodes.append(helper.make_node("Size", [f"{p}_flat"], [f"{p}_size"], name=f"{p}_size"))
             outs.append(helper.make_tensor_value_info(f"{p}_size", TensorProto.INT64, []))
             size_name = f"{p}_size"
+        elif not extremes:  # the count from the grid sample's size: no channel maxima to count from
+            outs.append(helper.make_tensor_value_info(f"{p}_subsize", TensorProto.INT64, []))
+            size_name = f"{p}_subsize"
         sample_name = ""
         if name in sampled:
             counted = f"{p}_subsize" if pooled_sample else f"{p}_size"
@@ -179,7 +208,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
             sample_name = f"{p}_sample"
         graph.node.extend(nodes)
         graph.output.extend(outs)
-        outputs[name] = (min_name, f"{p}_max", size_name, sample_name, spatial)
+        outputs[name] = (min_name, max_name, size_name, sample_name, spatial, 0 if extremes else per_size)
     return reduced, outputs
 
 
@@ -189,27 +218,31 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
             sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()) -> dict[str, TensorStats]:
     """One pass over `batches`; returns a summary per tensor (with a histogram for `histogram_for`).
 
-    `saturate`: tensors whose table entry needs only their overall extremes (plain min-max);
-    those bounded by construction stop being observed once they reach their bounds
+    `saturate`: tensors whose table entry needs only their overall extremes, plus their
+    histogram for those in `histogram_for` (any method but the averaged min-max:
+    qtool.saturation.saturable). Those bounded by construction stop having their extremes
+    reduced once they reach their bounds; the ones with a histogram keep being sampled
     (qtool.saturation)."""
     inputs = {i.name for i in model.graph.input}
     fetched = [t for t in tensors if t not in inputs]  # graph inputs are read from the feeds
+    shapes = _shapes(model, fetched)
     bounded = {t: b for t, b in saturation.bounds(model).items()
-               if t in saturate and t in fetched and t not in histogram_for}
-    shapes = _shapes(model)
+               if t in saturate and t in fetched and (t not in histogram_for or saturation.static(shapes.get(t)))}
     weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}
-    active = list(fetched)
-    session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads, shapes)
+    active = list(fetched)  # extremes reduced (and sampled when in histogram_for)
+    known: list[str] = []  # saturated histogram tensors: sampled and counted only
+    weights = SharedWeights(model)  # the observing sessions are variants of one model: its weights held once
+    session, outputs, names = _observing_session(weights, active, histogram_for, sample_limit, threads, shapes)
     rebuilds = 0
     fallback = None
     stats = {t: TensorStats.with_histogram() if t in histogram_for else TensorStats() for t in tensors}
     for s in stats.values():
         s.sample_limit = sample_limit  # the same stride for graph inputs, sampled in numpy
     for batch in batches:
-        values = dict(zip(names, session.run(names, batch.feeds))) if active else {}
+        values = dict(zip(names, session.run(names, batch.feeds))) if names else {}
         bad = []
         for name in active:
-            min_name, max_name, size_name, sample_name, spatial = outputs[name]
+            min_name, max_name, size_name, sample_name, spatial, _ = outputs[name]
             maxima = values[max_name]
             size = int(values[size_name]) if size_name else maxima.size * spatial
             if size == 0:
@@ -223,6 +256,14 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
             stats[name].add_extremes(lo, hi, size)
             if sample_name:
                 stats[name].add_sample(values[sample_name])
+        for name in known:  # its extremes are its bounds, reached already: only the count and sample grow
+            _, _, size_name, sample_name, spatial, per_size = outputs[name]
+            size = int(values[size_name])
+            size = size // per_size * spatial if per_size else size
+            if size == 0:
+                continue
+            stats[name].add_extremes(*bounded[name], size)
+            stats[name].add_sample(values[sample_name])
         if bad:  # rare: NaN/Inf in this batch; count and exclude them exactly from the full tensors
             fallback = fallback or create_session(with_outputs(model, fetched), threads)
             for name, array in zip(bad, fallback.run(bad, batch.feeds)):
@@ -236,8 +277,9 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
         if done and saturation.worth_rebuilding(sum(weight[t] for t in done), sum(weight[t] for t in active),
                                                 rebuilds):
             active = [t for t in active if t not in done]
-            session, outputs, names = _observing_session(model, active, histogram_for, sample_limit, threads,
-                                                         shapes)
+            known += [t for t in done if t in histogram_for]
+            session, outputs, names = _observing_session(weights, active, histogram_for, sample_limit, threads,
+                                                         shapes, known)
             rebuilds += 1
         if on_batch:
             on_batch(batch)
@@ -246,11 +288,13 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
     return stats
 
 
-def _observing_session(model: onnx.ModelProto, names: list[str], histogram_for: Collection[str],
-                       sample_limit: int, threads: int, shapes: Optional[dict[str, list]] = None):
+def _observing_session(weights: SharedWeights, names: list[str], histogram_for: Collection[str],
+                       sample_limit: int, threads: int, shapes: Optional[dict[str, list]] = None,
+                       known: Collection[str] = ()):
     """(session, per-tensor output names, the session outputs to fetch); no session when nothing
-    is left to observe (every observed tensor saturated: the model need not run at all)."""
-    if not names:
+    is left to observe (every observed tensor saturated and none sampled: the model need not run at all)."""
+    if not names and not known:
         return None, {}, []
-    reduced, outputs = with_reductions(model, names, set(histogram_for), sample_limit, shapes)
-    return create_session(reduced, threads), outputs, [o for t in names for o in outputs[t][:4] if o]
+    reduced, outputs = with_reductions(weights.light, names, set(histogram_for), sample_limit, shapes, known)
+    return (create_session(reduced, threads, weights=weights), outputs,
+            [o for t in [*names, *known] for o in outputs[t][:4] if o])

@@ -11,21 +11,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import cv2
+from functools import lru_cache
+
 import numpy as np
 
 from qtool.config import PreprocessConfig
 
-# qtool reports undecodable images itself (one warning with a count); OpenCV's own
-# per-file warnings on stderr would only bury that line.
-cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_ERROR)
+_INTERPOLATION = {"nearest": "INTER_NEAREST", "bilinear": "INTER_LINEAR", "bicubic": "INTER_CUBIC",
+                  "area": "INTER_AREA"}
 
-_INTERPOLATION = {
-    "nearest": cv2.INTER_NEAREST,
-    "bilinear": cv2.INTER_LINEAR,
-    "bicubic": cv2.INTER_CUBIC,
-    "area": cv2.INTER_AREA,
-}
+
+@lru_cache(maxsize=None)
+def _cv2():
+    """OpenCV, imported on first use (~35 ms): data given as .npy arrays never needs it."""
+    import cv2
+
+    # qtool reports undecodable images itself (one warning with a count); OpenCV's own
+    # per-file warnings on stderr would only bury that line.
+    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_ERROR)
+    return cv2
 
 
 def read_image(path: str | Path) -> Optional[np.ndarray]:
@@ -37,6 +41,7 @@ def read_image(path: str | Path) -> Optional[np.ndarray]:
         return None
     if raw.size == 0:
         return None
+    cv2 = _cv2()
     image = cv2.imdecode(raw, cv2.IMREAD_COLOR)
     if image is None or image.size == 0:
         return None
@@ -54,8 +59,9 @@ def _center_crop(image: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
 
 def resize_image(image: np.ndarray, cfg: PreprocessConfig, size: tuple[int, int]) -> np.ndarray:
     """Geometric part: BGR uint8 in, BGR uint8 of exactly `size` (height, width) out."""
+    cv2 = _cv2()
     out_h, out_w = size
-    interp = _INTERPOLATION[cfg.interpolation]
+    interp = getattr(cv2, _INTERPOLATION[cfg.interpolation])
     h, w = image.shape[:2]
     if cfg.resize == "stretch":
         return cv2.resize(image, (out_w, out_h), interpolation=interp)
@@ -84,6 +90,7 @@ def resize_image(image: np.ndarray, cfg: PreprocessConfig, size: tuple[int, int]
 def to_tensor(image: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
     """Photometric part: BGR uint8 (H, W, 3) to a float32 batch of one in the configured layout."""
     if cfg.channel_order == "RGB":
+        cv2 = _cv2()
         image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
     x = image.astype(np.float32)
     if cfg.scale != 1.0:

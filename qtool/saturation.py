@@ -1,21 +1,30 @@
-"""Early saturation: tensors whose min-max statistics can no longer change stop being observed.
+"""Early saturation: tensors whose extremes can no longer change stop having them reduced.
 
 A tensor bounded by construction (the output of a Clip with constant bounds [lo, hi],
 ReLU6 being [0, 6]) can never hold a value below lo or above hi. Once its observed
-extremes have reached both bounds, no later batch can move its min or its max, so for
-the plain min-max method (the overall extremes) the observer may stop reducing it: on
-EfficientNet-Lite0 the 33 ReLU6 outputs, ~85% of the observed activation bytes, reach
-6.0 in the first batch of 8 photos. onnxruntime computes every node of a session
-whatever outputs are requested, so the observer drops the reductions by building a new
-session (~0.07 s for EfficientNet-Lite0), and only when the saturated tensors hold a
-large share of the bytes it still reads (see `worth_rebuilding`).
+extremes have reached both bounds, no later batch can move its min or its max, so the
+observer may stop reducing them: on EfficientNet-Lite0 the 33 ReLU6 outputs, ~85% of the
+observed activation bytes, reach 6.0 in the first batch of 8 photos. onnxruntime computes
+every node of a session whatever outputs are requested, so the observer drops the
+reductions by building a new session (~0.07 s for EfficientNet-Lite0), and only when the
+saturated tensors hold a large share of the bytes it still reads (see `worth_rebuilding`).
 
-Valid only where nothing but the overall extremes is used: not for the averaged
-(moving_average) min-max, which needs every batch's extremes, and not for tensors with a
-histogram. What a saturated tensor's statistics no longer track: its `count` and
-`batches` stop at the values seen until it saturated (nothing reads `count` but `seen`;
-shard files, which a later merge may give any method, always keep histograms so are
-never saturated), and NaN/Inf appearing in it afterwards are not counted.
+* plain min-max (no histogram): nothing of the tensor is computed any more.
+* the histogram methods (percentile, entropy, mse, aciq): its GlobalMaxPool/ReduceMin go,
+  its strided sample stays (for a non-negative 4-D tensor the cheap 1x1 MaxPool grid on
+  the NCHWc layout), so the histogram receives exactly the same values, and its count
+  grows exactly as before, computed from the sample source's size; only tensors whose
+  dims other than the batch are static qualify (`static`). Their extremes are the bounds
+  (a non-negative tensor's min is recorded as 0 either way), so tables are byte-identical.
+
+Valid only where nothing but the overall extremes (and the histogram) is used: not for the
+averaged (moving_average) min-max, which needs every batch's extremes (`saturable`). What a
+saturated tensor's statistics no longer track: the per-batch extremes sums (each batch then
+adds the bounds), for plain min-max its `count` and `batches` (they stop at the values
+seen until it saturated: nothing reads `count` but `seen`), and NaN/Inf appearing in it
+afterwards are not counted (a saturated histogram tensor's sample may then hold them: the
+range methods ignore non-finite keys). Shard files, which a later merge may give any
+method, are never saturated.
 """
 
 from __future__ import annotations
@@ -66,6 +75,18 @@ def minmax_only(methods: dict[str, str], calib: CalibrationConfig, histogram_for
     if calib.moving_average:
         return set()
     return {name for name, method in methods.items() if method == "minmax" and name not in histogram_for}
+
+
+def saturable(methods: dict[str, str], calib: CalibrationConfig) -> set[str]:
+    """The tensors whose table entry depends on nothing but their overall extremes and, for the
+    histogram methods, their histogram: every tensor but those of the averaged min-max."""
+    return {name for name, method in methods.items() if method != "minmax" or not calib.moving_average}
+
+
+def static(dims) -> bool:
+    """Whether a tensor's dims other than the batch are all known (a sampled tensor's count
+    per batch is then exact from its sample's size)."""
+    return dims is not None and len(dims) >= 1 and all(d for d in dims[1:])
 
 
 def saturated(lo_seen: float, hi_seen: float, bound: tuple[float, float]) -> bool:

@@ -107,6 +107,67 @@ def test_entropy_is_the_tensorrt_recipe_on_a_known_histogram():
     assert ranges.entropy_threshold(flat) == 2048
 
 
+def _entropy_threshold_reference(hist: np.ndarray, levels: int = 128) -> int:
+    """TensorRT's recipe one candidate at a time: qtool's code before the KL evaluation was vectorized."""
+    hist = hist.astype(np.float64).copy()
+    if hist.size > 1:
+        hist[0] = hist[1]
+    if hist.sum() <= 0:
+        return hist.size
+    suffix = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])
+    nonzero = (hist != 0).astype(np.float64)
+    mass = np.concatenate([[0.0], np.cumsum(hist)])
+    filled = np.concatenate([[0.0], np.cumsum(nonzero)])
+
+    def smooth(dist, eps=1e-4):
+        zero = dist == 0
+        n_zero, n_nonzero = int(zero.sum()), dist.size - int(zero.sum())
+        if n_nonzero == 0:
+            return None
+        out = dist.copy()
+        out[zero] = eps
+        out[~zero] -= eps * n_zero / n_nonzero
+        return out if (out > 0).all() else None
+
+    def kl_at(i):
+        p = hist[:i].copy()
+        p[-1] += suffix[i]
+        edges = (np.arange(levels + 1) * i) // levels
+        sums = mass[edges[1:]] - mass[edges[:-1]]
+        nz_per = filled[edges[1:]] - filled[edges[:-1]]
+        per_bin = np.divide(sums, nz_per, out=np.zeros(levels), where=nz_per > 0)
+        ps, qs = smooth(p), smooth(np.repeat(per_bin, np.diff(edges)) * nonzero[:i])
+        if ps is None or qs is None:
+            return math.inf
+        ps, qs = ps / ps.sum(), qs / qs.sum()
+        return float(np.sum(ps * np.log(ps / qs)))
+
+    coarse = sorted(set(range(128, hist.size + 1, 32)) | {hist.size})
+    kls = {i: kl_at(i) for i in coarse}
+    best = min(kls, key=lambda i: (kls[i], i))
+    kls.update({i: kl_at(i) for i in range(max(128, best - 32), min(hist.size, best + 32) + 1, 4) if i not in kls})
+    return min(kls, key=lambda i: (kls[i], i))
+
+
+@pytest.mark.parametrize("levels", [128, 256])
+def test_entropy_fast_path_chooses_the_reference_threshold(levels):
+    """The vectorized KL evaluation picks exactly the threshold of the one-candidate-at-a-time recipe."""
+    rng = np.random.default_rng(7)
+    shapes = [lambda n: np.abs(rng.normal(size=n)), lambda n: np.abs(rng.laplace(size=n)),
+              lambda n: np.abs(rng.standard_cauchy(size=n)), lambda n: np.minimum(np.abs(rng.normal(2, 2, n)), 6),
+              lambda n: rng.uniform(0, 1, n),
+              lambda n: np.concatenate([np.abs(rng.normal(size=n)), rng.uniform(5, 50, 5)])]
+    for k in range(60):
+        x = shapes[k % len(shapes)](int(rng.integers(3, 60_000)))
+        hist = np.histogram(x, bins=2048, range=(0, x.max()))[0].astype(np.float64)
+        if k % 4 == 0:
+            hist *= rng.uniform(0.01, 3.0)  # fractional counts, as re-binned histograms have
+        assert ranges.entropy_threshold(hist, levels) == _entropy_threshold_reference(hist, levels), k
+    for hist in (np.full(2048, 10.0), np.zeros(2048), np.r_[np.zeros(2047), 3.0], np.r_[5.0, np.zeros(2047)],
+                 np.array([1.0, 2.0, 0.0, 4.0]), np.array([2.0])):
+        assert ranges.entropy_threshold(hist, levels) == _entropy_threshold_reference(hist, levels), hist[:4]
+
+
 def test_mse_threshold_balances_clipping_against_rounding():
     # uniform on [0, 1], 255 steps: error(t) = t^3 / (12 * 255^2) + (1 - t)^3 / 3, minimum near t = 0.998
     hist = np.full(2048, 100.0)

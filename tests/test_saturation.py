@@ -68,9 +68,44 @@ def test_not_saturated_without_permission_or_before_both_bounds(monkeypatch):
     low = np.full((1, 4, 8, 8), 3.0, np.float32)  # a's max stays below 6: never saturated
     high = np.full((1, 4, 8, 8), 9.0, np.float32)
     observe(model, ["a", "b"], [Batch(["0"], {"x": low})] * 3, saturate={"a", "b"})
-    observe(model, ["a", "b"], [Batch(["0"], {"x": high})] * 3, saturate=())  # e.g. a histogram method
-    observe(model, ["a", "b"], [Batch(["0"], {"x": high})] * 3, saturate={"a"}, histogram_for={"a"})
+    observe(model, ["a", "b"], [Batch(["0"], {"x": high})] * 3, saturate=())  # e.g. averaged min-max, shards
+    assert built == [["a", "b"]] * 2
+    # a histogram tensor saturates only when its dims but the batch are static (its count comes from its sample)
+    dynamic = _two_clips()
+    dynamic.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
+    observe(dynamic, ["a", "b"], [Batch(["0"], {"x": high})] * 3, saturate={"a"}, histogram_for={"a"})
     assert built == [["a", "b"]] * 3
+
+
+def test_histogram_tensors_keep_their_samples_and_counts_when_saturated(monkeypatch):
+    """A saturated tensor with a histogram loses its min/max reductions but keeps its sample:
+    its statistics (extremes, count, histogram) equal the unsaturated path's exactly, for the
+    pooled grid sample of a non-negative 4-D tensor (a) and the flat sample of a signed one (b)."""
+    model = _two_clips()
+    rng = np.random.default_rng(1)
+    feeds = [rng.uniform(0, 3, (2, 4, 8, 8)),    # a not saturated yet
+             rng.uniform(-5, 10, (2, 4, 8, 8)),  # a saturated; b reaches -1 only
+             rng.uniform(-5, 50, (1, 4, 8, 8)),  # another batch size: the count must follow it
+             rng.uniform(-5, 200, (2, 4, 8, 8)),  # b reaches 100: saturated
+             rng.uniform(-5, 50, (3, 4, 8, 8)),
+             rng.uniform(-5, 8, (2, 4, 8, 8))]
+    batches = [Batch([str(i)], {"x": f.astype(np.float32)}) for i, f in enumerate(feeds)]
+    built = []
+    real = observer_module._observing_session
+    monkeypatch.setattr(observer_module, "_observing_session",
+                        lambda model, names, *rest: built.append((list(names), list(rest[4] if len(rest) > 4 else [])))
+                        or real(model, names, *rest))
+    names = ["a", "b", "s"]
+    got = observe(model, names, batches, histogram_for=set(names), saturate=set(names), sample_limit=64)
+    assert built == [(names, []), (["b", "s"], ["a"]), (["s"], ["a", "b"])]
+    full = observe(model, names, batches, histogram_for=set(names), sample_limit=64)
+    for name in names:
+        g, f = got[name], full[name]
+        assert (g.min, g.max, g.count, g.batches, g.nonfinite, g.sampled) == \
+            (f.min, f.max, f.count, f.batches, f.nonfinite, f.sampled), name
+        assert np.array_equal(g.hist, f.hist), name
+    assert (got["a"].min, got["a"].max, got["b"].min, got["b"].max) == (0.0, 6.0, -1.0, 100.0)
+    assert got["a"].count == sum(f.size for f in feeds)
 
 
 def _table_bytes(monkeypatch, saturating: bool, *args) -> tuple[str, dict]:
@@ -101,6 +136,31 @@ def test_minmax_tables_identical_on_the_shipped_model(monkeypatch):
     cfg = load_config(EFFNET_CONFIG)
     cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(cfg.calibration, method="minmax", batch_size=2))
     _assert_same_tables(monkeypatch, EFFNET, CALIB_SAMPLES, cfg)
+
+
+@pytest.mark.parametrize("method", ["percentile", "entropy"])  # one histogram serves every method
+def test_histogram_tables_identical_on_the_shipped_model(monkeypatch, method):
+    cfg = load_config(EFFNET_CONFIG)
+    cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(cfg.calibration, method=method, batch_size=2))
+    known = []
+    real = observer_module._observing_session
+
+    def spy(model, names, *rest):
+        known.extend(rest[4] if len(rest) > 4 else [])
+        return real(model, names, *rest)
+
+    monkeypatch.setattr(observer_module, "_observing_session", spy)
+    old, old_stats = _table_bytes(monkeypatch, False, EFFNET, CALIB_SAMPLES, cfg.preprocess, cfg.calibration,
+                                  cfg.quantization)
+    assert not known
+    monkeypatch.setattr(observer_module, "_observing_session", spy)
+    new, new_stats = _table_bytes(monkeypatch, True, EFFNET, CALIB_SAMPLES, cfg.preprocess, cfg.calibration,
+                                  cfg.quantization)
+    assert new == old
+    assert len(known) >= 20  # the ReLU6 outputs saturated: only sampled from then on
+    for name in old_stats:
+        assert new_stats[name].count == old_stats[name].count, name
+        assert np.array_equal(new_stats[name].hist, old_stats[name].hist), name
 
 
 @pytest.mark.slow
