@@ -33,10 +33,6 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def fits_in_protobuf(model: onnx.ModelProto) -> bool:
-    return model.ByteSize() < PROTOBUF_LIMIT
-
-
 def serialized(model: onnx.ModelProto) -> Optional[bytes]:
     """The model's bytes, or None when it does not fit in one protobuf (over PROTOBUF_LIMIT).
 

@@ -70,13 +70,6 @@ def bounds(model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
     return found
 
 
-def minmax_only(methods: dict[str, str], calib: CalibrationConfig, histogram_for) -> set[str]:
-    """The tensors whose table entry depends on nothing but their overall extremes."""
-    if calib.moving_average:
-        return set()
-    return {name for name, method in methods.items() if method == "minmax" and name not in histogram_for}
-
-
 def saturable(methods: dict[str, str], calib: CalibrationConfig) -> set[str]:
     """The tensors whose table entry depends on nothing but their overall extremes and, for the
     histogram methods, their histogram: every tensor but those of the averaged min-max."""
