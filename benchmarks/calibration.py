@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cap-gb", type=float, default=4.0)
     parser.add_argument("--kinds", help="comma-separated subset of the measurements, e.g. 'plain,qtool minmax'")
+    parser.add_argument("--counts", help="comma-separated sample counts (default 256,1024; --quick 64,128)")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "calibration.json")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -184,6 +185,8 @@ def main(argv=None) -> int:
     if not model.exists():
         parser.error(f"the bench kit is not at {args.kit} (--kit)")
     counts, rounds = ([64, 128], 1) if args.quick else ([256, 1024], args.rounds)
+    if args.counts:
+        counts = [int(c) for c in args.counts.split(",")]
     kinds = ["plain", *(f"qtool {m}" for m in QTOOL_METHODS), *(f"ort {m}" for m in ORT_METHODS)]
     if args.kinds:  # plain always: every ratio divides by it
         wanted = {k.strip() for k in args.kinds.split(",")}
@@ -238,8 +241,8 @@ def summarize(results, counts, kinds) -> dict:
                 row["x_plain_rounds"] = statistics.median(paired)
         summary[str(count)] = rows
     for kind in kinds:  # memory growth from the smaller to the larger sample count
-        a, b = (summary[str(c)][kind].get("peak_rss_mb") for c in counts)
-        if a and b and "seconds" in summary[str(counts[-1])][kind]:
+        a, b = (summary[str(c)][kind].get("peak_rss_mb") for c in (counts[0], counts[-1]))
+        if len(counts) > 1 and a and b and "seconds" in summary[str(counts[-1])][kind]:
             summary[str(counts[-1])][kind]["rss_growth"] = b / a
     return summary
 
