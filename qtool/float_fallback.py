@@ -2,11 +2,10 @@
 
 Mixed precision needs many variants of one quantized model that differ only in which
 layers compute in float. Re-running the whole quantization for each (calibration table
-lookup, adaptive rounding, bias correction of every later layer) is slow, and, worse,
-bias correction re-measured on a different graph moves every later layer a little, so a
-choice measured on one variant does not carry over to the next (measured: three layers
-that gave EfficientNet-Lite0 99.6% agreement on their own gave 99.0% after a full
-re-quantization). Instead the int8 model is kept and only the chosen layers change:
+lookup, adaptive rounding, bias correction of every later layer) is slow, and bias
+correction re-measured on a different graph moves every later layer a little, so what a
+search step measured would not quite be the next candidate. Instead the int8 model is
+kept and only the chosen layers change:
 
     before:  DQ(x) ----------------> Conv(w: DQ(int8), b: DQ(int32)) -> [Clip] -> Q -> DQ
     after:   DQ(x) -> Max(., lowest) -> Conv(w: fp32,    b: fp32)      -> [Clip] -> Q -> DQ
