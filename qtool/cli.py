@@ -16,7 +16,7 @@ from tqdm import tqdm
 from qtool import __version__, interrupt
 from qtool.atomic import check_output_path
 from qtool.config import load_config, override
-from qtool.errors import EXIT_INPUT, EXIT_THRESHOLD, QtoolError
+from qtool.errors import EXIT_THRESHOLD, QtoolError
 
 EXIT_BUG = 3
 
@@ -243,15 +243,16 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         if save_table:
             table.save(save_table)
     calib_data = None
+    wants_target = any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr))
+    specs = input_specs(load_model(model)) if data is not None or wants_target else None
     if data is not None:
-        specs = input_specs(load_model(model))
         calib_data = lambda limit: batches(open_data(data, specs, cfg.preprocess), calib.batch_size,  # noqa: E731
                                            min(limit, calib.num_samples or limit))
-    if any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr)):
+    if wants_target:
         from qtool.mixed_precision import Target
         goal = Target(target_agreement, target_top1_drop, target_sqnr)  # not the --target preset
-        result = _mixed_precision(model, table, quant, goal, eval_data, labels, max_float_layers, min_int8_macs,
-                                  calib_data, cfg)
+        result = _mixed_precision(model, specs, table, quant, goal, eval_data, labels, max_float_layers,
+                                  min_int8_macs, calib_data, cfg)
     else:
         result = quantize_model(model, table, quant, table_path, allow_missing, data=calib_data)
     for note in result.notes:
@@ -266,17 +267,16 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         click.echo(kernel_summary(output))
 
 
-def _mixed_precision(model, table, quant, target, eval_data, labels, max_float_layers, min_int8_macs, calib_data,
-                     cfg):
+def _mixed_precision(model, specs, table, quant, target, eval_data, labels, max_float_layers, min_int8_macs,
+                     calib_data, cfg):
     """--target-*: search the float layers, report them, return the chosen model's QuantizeResult."""
     from qtool.dataset import batches, open_data
     from qtool.evaluate import EvaluateInputs, _labels
     from qtool.mixed_precision import describe_figures, search
-    from qtool.modelio import input_specs, load_model
 
     if eval_data is None:
         raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr need --eval-data")
-    source = open_data(eval_data, input_specs(load_model(model)), cfg.preprocess)
+    source = open_data(eval_data, specs, cfg.preprocess)
     label_map = _labels(EvaluateInputs(model, model, eval_data, labels), source) if labels else None
     eval_batches = list(batches(source, cfg.evaluation.batch_size, cfg.evaluation.num_samples))
     click.echo(f"searching the fewest float layers for {target.describe()} on {len(source)} evaluation samples:",

@@ -100,33 +100,29 @@ def signed_quantile(hist: np.ndarray, q: float, lo: float, hi: float) -> float:
     counts = np.concatenate([neg[::-1], pos])
     edges = np.clip(edges, lo, hi)
     cdf = np.concatenate([[0.0], np.cumsum(counts)])
-    total = cdf[-1]
-    if total <= 0:
+    if cdf[-1] <= 0:
         return hi if q >= 0.5 else lo
-    target = q * total
-    i = int(np.searchsorted(cdf, target, side="left"))
-    if i <= 0:
-        return float(edges[0])
-    if i >= len(cdf):
-        return float(edges[-1])
-    c0, c1 = cdf[i - 1], cdf[i]
-    frac = 0.0 if c1 == c0 else (target - c0) / (c1 - c0)
-    return float(edges[i - 1] + frac * (edges[i] - edges[i - 1]))
+    return _interpolated(edges, cdf, q)
 
 
 def abs_quantile(hist: np.ndarray, q: float, top: float) -> float:
     """The q-quantile of |x|, clamped to the exact max |x| `top`."""
     counts = abs_counts(hist).astype(np.float64)
     edges, cdf = _clamped_cdf(counts, top)
-    total = cdf[-1]
-    if total <= 0:
+    if cdf[-1] <= 0:
         return top
-    target = q * total
+    return _interpolated(edges, cdf, q)
+
+
+def _interpolated(edges: np.ndarray, cdf: np.ndarray, q: float) -> float:
+    """The value below which a fraction q of the counts lie, interpolated linearly within its
+    bin (`cdf[k]`: the counts below `edges[k]`; the total is positive)."""
+    target = q * cdf[-1]
     i = int(np.searchsorted(cdf, target, side="left"))
     if i <= 0:
-        return 0.0
+        return float(edges[0])
     if i >= len(cdf):
-        return top
+        return float(edges[-1])
     c0, c1 = cdf[i - 1], cdf[i]
     frac = 0.0 if c1 == c0 else (target - c0) / (c1 - c0)
     return float(edges[i - 1] + frac * (edges[i] - edges[i - 1]))

@@ -34,7 +34,6 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import onnx
 
-from qtool.calibrate import prepared_model
 from qtool.config import QuantizeConfig
 from qtool.dataset import Batch
 from qtool.errors import ThresholdError
@@ -109,14 +108,15 @@ class _Evaluator:
         self.outputs = [o.name for o in session.get_outputs()]
         self.reference = [session.run(self.outputs, batch.feeds) for batch in data]
 
-    def __call__(self, qmodel: onnx.ModelProto) -> dict:
+    def __call__(self, qmodel: onnx.ModelProto) -> tuple[dict, list[np.ndarray]]:
+        """(figures, the candidate's first output per batch)."""
         session = create_session(qmodel, self.threads, "candidate")
         fidelity = [FidelityAccumulator() for _ in self.outputs]
         classes = ClassificationAccumulator()
-        self.last_first_output = []  # the candidate's first output per batch (the search picks its focus from it)
+        first = []
         for batch, ref in zip(self.data, self.reference):
             test = session.run(self.outputs, batch.feeds)
-            self.last_first_output.append(test[0])
+            first.append(test[0])
             for acc, r, t in zip(fidelity, ref, test):
                 acc.update(r, t)
             labels = [self.labels.get(k) if self.labels else None for k in batch.keys]
@@ -127,7 +127,7 @@ class _Evaluator:
         if "top1" in result:
             figures.update(top1=result["top1"]["int8"], top1_fp32=result["top1"]["fp32"],
                            top1_drop=result["top1_drop"])
-        return figures
+        return figures, first
 
 
 def _plan_with_float(plan: QuantPlan, layers: list[Restorable], prepared: onnx.ModelProto) -> QuantPlan:
@@ -213,12 +213,13 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
     evaluate = _Evaluator(model_path, eval_data, labels, threads)
     shapes = sample_shapes(eval_data[0].feeds)
     base = quantize_model(model_path, table, options, allow_missing=True, data=calib_data)
-    prepared, _ = prepared_model(model_path, options)
+    prepared = base.source
     tried: list[dict] = []
 
-    def candidate(layers: list[Restorable]) -> Candidate:
+    def candidate(layers: list[Restorable]) -> tuple[Candidate, list[np.ndarray]]:
+        """The model with `layers` float, evaluated; and its first output per evaluation batch."""
         qmodel = restore_float(base.model, prepared, layers)
-        figures = evaluate(qmodel)
+        figures, first = evaluate(qmodel)
         fraction = int8_macs(qmodel, shapes).fraction
         names = [layer.node for layer in layers]
         met = target.met(figures)
@@ -227,13 +228,12 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
         log(f"  {len(layers)} layer(s) float{': ' + ', '.join(names) if names else ''}: "
             f"{describe_figures(figures)}, {100 * fraction:.1f}% of MACs int8{' -> meets the target' if met else ''}")
         notes = base.notes + ([f"kept in float to meet {target.describe()}: {', '.join(names)}"] if names else [])
-        return Candidate(names, figures, QuantizeResult(qmodel, _plan_with_float(base.plan, layers, prepared), notes),
-                         fraction)
+        result = QuantizeResult(qmodel, _plan_with_float(base.plan, layers, prepared), notes, prepared)
+        return Candidate(names, figures, result, fraction), first
 
-    current = candidate([])
+    current, int8_first = candidate([])
     if target.met(current.figures):
         return MixedPrecisionResult(current, tried, [])
-    int8_first = evaluate.last_first_output
     pool = restorable_layers(base.model, prepared)
     # a layer's MACs are the same in float and in int8: the budget is exact before any candidate is built
     macs = node_macs(base.model, shapes)
@@ -256,7 +256,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
         if not ranking:
             ranking = [layer.node for _, _, layer in scored]
         chosen.append(scored[0][2])
-        current = candidate(list(chosen))
+        current, _ = candidate(list(chosen))
         if target.met(current.figures):
             return MixedPrecisionResult(current, tried, ranking)
     sqnr_only = target.agreement is None and target.top1_drop is None

@@ -224,7 +224,8 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
     reduced once they reach their bounds; the ones with a histogram keep being sampled
     (qtool.saturation)."""
     inputs = {i.name for i in model.graph.input}
-    fetched = [t for t in tensors if t not in inputs]  # graph inputs are read from the feeds
+    fetched = [t for t in tensors if t not in inputs]
+    from_feeds = [t for t in tensors if t in inputs]  # graph inputs are read from the feeds
     shapes = _shapes(model, fetched)
     bounded = {t: b for t, b in saturation.bounds(model).items()
                if t in saturate and t in fetched and (t not in histogram_for or saturation.static(shapes.get(t)))}
@@ -268,9 +269,8 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
             fallback = fallback or create_session(with_outputs(model, fetched), threads)
             for name, array in zip(bad, fallback.run(bad, batch.feeds)):
                 stats[name].update(array)
-        for name in tensors:
-            if name in inputs:
-                stats[name].update(batch.feeds[name])
+        for name in from_feeds:
+            stats[name].update(batch.feeds[name])
         del values
         done = [t for t in active if t in bounded and stats[t].seen
                 and saturation.saturated(stats[t].min, stats[t].max, bounded[t])]

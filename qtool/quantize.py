@@ -32,6 +32,7 @@ class QuantizeResult:
     model: onnx.ModelProto
     plan: QuantPlan
     notes: list[str] = field(default_factory=list)
+    source: Optional[onnx.ModelProto] = None  # the prepared fp32 graph `model` was quantized from
 
 
 def params_from_table(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig,
@@ -164,4 +165,4 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         check_model(qmodel, full_check=True)
     except onnx.checker.ValidationError as exc:
         raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
-    return QuantizeResult(qmodel, plan, notes)
+    return QuantizeResult(qmodel, plan, notes, model)

@@ -372,7 +372,7 @@ def test_restore_float_puts_one_layer_back_in_float_and_leaves_the_rest_int8(cru
     assert count_kernels(q_path).float_convs == 0 and count_kernels(r_path).float_convs == 1
 
 
-def test_focus_samples_are_the_smallest_fp32_margins():
+def test_margins_of_the_fp32_class():
     from qtool.mixed_precision import _margins
 
     logits = np.array([[3.0, 1.0, 0.0], [1.0, 1.2, 0.0], [0.0, 0.0, 5.0], [2.0, 1.99, 0.0]])
@@ -401,7 +401,8 @@ def test_mixed_precision_reaches_an_agreement_target_on_the_kit(tmp_path):
     assert 1 <= len(chosen.float_layers) <= 4 and goal.met(chosen.figures)
     assert chosen.int8_mac_fraction >= 0.9
     assert [t["float_layers"] for t in found.tried] == list(range(len(chosen.float_layers) + 1))
-    assert found.ranking[0] == chosen.float_layers[0]
+    # the first step ranked every restorable layer once (all but the SpaceToDepth stem fit the budget)
+    assert len(set(found.ranking)) == len(found.ranking) == 49
     # the written model is the verified one: its layers are float in onnxruntime's optimized graph
     from qtool.ort_kernels import count_kernels
     out = tmp_path / "mixed.onnx"
