@@ -34,7 +34,7 @@ class Spec:
     checks: dict[str, Callable[[dict], bool]]  # description -> predicate on the evaluate report
     flags: tuple[str, ...] = ()  # for calibrate and quantize
     images: bool = False  # EfficientNet: kit photos + the repo's preprocessing config
-    fixed_batch_1: bool = False
+    unsupported: str = ""  # why qtool refuses the model today; its tests are expected to fail until it does not
 
 
 def _out(name: str, metric: str):
@@ -54,7 +54,6 @@ EFFNET_CHECKS = {
 UPGRADE = ("--upgrade-opset",)
 SPECS = {
     "efficientnet_lite0_dyn.onnx": Spec(EFFNET_CHECKS, images=True),
-    "efficientnet_lite0_b1_tsexport.onnx": Spec(EFFNET_CHECKS, images=True, fixed_batch_1=True),
     # DB text detector, hard-swish and un-folded BN: min-max ranges are set by rare outliers.
     # Measured cosine 0.455; onnxruntime MinMax 0.370 on the same samples. The floor catches a collapse only.
     "rapidocr_v4_det.onnx": Spec({"cosine >= 0.35": lambda r: _out("sigmoid_0.tmp_0", "cosine")(r) >= 0.35},
@@ -77,7 +76,23 @@ SPECS = {
     "silero_vad_16k_op15.onnx": Spec({
         "speech probability mean abs error <= 0.05": lambda r: _out("output", "mean_abs_error")(r) <= 0.05,
         "state cosine >= 0.90": lambda r: _out("stateN", "cosine")(r) >= 0.90}),
+    # GRU decoder step (unrolled cells, attention): measured agreement 16/16, KL 0.00054, hidden cosine 0.9999
+    "arabic_name_romanizer_decoder.onnx": Spec({
+        "agreement >= 14/16": lambda r: _cls("agreement")(r) >= 0.875,
+        "hidden state cosine >= 0.99": lambda r: _out("hidden_out", "cosine")(r) >= 0.99}),
+    "arabic_name_romanizer_encoder.onnx": Spec({
+        "memory cosine >= 0.98": lambda r: _out("memory_out", "cosine")(r) >= 0.98},
+        unsupported="integer inputs only (token ids, bool mask)"),
+    "minilm_l6_v2_sentence.onnx": Spec({
+        "embedding cosine >= 0.98": lambda r: _out("sentence_embedding", "cosine")(r) >= 0.98},
+        unsupported="integer inputs only (token ids, attention mask)"),
 }
+
+
+def _params(names):
+    """Kit models as test parameters; a model qtool does not support yet is a strict expected failure."""
+    return [pytest.param(n, marks=pytest.mark.xfail(reason=SPECS[n].unsupported, strict=True))
+            if SPECS[n].unsupported else n for n in names]
 
 
 def _invoke(*args) -> None:
@@ -101,7 +116,7 @@ def test_every_kit_model_has_a_spec():
     assert sorted(p.name for p in models.glob("*.onnx")) == sorted(SPECS)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", _params(sorted(SPECS)))
 def test_real_model_end_to_end(name, tmp_path):
     spec = SPECS[name]
     model = kit_path("models", name)
@@ -120,8 +135,6 @@ def test_real_model_end_to_end(name, tmp_path):
     quantized = onnx.load(str(int8))
     onnx.checker.check_model(quantized, full_check=True)
     assert sum(n.op_type == "QuantizeLinear" for n in quantized.graph.node) > 0
-    if spec.fixed_batch_1:
-        assert quantized.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 1
     _invoke("evaluate", model, int8, *evaluation, "--runs", 1, "--json", report_path)
     report = json.loads(report_path.read_text())
     assert report["data"]["samples"] == (32 if spec.images else 16)
@@ -131,7 +144,7 @@ def test_real_model_end_to_end(name, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["ort-cpu", "tensorrt", "litert"])
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", _params(sorted(SPECS)))
 def test_every_kit_model_quantizes_with_each_preset_and_runs(name, target, tmp_path):
     """Few samples (2 to calibrate, 1 to run): the point is that every preset's model is valid,
     meets its target's constraints and runs in onnxruntime with finite outputs."""
