@@ -32,17 +32,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qtool.calibrate import calibrate  # noqa: E402
+from qtool.calibration.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, load_config  # noqa: E402
-from qtool.dataset import Batch, batches, open_data  # noqa: E402
-from qtool.evaluate import time_models  # noqa: E402
-from qtool.labels import read_label_file  # noqa: E402
-from qtool.metrics import ClassificationAccumulator, percentile_ms  # noqa: E402
-from qtool.modelio import input_specs, load_model, save_model  # noqa: E402
-from qtool.quantize import quantize_model  # noqa: E402
-from qtool.ranges import METHODS  # noqa: E402
-from qtool.report import write_json  # noqa: E402
-from qtool.runtime import create_session  # noqa: E402
+from qtool.data.dataset import Batch, batches, open_data  # noqa: E402
+from qtool.evaluation.evaluate import time_models  # noqa: E402
+from qtool.data.labels import read_label_file  # noqa: E402
+from qtool.evaluation.metrics import ClassificationAccumulator, percentile_ms  # noqa: E402
+from qtool.graph.modelio import input_specs, load_model, save_model  # noqa: E402
+from qtool.quantization.quantize import quantize_model  # noqa: E402
+from qtool.calibration.ranges import METHODS  # noqa: E402
+from qtool.evaluation.report import write_json  # noqa: E402
+from qtool.graph.runtime import create_session  # noqa: E402
 
 CONFIG = ROOT / "configs" / "efficientnet_lite0.yaml"
 BATCH = 8

@@ -34,17 +34,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from accuracy import _Reader, accuracy, latency  # noqa: E402
 
-from qtool.calibrate import calibrate  # noqa: E402
+from qtool.calibration.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, load_config  # noqa: E402
-from qtool.dataset import batches, open_data  # noqa: E402
+from qtool.data.dataset import batches, open_data  # noqa: E402
 from qtool.errors import ThresholdError  # noqa: E402
-from qtool.labels import read_label_file  # noqa: E402
-from qtool.macs import int8_macs, sample_shapes  # noqa: E402
-from qtool.mixed_precision import Target, search  # noqa: E402
-from qtool.modelio import input_specs, load_model, save_model  # noqa: E402
-from qtool.quantize import quantize_model  # noqa: E402
-from qtool.ranges import METHODS  # noqa: E402
-from qtool.report import write_json  # noqa: E402
+from qtool.data.labels import read_label_file  # noqa: E402
+from qtool.evaluation.macs import int8_macs, sample_shapes  # noqa: E402
+from qtool.evaluation.mixed_precision import Target, search  # noqa: E402
+from qtool.graph.modelio import input_specs, load_model, save_model  # noqa: E402
+from qtool.quantization.quantize import quantize_model  # noqa: E402
+from qtool.calibration.ranges import METHODS  # noqa: E402
+from qtool.evaluation.report import write_json  # noqa: E402
 
 BATCH = 8
 ROTATIONS = {0: None, 3: cv2.ROTATE_90_COUNTERCLOCKWISE, 2: cv2.ROTATE_180, 1: cv2.ROTATE_90_CLOCKWISE}

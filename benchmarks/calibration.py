@@ -60,8 +60,8 @@ def make_samples(kit: Path, out: Path, counts: list[int]) -> dict[int, Path]:
     import cv2
 
     from qtool.config import load_config
-    from qtool.dataset import batches, open_data
-    from qtool.modelio import input_specs, load_model
+    from qtool.data.dataset import batches, open_data
+    from qtool.graph.modelio import input_specs, load_model
 
     cfg = load_config(CONFIG)
     model = kit / "models" / "efficientnet_lite0_dyn.onnx"
@@ -100,21 +100,21 @@ def measure(kind: str, model: Path, path: Path, count: int, scratch: Path) -> di
     """Runs in the subprocess: one measurement."""
     start = time.perf_counter()
     if kind == "plain":
-        from qtool.runtime import create_session
+        from qtool.graph.runtime import create_session
         session = create_session(str(model))
         for batch in _batches(path, count):
             session.run(None, {"input": batch})
     elif kind.startswith("qtool "):
-        from qtool.calibrate import build_table, prepared_model
+        from qtool.calibration.calibrate import build_table, prepared_model
         from qtool.config import CalibrationConfig, load_config
-        from qtool.dataset import Batch
-        from qtool.method_rules import methods_for, needs_histogram
-        from qtool.observer import observe
+        from qtool.data.dataset import Batch
+        from qtool.calibration.method_rules import methods_for, needs_histogram
+        from qtool.calibration.observer import observe
 
         cfg = load_config(CONFIG)
         calib = CalibrationConfig(method=kind.split()[1], batch_size=BATCH)
         prepared, plan = prepared_model(model, cfg.quantization)
-        from qtool.saturation import saturable
+        from qtool.calibration.saturation import saturable
         methods = methods_for(prepared, plan.activations, calib)
         histogram_for = needs_histogram(methods)
         data = (Batch([""] * len(b), {"input": b}) for b in _batches(path, count))
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
             "cpus": os.cpu_count(), "cap_gb": args.cap_gb}
     table = markdown(summary, counts, kinds)
     print(table)
-    from qtool.report import write_json
+    from qtool.evaluation.report import write_json
     write_json({"benchmark": "calibration", **meta, "summary": summary, "runs": results}, args.json)
     print(f"load average {meta['load_average']} -> {args.json}")
     return 0

@@ -33,13 +33,13 @@ from onnx import TensorProto, helper, numpy_helper
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qtool.calibrate import calibrate  # noqa: E402
+from qtool.calibration.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, QuantizeConfig, load_config  # noqa: E402
-from qtool.evaluate import time_models  # noqa: E402
-from qtool.modelio import save_model  # noqa: E402
-import qtool.quantize as quantize_module  # noqa: E402
+from qtool.evaluation.evaluate import time_models  # noqa: E402
+from qtool.graph.modelio import save_model  # noqa: E402
+import qtool.quantization.quantize as quantize_module  # noqa: E402
 from speed import kernel_events  # noqa: E402  (benchmarks/speed.py, same folder)
-from qtool.quantize import quantize_model  # noqa: E402
+from qtool.quantization.quantize import quantize_model  # noqa: E402
 
 KIT = ROOT.parent / "shared" / "bench"
 FP32 = KIT / "models" / "efficientnet_lite0_dyn.onnx"

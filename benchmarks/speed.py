@@ -31,15 +31,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qtool.calibrate import calibrate  # noqa: E402
+from qtool.calibration.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, QuantizeConfig, load_config  # noqa: E402
-from qtool.dataset import batches, open_data  # noqa: E402
-from qtool.evaluate import time_models  # noqa: E402
-from qtool.graph_prep import prepare  # noqa: E402
-from qtool.metrics import percentile_ms  # noqa: E402
-from qtool.modelio import input_specs, load_model, save_model  # noqa: E402
-from qtool.ort_kernels import count_kernels  # noqa: E402
-from qtool.quantize import quantize_model  # noqa: E402
+from qtool.data.dataset import batches, open_data  # noqa: E402
+from qtool.evaluation.evaluate import time_models  # noqa: E402
+from qtool.prepare.graph_prep import prepare  # noqa: E402
+from qtool.evaluation.metrics import percentile_ms  # noqa: E402
+from qtool.graph.modelio import input_specs, load_model, save_model  # noqa: E402
+from qtool.graph.kernels import count_kernels  # noqa: E402
+from qtool.quantization.quantize import quantize_model  # noqa: E402
 
 KIT = ROOT.parent / "shared" / "bench"
 TARGETS = ("ort-cpu", "tensorrt", "litert")
@@ -101,7 +101,7 @@ def build_variants(model: str, work: Path, calib_samples: int) -> tuple[dict[str
     fp32_path = work / f"{model}_fp32.onnx"
     prepared_path = work / f"{model}_prepared.onnx"
     if upgrade:
-        from qtool.graph_prep import check_opset
+        from qtool.prepare.graph_prep import check_opset
         save_model(check_opset(load_model(source), True, source), fp32_path)
     else:
         fp32_path = source
@@ -130,7 +130,7 @@ def conv_kinds(fp32_path: str) -> dict[str, str]:
     after the tensor it writes ("<conv or fused Clip output>_nchwc")."""
     import onnx
 
-    from qtool.graph_prep import constants_to_initializers
+    from qtool.prepare.graph_prep import constants_to_initializers
 
     model = onnx.load(fp32_path)
     constants_to_initializers(model)  # Paddle exports keep weights in Constant nodes

@@ -13,7 +13,9 @@ from typing import Optional
 import click
 from tqdm import tqdm
 
-from qtool import __version__, interrupt
+from qtool import __version__
+
+from qtool import interrupt
 from qtool.atomic import check_output_path
 from qtool.config import load_config, override
 from qtool.errors import EXIT_THRESHOLD, QtoolError
@@ -144,9 +146,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     Sharded:  qtool calibrate MODEL --data D --shard 0/2 -o s0.npz   (and 1/2 -> s1.npz)
               qtool calibrate MODEL --merge s0.npz s1.npz -o table.json
     """
-    from qtool.calibrate import calibrate as run_calibration
-    from qtool.formats import get_format, write_table
-    from qtool.shards import calibrate_shard, merge_tables, parse_shard
+    from qtool.calibration.calibrate import calibrate as run_calibration
+    from qtool.table.formats import get_format, write_table
+    from qtool.calibration.shards import calibrate_shard, merge_tables, parse_shard
 
     if stats_files and not merge:
         raise click.UsageError(f"unexpected argument '{stats_files[0]}' (statistics files go with --merge)")
@@ -213,12 +215,12 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
              allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples, eval_data, labels,
              target_agreement, target_top1_drop, target_sqnr, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
-    from qtool.calibrate import calibrate as run_calibration
-    from qtool.dataset import batches, open_data
-    from qtool.formats import read_table
-    from qtool.modelio import has_external_data, input_specs, load_model, save_model
-    from qtool.ort_kernels import kernel_summary
-    from qtool.quantize import quantize_model
+    from qtool.calibration.calibrate import calibrate as run_calibration
+    from qtool.data.dataset import batches, open_data
+    from qtool.table.formats import read_table
+    from qtool.graph.modelio import has_external_data, input_specs, load_model, save_model
+    from qtool.graph.kernels import kernel_summary
+    from qtool.quantization.quantize import quantize_model
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
     cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
@@ -249,7 +251,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         calib_data = lambda limit: batches(open_data(data, specs, cfg.preprocess), calib.batch_size,  # noqa: E731
                                            min(limit, calib.num_samples or limit))
     if wants_target:
-        from qtool.mixed_precision import Target
+        from qtool.evaluation.mixed_precision import Target
         goal = Target(target_agreement, target_top1_drop, target_sqnr)  # not the --target preset
         result = _mixed_precision(model, specs, table, quant, goal, eval_data, labels, max_float_layers,
                                   min_int8_macs, calib_data, cfg)
@@ -270,9 +272,9 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
 def _mixed_precision(model, specs, table, quant, target, eval_data, labels, max_float_layers, min_int8_macs,
                      calib_data, cfg):
     """--target-*: search the float layers, report them, return the chosen model's QuantizeResult."""
-    from qtool.dataset import batches, open_data
-    from qtool.evaluate import EvaluateInputs, _labels
-    from qtool.mixed_precision import describe_figures, search
+    from qtool.data.dataset import batches, open_data
+    from qtool.evaluation.evaluate import EvaluateInputs, _labels
+    from qtool.evaluation.mixed_precision import describe_figures, search
 
     if eval_data is None:
         raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr need --eval-data")
@@ -322,10 +324,10 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_confi
              runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_cosine,
              min_sqnr, min_speedup, json_path, junit_path, html_path):
     """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold."""
-    from qtool.evaluate import EvaluateInputs, evaluate as run_evaluation
-    from qtool.html_report import write_html
-    from qtool.junit import write_junit
-    from qtool.report import render_table, write_json
+    from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
+    from qtool.evaluation.html_report import write_html
+    from qtool.evaluation.junit import write_junit
+    from qtool.evaluation.report import render_table, write_json
 
     if data is None:
         raise click.UsageError("--data is required")
@@ -370,7 +372,7 @@ def table() -> None:
 @_command
 def convert(table_in, output, to_format, table_format, model, config_path, activation_dtype):
     """Convert calibration table TABLE_IN to another format."""
-    from qtool.formats import get_format, read_table, write_table
+    from qtool.table.formats import get_format, read_table, write_table
 
     check_output_path(output, table_in, model)
     get_format(to_format)
@@ -388,8 +390,8 @@ def export_params(int8_model, output):
     """Write the fixed-point form of every quantized layer of INT8_MODEL (a QDQ model):
     int32 multipliers and shifts per output channel, int32 biases, zero points, Add/pool/LeakyReLU/PReLU
     parameters."""
-    from qtool.fixed_point import describe, export_params as run_export, write_params
-    from qtool.modelio import load_model
+    from qtool.integer.fixed_point import describe, export_params as run_export, write_params
+    from qtool.graph.modelio import load_model
 
     check_output_path(output, int8_model)
     params = run_export(load_model(int8_model))
@@ -410,8 +412,8 @@ def export_params(int8_model, output):
 def verify_int(int8_model, data, config_path, num_samples, json_path, min_exact, max_lsb):
     """Run INT8_MODEL's quantized layers in integer-only numpy and compare each with onnxruntime."""
     from qtool.errors import ThresholdError
-    from qtool.report import write_json
-    from qtool.verify_int import render, verify
+    from qtool.evaluation.report import write_json
+    from qtool.integer.verify_int import render, verify
 
     if data is None:
         raise click.UsageError("--data is required")

@@ -8,20 +8,22 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from qtool import adaround, qparams as qp
-from qtool.bias_correction import _Means
-from qtool.calibrate import calibrate
+from qtool.quantization import adaround
+
+from qtool.table import qparams as qp
+from qtool.quantization.bias_correction import _Means
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig, load_config
-from qtool.dataset import Batch, batches, open_data
-from qtool.equalize import equalize, find_pairs
+from qtool.data.dataset import Batch, batches, open_data
+from qtool.prepare.equalize import equalize, find_pairs
 from qtool.errors import ThresholdError
-from qtool.graph_prep import prepare
-from qtool.mixed_precision import Target, search
-from qtool.modelio import input_specs, load_model
-from qtool.observer import with_outputs
-from qtool.plan import build_plan
-from qtool.quantize import quantize_model
-from qtool.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
+from qtool.prepare.graph_prep import prepare
+from qtool.evaluation.mixed_precision import Target, search
+from qtool.graph.modelio import input_specs, load_model
+from qtool.calibration.observer import with_outputs
+from qtool.plan.planner import build_plan
+from qtool.quantization.quantize import quantize_model
+from qtool.quantization.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
 
 from tests import graphs
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, kit_path
@@ -331,9 +333,9 @@ def test_restore_float_puts_one_layer_back_in_float_and_leaves_the_rest_int8(cru
     """The mixed-precision search edits the finished int8 model: the restored layer computes with
     its fp32 weights on the same dequantized input (guarded against onnxruntime re-quantizing it),
     every other layer is untouched, and no dangling DequantizeLinear or int8 weight is left."""
-    from qtool.calibrate import prepared_model
-    from qtool.float_fallback import restorable_layers, restore_float
-    from qtool.ort_kernels import count_kernels
+    from qtool.calibration.calibrate import prepared_model
+    from qtool.quantization.float_fallback import restorable_layers, restore_float
+    from qtool.graph.kernels import count_kernels
 
     path, table, options, evals = crushed
     qmodel = quantize_model(path, table, options).model
@@ -373,7 +375,7 @@ def test_restore_float_puts_one_layer_back_in_float_and_leaves_the_rest_int8(cru
 
 
 def test_margins_of_the_fp32_class():
-    from qtool.mixed_precision import _margins
+    from qtool.evaluation.mixed_precision import _margins
 
     logits = np.array([[3.0, 1.0, 0.0], [1.0, 1.2, 0.0], [0.0, 0.0, 5.0], [2.0, 1.99, 0.0]])
     np.testing.assert_allclose(_margins(logits, logits.argmax(axis=1)), [2.0, 0.2, 5.0, 0.01])
@@ -404,7 +406,7 @@ def test_mixed_precision_reaches_an_agreement_target_on_the_kit(tmp_path):
     # the first step ranked every restorable layer once (all but the SpaceToDepth stem fit the budget)
     assert len(set(found.ranking)) == len(found.ranking) == 49
     # the written model is the verified one: its layers are float in onnxruntime's optimized graph
-    from qtool.ort_kernels import count_kernels
+    from qtool.graph.kernels import count_kernels
     out = tmp_path / "mixed.onnx"
     onnx.save(chosen.result.model, out)
     counts = count_kernels(out)

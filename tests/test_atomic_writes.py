@@ -25,7 +25,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool import atomic, interrupt, modelio
+from qtool import atomic
+
+from qtool import interrupt
+
+from qtool.graph import modelio
 from tests.conftest import ROOT
 
 EXIT = {signal.SIGINT: (interrupt.EXIT_SIGINT, "interrupted"), signal.SIGTERM: (interrupt.EXIT_SIGTERM, "terminated")}

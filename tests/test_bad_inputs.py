@@ -68,7 +68,7 @@ def test_debug_flag_shows_the_traceback(tmp_path):
 def test_every_truncation_of_a_model_is_a_one_line_error(tmp_path):
     """Cut the tiny model at every byte: each prefix is refused cleanly (no internal error)."""
     from qtool.errors import QtoolError
-    from qtool.modelio import load_model
+    from qtool.graph.modelio import load_model
 
     data = (CORPUS / "models" / "tiny.onnx").read_bytes()
     path = tmp_path / "cut.onnx"

@@ -10,11 +10,11 @@ from click.testing import CliRunner
 
 from qtool.cli import main
 from qtool.config import CalibrationConfig, load_config
-from qtool.graph_prep import prepare
-from qtool.method_rules import methods_for
-from qtool.observer import observe
-from qtool.dataset import Batch
-from qtool.statistics import TensorStats
+from qtool.prepare.graph_prep import prepare
+from qtool.calibration.method_rules import methods_for
+from qtool.calibration.observer import observe
+from qtool.data.dataset import Batch
+from qtool.calibration.statistics import TensorStats
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG
 from tests.graphs import conv_model
 
@@ -89,7 +89,7 @@ def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
     got = observe(model, names, [Batch([str(i)], {"x": f}) for i, f in enumerate(feeds)], histogram_for=names,
                   sample_limit=256)
     import onnxruntime as ort
-    from qtool.observer import with_outputs
+    from qtool.calibration.observer import with_outputs
     session = ort.InferenceSession(with_outputs(model, names).SerializeToString(), providers=["CPUExecutionProvider"])
     for name in names:
         want = TensorStats.with_histogram()

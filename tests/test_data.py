@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from qtool.config import PreprocessConfig, load_config
-from qtool.dataset import batches, model_batch_size, open_data
+from qtool.data.dataset import batches, model_batch_size, open_data
 from qtool.errors import QtoolError
-from qtool.modelio import InputSpec
-from qtool.preprocess import resize_image, to_tensor
+from qtool.graph.modelio import InputSpec
+from qtool.data.preprocess import resize_image, to_tensor
 
 SPEC = InputSpec("x", np.dtype("float32"), (None, 3, 8, 8))
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qtool.config import DetectionConfig
-from qtool.detection import DetectionAccumulator, Detections, decode, iou_matrix, match
+from qtool.evaluation.detection import DetectionAccumulator, Detections, decode, iou_matrix, match
 
 from tests.conftest import ROOT, kit_path, run_qtool
 

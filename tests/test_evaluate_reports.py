@@ -216,8 +216,8 @@ def test_per_layer_needs_qdq_tensor_names_and_task_config_keys_are_checked(tmp_p
 def test_labels_from_class_folders(effnet, tmp_path):
     """One folder per class, named by class index: folders named after fp32's own predictions give it 100%."""
     from qtool.config import load_config
-    from qtool.dataset import batches, open_data
-    from qtool.modelio import input_specs
+    from qtool.data.dataset import batches, open_data
+    from qtool.graph.modelio import input_specs
 
     _, _, int8 = effnet
     model = onnx.load(EFFNET)

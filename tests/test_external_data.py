@@ -14,7 +14,9 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool import graph_prep, modelio
+from qtool.prepare import graph_prep
+
+from qtool.graph import modelio
 from qtool.cli import main
 from tests.conftest import run_qtool
 

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from qtool.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.fixed_point import (INT16_MAX, export_params, multiply_by_quantized_multiplier, quantize_multiplier)
-from qtool.quantize import quantize_model
+from qtool.integer.fixed_point import (INT16_MAX, export_params, multiply_by_quantized_multiplier, quantize_multiplier)
+from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
 from tests.conftest import run_qtool

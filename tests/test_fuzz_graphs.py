@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 
 from qtool.cli import main
-from qtool.ops import RULES
+from qtool.plan.ops import RULES
 from tests.fuzz_graphs import HEAD_OPS, TRUNK_OPS, random_model
 
 EXAMPLES = int(os.environ.get("QTOOL_FUZZ_EXAMPLES", "40"))

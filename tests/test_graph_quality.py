@@ -11,8 +11,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 from qtool.config import QuantizeConfig, override
-from qtool.graph_prep import prepare
-from qtool.ort_kernels import count_kernels
+from qtool.prepare.graph_prep import prepare
+from qtool.graph.kernels import count_kernels
 from qtool.targets import TARGETS, check_model, cpu_has_vnni, vnni_warning
 
 from tests import graphs
@@ -191,8 +191,8 @@ def test_vnni_warning_from_cpu_flags(tmp_path):
 
 def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkeypatch):
     """The stem Conv reads a zero fourth channel (onnxruntime's fast int8 kernel needs a multiple of 4)."""
-    import qtool.quantize as quantize_module
-    from qtool.calibrate import calibrate
+    import qtool.quantization.quantize as quantize_module
+    from qtool.calibration.calibrate import calibrate
     from qtool.config import CalibrationConfig, load_config
 
     cfg = load_config(EFFNET_CONFIG)
@@ -241,7 +241,7 @@ def _qdq_stem(pads, height=32, out_channels=16, stride=2, kernel=3):
 @pytest.mark.parametrize("pads", [[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 0]])
 def test_space_to_depth_stem_rewrite_is_exact_for_every_padding(pads):
     """3x3 stride-2 stem -> SpaceToDepth + 2x2 stride-1 Conv: same integer sums, identical outputs."""
-    from qtool.stem_s2d import space_to_depth_stems
+    from qtool.quantization.stem_s2d import space_to_depth_stems
 
     model = _qdq_stem(pads)
     x = np.random.default_rng(0).uniform(-2.5, 2.5, (2, 3, 32, 32)).astype(np.float32)
@@ -258,7 +258,7 @@ def test_space_to_depth_stem_rewrite_is_exact_for_every_padding(pads):
 
 
 def test_space_to_depth_stem_not_applied_where_it_cannot_hold():
-    from qtool.stem_s2d import space_to_depth_stems
+    from qtool.quantization.stem_s2d import space_to_depth_stems
 
     assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], height=31)) == []  # odd input size
     assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], stride=1)) == []
@@ -273,11 +273,11 @@ def test_efficientnet_stem_runs_as_space_to_depth_in_integer_kernels(tmp_path, m
     """ort-cpu: the kit's EfficientNet-Lite0 stem becomes SpaceToDepth (uint8, between the input's Q and
     DQ) + a 2x2 stride-1 QLinearConv over 12 channels; outputs identical to the channel-padded stem;
     onnxruntime keeps every Conv integer and adds no Q/DQ; per-layer error still compares the input."""
-    import qtool.quantize as quantize_module
-    from qtool.calibrate import calibrate
+    import qtool.quantization.quantize as quantize_module
+    from qtool.calibration.calibrate import calibrate
     from qtool.config import CalibrationConfig, load_config
-    from qtool.dataset import Batch
-    from qtool.layer_error import layer_errors
+    from qtool.data.dataset import Batch
+    from qtool.evaluation.layer_error import layer_errors
 
     cfg = load_config(EFFNET_CONFIG)
     options = QuantizeConfig()

@@ -8,14 +8,14 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from qtool.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.dataset import Batch
-from qtool.layer_error import layer_errors, twins, worst
-from qtool.metrics import sqnr_db
-from qtool.observer import with_outputs
-from qtool.quantize import quantize_model
-from qtool.rewrite import DQ_SUFFIX
+from qtool.data.dataset import Batch
+from qtool.evaluation.layer_error import layer_errors, twins, worst
+from qtool.evaluation.metrics import sqnr_db
+from qtool.calibration.observer import with_outputs
+from qtool.quantization.quantize import quantize_model
+from qtool.quantization.rewrite import DQ_SUFFIX
 
 from tests import graphs
 

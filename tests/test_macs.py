@@ -6,10 +6,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qtool.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.macs import int8_macs, node_macs
-from qtool.quantize import quantize_model
+from qtool.evaluation.macs import int8_macs, node_macs
+from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
 from tests.conftest import EFFNET

@@ -14,11 +14,11 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from qtool.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.metrics import sqnr_db
-from qtool.ops import RULES
-from qtool.quantize import quantize_model
+from qtool.evaluation.metrics import sqnr_db
+from qtool.plan.ops import RULES
+from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
 

@@ -8,11 +8,11 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from qtool.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.metrics import sqnr_db
-from qtool.quantize import quantize_model
-from qtool.rewrite import DQ_SUFFIX
+from qtool.evaluation.metrics import sqnr_db
+from qtool.quantization.quantize import quantize_model
+from qtool.quantization.rewrite import DQ_SUFFIX
 
 from tests import graphs
 

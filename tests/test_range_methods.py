@@ -12,9 +12,11 @@ import math
 import numpy as np
 import pytest
 
-from qtool import histogram, ranges
+from qtool.calibration import histogram
+
+from qtool.calibration import ranges
 from qtool.config import CalibrationConfig
-from qtool.statistics import TensorStats
+from qtool.calibration.statistics import TensorStats
 
 N = 1_000_000
 

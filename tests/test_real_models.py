@@ -151,9 +151,9 @@ def test_every_kit_model_quantizes_with_each_preset_and_runs(name, target, tmp_p
     import numpy as np
 
     from qtool.config import QuantizeConfig
-    from qtool.dataset import batches, open_data
-    from qtool.modelio import input_specs
-    from qtool.runtime import create_session
+    from qtool.data.dataset import batches, open_data
+    from qtool.graph.modelio import input_specs
+    from qtool.graph.runtime import create_session
     from qtool.targets import check_model
 
     spec = SPECS[name]

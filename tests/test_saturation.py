@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import qtool.calibrate as calibrate_module
-import qtool.observer as observer_module
-from qtool.calibrate import calibrate
+import qtool.calibration.calibrate as calibrate_module
+import qtool.calibration.observer as observer_module
+from qtool.calibration.calibrate import calibrate
 from qtool.config import load_config
-from qtool.dataset import Batch
-from qtool.observer import observe
-from qtool.saturation import bounds
+from qtool.data.dataset import Batch
+from qtool.calibration.observer import observe
+from qtool.calibration.saturation import bounds
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, kit_path
 
 

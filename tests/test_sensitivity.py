@@ -8,13 +8,13 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from qtool.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.dataset import Batch
+from qtool.data.dataset import Batch
 from qtool.errors import QtoolError
-from qtool.metrics import FidelityAccumulator
-from qtool.quantize import quantize_model
-from qtool.sensitivity import layer_sensitivity
+from qtool.evaluation.metrics import FidelityAccumulator
+from qtool.quantization.quantize import quantize_model
+from qtool.evaluation.sensitivity import layer_sensitivity
 
 from tests import graphs
 

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool import ranges
+from qtool.calibration import ranges
 from qtool.cli import main
 from tests.conftest import kit_path
 

@@ -13,12 +13,12 @@ import onnx
 import pytest
 from onnx import helper
 
-from qtool.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig, load_config
 from qtool.errors import QtoolError
-from qtool.formats import FORMATS, amct, read_table, write_table
-from qtool.qparams import QParams, activation_qparams
-from qtool.quantize import quantize_model
+from qtool.table.formats import FORMATS, amct, read_table, write_table
+from qtool.table.qparams import QParams, activation_qparams
+from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, run_qtool
@@ -318,8 +318,8 @@ def test_every_format_is_detected_from_its_own_output(chain, tmp_path):
 
 
 def test_tengine_keeps_float32_digits_where_tengine_prints_six_decimals(tmp_path):
-    from qtool.formats.common import imported_table
-    from qtool.table import TableEntry
+    from qtool.table.formats.common import imported_table
+    from qtool.table.table import TableEntry
 
     tiny = QParams(f32(3.2e-7), 3, "uint8")
     table = imported_table({"t": TableEntry(None, None, tiny.range, tiny)}, "minmax", "qtool")

@@ -11,12 +11,12 @@ import onnx
 import pytest
 from onnx import helper
 
-from qtool.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig, load_config
-from qtool.int_kernels import conv_acc, matmul_acc
-from qtool.modelio import save_model
-from qtool.quantize import quantize_model
-from qtool.verify_int import verify
+from qtool.integer.int_kernels import conv_acc, matmul_acc
+from qtool.graph.modelio import save_model
+from qtool.quantization.quantize import quantize_model
+from qtool.integer.verify_int import verify
 
 from tests import graphs
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, run_qtool

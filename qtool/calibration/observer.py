@@ -1,0 +1,300 @@
+"""Running calibration data through the fp32 graph and summarising the tensors the plan needs.
+
+Reducing inside the graph. Fetching ~60 full activations per batch as extra session
+outputs costs more than the inference itself (onnxruntime copies each one out, cannot
+reuse its buffers, and must convert each from its blocked NCHWc layout), and numpy then
+reads each twice more for its min and max. So the observer adds, for each observed
+tensor, a few nodes to a copy of the model, and onnxruntime's C++ kernels reduce in
+the same single pass as the real outputs:
+
+    max      4-D float tensors: GlobalMaxPool (channel maxima; it runs on the NCHWc
+             layout, so the tensor is read once and never reordered); others: ReduceMax
+    min      ReduceMin of Reshape(t, [-1]); skipped for a 4-D output of Relu or of Clip
+             with a constant min >= 0: such a tensor's range starts at 0 whatever its
+             minimum (the grid must hold 0 exactly), so its minimum can never change the
+             table; the statistics record 0 as its min. This spares the reorder of most
+             of the activation bytes of a ReLU/ReLU6 network.
+    count    Size of the flattened tensor, or channel maxima x the static H x W
+    sample   only for tensors whose method needs a histogram: Slice(flat, step = s - s % 2
+             + 1, s = Size // K), a strided sample of ~K values (K/2..2K) per batch; for the
+             non-negative 4-D tensors above, of MaxPool(t, 1x1 window, stride 2 or 4: a grid
+             of rows and columns, on the NCHWc layout), so they still need no full reorder
+
+Python receives a few scalars and bounded samples per tensor and batch, and folds them
+into fixed-size summaries (qtool.statistics) before the next batch. The odd step keeps
+the sample from locking onto one channel or column of a power-of-two layout. A batch
+whose extremes are not finite (NaN/Inf) is re-run with the offending tensors exposed
+whole so their non-finite values can be counted and excluded exactly. A tensor bounded by
+construction (a Clip output) whose extremes have reached its bounds stops having them
+reduced: the session is rebuilt without its max/min (and, for plain min-max, without
+anything else of it; qtool.saturation). A saturated tensor with a histogram keeps its
+sample, and its count comes from the sample's source: the size of the pooled grid times
+H x W over the grid's positions, or the size of the flattened tensor, so its statistics
+stay exactly what they would have been (the extremes are the bounds). The observing
+sessions are variants of one model: they share its weights, held once as onnxruntime
+values (qtool.runtime.SharedWeights), so a (re)build serialises only the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection, Iterable, Optional
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.calibration import saturation
+from qtool.data.dataset import Batch
+from qtool.graph.runtime import SharedWeights, create_session
+from qtool.calibration.statistics import SAMPLE_LIMIT, TensorStats
+
+_PREFIX = "qtool_observe"
+
+
+def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """A copy of `model` that also outputs the named intermediate tensors."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    present = {o.name for o in exposed.graph.output} | {i.name for i in exposed.graph.input}
+    types = {v.name: v.type.tensor_type.elem_type for v in exposed.graph.value_info}
+    for name in names:
+        if name not in present:
+            exposed.graph.output.append(
+                onnx.helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None))
+    return exposed
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    return {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.output, *graph.input]}
+
+
+def _declared_shapes(model: onnx.ModelProto) -> dict[str, list]:
+    graph = model.graph
+    return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            for v in [*graph.value_info, *graph.output, *graph.input] if v.type.tensor_type.HasField("shape")}
+
+
+def _shapes(model: onnx.ModelProto, needed: Optional[Collection[str]] = None) -> dict[str, list]:
+    """Tensor dims (int, or None when symbolic/unknown) from shape inference.
+
+    A model that already declares a shape for every `needed` tensor (qtool.graph_prep.prepare
+    ends with shape inference, whose results it keeps) is not inferred again: inference
+    keeps the shapes a model declares, so it would find the same ones."""
+    declared = _declared_shapes(model)
+    if needed is not None and all(name in declared for name in needed):
+        return declared
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # shape inference is only an optimisation here: unknown shapes take the generic path
+        inferred = model
+    return _declared_shapes(inferred)
+
+
+def pool_stride(height: int, width: int) -> int:
+    """Row/column stride of the grid sample of a non-negative 4-D tensor: 4 from 28x28 maps up,
+    2 from 8x8, else 1 (every position), so even small maps give many values per channel."""
+    side = min(height, width)
+    return 4 if side >= 28 else 2 if side >= 8 else 1
+
+
+def nonnegative(model: onnx.ModelProto) -> set[str]:
+    """Tensors that cannot hold a negative value: outputs of Relu, and of Clip with a constant min >= 0."""
+    constants = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = node.attribute[0].t
+    found = set()
+    for node in model.graph.node:
+        if node.op_type == "Relu":
+            found.add(node.output[0])
+        elif node.op_type == "Clip":
+            lo = None
+            if len(node.input) > 1 and node.input[1] in constants:
+                lo = float(numpy_helper.to_array(constants[node.input[1]]))
+            for attr in node.attribute:  # opset < 11
+                if attr.name == "min":
+                    lo = attr.f
+            if lo is not None and lo >= 0.0:
+                found.add(node.output[0])
+    return found
+
+
+def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collection[str],
+                    sample_limit: int, shapes: Optional[dict[str, list]] = None, known: Collection[str] = ()
+                    ) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """A copy of `model` that outputs, per tensor, (min, max, size, sample, spatial, per_size) as described above.
+
+    min is "" for a provably non-negative 4-D tensor (its low end is 0), size is "" when the
+    count comes from the channel maxima times `spatial` (static H x W), sample is "" when no
+    histogram is needed. `known`: sampled tensors whose extremes are known already (saturated,
+    see qtool.saturation): only their sample and count are computed, min and max are ""; the
+    count is int(size) * spatial // per_size (per_size: the positions of the pooled grid
+    sample, whose size is then the one computed; 0 when size is the tensor's own)."""
+    reduced = onnx.ModelProto()
+    reduced.CopyFrom(model)
+    graph = reduced.graph
+    types = _elem_types(model)
+    shapes = _shapes(model, [*names, *known]) if shapes is None else shapes  # inference is slow: callers may pass it
+    floor_zero = nonnegative(model)
+    flat, limit, two, one = (f"{_PREFIX}_flat", f"{_PREFIX}_limit", f"{_PREFIX}_two", f"{_PREFIX}_one")
+    graph.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), flat),
+                              numpy_helper.from_array(np.array(sample_limit, np.int64), limit),
+                              numpy_helper.from_array(np.array(2, np.int64), two),
+                              numpy_helper.from_array(np.array([1], np.int64), one),
+                              numpy_helper.from_array(np.array([0], np.int64), f"{_PREFIX}_zero"),
+                              numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64),
+                                                      f"{_PREFIX}_end")])
+    outputs: dict[str, tuple] = {}
+    for i, name in enumerate([*names, *known]):
+        p = f"{_PREFIX}_{i}"
+        extremes = i < len(names)  # False: a saturated tensor, sampled only
+        elem = types.get(name, TensorProto.FLOAT) or TensorProto.FLOAT
+        dims = shapes.get(name)
+        image_like = dims is not None and len(dims) == 4 and elem == TensorProto.FLOAT
+        spatial = dims[2] * dims[3] if image_like and dims[2] and dims[3] else 0
+        nodes, outs = [], []
+        skip_min = image_like and name in floor_zero
+        # a non-negative 4-D tensor is sampled from a grid of rows and columns (MaxPool with a
+        # 1x1 window, on the NCHWc layout): only 1/4 or 1/16 of it is reordered and sliced
+        pooled_sample = skip_min and bool(spatial) and name in sampled
+        need_flat = (not skip_min or not spatial) if extremes else not pooled_sample
+        if need_flat:
+            nodes.append(helper.make_node("Reshape", [name, flat], [f"{p}_flat"], name=f"{p}_reshape"))
+        sample_source = f"{p}_flat"
+        per_size = 0
+        if pooled_sample:
+            stride = pool_stride(dims[2], dims[3])
+            nodes += [helper.make_node("MaxPool", [name], [f"{p}_sub"], kernel_shape=[1, 1], strides=[stride, stride],
+                                       name=f"{p}_subsample"),
+                      helper.make_node("Reshape", [f"{p}_sub", flat], [f"{p}_subflat"], name=f"{p}_subreshape"),
+                      helper.make_node("Size", [f"{p}_subflat"], [f"{p}_subsize"], name=f"{p}_subsize")]
+            sample_source = f"{p}_subflat"
+            per_size = ((dims[2] - 1) // stride + 1) * ((dims[3] - 1) // stride + 1)  # the grid's positions
+        max_name = ""
+        if extremes and image_like:
+            # GlobalMaxPool runs on onnxruntime's blocked NCHWc layout: no reorder to NCHW
+            nodes.append(helper.make_node("GlobalMaxPool", [name], [f"{p}_max"], name=f"{p}_gmp"))
+            outs.append(helper.make_tensor_value_info(f"{p}_max", elem, None))
+            max_name = f"{p}_max"
+        elif extremes:
+            nodes.append(helper.make_node("ReduceMax", [f"{p}_flat"], [f"{p}_max"], keepdims=0, name=f"{p}_max"))
+            outs.append(helper.make_tensor_value_info(f"{p}_max", elem, []))
+            max_name = f"{p}_max"
+        min_name = ""
+        if extremes and not skip_min:
+            nodes.append(helper.make_node("ReduceMin", [f"{p}_flat"], [f"{p}_min"], keepdims=0, name=f"{p}_min"))
+            outs.append(helper.make_tensor_value_info(f"{p}_min", elem, []))
+            min_name = f"{p}_min"
+        size_name = ""
+        if need_flat:
+            nodes.append(helper.make_node("Size", [f"{p}_flat"], [f"{p}_size"], name=f"{p}_size"))
+            outs.append(helper.make_tensor_value_info(f"{p}_size", TensorProto.INT64, []))
+            size_name = f"{p}_size"
+        elif not extremes:  # the count from the grid sample's size: no channel maxima to count from
+            outs.append(helper.make_tensor_value_info(f"{p}_subsize", TensorProto.INT64, []))
+            size_name = f"{p}_subsize"
+        sample_name = ""
+        if name in sampled:
+            counted = f"{p}_subsize" if pooled_sample else f"{p}_size"
+            nodes += [helper.make_node("Div", [counted, limit], [f"{p}_s"], name=f"{p}_div"),
+                      helper.make_node("Mod", [f"{p}_s", two], [f"{p}_odd"], name=f"{p}_mod"),
+                      helper.make_node("Sub", [f"{p}_s", f"{p}_odd"], [f"{p}_even"], name=f"{p}_sub"),
+                      helper.make_node("Add", [f"{p}_even", one], [f"{p}_step"], name=f"{p}_step"),
+                      helper.make_node("Slice", [sample_source, f"{_PREFIX}_zero", f"{_PREFIX}_end",
+                                                 f"{_PREFIX}_zero", f"{p}_step"], [f"{p}_sample"],
+                                       name=f"{p}_slice")]
+            outs.append(helper.make_tensor_value_info(f"{p}_sample", elem, [None]))
+            sample_name = f"{p}_sample"
+        graph.node.extend(nodes)
+        graph.output.extend(outs)
+        outputs[name] = (min_name, max_name, size_name, sample_name, spatial, 0 if extremes else per_size)
+    return reduced, outputs
+
+
+def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch],
+            histogram_for: Collection[str] = (), threads: int = 0,
+            on_batch: Optional[Callable[[Batch], None]] = None,
+            sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()) -> dict[str, TensorStats]:
+    """One pass over `batches`; returns a summary per tensor (with a histogram for `histogram_for`).
+
+    `saturate`: tensors whose table entry needs only their overall extremes, plus their
+    histogram for those in `histogram_for` (any method but the averaged min-max:
+    qtool.saturation.saturable). Those bounded by construction stop having their extremes
+    reduced once they reach their bounds; the ones with a histogram keep being sampled
+    (qtool.saturation)."""
+    inputs = {i.name for i in model.graph.input}
+    fetched = [t for t in tensors if t not in inputs]
+    from_feeds = [t for t in tensors if t in inputs]  # graph inputs are read from the feeds
+    shapes = _shapes(model, fetched)
+    bounded = {t: b for t, b in saturation.bounds(model).items()
+               if t in saturate and t in fetched and (t not in histogram_for or saturation.static(shapes.get(t)))}
+    weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}
+    active = list(fetched)  # extremes reduced (and sampled when in histogram_for)
+    known: list[str] = []  # saturated histogram tensors: sampled and counted only
+    weights = SharedWeights(model)  # the observing sessions are variants of one model: its weights held once
+    session, outputs, names = _observing_session(weights, active, histogram_for, sample_limit, threads, shapes)
+    rebuilds = 0
+    fallback = None
+    stats = {t: TensorStats.with_histogram() if t in histogram_for else TensorStats() for t in tensors}
+    for s in stats.values():
+        s.sample_limit = sample_limit  # the same stride for graph inputs, sampled in numpy
+    for batch in batches:
+        values = dict(zip(names, session.run(names, batch.feeds))) if names else {}
+        bad = []
+        for name in active:
+            min_name, max_name, size_name, sample_name, spatial, _ = outputs[name]
+            maxima = values[max_name]
+            size = int(values[size_name]) if size_name else maxima.size * spatial
+            if size == 0:
+                continue
+            hi = float(np.max(maxima))
+            # a non-negative tensor's range starts at 0 whatever its minimum (see the module doc)
+            lo = float(values[min_name]) if min_name else min(0.0, hi)
+            if not (np.isfinite(lo) and np.isfinite(hi)):
+                bad.append(name)
+                continue
+            stats[name].add_extremes(lo, hi, size)
+            if sample_name:
+                stats[name].add_sample(values[sample_name])
+        for name in known:  # its extremes are its bounds, reached already: only the count and sample grow
+            _, _, size_name, sample_name, spatial, per_size = outputs[name]
+            size = int(values[size_name])
+            size = size // per_size * spatial if per_size else size
+            if size == 0:
+                continue
+            stats[name].add_extremes(*bounded[name], size)
+            stats[name].add_sample(values[sample_name])
+        if bad:  # rare: NaN/Inf in this batch; count and exclude them exactly from the full tensors
+            fallback = fallback or create_session(with_outputs(model, fetched), threads)
+            for name, array in zip(bad, fallback.run(bad, batch.feeds)):
+                stats[name].update(array)
+        for name in from_feeds:
+            stats[name].update(batch.feeds[name])
+        del values
+        done = [t for t in active if t in bounded and stats[t].seen
+                and saturation.saturated(stats[t].min, stats[t].max, bounded[t])]
+        if done and saturation.worth_rebuilding(sum(weight[t] for t in done), sum(weight[t] for t in active),
+                                                rebuilds):
+            active = [t for t in active if t not in done]
+            known += [t for t in done if t in histogram_for]
+            session, outputs, names = _observing_session(weights, active, histogram_for, sample_limit, threads,
+                                                         shapes, known)
+            rebuilds += 1
+        if on_batch:
+            on_batch(batch)
+    for s in stats.values():
+        s.flush()
+    return stats
+
+
+def _observing_session(weights: SharedWeights, names: list[str], histogram_for: Collection[str],
+                       sample_limit: int, threads: int, shapes: Optional[dict[str, list]] = None,
+                       known: Collection[str] = ()):
+    """(session, per-tensor output names, the session outputs to fetch); no session when nothing
+    is left to observe (every observed tensor saturated and none sampled: the model need not run at all)."""
+    if not names and not known:
+        return None, {}, []
+    reduced, outputs = with_reductions(weights.light, names, set(histogram_for), sample_limit, shapes, known)
+    return (create_session(reduced, threads, weights=weights), outputs,
+            [o for t in [*names, *known] for o in outputs[t][:4] if o])

@@ -1,0 +1,114 @@
+"""Streaming activation statistics: fixed-size summaries reduced batch by batch.
+
+Nothing here keeps an activation after the batch that produced it, so memory does
+not grow with the number of calibration samples. Summaries of disjoint shards merge
+into the summary of their union (min of mins, max of maxes, sums of counts, sums of
+histogram counts), which is what sharded and multi-process calibration rely on.
+
+A summary holds the exact extremes of every value seen, the sums of per-batch
+extremes (for the averaged min-max method), and, for tensors whose range method
+needs a distribution, a 65,536-key histogram (qtool.histogram) of a bounded strided
+sample of each batch (the observer takes at most a fixed number of values per
+tensor and batch; see qtool.observer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from qtool.calibration import histogram
+
+_FLUSH = 1 << 18  # pending histogram keys are counted once this many are buffered
+
+
+@dataclass
+class TensorStats:
+    min: float = math.inf
+    max: float = -math.inf
+    count: int = 0  # finite values seen
+    nonfinite: int = 0  # NaN/Inf values seen and excluded
+    batches: int = 0
+    batch_min_sum: float = 0.0  # sums of each batch's extremes: the averaged min-max method
+    batch_max_sum: float = 0.0
+    hist: Optional[np.ndarray] = None  # histogram.NUM_KEYS counts, or None when no method needs it
+    sample_limit: int = field(default=1 << 14, compare=False)  # values per batch that feed the histogram
+    _pending: list = field(default_factory=list, repr=False, compare=False)
+    _pending_size: int = field(default=0, repr=False, compare=False)
+
+    @classmethod
+    def with_histogram(cls) -> "TensorStats":
+        return cls(hist=np.zeros(histogram.NUM_KEYS, dtype=np.int64))
+
+    def update(self, array: np.ndarray) -> None:
+        """Reduce a whole array (inputs, and the fallback path for batches holding NaN/Inf)."""
+        # np.min/np.max propagate NaN and Inf: a finite result proves every value was
+        # finite, so the common case costs two reductions and no mask.
+        if array.size == 0:
+            return
+        lo, hi = float(np.min(array)), float(np.max(array))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            finite = np.isfinite(array)
+            self.nonfinite += int(array.size - np.count_nonzero(finite))
+            array = array[finite]
+            if array.size == 0:
+                self.batches += 1
+                return
+            lo, hi = float(array.min()), float(array.max())
+        self.add_extremes(lo, hi, int(array.size))
+        if self.hist is not None:
+            flat = array.reshape(-1)
+            s = flat.size // self.sample_limit
+            step = s - s % 2 + 1  # the observer's in-graph formula: an odd stride
+            self.add_sample(flat[::step])
+
+    def add_extremes(self, lo: float, hi: float, size: int) -> None:
+        """A batch's exact extremes over `size` finite values (computed inside the graph)."""
+        self.min = min(self.min, lo)
+        self.max = max(self.max, hi)
+        self.count += size
+        self.batches += 1
+        self.batch_min_sum += lo
+        self.batch_max_sum += hi
+
+    def add_sample(self, values: np.ndarray) -> None:
+        if self.hist is None or values.size == 0:
+            return
+        self._pending.append(histogram.keys(values))
+        self._pending_size += values.size
+        if self._pending_size >= _FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Count buffered keys (one bincount for many small batches is much cheaper)."""
+        if self._pending:
+            self.hist += histogram.count(np.concatenate(self._pending))
+            self._pending.clear()
+            self._pending_size = 0
+
+    def merge(self, other: "TensorStats") -> "TensorStats":
+        self.flush()
+        other.flush()
+        if (self.hist is None) != (other.hist is None):
+            raise ValueError("cannot merge statistics with and without a histogram")
+        hist = None if self.hist is None else self.hist + other.hist
+        return TensorStats(min(self.min, other.min), max(self.max, other.max), self.count + other.count,
+                           self.nonfinite + other.nonfinite, self.batches + other.batches,
+                           self.batch_min_sum + other.batch_min_sum, self.batch_max_sum + other.batch_max_sum,
+                           hist, self.sample_limit)
+
+    @property
+    def seen(self) -> bool:
+        return self.count > 0
+
+    @property
+    def sampled(self) -> int:
+        """Values in the histogram."""
+        self.flush()
+        return 0 if self.hist is None else int(self.hist.sum())
+
+
+SAMPLE_LIMIT = 1 << 14  # default values per tensor and batch that feed the histogram

@@ -1,0 +1,242 @@
+"""Calibration and evaluation data: image folders and folders of .npy/.npz tensors.
+
+A data source is a sorted list of files (sorted so runs are deterministic); each file
+is one sample, loaded lazily so memory does not grow with the number of samples.
+`batches()` groups consecutive samples into model batches when the model allows it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import warnings
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from qtool.config import PreprocessConfig
+from qtool.errors import QtoolError
+from qtool.graph.modelio import InputSpec
+from qtool.data.preprocess import preprocess_image, read_image
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp")
+TENSOR_SUFFIXES = (".npy", ".npz")
+
+
+@dataclass
+class Sample:
+    key: str  # path relative to the data root, POSIX separators: what labels refer to
+    feeds: dict[str, np.ndarray]  # input name -> array with a leading batch dimension of 1
+
+
+@dataclass
+class Batch:
+    keys: list[str]
+    feeds: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class DataSource:
+    """Lazily loaded samples of one folder, either all images or all tensors."""
+
+    def __init__(self, root: Path, files: list[Path], kind: str, specs: list[InputSpec],
+                 preprocess: PreprocessConfig):
+        self.root = root
+        self.files = files
+        self.kind = kind
+        self.specs = specs
+        self.preprocess = preprocess
+        self.skipped: list[str] = []
+        if kind == "images":
+            self._image_input, self._size = _image_input(specs, preprocess, root)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def key(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix() if path != self.root else path.name
+
+    def load(self, path: Path) -> Optional[Sample]:
+        """One sample; None (and a record in `skipped`) for an image that cannot be decoded."""
+        if self.kind == "images":
+            image = read_image(path)
+            if image is None:
+                self.skipped.append(self.key(path))
+                return None
+            tensor = preprocess_image(image, self.preprocess, self._size)
+            return Sample(self.key(path), {self._image_input.name: tensor})
+        return Sample(self.key(path), _load_tensors(path, self.specs))
+
+
+def open_data(path: str | Path, specs: list[InputSpec], preprocess: PreprocessConfig) -> DataSource:
+    """Find the samples under `path` (recursively) and check they suit the model."""
+    root = Path(path)
+    if not root.exists():
+        raise QtoolError("data path not found", root)
+    if root.is_file():
+        files, root_dir = [root], root.parent
+    else:
+        files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+        root_dir = root
+    tensors = [p for p in files if p.suffix.lower() in TENSOR_SUFFIXES]
+    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    if tensors:
+        source = DataSource(root_dir, tensors, "tensors", specs, preprocess)
+    elif images:
+        source = DataSource(root_dir, images, "images", specs, preprocess)
+    else:
+        raise QtoolError(f"no samples found: expected images ({', '.join(IMAGE_SUFFIXES)}) "
+                         f"or tensors ({', '.join(TENSOR_SUFFIXES)})", root)
+    return source
+
+
+def _image_input(specs: list[InputSpec], cfg: PreprocessConfig, root: Path) -> tuple[InputSpec, tuple[int, int]]:
+    """The one 4-D float input an image feeds, and the image size it expects."""
+    if len(specs) != 1:
+        names = ", ".join(s.name for s in specs)
+        raise QtoolError(f"the model has {len(specs)} inputs ({names}); an image folder can only feed a "
+                         "single-input model: give a folder of .npz files keyed by input name", root)
+    spec = specs[0]
+    if len(spec.shape) != 4 or spec.dtype.kind != "f":
+        raise QtoolError(f"model input '{spec.name}' has shape {list(spec.shape)} and type {spec.dtype}; "
+                         "images need a 4-D float input: give .npy/.npz tensors instead", root)
+    if cfg.size is not None:
+        return spec, tuple(cfg.size)
+    h, w = (spec.shape[2], spec.shape[3]) if cfg.layout == "NCHW" else (spec.shape[1], spec.shape[2])
+    if h is None or w is None:
+        raise QtoolError(f"model input '{spec.name}' has a dynamic image size; set preprocess.size in the config",
+                         root)
+    return spec, (h, w)
+
+
+# np.load parses each .npy header with ast.literal_eval, and CPython 3.11's AST constructor
+# is not safe from two threads at once: loader threads parsing together fail at random with
+# "SystemError: AST constructor recursion depth mismatch" (seen on 3.11.7, cpython
+# gh-106905; found by the fuzz test). Tensor files are therefore read one at a time.
+_NPY_LOCK = threading.Lock()
+
+
+def _read_arrays(path: Path) -> "np.ndarray | dict[str, np.ndarray]":
+    """One .npy array or the arrays of an .npz, whatever the file's suffix claims."""
+    try:
+        with _NPY_LOCK:
+            loaded = np.load(path, allow_pickle=False)
+            if isinstance(loaded, np.lib.npyio.NpzFile):
+                with loaded:
+                    return {k: loaded[k] for k in loaded.files}
+            return loaded
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise QtoolError(f"cannot read tensor file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                         path) from None
+
+
+def _load_tensors(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
+    arrays = _read_arrays(path)
+    if isinstance(arrays, np.ndarray):
+        if len(specs) != 1:
+            raise QtoolError(f"a .npy file feeds a single-input model, but the model has {len(specs)} inputs "
+                             f"({', '.join(s.name for s in specs)}): use .npz keyed by input name", path)
+        arrays = {specs[0].name: arrays}
+    feeds = {}
+    for spec in specs:
+        if spec.name not in arrays:
+            raise QtoolError(f"no array for model input '{spec.name}' (file has: {', '.join(arrays) or 'nothing'})",
+                             path)
+        feeds[spec.name] = _fit_to_spec(arrays[spec.name], spec, path)
+    return feeds
+
+
+def _fit_to_spec(array: np.ndarray, spec: InputSpec, path: Path) -> np.ndarray:
+    """Add a missing batch dimension and check dtype and static dimensions."""
+    if array.ndim == len(spec.shape) - 1:
+        array = array[None]
+    if array.ndim != len(spec.shape):
+        raise QtoolError(f"array '{spec.name}' has shape {list(array.shape)}, the model expects rank "
+                         f"{len(spec.shape)} {_shape_text(spec.shape)}", path)
+    for got, want in zip(array.shape, spec.shape):
+        if want is not None and got != want:
+            raise QtoolError(f"array '{spec.name}' has shape {list(array.shape)}, the model expects "
+                             f"{_shape_text(spec.shape)}", path)
+    if array.dtype != spec.dtype:
+        if array.dtype.kind == spec.dtype.kind == "f":
+            array = array.astype(spec.dtype)
+        else:
+            raise QtoolError(f"array '{spec.name}' has dtype {array.dtype}, the model expects {spec.dtype}", path)
+    return array
+
+
+def _shape_text(shape: tuple) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def model_batch_size(specs: list[InputSpec], requested: int) -> int:
+    """Samples per batch: `requested` only if every input has a dynamic leading (batch) dimension.
+
+    A model fixed at batch 1, or one with an input whose batch is not the first axis
+    (recurrent state, scalars), is fed one sample at a time.
+    """
+    if all(len(s.shape) > 0 and s.shape[0] is None for s in specs):
+        return requested
+    return 1
+
+
+def iter_samples(source: DataSource, limit: Optional[int] = None) -> Iterator[Sample]:
+    """Decode samples in a small thread pool (OpenCV releases the GIL) while the caller works."""
+    files = source.files
+    wanted = len(files) if limit is None else min(limit, len(files))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        pending: list = []
+        position = 0
+        produced = 0
+        try:
+            while produced < wanted:
+                while position < len(files) and len(pending) < 16:
+                    pending.append(pool.submit(source.load, files[position]))
+                    position += 1
+                if not pending:
+                    break
+                sample = pending.pop(0).result()
+                if sample is not None:
+                    produced += 1
+                    yield sample
+        finally:  # interrupted or stopped early: do not decode the rest of the queue first
+            for future in pending:
+                future.cancel()
+    if source.skipped:
+        warnings.warn(f"{source.root}: skipped {len(source.skipped)} unreadable image file(s), "
+                      f"e.g. {min(source.skipped)}", stacklevel=2)
+    if produced == 0:
+        raise QtoolError("no readable samples (every file failed to decode)", source.root)
+
+
+def batches(source: DataSource, batch_size: int, limit: Optional[int] = None) -> Iterator[Batch]:
+    """Group consecutive samples of equal shapes into batches of at most `batch_size`."""
+    size = model_batch_size(source.specs, batch_size)
+    group: list[Sample] = []
+
+    def flush() -> Batch:
+        feeds = {name: np.concatenate([s.feeds[name] for s in group]) if len(group) > 1 else group[0].feeds[name]
+                 for name in group[0].feeds}
+        return Batch([s.key for s in group], feeds)
+
+    for sample in iter_samples(source, limit):
+        if group and (len(group) == size or _shapes(group[0]) != _shapes(sample)):
+            yield flush()
+            group = []
+        group.append(sample)
+    if group:
+        yield flush()
+
+
+def _shapes(sample: Sample) -> tuple:
+    return tuple((k, v.shape) for k, v in sample.feeds.items())
+
+
+def count_samples(source: DataSource, limit: Optional[int]) -> int:
+    return len(source) if limit is None else min(limit, len(source))

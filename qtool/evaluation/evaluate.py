@@ -1,0 +1,247 @@
+"""Evaluation: fp32 and int8 side by side on the same data -> a report (a plain dict).
+
+Both models see exactly the same batches: per-output fidelity for every model, plus the
+task's figures (classification: accuracy, agreement, KL; detection: int8 boxes matched
+to fp32 boxes). Latency is measured afterwards on one batch, warm-up first, then the
+two models alternate run by run in this process so that a noisy neighbour slows both
+alike; medians and p90 are reported. The per-layer error and the one-layer-at-a-time
+sensitivity run on the first `layer_samples` samples. Threshold verdicts come last.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import onnxruntime as ort
+from tqdm import tqdm
+
+from qtool import __version__
+from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig, QuantizeConfig, load_section
+from qtool.data.dataset import Batch, batches, count_samples, open_data
+from qtool.evaluation.detection import DetectionAccumulator
+from qtool.errors import QtoolError
+from qtool.data.labels import FOLDERS, Labels, labels_from_folders, read_label_file
+from qtool.evaluation.layer_error import layer_errors, twins, worst
+from qtool.evaluation.macs import int8_macs, sample_shapes
+from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator, percentile_ms
+from qtool.graph.modelio import input_specs, load_model, output_names
+from qtool.quantization.rewrite import DQ_SUFFIX
+from qtool.graph.runtime import create_session
+from qtool.evaluation.sensitivity import layer_sensitivity
+from qtool.table.table import load_table
+from qtool.evaluation.thresholds import check_thresholds
+
+
+@dataclass(frozen=True)
+class EvaluateInputs:
+    fp32: Path
+    int8: Path
+    data: Path
+    labels: Optional[str] = None  # a label file, or "folders"
+    table: Optional[Path] = None  # the calibration table: needed by the sensitivity ranking
+
+
+def _looks_like_classifier(shape: tuple) -> bool:
+    return len(shape) == 2 and shape[1] > 1
+
+
+@dataclass
+class _Task:
+    """The task-specific figures, fed the reference and test arrays of one output."""
+
+    name: str
+    output: str
+    accumulator: Optional[ClassificationAccumulator | DetectionAccumulator]
+
+    def update(self, ref: dict[str, np.ndarray], test: dict[str, np.ndarray], labels: list) -> None:
+        if isinstance(self.accumulator, ClassificationAccumulator):
+            self.accumulator.update(ref[self.output], test[self.output], labels)
+        elif self.accumulator is not None:
+            self.accumulator.update(ref[self.output], test[self.output])
+
+    def result(self) -> Optional[dict]:
+        return None if self.accumulator is None else {"output": self.output, **self.accumulator.result()}
+
+
+def _task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray, detection: DetectionConfig) -> _Task:
+    """Resolve `auto` from the first batch's first output and set up the task's figures."""
+    name = cfg.task
+    if name == "auto":
+        name = "classification" if _looks_like_classifier(first.shape) else "generic"
+    if name != "classification" and (cfg.max_top1_drop is not None or cfg.min_agreement is not None):
+        raise QtoolError(f"max_top1_drop and min_agreement are classification figures; the task is {name}")
+    if name == "classification":
+        return _Task(name, outputs[0], ClassificationAccumulator(top_k=cfg.top_k))
+    if name == "detection":
+        output = detection.output or outputs[0]
+        if output not in outputs:
+            raise QtoolError(f"detection output '{output}' is not an output of the model ({', '.join(outputs)})",
+                             cfg.task_config)
+        return _Task(name, output, DetectionAccumulator(detection))
+    return _Task(name, outputs[0], None)
+
+
+def _check_requests(inputs: EvaluateInputs, cfg: EvaluateConfig) -> None:
+    """Fail before the long run when a requested figure cannot be computed."""
+    if cfg.max_top1_drop is not None and not inputs.labels:
+        raise QtoolError("max_top1_drop (--max-top1-drop) needs labels (--labels)")
+    if cfg.sensitivity and inputs.table is None:
+        raise QtoolError("the sensitivity ranking (--sensitivity) re-quantizes one layer at a time and needs the "
+                         "calibration table the int8 model was made from (--table)")
+    if cfg.task_config and cfg.task != "detection":
+        raise QtoolError(f"a task config (--task-config) is for --task detection, not {cfg.task}")
+
+
+def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: EvaluateConfig,
+             quantization: QuantizeConfig = QuantizeConfig(), progress: bool = True) -> dict:
+    """The whole report: task figures, per-output fidelity, size, MACs, latency, optional
+    per-layer error and sensitivity, and the threshold verdicts."""
+    _check_requests(inputs, cfg)
+    detection = load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
+    fp32_model = load_model(inputs.fp32)
+    int8_model = load_model(inputs.int8)
+    if cfg.per_layer and not twins(fp32_model, int8_model):
+        raise QtoolError(f"no DequantizeLinear output of the int8 model is named <fp32 tensor>{DQ_SUFFIX}, so the "
+                         "per-layer error cannot pair its tensors with the fp32 model's", inputs.int8)
+    specs = input_specs(fp32_model)
+    if [s.name for s in input_specs(int8_model)] != [s.name for s in specs]:
+        raise QtoolError("the int8 model's inputs differ from the fp32 model's", inputs.int8)
+    outputs = output_names(fp32_model)
+    if output_names(int8_model) != outputs:
+        raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
+    source = open_data(inputs.data, specs, preprocess)
+    run = _compare(inputs, source, _labels(inputs, source), outputs, cfg, detection, progress)
+
+    sizes = {"fp32": _size(inputs.fp32), "int8": _size(inputs.int8)}
+    report: dict = {
+        "qtool_version": __version__,
+        "onnxruntime_version": ort.__version__,
+        "task": run.task.name,
+        "models": {name: {"path": str(path), "size_bytes": sizes[name]}
+                   for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},
+        "data": {"path": str(inputs.data), "samples": run.samples, "labels": inputs.labels},
+        "outputs": {name: acc.result() for name, acc in run.fidelity.items()},
+    }
+    if run.task.result() is not None:
+        report[run.task.name] = run.task.result()
+    report["size"] = {"fp32_bytes": sizes["fp32"], "int8_bytes": sizes["int8"],
+                      "ratio": sizes["fp32"] / max(1, sizes["int8"])}
+    macs = int8_macs(int8_model, sample_shapes(run.first_batch.feeds))
+    report["macs"] = {"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
+                      "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes}
+    report["latency"] = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
+    if cfg.per_layer:
+        report["per_layer"] = _per_layer(fp32_model, int8_model, run.subset)
+    if cfg.sensitivity:
+        report["sensitivity"] = _sensitivity(inputs, quantization, run.subset, progress)
+    verdicts = check_thresholds(report, cfg)
+    report["thresholds"] = [asdict(v) for v in verdicts]
+    report["passed"] = all(v.passed for v in verdicts)
+    return report
+
+
+@dataclass
+class _Comparison:
+    task: _Task
+    fidelity: dict[str, FidelityAccumulator]
+    samples: int
+    first_batch: Batch  # timed for latency
+    subset: list[Batch]  # the first layer_samples samples, for the per-layer runs
+
+
+def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: list[str], cfg: EvaluateConfig,
+             detection: DetectionConfig, progress: bool) -> _Comparison:
+    """Both models over the data, batch by batch: per-output fidelity and the task's figures."""
+    fp32 = create_session(str(inputs.fp32), label=str(inputs.fp32))
+    int8 = create_session(str(inputs.int8), label=str(inputs.int8))
+    fidelity = {name: FidelityAccumulator() for name in outputs}
+    run: Optional[_Comparison] = None
+    wanted = cfg.layer_samples if cfg.per_layer or cfg.sensitivity else 0
+    total = count_samples(source, cfg.num_samples)
+    with tqdm(total=total, desc="evaluating", unit="sample", disable=None if progress else True, leave=False) as bar:
+        for batch in batches(source, cfg.batch_size, cfg.num_samples):
+            ref = fp32.run(outputs, batch.feeds)
+            test = int8.run(outputs, batch.feeds)
+            for name, r, t in zip(outputs, ref, test):
+                fidelity[name].update(r, t)
+            if run is None:
+                run = _Comparison(_task(cfg, outputs, ref[0], detection), fidelity, total, batch, [])
+            run.task.update(dict(zip(outputs, ref)), dict(zip(outputs, test)),
+                            [labels.get(k) if labels else None for k in batch.keys])
+            kept = sum(len(b) for b in run.subset)
+            if kept < wanted:
+                run.subset.append(_head(batch, wanted - kept))
+            bar.update(len(batch))
+    return run
+
+
+def _head(batch: Batch, count: int) -> Batch:
+    if len(batch) <= count:
+        return batch
+    return Batch(batch.keys[:count], {name: array[:count] for name, array in batch.feeds.items()})
+
+
+def _per_layer(fp32_model, int8_model, subset: list[Batch]) -> dict:
+    start = time.perf_counter()
+    errors = layer_errors(fp32_model, int8_model, subset)
+    return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,
+            "tensors": [asdict(e) for e in errors], "worst": [e.tensor for e in worst(errors)]}
+
+
+def _sensitivity(inputs: EvaluateInputs, quantization: QuantizeConfig, subset: list[Batch], progress: bool) -> dict:
+    start = time.perf_counter()
+    table = load_table(inputs.table)
+    with tqdm(desc="one layer at a time", unit="layer", disable=None if progress else True, leave=False) as bar:
+        ranking = layer_sensitivity(inputs.fp32, table, quantization, subset, on_layer=lambda layer: bar.update())
+    return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,
+            "table": str(inputs.table), "layers": [asdict(r) for r in ranking]}
+
+
+def _labels(inputs: EvaluateInputs, source) -> Optional[Labels]:
+    if not inputs.labels:
+        return None
+    if inputs.labels == FOLDERS:
+        return labels_from_folders([source.key(p) for p in source.files], source.root)
+    labels = read_label_file(inputs.labels)
+    keys = [source.key(p) for p in source.files]
+    if not any(labels.get(k) is not None for k in keys):
+        raise QtoolError(f"no file of {inputs.data} has a label in this file", inputs.labels)
+    return labels
+
+
+def _size(path: Path) -> int:
+    size = os.path.getsize(path)
+    data = Path(str(path) + ".data")
+    return size + (os.path.getsize(data) if data.exists() else 0)
+
+
+def time_models(paths: dict[str, str], feeds: dict[str, np.ndarray], threads: int, warmup: int,
+                runs: int) -> dict[str, list[float]]:
+    """Seconds per run of each model: warm-up, then the models take turns run by run, so a
+    slowdown from a noisy neighbour hits all of them alike. Same session options for all."""
+    sessions = {name: create_session(path, threads, path) for name, path in paths.items()}
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(warmup):
+        for session in sessions.values():
+            session.run(None, feeds)
+    for _ in range(runs):
+        for name, session in sessions.items():
+            start = time.perf_counter()
+            session.run(None, feeds)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure_latency(fp32_path: str, int8_path: str, batch: Batch, cfg: EvaluateConfig) -> dict:
+    """Median and p90 milliseconds per batch of each model, and the speedup of the medians."""
+    times = time_models({"fp32": fp32_path, "int8": int8_path}, batch.feeds, cfg.threads, cfg.warmup, cfg.runs)
+    result = {"batch_size": len(batch), "threads": cfg.threads, "runs": cfg.runs}
+    for name, values in times.items():
+        result[f"{name}_ms"] = {"median": percentile_ms(values, 50), "p90": percentile_ms(values, 90)}
+    result["speedup"] = result["fp32_ms"]["median"] / result["int8_ms"]["median"]
+    return result

@@ -1,0 +1,100 @@
+"""Per-layer error of a quantized model: every int8 tensor against its fp32 twin, in one run.
+
+The QDQ rewrite names the DequantizeLinear output that stands for fp32 tensor T
+`T + DQ_SUFFIX`, so the twins are found by name. Both models are run once over the
+same batches with those tensors exposed as extra outputs (exposing a DequantizeLinear
+output leaves onnxruntime's integer kernels and the final outputs unchanged). The
+error at T is cumulative: it includes everything quantized before T, which is what
+tells where in the graph the error grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import onnx
+
+from qtool.data.dataset import Batch
+from qtool.evaluation.macs import node_label
+from qtool.evaluation.metrics import FidelityAccumulator
+from qtool.calibration.observer import with_outputs
+from qtool.quantization.channel_pad import PAD_SUFFIX
+from qtool.quantization.stem_s2d import S2D_SUFFIX, undo
+from qtool.quantization.rewrite import DQ_SUFFIX
+from qtool.graph.runtime import create_session
+
+
+@dataclass(frozen=True)
+class TensorPair:
+    tensor: str  # the fp32 tensor
+    node: str  # the fp32 node producing it ("" for a graph input)
+    op_type: str
+    position: int  # index of the producing node in the fp32 graph (-1 for a graph input)
+    test_name: str = ""  # the int8 model's DequantizeLinear output, if not tensor + DQ_SUFFIX
+
+
+@dataclass(frozen=True)
+class LayerError:
+    tensor: str
+    node: str
+    op_type: str
+    sqnr_db: float
+    cosine: float
+    max_abs_error: float
+    mean_abs_error: float
+
+
+def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
+    """Activations of `fp32` that `int8` quantizes, in fp32 graph order (weights and biases excluded)."""
+    producers = {out: (i, node) for i, node in enumerate(fp32.graph.node) for out in node.output}
+    inputs = {i.name for i in fp32.graph.input} - {t.name for t in fp32.graph.initializer}
+    pairs = []
+    for node in int8.graph.node:
+        out = node.output[0] if node.output else ""
+        if node.op_type != "DequantizeLinear" or not out.endswith(DQ_SUFFIX):
+            continue
+        tensor = out[: -len(DQ_SUFFIX)]
+        if tensor.endswith(PAD_SUFFIX) and tensor[: -len(PAD_SUFFIX)] in inputs:
+            # an input padded with zero channels (qtool.channel_pad): compared on its real channels
+            pairs.append(TensorPair(tensor[: -len(PAD_SUFFIX)], "", "input", -1, out))
+        elif tensor.endswith(S2D_SUFFIX) and tensor[: -len(S2D_SUFFIX)] in inputs:
+            # an input rearranged into 2x2 blocks (qtool.stem_s2d): compared in the input's layout
+            pairs.append(TensorPair(tensor[: -len(S2D_SUFFIX)], "", "input", -1, out))
+        elif tensor in inputs:
+            pairs.append(TensorPair(tensor, "", "input", -1))
+        elif tensor in producers and producers[tensor][1].op_type != "Constant":
+            index, producer = producers[tensor]
+            pairs.append(TensorPair(tensor, node_label(producer), producer.op_type, index))
+    return sorted(pairs, key=lambda p: p.position)
+
+
+def layer_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable[Batch],
+                 threads: int = 0) -> list[LayerError]:
+    """SQNR, cosine and absolute errors of every quantized activation, in graph order."""
+    pairs = twins(fp32, int8)
+    feeds_only = [p.tensor for p in pairs if p.position < 0]
+    ref_names = [p.tensor for p in pairs if p.position >= 0]
+    test_names = [p.test_name or p.tensor + DQ_SUFFIX for p in pairs]
+    ref_session = create_session(with_outputs(fp32, ref_names), threads, "fp32 with per-layer outputs")
+    test_session = create_session(with_outputs(int8, test_names), threads, "int8 with per-layer outputs")
+    fidelity = {p.tensor: FidelityAccumulator() for p in pairs}
+    for batch in batches:
+        ref = dict(zip(ref_names, ref_session.run(ref_names, batch.feeds) if ref_names else []))
+        ref.update({name: batch.feeds[name] for name in feeds_only})
+        for pair, array in zip(pairs, test_session.run(test_names, batch.feeds)):
+            if pair.test_name.endswith(S2D_SUFFIX + DQ_SUFFIX) and array.ndim == 4:
+                array = undo(array)
+            if array.ndim >= 2 and array.shape[1] != ref[pair.tensor].shape[1]:
+                array = array[:, :ref[pair.tensor].shape[1]]  # drop padded zero channels
+            fidelity[pair.tensor].update(ref[pair.tensor], array)
+    errors = []
+    for pair in pairs:
+        figures = fidelity[pair.tensor].result()
+        errors.append(LayerError(pair.tensor, pair.node, pair.op_type, figures["sqnr_db"], figures["cosine"],
+                                 figures["max_abs_error"], figures["mean_abs_error"]))
+    return errors
+
+
+def worst(errors: list[LayerError], count: int = 10) -> list[LayerError]:
+    return sorted(errors, key=lambda e: e.sqnr_db)[:count]

@@ -1,0 +1,121 @@
+"""Multiply-accumulate counts per node, and how many of them a QDQ model runs in int8.
+
+Only the ops that dominate inference cost are counted (Conv, ConvTranspose, Gemm,
+MatMul); elementwise ops are noise beside them. Shapes come from ONNX shape inference,
+optionally with the graph inputs pinned to a real batch's shapes so that dynamic
+spatial sizes (OCR widths, detector resolutions) resolve; a dimension that is still
+unknown counts as 1, so figures are per sample at the model's static shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+import onnx
+
+from qtool.plan.ops import attribute
+
+COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    return node.name or node.output[0]
+
+
+@dataclass(frozen=True)
+class MacSummary:
+    total: int
+    int8: int
+    int8_nodes: int  # counted nodes that run in int8
+    counted_nodes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.int8 / self.total if self.total else 0.0
+
+
+def tensor_shapes(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequence[int]]]) -> dict[str, list[int]]:
+    """Tensor name -> dims (unknown dims as 1) after shape inference on a copy of the model."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for value in copy.graph.input:
+        if input_shapes and value.name in input_shapes:
+            dims = value.type.tensor_type.shape.dim
+            for dim, size in zip(dims, input_shapes[value.name]):
+                dim.Clear()
+                dim.dim_value = int(size)
+    try:
+        copy = onnx.shape_inference.infer_shapes(copy, data_prop=True)
+    except Exception:  # inference is advisory: unknown shapes count as 1
+        pass
+    shapes: dict[str, list[int]] = {}
+    graph = copy.graph
+    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            shapes[value.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1
+                                  for d in value.type.tensor_type.shape.dim]
+    for init in graph.initializer:
+        shapes[init.name] = list(init.dims)
+    return shapes
+
+
+def _macs(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int:
+    def shape(i: int) -> Optional[list[int]]:
+        return shapes.get(node.input[i]) if i < len(node.input) else None
+
+    out = shapes.get(node.output[0]) if node.output else None
+    weight = shape(1)
+    if node.op_type == "Conv" and out and weight:
+        # every output element sums C_in/group * kernel products
+        return math.prod(out) * math.prod(weight[1:])
+    if node.op_type == "ConvTranspose" and weight and shape(0):
+        # every input element scatters into C_out/group * kernel outputs
+        return math.prod(shape(0)) * math.prod(weight[1:])
+    if node.op_type == "Gemm" and out and shape(0):
+        a = shape(0)
+        k = a[0] if attribute(node, "transA", 0) else a[-1]
+        return math.prod(out) * k
+    if node.op_type == "MatMul" and out and shape(0):
+        return math.prod(out) * shape(0)[-1]
+    return 0
+
+
+def sample_shapes(feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    """The shapes of one sample of a batch (batches stack samples on axis 0)."""
+    return {name: (1, *array.shape[1:]) if array.ndim else () for name, array in feeds.items()}
+
+
+def node_macs(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, int]:
+    """MACs of every Conv/ConvTranspose/Gemm/MatMul node, keyed by node name (or first output)."""
+    shapes = tensor_shapes(model, input_shapes)
+    return {node_label(n): _macs(n, shapes) for n in model.graph.node
+            if n.op_type in COUNTED_OPS and n.domain in ("", "ai.onnx")}
+
+
+def _runs_int8(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> bool:
+    """Activation (input 0) and weight (input 1) both come out of DequantizeLinear nodes:
+    the pattern onnxruntime and TensorRT fuse into an integer kernel."""
+    if len(node.input) < 2:
+        return False
+    return all(producers.get(name) is not None and producers[name].op_type == "DequantizeLinear"
+               for name in node.input[:2])
+
+
+def int8_macs(qdq_model: onnx.ModelProto,
+              input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> MacSummary:
+    """Total MACs of a QDQ model and those of the nodes whose inputs are dequantized int8."""
+    macs = node_macs(qdq_model, input_shapes)
+    producers = {out: n for n in qdq_model.graph.node for out in n.output}
+    total = int8 = nodes = 0
+    for node in qdq_model.graph.node:
+        label = node_label(node)
+        if label not in macs:
+            continue
+        total += macs[label]
+        if _runs_int8(node, producers):
+            int8 += macs[label]
+            nodes += 1
+    return MacSummary(total=total, int8=int8, int8_nodes=nodes, counted_nodes=len(macs))

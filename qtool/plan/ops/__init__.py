@@ -1,0 +1,80 @@
+"""Per-op quantization rules: a registry from ONNX op type to what quantizing it means.
+
+Shaped like onnx's reference evaluator (one small module per operator family, a
+registry mapping op type to implementation): the planner asks the rule of each node
+which inputs carry activations (int8 per tensor), which input is a weight (int8 per
+output channel, and on which axis), which is a bias (int32), and what the output's
+quantization parameters are:
+
+- "own":   the output gets its own calibrated range (Conv, Add, Relu, ...);
+- "tie":   the output keeps its input's scale and zero point, because the op only
+           moves or selects values (MaxPool, Reshape, Transpose, Concat, ...) and a
+           requantization there would cost time and accuracy for nothing;
+- "fixed": the output range is fixed by the op's math (Softmax/Sigmoid: [0, 1),
+           Tanh: [-1, 1)), as the LiteRT int8 spec prescribes.
+
+An op type that has no rule stays in float; the planner puts DequantizeLinear /
+QuantizeLinear at its boundary only where its neighbours are quantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import onnx
+
+# (scale, zero point) of a fixed-range output, by activation dtype.
+FixedParams = Callable[[str], tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class OpRule:
+    op_type: str
+    # Input indices quantized per tensor as activations. None: every input.
+    activations: Optional[tuple[int, ...]] = (0,)
+    # Index of the weight input (quantized per output channel when it is a constant).
+    weight: Optional[int] = None
+    # Output-channel axis of the weight, from the node's attributes and the weight's rank.
+    weight_axis: Optional[Callable[[onnx.NodeProto, int], int]] = None
+    # Index of the bias input, quantized to int32 with scale s_input * s_weight.
+    bias: Optional[int] = None
+    output: str = "own"  # "own" | "tie" | "fixed"
+    fixed: Optional[FixedParams] = None
+    # A compute op whose output may flow straight into a following activation (Conv -> Relu):
+    # runtimes fuse the pair, so no Q/DQ belongs between them.
+    absorbs_activation: bool = False
+    # An activation that a preceding compute op can absorb (Relu, Clip).
+    fusable_activation: bool = False
+    # Extra condition on the node (e.g. Clip with constant bounds only).
+    applies: Optional[Callable[[onnx.NodeProto, "object"], bool]] = None
+    # Constant float operands among `activations` are stored quantized per tensor like an
+    # activation (Add's bias vector, HardSwish's "+ 3"): onnxruntime fuses DQ -> Add -> Q into
+    # QLinearAdd only when every input comes from a DequantizeLinear.
+    quantize_constants: bool = False
+
+
+RULES: dict[str, OpRule] = {}
+
+
+def register(*rules: OpRule) -> None:
+    for rule in rules:
+        RULES[rule.op_type] = rule
+
+
+def rule_for(op_type: str, domain: str = "") -> Optional[OpRule]:
+    if domain not in ("", "ai.onnx"):
+        return None
+    return RULES.get(op_type)
+
+
+def attribute(node: onnx.NodeProto, name: str, default=None):
+    for attr in node.attribute:
+        if attr.name == name:
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
+# Importing the rule modules fills RULES.
+from qtool.plan.ops import (activations, conv, elementwise, gemm, matmul, pad, pooling, resize,  # noqa: E402,F401
+                       shape_ops, softmax)

@@ -1,0 +1,257 @@
+"""Middle end: decide, per tensor, how the graph will be quantized.
+
+The plan is a pure function of the prepared graph and the options. Calibration uses
+it to know which tensors to observe (only these, not every tensor of the graph), and
+quantization uses it again to know where Q/DQ pairs go, so both always agree.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Collection, Optional
+
+import onnx
+
+from qtool.config import QuantizeConfig
+from qtool.plan.ops import OpRule, attribute, rule_for
+from qtool.plan.ops.pad import pad_value
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    tensor: str
+    axis: Optional[int]  # None: per tensor
+    node: str
+
+
+@dataclass(frozen=True)
+class BiasPlan:
+    tensor: str
+    activation: str  # the node's quantized input, whose scale multiplies the weight's
+    weight: str
+    groups: int  # ConvTranspose with groups: per-channel weight scales repeat per group
+    node: str
+
+
+@dataclass
+class QuantPlan:
+    activations: list[str] = field(default_factory=list)  # Q/DQ per tensor, in graph order
+    weights: dict[str, WeightPlan] = field(default_factory=dict)
+    biases: dict[str, BiasPlan] = field(default_factory=dict)
+    tie_groups: list[list[str]] = field(default_factory=list)  # tensors sharing scale and zero point
+    fixed: dict[str, OpRule] = field(default_factory=dict)  # tensor -> rule fixing its output range
+    quantized_nodes: list[str] = field(default_factory=list)
+    float_nodes: list[str] = field(default_factory=list)  # nodes left in float, with their op type
+    fused: list[str] = field(default_factory=list)  # compute outputs absorbed by the activation after them
+    # float constant operands stored quantized per tensor (Add/Mul operands) -> first node reading them
+    constants: dict[str, str] = field(default_factory=dict)
+    # tensor -> a real value its range must contain (a Pad's non-zero constant border)
+    include_values: dict[str, float] = field(default_factory=dict)
+
+    def group_of(self) -> dict[str, int]:
+        return {t: i for i, group in enumerate(self.tie_groups) for t in group}
+
+
+class GraphContext:
+    """Look-ups over one graph that the rules and the planner need."""
+
+    def __init__(self, model: onnx.ModelProto):
+        graph = model.graph
+        self.model = model
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.graph_outputs = {o.name for o in graph.output}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for out in node.output:
+                self.producer[out] = node
+            for name in node.input:
+                if name:
+                    self.consumers.setdefault(name, []).append(node)
+        self.elem_type: dict[str, int] = {}
+        for value in list(graph.value_info) + list(graph.input) + list(graph.output):
+            if value.type.HasField("tensor_type"):
+                self.elem_type[value.name] = value.type.tensor_type.elem_type
+        for init in graph.initializer:
+            self.elem_type[init.name] = init.data_type
+
+    def is_constant(self, name: str) -> bool:
+        return name in self.initializers
+
+    def is_float(self, name: str) -> bool:
+        # Unknown types (shape inference could not reach them) are assumed float: the
+        # rules only ask about inputs that are float for every valid model.
+        return self.elem_type.get(name, onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT
+
+    def rank(self, name: str) -> int:
+        init = self.initializers.get(name)
+        return len(init.dims) if init is not None else -1
+
+
+def _excluded(node: onnx.NodeProto, options: QuantizeConfig) -> bool:
+    if node.op_type in options.exclude_op_types:
+        return True
+    return any(node.name == pattern or fnmatch.fnmatchcase(node.name, pattern) for pattern in options.exclude_nodes)
+
+
+def _node_label(node: onnx.NodeProto) -> str:
+    return node.name or node.output[0]
+
+
+def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[Collection[str]] = None) -> QuantPlan:
+    """`only`: quantize just these nodes (names, or first output for unnamed nodes); every
+    other node is treated as excluded. The sensitivity ranking quantizes one layer at a time."""
+    ctx = GraphContext(model)
+    plan = QuantPlan()
+    rules: dict[int, OpRule] = {}
+    for index, node in enumerate(model.graph.node):
+        rule = rule_for(node.op_type, node.domain)
+        if (rule is None or _excluded(node, options) or (only is not None and _node_label(node) not in only)
+                or (rule.applies and not rule.applies(node, ctx))):
+            plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
+            continue
+        rules[index] = rule
+
+    # A Relu/Clip after a float op (no rule, excluded) runs in float with it: quantizing its input
+    # would only add a Q/DQ pair that no kernel absorbs (onnxruntime leaves DQ -> Q behind).
+    nodes_list = list(model.graph.node)
+    for index in [i for i, r in rules.items() if r.fusable_activation]:
+        producer = ctx.producer.get(nodes_list[index].input[0])
+        if producer is not None and nodes_list.index(producer) not in rules:
+            node = nodes_list[index]
+            del rules[index]
+            plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
+
+    # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
+    fused: set[str] = set()
+    nodes = list(model.graph.node)
+    for index, rule in rules.items():
+        node = nodes[index]
+        if not rule.absorbs_activation or not node.output:
+            continue
+        out = node.output[0]
+        users = ctx.consumers.get(out, [])
+        if out in ctx.graph_outputs or len(users) != 1:
+            continue
+        user_index = nodes.index(users[0])
+        user_rule = rules.get(user_index)
+        if user_rule is not None and user_rule.fusable_activation:
+            fused.add(out)
+        elif (options.target == "tensorrt" and rule.weight is not None and users[0].op_type == "Add"
+              and user_rule is not None and not any(i in fused for i in users[0].input)):
+            # TensorRT fuses a weighted layer into the residual Add after it (Conv+Add+Relu):
+            # the layer's output gets no Q/DQ, the Add's other input does.
+            fused.add(out)
+    plan.fused = sorted(fused)
+
+    quantized: set[str] = set()
+    ordered: list[str] = []
+
+    def want(name: str) -> None:
+        if name and name not in quantized and ctx.is_float(name) and not ctx.is_constant(name) and name not in fused:
+            quantized.add(name)
+            ordered.append(name)
+
+    ties: list[list[str]] = []
+    # Movement ops ("tie") are quantized only where their data input already is, so a
+    # Reshape on a float path does not pull Q/DQ into it. Graph order makes chains work.
+    for index, node in enumerate(nodes):
+        rule = rules.get(index)
+        if rule is None:
+            continue
+        inputs = [i for i in range(len(node.input))] if rule.activations is None else list(rule.activations)
+        if rule.output == "tie":
+            data = [node.input[i] for i in inputs if i < len(node.input) and node.input[i]]
+            producer_quantized = any(name in quantized or _produced_by_quantized(name, ctx, rules, nodes)
+                                     for name in data)
+            if not producer_quantized or not node.output or not ctx.is_float(node.output[0]):
+                plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
+                continue
+        _plan_node(node, rule, inputs, ctx, plan, want, fused)
+        # A tie op's every float output (Split has several) shares the input's parameters;
+        # other ops quantize their first output (MaxPool's second one is int64 indices).
+        outputs = [o for o in node.output if o] if rule.output == "tie" else list(node.output[:1])
+        tied_inputs = [n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized]
+        tied_outputs = []
+        for out in outputs:
+            if out and out not in fused and out not in ctx.graph_outputs and ctx.is_float(out):
+                want(out)
+                tied_outputs.append(out)
+                if rule.output == "fixed":
+                    plan.fixed[out] = rule
+        if rule.output == "tie" and tied_outputs:
+            ties.append(tied_inputs + tied_outputs)
+            if node.op_type == "Pad":
+                value = pad_value(node, ctx)
+                if value != 0.0:
+                    plan.include_values[tied_outputs[0]] = value
+        plan.quantized_nodes.append(_node_label(node))
+
+    plan.activations = ordered
+    plan.tie_groups = _merge_groups(ties)
+    return plan
+
+
+def _produced_by_quantized(name: str, ctx: GraphContext, rules: dict[int, OpRule], nodes: list) -> bool:
+    producer = ctx.producer.get(name)
+    return producer is not None and nodes.index(producer) in rules
+
+
+def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphContext, plan: QuantPlan, want, fused) -> None:
+    weight_name = node.input[rule.weight] if rule.weight is not None and rule.weight < len(node.input) else ""
+    constant_weight = bool(weight_name) and ctx.is_constant(weight_name) and ctx.is_float(weight_name)
+    for i in inputs:
+        if i >= len(node.input) or not node.input[i]:
+            continue
+        name = node.input[i]
+        if i == rule.weight and constant_weight:
+            continue
+        if ctx.is_constant(name):
+            # constant non-weight inputs stay float unless the rule stores them quantized
+            if rule.quantize_constants and ctx.is_float(name) and name not in plan.weights:
+                plan.constants.setdefault(name, _node_label(node))
+            continue
+        want(name)
+    if constant_weight and weight_name not in plan.weights:
+        rank = ctx.rank(weight_name)
+        axis = rule.weight_axis(node, rank) if rule.weight_axis and rank >= 2 else None
+        plan.weights[weight_name] = WeightPlan(weight_name, axis, _node_label(node))
+    if rule.bias is not None and rule.bias < len(node.input) and node.input[rule.bias] and constant_weight:
+        bias = node.input[rule.bias]
+        activation = node.input[inputs[0]]
+        if (ctx.is_constant(bias) and ctx.is_float(bias) and ctx.rank(bias) == 1 and bias not in plan.biases
+                and not ctx.is_constant(activation) and _bias_compatible(node)):
+            groups = attribute(node, "group", 1) if node.op_type == "ConvTranspose" else 1
+            plan.biases[bias] = BiasPlan(bias, activation, weight_name, groups, _node_label(node))
+
+
+def _bias_compatible(node) -> bool:
+    # Gemm's C is scaled by beta and the product by alpha; int32 bias folding needs both 1.
+    if node.op_type != "Gemm":
+        return True
+    return attribute(node, "alpha", 1.0) == 1.0 and attribute(node, "beta", 1.0) == 1.0
+
+
+def _merge_groups(groups: list[list[str]]) -> list[list[str]]:
+    """Union of overlapping tie groups (a Reshape after a MaxPool shares one scale)."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    order: list[str] = []
+    for group in groups:
+        for name in group:
+            if name not in parent:
+                order.append(name)
+            find(name)
+        for name in group[1:]:
+            parent[find(name)] = find(group[0])
+    merged: dict[str, list[str]] = {}
+    for name in order:
+        merged.setdefault(find(name), []).append(name)
+    return [g for g in merged.values() if len(g) > 1]

@@ -1,0 +1,148 @@
+"""Fold inference-mode BatchNormalization into the Conv/ConvTranspose/Gemm before it.
+
+y = gamma * (x - mean) / sqrt(var + eps) + beta is a per-channel affine map; after a
+linear op it merges into that op's weight and bias:
+    W'[c] = W[c] * s[c],   b'[c] = (b[c] - mean[c]) * s[c] + beta[c],   s = gamma / sqrt(var + eps).
+Unfolded, the BN would stay in float between a DequantizeLinear and a QuantizeLinear
+(its own requantization, an extra rounding and a float kernel); folded, the whole layer
+is one integer Conv. The arithmetic is done in float64 and rounded once to float32, so
+the folded model's outputs match the original's to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qtool.plan.ops import attribute
+
+_FOLDABLE = ("Conv", "ConvTranspose", "Gemm")
+
+
+def _array(inits: dict, name: str) -> Optional[np.ndarray]:
+    tensor = inits.get(name) if name else None
+    return None if tensor is None else numpy_helper.to_array(tensor).astype(np.float64)
+
+
+def _channel_scaled(node: onnx.NodeProto, weight: np.ndarray, s: np.ndarray) -> Optional[np.ndarray]:
+    """The weight with every output channel c multiplied by s[c]; None if shapes do not fit."""
+    if node.op_type == "Conv":
+        if weight.shape[0] != s.size:
+            return None
+        return weight * s.reshape(-1, *[1] * (weight.ndim - 1))
+    if node.op_type == "ConvTranspose":
+        # (C_in, C_out/group, k...): output channel g * (C_out/group) + j sits at [g-th block of C_in, j]
+        group = attribute(node, "group", 1)
+        per_group = weight.shape[1]
+        if per_group * group != s.size or weight.shape[0] % group:
+            return None
+        blocks = weight.reshape(group, weight.shape[0] // group, per_group, *weight.shape[2:])
+        scaled = blocks * s.reshape(group, 1, per_group, *[1] * (weight.ndim - 2))
+        return scaled.reshape(weight.shape)
+    # Gemm: B is (N, K) with transB, else (K, N); channels are N
+    if weight.ndim != 2 or attribute(node, "transA", 0):
+        return None
+    if attribute(node, "transB", 0):
+        return weight * s.reshape(-1, 1) if weight.shape[0] == s.size else None
+    return weight * s.reshape(1, -1) if weight.shape[1] == s.size else None
+
+
+def fold_batchnorm(model: onnx.ModelProto) -> int:
+    """Fold every foldable BN in place; returns how many were folded."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    consumers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+    producer = {out: node for node in graph.node for out in node.output}
+    outputs = {o.name for o in graph.output}
+    drop: set[int] = set()
+    for bn in graph.node:
+        if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx"):
+            continue
+        if len([o for o in bn.output if o]) != 1 or attribute(bn, "training_mode", 0):
+            continue
+        prev = producer.get(bn.input[0])
+        if (prev is None or prev.op_type not in _FOLDABLE or prev.domain not in ("", "ai.onnx")
+                or consumers.get(bn.input[0], 0) != 1 or bn.input[0] in outputs):
+            continue
+        gamma, beta, mean, var = (_array(inits, n) for n in bn.input[1:5])
+        weight = _array(inits, prev.input[1]) if len(prev.input) > 1 else None
+        if any(a is None for a in (gamma, beta, mean, var, weight)):
+            continue
+        s = gamma / np.sqrt(var + attribute(bn, "epsilon", 1e-5))
+        new_weight = _channel_scaled(prev, weight, s)
+        if new_weight is None:
+            continue
+        bias = _folded_bias(prev, inits, s, beta, mean)
+        if bias is None:
+            continue
+        w_name, b_name = _unique(inits, prev.input[1] + "_bnfold"), _unique(inits, bn.output[0] + "_bnfold_bias")
+        for name, array in ((w_name, new_weight), (b_name, bias)):
+            tensor = numpy_helper.from_array(array.astype(np.float32), name)
+            graph.initializer.append(tensor)
+            inits[name] = tensor
+        prev.input[1] = w_name
+        if len(prev.input) > 2:
+            prev.input[2] = b_name
+        else:
+            prev.input.append(b_name)
+        if prev.op_type == "Gemm":
+            _set_attribute(prev, "beta", 1.0)
+        prev.output[0] = bn.output[0]  # the layer keeps the BN's output name (it may be a graph output)
+        drop.add(id(bn))
+    if drop:
+        keep = [n for n in graph.node if id(n) not in drop]
+        del graph.node[:]
+        graph.node.extend(keep)
+        used = {name for node in graph.node for name in _names_read(node)}
+        kept = [t for t in graph.initializer if t.name in used or t.name in outputs]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return len(drop)
+
+
+def _folded_bias(node, inits, s, beta, mean) -> Optional[np.ndarray]:
+    old = _array(inits, node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros_like(s)
+    if old is None:
+        return None  # a computed bias: cannot fold
+    if node.op_type == "Gemm":
+        # Y = alpha * A B + beta_g * C: with beta_g set to 1, C' must hold beta_g * C
+        old = old * attribute(node, "beta", 1.0)
+        if old.ndim > 1 and old.shape[:-1] != (1,) * (old.ndim - 1):
+            return None  # a C that varies per row is not a per-channel bias
+        old = old.reshape(-1)
+    old = np.broadcast_to(old.reshape(-1), s.shape) if old.size in (1, s.size) else None
+    if old is None:
+        return None
+    return (old - mean) * s + beta
+
+
+def _unique(inits: dict, name: str) -> str:
+    base, i = name, 0
+    while name in inits:
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def _set_attribute(node: onnx.NodeProto, name: str, value) -> None:
+    for i, attr in enumerate(node.attribute):
+        if attr.name == name:
+            del node.attribute[i]
+            break
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def _names_read(node: onnx.NodeProto) -> set[str]:
+    """Inputs of the node and of every node in its If/Loop/Scan bodies (outer-scope reads)."""
+    names = set(node.input)
+    for attr in node.attribute:
+        for body in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for inner in body.node:
+                names |= _names_read(inner)
+    return names

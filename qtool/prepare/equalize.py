@@ -1,0 +1,199 @@
+"""Cross-layer equalization (DFQ, Nagel et al. 2019): balance per-channel weight ranges.
+
+For Conv1 -> act -> Conv2 where act is positively homogeneous (Relu, LeakyRelu, or
+nothing), act(x / s) = act(x) / s for s > 0, so dividing output channel c of Conv1
+(weights and bias) by s_c and multiplying input channel c of Conv2 by s_c leaves the
+model's function unchanged. With r1_c = max|W1[c]| and r2_c = max|W2[:, c]|, the choice
+s_c = sqrt(r1_c / r2_c) makes both ranges sqrt(r1_c r2_c): a channel whose weights
+dwarf its neighbours' (common in depthwise convs after BN folding) no longer sets a
+per-tensor scale that rounds the others to zero.
+
+Clip(0, M) (ReLU6) is not homogeneous: after the rescale a channel would need its own
+bound M / s_c, which one Clip cannot express. We keep the model exact instead of
+replacing ReLU6 by ReLU (AIMET's choice, which changes the fp32 outputs): a channel is
+rescaled only when interval arithmetic over the weights proves its pre-activation never
+exceeds M for any input in the range its input is clipped to (a preceding Clip), and
+then only with s_c >= bound_c / M, so that the clip stays inactive after the rescale
+too. Every other channel behind a Clip keeps s_c = 1. This is exact for every input,
+not just the calibration data, at the price of equalizing fewer channels.
+
+Pairs are processed in graph order and the pass is repeated a few times, since a
+conv is the second member of one pair and the first of the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.plan.ops import attribute
+
+HOMOGENEOUS = ("Relu", "LeakyRelu")
+ROUNDS = 4
+SCALE_LIMITS = (1e-4, 1e4)  # keeps weights well inside float32 even for near-empty channels
+
+
+@dataclass(frozen=True)
+class Pair:
+    first: onnx.NodeProto
+    act: Optional[onnx.NodeProto]
+    second: onnx.NodeProto
+
+
+@dataclass
+class EqualizeReport:
+    pairs: int = 0
+    channels: int = 0  # channels that may move (s_c free or bounded)
+    pinned: int = 0  # channels kept at s_c = 1 because their Clip could saturate
+
+
+def _uses(model: onnx.ModelProto) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _clip_bounds(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> Optional[tuple[float, float]]:
+    lo, hi = attribute(node, "min", -np.inf), attribute(node, "max", np.inf)
+    for index in (1, 2):
+        if index < len(node.input) and node.input[index]:
+            if node.input[index] not in inits:
+                return None
+            value = float(numpy_helper.to_array(inits[node.input[index]]).reshape(-1)[0])
+            lo, hi = (value, hi) if index == 1 else (lo, value)
+    return float(lo), float(hi)
+
+
+def find_pairs(model: onnx.ModelProto) -> list[Pair]:
+    """Conv -> (Relu | LeakyRelu | Clip(0, M) | nothing) -> Conv chains that can be rescaled."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    uses = _uses(model)
+    outputs = {o.name for o in graph.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def only_consumer(name: str) -> Optional[onnx.NodeProto]:
+        users = consumers.get(name, [])
+        return users[0] if len(users) == 1 and name not in outputs else None
+
+    def own_weights(node: onnx.NodeProto) -> bool:
+        names = [n for n in node.input[1:3] if n]
+        return (node.op_type == "Conv" and node.domain in ("", "ai.onnx") and len(node.input) >= 2
+                and all(n in inits and uses.get(n) == 1 for n in names)
+                and inits[node.input[1]].data_type == onnx.TensorProto.FLOAT)
+
+    pairs = []
+    for node in graph.node:
+        if not own_weights(node) or not node.output:
+            continue
+        nxt = only_consumer(node.output[0])
+        act = None
+        if nxt is not None and (nxt.op_type in HOMOGENEOUS or nxt.op_type == "Clip"):
+            if nxt.op_type == "Clip":
+                bounds = _clip_bounds(nxt, inits)
+                if bounds is None or bounds[0] != 0.0:
+                    continue  # a lower bound other than 0 is not homogeneous at all
+            act, nxt = nxt, only_consumer(nxt.output[0])
+        if nxt is None or not own_weights(nxt) or nxt.input[0] != (act or node).output[0]:
+            continue
+        w1 = inits[node.input[1]]
+        w2 = inits[nxt.input[1]]
+        channels = w1.dims[0]
+        group = attribute(nxt, "group", 1)
+        if group == 1 and w2.dims[1] == channels:
+            pairs.append(Pair(node, act, nxt))
+        elif group == channels and w2.dims[1] == 1 and w2.dims[0] % channels == 0:
+            pairs.append(Pair(node, act, nxt))  # depthwise second conv (channel multiplier allowed)
+    return pairs
+
+
+def _input_interval(name: str, model: onnx.ModelProto, inits) -> Optional[tuple[float, float]]:
+    """A proven range of tensor `name`, when a Clip made it; None when nothing is known."""
+    for node in model.graph.node:
+        if name in node.output and node.op_type == "Clip":
+            bounds = _clip_bounds(node, inits)
+            if bounds and np.isfinite(bounds[0]) and np.isfinite(bounds[1]):
+                return bounds
+    return None
+
+
+def _upper_bounds(w1: np.ndarray, b1: np.ndarray, interval: Optional[tuple[float, float]]) -> np.ndarray:
+    """Per output channel, the largest pre-activation any input inside `interval` can give.
+    Zero padding is an input of value 0, so the interval is widened to contain 0."""
+    if interval is None:
+        return np.full(w1.shape[0], np.inf)
+    lo, hi = min(interval[0], 0.0), max(interval[1], 0.0)
+    flat = w1.reshape(w1.shape[0], -1).astype(np.float64)
+    return b1.astype(np.float64) + np.maximum(flat * lo, flat * hi).sum(axis=1)
+
+
+def _second_ranges(w2: np.ndarray, channels: int, depthwise: bool) -> np.ndarray:
+    if depthwise:
+        return np.abs(w2.reshape(channels, -1)).max(axis=1)
+    return np.abs(np.moveaxis(w2, 1, 0).reshape(channels, -1)).max(axis=1)
+
+
+def _scale_second(w2: np.ndarray, s: np.ndarray, depthwise: bool) -> np.ndarray:
+    if depthwise:
+        per_row = np.repeat(s, w2.shape[0] // s.size)
+        return w2 * per_row.reshape(-1, *([1] * (w2.ndim - 1)))
+    return w2 * s.reshape(1, -1, *([1] * (w2.ndim - 2)))
+
+
+def _equalize_pair(pair: Pair, model: onnx.ModelProto, inits: dict[str, onnx.TensorProto],
+                   report: EqualizeReport, count: bool) -> None:
+    first, second = pair.first, pair.second
+    w1 = numpy_helper.to_array(inits[first.input[1]]).astype(np.float64)
+    has_bias = len(first.input) > 2 and bool(first.input[2])
+    b1 = numpy_helper.to_array(inits[first.input[2]]).astype(np.float64) if has_bias else np.zeros(w1.shape[0])
+    w2 = numpy_helper.to_array(inits[second.input[1]]).astype(np.float64)
+    channels = w1.shape[0]
+    depthwise = attribute(second, "group", 1) != 1
+    r1 = np.abs(w1.reshape(channels, -1)).max(axis=1)
+    r2 = _second_ranges(w2, channels, depthwise)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.sqrt(r1 / r2)
+    s = np.where(np.isfinite(s) & (s > 0), s, 1.0)
+    s = np.clip(s, *SCALE_LIMITS)
+    pinned = 0
+    if pair.act is not None and pair.act.op_type == "Clip":
+        top = _clip_bounds(pair.act, inits)[1]
+        if np.isfinite(top):
+            bound = _upper_bounds(w1, b1, _input_interval(first.input[0], model, inits))
+            never_clips = bound <= top
+            # never clips: any s >= bound / top keeps the clip inactive after the rescale
+            s = np.where(never_clips, np.maximum(s, np.maximum(bound, 0.0) / top), 1.0)
+            pinned = int(np.count_nonzero(~never_clips))
+    if count:
+        report.pairs += 1
+        report.pinned += pinned
+        report.channels += channels - pinned
+    shape1 = (-1,) + (1,) * (w1.ndim - 1)
+    _replace(inits[first.input[1]], w1 / s.reshape(shape1))
+    if has_bias:
+        _replace(inits[first.input[2]], b1 / s)
+    _replace(inits[second.input[1]], _scale_second(w2, s, depthwise))
+
+
+def _replace(tensor: onnx.TensorProto, values: np.ndarray) -> None:
+    tensor.CopyFrom(numpy_helper.from_array(values.astype(np.float32), tensor.name))
+
+
+def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
+    """Rescale the weights of every equalizable pair of `model` in place."""
+    pairs = find_pairs(model)
+    inits = {t.name: t for t in model.graph.initializer}
+    report = EqualizeReport()
+    for round_ in range(rounds):
+        for pair in pairs:
+            _equalize_pair(pair, model, inits, report, count=round_ == 0)
+    return report

@@ -1,0 +1,204 @@
+"""Front end: bring an fp32 graph into the canonical form the planner expects.
+
+The same preparation runs before calibration and before quantization, so tensor
+names in the calibration table always match the graph being quantized. Every step
+is deterministic and keeps the model's outputs unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, version_converter
+
+from qtool.graph import modelio
+from qtool.prepare.bn_fold import fold_batchnorm
+from qtool.errors import QtoolError
+
+_SHAPE_ONLY_BYTES = 1 << 16  # initializers above this lose their payload in the >2 GiB shape-inference copy
+
+MIN_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist
+MIN_PER_CHANNEL_OPSET = 13  # DequantizeLinear gets its `axis` attribute
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return 0
+
+
+def check_opset(model: onnx.ModelProto, upgrade: bool, path: object = None,
+                per_channel: bool = True) -> onnx.ModelProto:
+    """QDQ needs opset 10, per-channel int8 weights 13; upgrade with onnx's converter when asked."""
+    opset = default_opset(model)
+    if opset >= (MIN_PER_CHANNEL_OPSET if per_channel else MIN_QDQ_OPSET):
+        return model
+    if not upgrade:
+        why = (f"QuantizeLinear/DequantizeLinear need >= {MIN_QDQ_OPSET}" if opset < MIN_QDQ_OPSET else
+               f"per-channel weights need >= {MIN_PER_CHANNEL_OPSET}")
+        raise QtoolError(f"opset {opset} is too old ({why}); re-run with --upgrade-opset to convert it to opset "
+                         f"{MIN_PER_CHANNEL_OPSET} with onnx's version converter", path)
+    try:
+        return version_converter.convert_version(model, MIN_PER_CHANNEL_OPSET)
+    except Exception as exc:  # the converter raises bare RuntimeErrors with C++ messages
+        raise QtoolError(f"onnx version converter could not upgrade opset {opset} to "
+                         f"{MIN_PER_CHANNEL_OPSET}: {str(exc).splitlines()[0]}", path) from None
+
+
+def check_float_input(model: onnx.ModelProto, path: object = None) -> None:
+    """Calibration observes float activations; a model without a float32 input has none to observe."""
+    specs = modelio.input_specs(model)
+    if not any(spec.dtype == np.float32 for spec in specs):
+        found = ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
+        raise QtoolError(f"the model has no float32 input (inputs: {found}); qtool quantizes float32 models", path)
+
+
+def constants_to_initializers(model: onnx.ModelProto) -> None:
+    """Constant nodes holding tensors become initializers (Paddle exports keep weights there)."""
+    keep = []
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1:
+            attr = node.attribute[0]
+            value = None
+            if attr.name == "value":
+                value = numpy_helper.to_array(attr.t)
+            elif attr.name in ("value_float", "value_int", "value_floats", "value_ints"):
+                value = onnx.helper.get_attribute_value(attr)
+                value = np.asarray(value, dtype=np.float32 if "float" in attr.name else np.int64)
+            if value is not None:
+                model.graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+                continue
+        keep.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+
+
+def body_reads(node: onnx.NodeProto) -> set[str]:
+    """Names read inside a node's If/Loop/Scan bodies (outer-scope references among them)."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        for graph in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for inner in graph.node:
+                names |= names_read(inner)
+    return names
+
+
+def names_read(node: onnx.NodeProto) -> set[str]:
+    """Names a node reads, its bodies included."""
+    return set(node.input) | body_reads(node)
+
+
+def remove_identities(model: onnx.ModelProto) -> None:
+    """Drop Identity and inference-mode Dropout nodes, wiring their consumers to the input."""
+    # Graph outputs keep their names; so do names read inside subgraphs (rewiring those
+    # would mean editing the bodies too).
+    fixed_names = {o.name for o in model.graph.output}
+    fixed_names |= {name for node in model.graph.node for name in body_reads(node)}
+    rename: dict[str, str] = {}
+    keep = []
+    for node in model.graph.node:
+        passthrough = node.op_type == "Identity" or (
+            node.op_type == "Dropout" and (len(node.output) == 1 or not node.output[1]))
+        if passthrough and node.domain in ("", "ai.onnx") and node.output[0] not in fixed_names:
+            source = node.input[0]
+            rename[node.output[0]] = rename.get(source, source)
+            continue
+        keep.append(node)
+    for node in keep:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+
+
+def divisions_to_multiplications(model: onnx.ModelProto) -> None:
+    """Div by a float constant becomes Mul by its reciprocal (PP-OCR's HardSwish ends in "/ 6").
+
+    Runtimes have integer kernels for Mul (onnxruntime QLinearMul, LiteRT MUL) but not for
+    Div, which would stay in float between a DequantizeLinear and a QuantizeLinear. x * (1/c)
+    differs from x / c by at most one float32 rounding.
+    """
+    inits = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in names_read(node):
+            readers[name] = readers.get(name, 0) + 1
+    for node in model.graph.node:
+        if node.op_type != "Div" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        init = inits.get(node.input[1])
+        if init is None or init.data_type != onnx.TensorProto.FLOAT:
+            continue
+        divisor = numpy_helper.to_array(init)
+        if divisor.size == 0 or not np.all(np.isfinite(divisor)) or np.any(divisor == 0):
+            continue
+        name = init.name + "_reciprocal"
+        if name not in inits:
+            reciprocal = numpy_helper.from_array((1.0 / divisor.astype(np.float64)).astype(np.float32), name)
+            model.graph.initializer.append(reciprocal)
+            inits[name] = reciprocal
+        node.op_type = "Mul"
+        node.input[1] = name
+
+
+def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with the payload of its large initializers dropped (dims and type kept).
+
+    Shape inference reads tensor values only for small integer shape constants, so this
+    copy infers the same types and shapes and fits in one protobuf when the model does not.
+    """
+    light = onnx.ModelProto(ir_version=model.ir_version)
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    graph = light.graph
+    for name in ("node", "input", "output", "value_info"):
+        getattr(graph, name).extend(getattr(model.graph, name))
+    for tensor in model.graph.initializer:
+        if tensor.ByteSize() > _SHAPE_ONLY_BYTES:
+            tensor = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
+        graph.initializer.append(tensor)
+    return light
+
+
+def _has_subgraphs(model: onnx.ModelProto) -> bool:
+    return any(attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for node in model.graph.node for attr in node.attribute)
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Shape inference, run on the copy without weight payloads (`_shapes_only`: serialising and
+    parsing the weights twice was most of its cost). Without If/Loop/Scan bodies (whose own
+    value_info inference fills) the result is the full model's: its value_info and the merged
+    types of its inputs and outputs are copied back. Over 2 GiB only the value_info is."""
+    light = not _has_subgraphs(model)
+    data = None if light else modelio.serialized(model)
+    large = not light and data is None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(_shapes_only(model) if light or large else data, data_prop=True)
+    except Exception:  # inference is advisory: a model that fails it still quantizes
+        return model
+    if light or large:
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(inferred.graph.value_info)
+        if light:
+            for field in ("input", "output"):
+                del getattr(model.graph, field)[:]
+                getattr(model.graph, field).extend(getattr(inferred.graph, field))
+        return model
+    return inferred
+
+
+def prepare(model: onnx.ModelProto, upgrade_opset: bool = False, path: object = None,
+            per_channel: bool = True) -> onnx.ModelProto:
+    """Return a prepared copy; the input model is not modified."""
+    check_float_input(model, path)
+    prepared = onnx.ModelProto()
+    prepared.CopyFrom(model)
+    prepared = check_opset(prepared, upgrade_opset, path, per_channel)
+    constants_to_initializers(prepared)
+    remove_identities(prepared)
+    fold_batchnorm(prepared)
+    divisions_to_multiplications(prepared)
+    return infer_shapes(prepared)

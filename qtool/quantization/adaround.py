@@ -1,0 +1,270 @@
+"""Adaptive weight rounding (AdaRound, Nagel et al. 2020), optimised per layer with numpy.
+
+Round-to-nearest minimises each weight's own error, not the layer's output error:
+errors of neighbouring weights that see correlated inputs add up. For a layer
+y = W x, the output error of a rounded W~ over the calibration inputs is
+
+    E ||(W~ - W) x||^2 = sum over output rows o of  e_o C e_o^T,   C = E[x x^T]
+
+so the K x K input second-moment matrix C (K = C_in x kh x kw, per channel for a
+depthwise conv) is all the data a layer needs: a fixed-size summary accumulated
+batch by batch from patches of the layer's fp32 input (at most PATCHES_PER_BATCH
+random patches per batch, at most --correction-samples samples).
+
+Each weight is rounded down or up: W~ = s (floor(W / s) + h(V)), h the rectified
+sigmoid of a free variable V, optimised with Adam for ITERATIONS steps on the output
+error plus AdaRound's regulariser 1 - |2h - 1|^beta (beta annealed 20 -> 2) that
+pushes every h to 0 or 1. The result is then rounded hard; a row whose output error
+is not lower than round-to-nearest's keeps round-to-nearest, so no layer gets worse
+on the calibration inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.config import QuantizeConfig
+from qtool.data.dataset import Batch
+from qtool.evaluation.macs import node_label
+from qtool.calibration.observer import with_outputs
+from qtool.plan.ops import attribute
+from qtool.plan.planner import QuantPlan
+from qtool.table.qparams import WEIGHT_QMAX
+from qtool.graph.runtime import create_session
+from qtool.targets import weight_qmax
+
+PATCHES_PER_BATCH = 2048
+ITERATIONS = 200
+LEARNING_RATE = 0.05
+REG_WEIGHT = 0.01
+ZETA, GAMMA = 1.1, -0.1
+WARMUP = 0.2  # fraction of the steps without the regulariser
+_MEMO: dict = {}  # the last model's layer statistics and roundings (see adaptive_rounding)
+
+
+@dataclass
+class _Layer:
+    node: onnx.NodeProto
+    kind: str  # "dense" (one C for all rows) | "depthwise" (one C per input channel)
+    out_axis: int  # the weight axis of output channels
+    second: Optional[np.ndarray] = None  # C accumulated (sum of x x^T)
+    count: int = 0
+
+
+def _kind(node: onnx.NodeProto, weight: np.ndarray) -> Optional[tuple[str, int]]:
+    if node.op_type == "Conv":
+        group = attribute(node, "group", 1)
+        if group == 1:
+            return "dense", 0
+        if weight.shape[1] == 1:
+            return "depthwise", 0
+        return None
+    if node.op_type == "Gemm" and not attribute(node, "transA", 0) and weight.ndim == 2:
+        return "dense", 0 if attribute(node, "transB", 0) else 1
+    if node.op_type == "MatMul" and weight.ndim == 2:
+        return "dense", 1
+    return None
+
+
+def _patches(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Up to PATCHES_PER_BATCH input patches of a 2-D conv: [P, C, kh, kw]."""
+    if x.ndim != 4 or len(kernel) != 2:
+        raise ValueError("2-D convolutions only")
+    n, c, h, w = x.shape
+    kh, kw = kernel
+    sh, sw = attribute(node, "strides", [1, 1])
+    dh, dw = attribute(node, "dilations", [1, 1])
+    pads = attribute(node, "pads", [0, 0, 0, 0])
+    if attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        raise ValueError("auto_pad")
+    xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    total = n * oh * ow
+    pick = rng.choice(total, size=min(total, PATCHES_PER_BATCH), replace=False)
+    bi, rest = np.divmod(pick, oh * ow)
+    oy, ox = np.divmod(rest, ow)
+    ys = oy[:, None] * sh + np.arange(kh)[None, :] * dh  # [P, kh]
+    xs = ox[:, None] * sw + np.arange(kw)[None, :] * dw  # [P, kw]
+    return xp[bi[:, None, None, None], np.arange(c)[None, :, None, None], ys[:, None, :, None], xs[:, None, None, :]]
+
+
+def _accumulate(layer: _Layer, x: np.ndarray, weight: np.ndarray, rng: np.random.Generator) -> None:
+    node = layer.node
+    if node.op_type == "Conv":
+        kernel = tuple(weight.shape[2:])
+        if all(k == 1 for k in kernel) and not any(attribute(node, "pads", [0])) and x.ndim == 4:
+            sh, sw = attribute(node, "strides", [1, 1])
+            cols = np.moveaxis(x[:, :, ::sh, ::sw], 1, -1).reshape(-1, x.shape[1])
+            if cols.shape[0] > PATCHES_PER_BATCH:
+                cols = cols[rng.choice(cols.shape[0], PATCHES_PER_BATCH, replace=False)]
+            patches = cols.reshape(cols.shape[0], x.shape[1], 1, 1)
+        else:
+            patches = _patches(x, node, kernel, rng)
+        patches = patches.astype(np.float32)
+        if layer.kind == "depthwise":
+            flat = np.ascontiguousarray(patches.reshape(patches.shape[0], patches.shape[1], -1).transpose(1, 2, 0))
+            part = flat @ flat.transpose(0, 2, 1)  # [C, k, k]: batched BLAS, not einsum
+        else:
+            flat = patches.reshape(patches.shape[0], -1)
+            part = flat.T @ flat
+        rows = patches.shape[0]
+    else:
+        flat = x.reshape(-1, x.shape[-1]).astype(np.float32)
+        part, rows = flat.T @ flat, flat.shape[0]
+    part = part.astype(np.float64)  # per-batch sums in float32, the running total in float64
+    layer.second = part if layer.second is None else layer.second + part
+    layer.count += rows
+
+
+def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], threads: int = 0,
+                   seed: int = 0) -> dict[str, _Layer]:
+    """Weight name -> its layer with the input second moments C, from one fp32 pass."""
+    inits = {t.name: t for t in model.graph.initializer}
+    by_label = {node_label(n): n for n in model.graph.node}
+    layers: dict[str, _Layer] = {}
+    weights: dict[str, np.ndarray] = {}
+    for name, wplan in plan.weights.items():
+        node = by_label.get(wplan.node)
+        if node is None or name not in inits:
+            continue
+        weight = numpy_helper.to_array(inits[name])
+        kind = _kind(node, weight)
+        if kind is None or node.input[1] != name:
+            continue
+        layers[name] = _Layer(node, *kind)
+        weights[name] = weight
+    names = list(dict.fromkeys(layer.node.input[0] for layer in layers.values()))
+    graph_inputs = {i.name for i in model.graph.input}
+    fetched = [n for n in names if n not in graph_inputs]
+    session = create_session(with_outputs(model, fetched), threads, "fp32 model")
+    rng = np.random.default_rng(seed)
+    failed = set()
+    for batch in data:
+        arrays = dict(zip(fetched, session.run(fetched, batch.feeds)))
+        arrays.update({n: batch.feeds[n] for n in names if n in graph_inputs})
+        for name, layer in layers.items():
+            if name in failed:
+                continue
+            try:
+                _accumulate(layer, arrays[layer.node.input[0]], weights[name], rng)
+            except ValueError:
+                failed.add(name)  # a layout we do not unfold (3-D conv, auto_pad): round to nearest
+    return {name: layer for name, layer in layers.items() if name not in failed and layer.count}
+
+
+def _rows(weight: np.ndarray, axis: int) -> np.ndarray:
+    return np.moveaxis(weight, axis, 0).reshape(weight.shape[axis], -1).astype(np.float64)
+
+
+def _row_errors(err: np.ndarray, second: np.ndarray, kind: str, multiplier: int) -> np.ndarray:
+    """e_o C e_o^T per row (err in weight units)."""
+    if kind == "depthwise":
+        c = np.repeat(second, multiplier, axis=0)  # row o reads input channel o // multiplier
+        return np.einsum("ok,okl,ol->o", err, c, err)
+    return np.einsum("ok,kl,ol->o", err, second, err)
+
+
+def _h(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sig = 1.0 / (1.0 + np.exp(-v))
+    sig = sig.astype(v.dtype)
+    raw = sig * (ZETA - GAMMA) + GAMMA
+    h = np.clip(raw, 0.0, 1.0)
+    grad = np.where((raw > 0) & (raw < 1), sig * (1 - sig) * (ZETA - GAMMA), 0.0)
+    return h, grad
+
+
+def round_layer(weight: np.ndarray, scales: np.ndarray, layer: _Layer, iterations: int = ITERATIONS,
+                qmax: int = WEIGHT_QMAX) -> np.ndarray:
+    """int8 values in [-qmax, qmax] of `weight` with adaptive rounding (same shape as `weight`)."""
+    axis = layer.out_axis
+    rows = _rows(weight, axis)
+    out, k = rows.shape
+    s = np.broadcast_to(np.asarray(scales, np.float64).reshape(-1), (out,)) if np.ndim(scales) else \
+        np.full(out, float(scales))
+    scaled = rows / s[:, None]
+    low = np.floor(scaled)
+    rest = scaled - low
+    second = layer.second / layer.count
+    multiplier = out // second.shape[0] if layer.kind == "depthwise" else 1
+    # normalise C so the regulariser's weight does not depend on the input's magnitude
+    trace = np.trace(second, axis1=-2, axis2=-1)
+    norm = (np.mean(trace) / k) if np.mean(trace) > 0 else 1.0
+    c = second / norm
+    # the optimisation runs in float32 (twice the BLAS speed); the final comparison in float64
+    c_rows = (np.repeat(c, multiplier, axis=0) if layer.kind == "depthwise" else c).astype(np.float32)
+    low32, scaled32 = low.astype(np.float32), scaled.astype(np.float32)
+
+    p = np.clip((rest - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
+    v = np.log(p / (1 - p)).astype(np.float32)
+    m1 = np.zeros_like(v)
+    m2 = np.zeros_like(v)
+    warm = int(WARMUP * iterations)
+    for step in range(iterations):
+        h, dh = _h(v)
+        err = low32 + h - scaled32  # in units of s: the scale is a per-row constant factor
+        if layer.kind == "depthwise":
+            grad = 2.0 * (c_rows @ err[:, :, None])[:, :, 0] / k
+        else:
+            grad = 2.0 * (err @ c_rows) / k
+        if step >= warm:
+            beta = 20.0 + (2.0 - 20.0) * (step - warm) / max(1, iterations - warm)
+            t = 2.0 * h - 1.0
+            grad = grad - REG_WEIGHT * beta * np.sign(t) * np.abs(t) ** (beta - 1) * 2.0
+        grad = grad * dh
+        m1 = 0.9 * m1 + 0.1 * grad
+        m2 = 0.999 * m2 + 0.001 * grad * grad
+        v = v - LEARNING_RATE * (m1 / (1 - 0.9 ** (step + 1))) / (np.sqrt(m2 / (1 - 0.999 ** (step + 1))) + 1e-8)
+
+    h, _ = _h(v.astype(np.float64))
+    adaptive = np.clip(low + (h >= 0.5), -qmax, qmax)
+    nearest = np.clip(np.rint(scaled), -qmax, qmax)
+    worse = _row_errors(adaptive - scaled, c, layer.kind, multiplier) >= \
+        _row_errors(nearest - scaled, c, layer.kind, multiplier)
+    chosen = np.where(worse[:, None], nearest, adaptive)
+    moved = np.moveaxis(weight, axis, 0).shape
+    return np.moveaxis(chosen.reshape(moved), 0, axis).astype(np.int8)
+
+
+def output_error(weight: np.ndarray, q: np.ndarray, scales: np.ndarray, layer: _Layer) -> float:
+    """E ||(W~ - W) x||^2 summed over output channels, on the layer's calibration inputs."""
+    rows = _rows(weight, layer.out_axis)
+    out = rows.shape[0]
+    s = np.broadcast_to(np.asarray(scales, np.float64).reshape(-1), (out,)) if np.ndim(scales) else \
+        np.full(out, float(scales))
+    err = _rows(q.astype(np.float64), layer.out_axis) * s[:, None] - rows
+    second = layer.second / layer.count
+    multiplier = out // second.shape[0] if layer.kind == "depthwise" else 1
+    return float(_row_errors(err, second, layer.kind, multiplier).sum())
+
+
+def adaptive_rounding(model: onnx.ModelProto, plan: QuantPlan, params, data: list[Batch],
+                      options: QuantizeConfig, threads: int = 0) -> Callable:
+    """The `rounding` callback of quantize_graph: adaptive for every layer we could observe.
+
+    Results are memoised for the process: the mixed-precision search quantizes the same
+    model many times with different layers left float, and a layer's inputs (fp32) and
+    rounding do not depend on which other layers are float."""
+    key = (hashlib.sha256(model.SerializeToString()).hexdigest(), tuple(k for b in data for k in b.keys))
+    if _MEMO.get("key") != key:
+        _MEMO.clear()
+        _MEMO.update(key=key, layers=collect_inputs(model, plan, data, threads), rounded={})
+    layers, rounded = _MEMO["layers"], _MEMO["rounded"]
+    qmax = weight_qmax(options.reduce_range)  # 7-bit weights with --reduce-range
+
+    def rounding(name: str, weight: np.ndarray, scales: np.ndarray, axis) -> Optional[np.ndarray]:
+        layer = layers.get(name)
+        if layer is None:
+            return None
+        memo = (name, np.asarray(scales).tobytes())
+        if memo not in rounded:
+            rounded[memo] = round_layer(weight, scales, layer, qmax=qmax)
+        return rounded[memo]
+
+    return rounding

@@ -1,0 +1,227 @@
+"""Bias correction: remove the mean output shift that weight and activation rounding cause.
+
+Rounding errors are not zero-mean per output channel: a layer of the int8 model
+computes E[y_q] != E[y] on real data, and the shift adds up layer after layer (nets
+with depthwise convs and swish/SE lose the most). For each Conv/Gemm with an int32
+bias, in graph order, we measure the per-channel mean of its output in the fp32 model
+and in the quantized model (whose earlier layers are already corrected), and add the
+difference to the bias. The bias keeps its scale s_in x s_w[c] exactly: only its int32
+values move.
+
+Cost: one fp32 pass, and one pass of the quantized model cut into slices that end at
+each corrected layer. A slice starts from the tensors the previous slices left (kept
+for the correction samples only: --correction-samples bounds that memory), so the
+whole quantized model runs about once, not once per layer. Means are fixed-size
+per-channel sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qtool.data.dataset import Batch
+from qtool.evaluation.macs import node_label
+from qtool.calibration.observer import with_outputs
+from qtool.plan.planner import QuantPlan
+from qtool.table.qparams import INT32_MAX
+from qtool.quantization.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
+from qtool.graph.runtime import create_session
+
+CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}
+
+
+@dataclass(frozen=True)
+class _Target:
+    node: str
+    output: str
+    bias: str  # the float bias name; its int32 values are `bias + WEIGHT_SUFFIX`
+    axis: int
+
+
+@dataclass
+class BiasCorrectionReport:
+    layers: int = 0
+    mean_abs_shift_before: float = 0.0  # mean |E[y] - E[y_q]| over channels, as measured
+    samples: int = 0
+
+
+class _Means:
+    """Per-channel running sum; fixed size whatever the number of samples."""
+
+    def __init__(self):
+        self.sum = None
+        self.count = 0
+
+    def update(self, array: np.ndarray, axis: int) -> None:
+        axis = axis % array.ndim
+        other = tuple(i for i in range(array.ndim) if i != axis)
+        part = array.astype(np.float64).sum(axis=other)
+        self.sum = part if self.sum is None else self.sum + part
+        self.count += array.size // array.shape[axis]
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.sum / max(self.count, 1)
+
+
+def _add_zero_biases(qmodel: onnx.ModelProto) -> list[_Target]:
+    """Give int8 Convs without a bias (those followed by an unfolded BatchNormalization) an int32
+    zero bias at scale s_in x s_w, so that they can be corrected too."""
+    producers = {o: n for n in qmodel.graph.node for o in n.output}
+    inits = {t.name: t for t in qmodel.graph.initializer}
+    added, head = [], []
+    for node in qmodel.graph.node:
+        if node.op_type != "Conv" or (len(node.input) > 2 and node.input[2]) or len(node.input) < 2:
+            continue
+        dqs = [producers.get(name) for name in node.input[:2]]
+        if any(dq is None or dq.op_type != "DequantizeLinear" or dq.input[1] not in inits for dq in dqs):
+            continue
+        s_in = numpy_helper.to_array(inits[dqs[0].input[1]])
+        s_w = numpy_helper.to_array(inits[dqs[1].input[1]])
+        if s_in.ndim != 0 or dqs[0].input[0] in inits:
+            continue  # per-tensor activation scale only; a constant input is not an activation
+        name = node_label(node) + "_corrected_bias"
+        channels = inits[dqs[1].input[0]].dims[0]
+        scale = (np.float32(s_in) * s_w.astype(np.float32)).astype(np.float32)
+        axis = {"axis": 0} if scale.ndim else {}
+        qmodel.graph.initializer.extend([
+            numpy_helper.from_array(np.zeros(channels, np.int32), name + WEIGHT_SUFFIX),
+            numpy_helper.from_array(scale, name + SCALE_SUFFIX),
+            numpy_helper.from_array(np.zeros(scale.shape, np.int32), name + "_zero_point")])
+        head.append(helper.make_node("DequantizeLinear", [name + WEIGHT_SUFFIX, name + SCALE_SUFFIX,
+                                                          name + "_zero_point"], [name + "_DequantizeLinear_Output"],
+                                     name=name + "_DequantizeLinear", **axis))
+        while len(node.input) < 2:
+            node.input.append("")
+        node.input.append(name + "_DequantizeLinear_Output")
+        added.append(_Target(node_label(node), node.output[0], name, CHANNEL_AXIS["Conv"]))
+    if head:
+        nodes = head + list(qmodel.graph.node)
+        del qmodel.graph.node[:]
+        qmodel.graph.node.extend(nodes)
+    return added
+
+
+def _targets(qmodel: onnx.ModelProto, plan: QuantPlan) -> list[_Target]:
+    inits = {t.name for t in qmodel.graph.initializer}
+    by_label = {node_label(n): n for n in qmodel.graph.node}
+    found = []
+    for name, bias in plan.biases.items():
+        node = by_label.get(bias.node)
+        if node is None or node.op_type not in CHANNEL_AXIS or name + WEIGHT_SUFFIX not in inits:
+            continue
+        found.append(_Target(bias.node, node.output[0], name, CHANNEL_AXIS[node.op_type]))
+    found += _add_zero_biases(qmodel)
+    order = {node_label(n): i for i, n in enumerate(qmodel.graph.node)}
+    return sorted(found, key=lambda t: order[t.node])
+
+
+def _fp32_means(model: onnx.ModelProto, targets: list[_Target], data: list[Batch], threads: int) -> dict:
+    names = [t.output for t in targets]
+    session = create_session(with_outputs(model, names), threads, "fp32 model")
+    means = {t.output: _Means() for t in targets}
+    for batch in data:
+        for target, array in zip(targets, session.run(names, batch.feeds)):
+            means[target.output].update(array, target.axis)
+    return {name: m.mean for name, m in means.items()}
+
+
+def _slice_model(qmodel: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray],
+                 outputs: list[str], types: dict[str, int]) -> onnx.ModelProto:
+    read = {name for n in nodes for name in n.input if name}
+    graph = helper.make_graph(
+        nodes, "slice",
+        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), None)
+         for name, a in inputs.items()],
+        [helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None) for name in outputs],
+        [t for t in qmodel.graph.initializer if t.name in read])
+    model = helper.make_model(graph, opset_imports=list(qmodel.opset_import))
+    model.ir_version = qmodel.ir_version
+    return model
+
+
+def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantPlan, data: Iterable[Batch],
+                   threads: int = 0) -> BiasCorrectionReport:
+    """Correct the int32 biases of `qmodel` (the QDQ model of `model`) in place."""
+    data = list(data)
+    report = BiasCorrectionReport(samples=sum(len(b) for b in data))
+    targets = _targets(qmodel, plan)
+    if not targets or not data:
+        return report
+    reference = _fp32_means(model, targets, data, threads)
+    inits = {t.name: t for t in qmodel.graph.initializer}
+
+    nodes = list(qmodel.graph.node)
+    types = _elem_types(qmodel)
+    constant = set(inits)
+    const_nodes: dict[str, onnx.NodeProto] = {}
+    for node in nodes:  # DequantizeLinear of weights and biases: recomputed inside each slice
+        if all(not name or name in constant for name in node.input):
+            constant.update(node.output)
+            const_nodes.update({out: node for out in node.output})
+    compute = [n for n in nodes if n.output[0] not in const_nodes]
+    position = {node_label(n): i for i, n in enumerate(compute)}
+    last_read: dict[str, int] = {}
+    for i, node in enumerate(compute):
+        for name in node.input:
+            last_read[name] = i
+
+    cache = [dict(batch.feeds) for batch in data]
+    start = 0
+    shifts = []
+    for target in targets:
+        end = position[target.node] + 1
+        part = compute[start:end]
+        made = {o for n in part for o in n.output}
+        needed_consts = [const_nodes[name] for name in dict.fromkeys(x for n in part for x in n.input)
+                         if name in const_nodes]
+        inputs = {name: cache[0][name] for name in dict.fromkeys(x for n in part for x in n.input)
+                  if name and name not in constant and name not in made}
+        outputs = [o for o in dict.fromkeys(o for n in part for o in n.output)
+                   if o and (last_read.get(o, -1) >= end or o == target.output)]
+        session = create_session(_slice_model(qmodel, needed_consts + part, inputs, outputs, types), threads, target.node)
+        means = _Means()
+        for entry in cache:
+            entry.update(zip(outputs, session.run(outputs, {name: entry[name] for name in inputs})))
+            means.update(entry[target.output], target.axis)
+        del session
+        shift = reference[target.output] - means.mean
+        applied = _shift_bias(inits, target.bias, shift)
+        for entry in cache:  # later slices see the corrected layer
+            out = entry[target.output]
+            shape = [1] * out.ndim
+            shape[target.axis % out.ndim] = -1
+            entry[target.output] = (out + applied.reshape(shape)).astype(out.dtype)
+        shifts.append(float(np.mean(np.abs(shift))))
+        start = end
+        for entry in cache:
+            for name in [n for n in entry if last_read.get(n, -1) < end]:
+                del entry[name]
+    report.layers = len(targets)
+    report.mean_abs_shift_before = float(np.mean(shifts))
+    return report
+
+
+def _elem_types(qmodel: onnx.ModelProto) -> dict[str, int]:
+    """Element types of the QDQ model's tensors (QuantizeLinear outputs are 8-bit)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(qmodel)
+    except Exception:  # advisory: unknown tensors are taken as float
+        inferred = qmodel
+    return {v.name: v.type.tensor_type.elem_type for v in list(inferred.graph.value_info) + list(inferred.graph.output)
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+
+
+def _shift_bias(inits: dict[str, onnx.TensorProto], bias: str, shift: np.ndarray) -> np.ndarray:
+    """Add `shift` to an int32 bias at its own scale; returns the shift actually applied."""
+    q_tensor = inits[bias + WEIGHT_SUFFIX]
+    q = numpy_helper.to_array(q_tensor).astype(np.int64)
+    scale = numpy_helper.to_array(inits[bias + SCALE_SUFFIX]).astype(np.float64)
+    new = np.clip(q + np.rint(shift / scale), -INT32_MAX, INT32_MAX)
+    q_tensor.CopyFrom(numpy_helper.from_array(new.astype(np.int32), q_tensor.name))
+    return ((new - q) * scale).astype(np.float32)

@@ -1,0 +1,74 @@
+"""Pad a graph input's channels to a multiple of 4 for onnxruntime's fast int8 convolution.
+
+onnxruntime's QLinearConv on x86 has a fast "symmetric" kernel family (MLAS ConvSym:
+int8 weights with zero point 0, indirect convolution, VNNI/AVX-512 code) that it uses only
+when a non-grouped convolution's input channels are a multiple of 4 (and its output channels
+at least 16, a multiple of 8). A network's stem
+convolution reads RGB (3 channels), misses that path and falls back to im2col + GEMM over a
+K of 27: on EfficientNet-Lite0 (batch 8, 1 thread) the stem alone then costs as much in
+int8 as in fp32 (3.6 ms), and 2.3 ms with a fourth channel.
+
+The rewrite: the quantized graph input gets a fourth channel filled with its zero point (real
+0; a Pad between its QuantizeLinear and DequantizeLinear), and the stem's int8 weight a zero
+input channel. Zero weights add nothing, so the outputs are bit-identical. Applied only where
+the quantized input feeds nothing but such convolutions (anything else would see the
+extra channel). The padded tensor has a new name, so no tool mistakes it for the fp32 input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.quantization.input_chain import GraphIndex, insert_on_codes, quantized_inputs
+
+from qtool.plan.ops import attribute
+
+ALIGN = 4
+PAD_SUFFIX = "_chpad"
+
+
+def pad_input_channels(model: onnx.ModelProto) -> list[str]:
+    """Rewrite in place; returns the names of the graph inputs padded."""
+    index = GraphIndex.of(model)
+    padded = []
+    for chain in quantized_inputs(model, index):
+        convs = chain.readers
+        weights = [_conv_weight(conv, chain.dq.output[0], index.producer, index.inits) for conv in convs]
+        if not convs or any(w is None for w in weights):
+            continue
+        channels = weights[0][1].shape[1]
+        if channels % ALIGN == 0 or any(w[1].shape[1] != channels for w in weights):
+            continue
+        # ConvSym also wants at least 16 output channels, a multiple of 8: otherwise padding buys nothing
+        if any(w[1].shape[0] < 16 or w[1].shape[0] % 8 for w in weights):
+            continue
+        extra = ALIGN - channels % ALIGN
+        for init_name, weight in {w[0]: w[1] for w in weights}.items():
+            pad_shape = (weight.shape[0], extra, *weight.shape[2:])
+            grown = np.concatenate([weight, np.zeros(pad_shape, weight.dtype)], axis=1)
+            index.inits[init_name].CopyFrom(numpy_helper.from_array(grown, init_name))
+        pads_name = chain.name + PAD_SUFFIX + "_pads"
+        rank = len(weights[0][1].shape)
+        pads = np.zeros(2 * rank, np.int64)
+        pads[rank + 1] = extra  # end of axis 1
+        model.graph.initializer.append(numpy_helper.from_array(pads, pads_name))
+        # Pad the quantized tensor with its zero point (real 0): a quarter of the bytes a float Pad
+        # would move (measured 1.0 ms in float against 0.2 ms in uint8 at batch 8).
+        insert_on_codes(model, chain, "Pad", [pads_name, chain.q.input[2]], PAD_SUFFIX, mode="constant")
+        padded.append(chain.name)
+    return padded
+
+
+def _conv_weight(conv, data_name, producer, inits):
+    """(int8 weight initializer name, array) of a non-grouped QDQ Conv reading `data_name`, else None."""
+    if conv.op_type != "Conv" or conv.input[0] != data_name or attribute(conv, "group", 1) != 1:
+        return None
+    dq = producer.get(conv.input[1]) if len(conv.input) > 1 else None
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+        return None
+    weight = numpy_helper.to_array(inits[dq.input[0]])
+    if weight.dtype != np.int8 or weight.ndim < 3:
+        return None
+    return dq.input[0], weight

@@ -1,0 +1,168 @@
+"""Quantization: calibration table + fp32 model -> int8 QDQ model."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.quantization.adaround import adaptive_rounding
+from qtool.quantization.bias_correction import correct_biases
+from qtool.calibration.calibrate import prepared_model, resolve_qparams
+from qtool.quantization.channel_pad import pad_input_channels
+from qtool.data.dataset import Batch
+from qtool.config import QuantizeConfig
+from qtool.errors import QtoolError
+from qtool.graph.modelio import check_model, sha256_file
+from qtool.plan.planner import QuantPlan
+from qtool.table.qparams import MIN_SCALE, QParams
+from qtool.quantization.rewrite import check_no_bad_scales, quantize_graph
+from qtool.quantization.stem_s2d import space_to_depth_stems
+from qtool.table.table import CalibrationTable
+from qtool.targets import check_model as check_target, weight_qmax
+
+
+@dataclass
+class QuantizeResult:
+    model: onnx.ModelProto
+    plan: QuantPlan
+    notes: list[str] = field(default_factory=list)
+    source: Optional[onnx.ModelProto] = None  # the prepared fp32 graph `model` was quantized from
+
+
+def params_from_table(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig,
+                      table_path: object = None, allow_missing: bool = False) -> dict[str, QParams]:
+    """Quantization parameters for every planned activation, taken from the table.
+
+    Entries written for the same activation type are used as they are (so a converted
+    table quantizes to the identical model); otherwise they are recomputed from the range.
+    Shared-scale and fixed-range rules are re-applied in case the table came from a tool
+    that does not know them; a shared-scale group whose entries already agree keeps them.
+    """
+    missing = [name for name in plan.activations if name not in table.tensors]
+    if missing and not allow_missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise QtoolError(f"calibration table has no entry for {len(missing)} tensor(s) the model needs: {shown} "
+                         "(calibrate this model again, or pass --allow-missing to keep them in float)", table_path)
+    ranges = {name: table.tensors[name].range for name in plan.activations if name in table.tensors}
+    _, computed = resolve_qparams(plan, ranges, options)
+    params = {}
+    tied = _groups_needing_recompute(plan, table, options)
+    for name in ranges:
+        entry = table.tensors[name].qparams
+        params[name] = entry if entry.dtype == options.activation_dtype and name not in tied else computed[name]
+        if name in plan.fixed:
+            params[name] = computed[name]
+        if params[name].scale < MIN_SCALE:  # a foreign table's near-zero scale would underflow the bias scale
+            params[name] = QParams(MIN_SCALE, params[name].zero_point, params[name].dtype)
+    return params
+
+
+def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
+    """NaN/Inf in a weight or bias has no int8 representation: the model itself is broken."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    for name in [*plan.weights, *plan.biases]:
+        values = numpy_helper.to_array(initializers[name])
+        bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+        if bad:
+            raise QtoolError(f"constant '{name}' contains {bad} NaN/Inf value(s); fix the model before quantizing",
+                             path)
+
+
+def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig) -> set[str]:
+    """Tensors of shared-scale groups whose table entries differ (or are of another type).
+
+    A table converted from another format carries one scale per tensor; when the group's
+    members agree it is used as is (bit for bit), otherwise the group gets the union range.
+    """
+    out = set()
+    for group in plan.tie_groups:
+        found = {table.tensors[n].qparams for n in group if n in table.tensors}
+        if len(found) > 1 or any(p.dtype != options.activation_dtype for p in found):
+            out.update(group)
+    return out
+
+
+def resolve_data_steps(options: QuantizeConfig, have_data: bool) -> tuple[str, str]:
+    """(bias correction, weight rounding) to run: `auto` means on when calibration data is at hand.
+    Asking for either explicitly without data is a user error."""
+    explicit = options.bias_correction == "fast" or options.weight_rounding == "adaptive"
+    if explicit and not have_data:
+        raise QtoolError("bias correction and adaptive weight rounding need calibration data (--data)")
+    bias = "fast" if options.bias_correction == "auto" and have_data else options.bias_correction
+    rounding = "adaptive" if options.weight_rounding == "auto" and have_data else options.weight_rounding
+    return ("off" if bias == "auto" else bias), ("nearest" if rounding == "auto" else rounding)
+
+
+def _optional(setting: str, what: str, notes: list[str], step: Callable):
+    """Run a data-driven step; in `auto` mode a graph it cannot handle keeps the plain result, with a note."""
+    if setting != "auto":
+        return step()
+    try:
+        return step()
+    except Exception as exc:  # auto mode must never make quantization fail where it used to succeed
+        notes.append(f"{what} skipped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return None
+
+
+def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
+                   table_path: object = None, allow_missing: bool = False,
+                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizeResult:
+    """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them)."""
+    if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
+        warnings.warn(f"{table_path}: calibration table was made for a different model file "
+                      f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
+    model, plan = prepared_model(model_path, options)  # the graph calibration saw, equalized if asked
+    check_finite_constants(model, plan, model_path)
+    params = params_from_table(plan, table, options, table_path, allow_missing)
+    qmax = weight_qmax(options.reduce_range)
+    bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
+    samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
+    notes: list[str] = []
+    rounding = None
+    if rounding_mode == "adaptive":
+        rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
+                             lambda: adaptive_rounding(model, plan, params, samples, options))
+    try:
+        qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
+                                             options.activation_dtype, options.symmetric_activations, rounding)
+    except Exception as exc:
+        if rounding is None or options.weight_rounding != "auto":
+            raise
+        notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
+        qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
+                                             options.activation_dtype, options.symmetric_activations)
+    notes = graph_notes + notes
+    if bias_correction == "fast":
+        corrected = onnx.ModelProto()
+        corrected.CopyFrom(qmodel)  # a step that fails half-way in auto mode leaves qmodel untouched
+        report = _optional(options.bias_correction, "bias correction", notes,
+                           lambda: correct_biases(model, corrected, plan, samples))
+        if report is not None:
+            qmodel = corrected
+            notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
+                         f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
+    if options.target == "ort-cpu":
+        for name in space_to_depth_stems(qmodel):
+            notes.append(f"input '{name}' rearranged into 2x2 blocks (SpaceToDepth) after its QuantizeLinear, "
+                         "so onnxruntime runs the 3x3 stride-2 stem as a 2x2 stride-1 Conv over 12 channels "
+                         "(fewer kernel taps, outputs unchanged)")
+        for name in pad_input_channels(qmodel):
+            notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
+                         "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
+    check_no_bad_scales(qmodel)
+    problems = check_target(qmodel, options, plan)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
+        notes.append(f"the model does not satisfy target {options.target}'s constraints "
+                     f"({len(problems)} problem(s), from the options overriding the preset): {shown}")
+    try:
+        check_model(qmodel, full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
+    return QuantizeResult(qmodel, plan, notes, model)
