@@ -105,7 +105,8 @@ def measure(kind: str, model: Path, path: Path, count: int, scratch: Path) -> di
         for batch in _batches(path, count):
             session.run(None, {"input": batch})
     elif kind.startswith("qtool "):
-        from qtool.calibration.calibrate import build_table, prepared_model
+        from qtool.calibration.calibrate import build_table
+        from qtool.plan.planner import prepared_model
         from qtool.config import CalibrationConfig, load_config
         from qtool.data.dataset import Batch
         from qtool.calibration.method_rules import methods_for, needs_histogram

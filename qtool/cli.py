@@ -148,7 +148,8 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     """
     from qtool.calibration.calibrate import calibrate as run_calibration
     from qtool.table.formats import get_format, write_table
-    from qtool.calibration.shards import calibrate_shard, merge_tables, parse_shard
+    from qtool.calibration.calibrate import calibrate_shard, merge_tables
+    from qtool.calibration.shards import parse_shard
 
     if stats_files and not merge:
         raise click.UsageError(f"unexpected argument '{stats_files[0]}' (statistics files go with --merge)")

@@ -141,7 +141,7 @@ def check_model(model: onnx.ModelProto, options, plan=None) -> list[str]:
     if plan is not None:
         for group in plan.tie_groups:
             # a fixed-range member (Softmax) keeps its spec parameters when the others do not fit in
-            # them (calibrate.resolve_qparams); the others must still agree among themselves
+            # them (table.resolve.resolve_qparams); the others must still agree among themselves
             found = {params[n] for n in group if n in params and n not in plan.fixed}
             if len(found) > 1:
                 problems.append(f"shared-scale group {group[:3]}...: parameters differ")

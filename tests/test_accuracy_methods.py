@@ -333,7 +333,7 @@ def test_restore_float_puts_one_layer_back_in_float_and_leaves_the_rest_int8(cru
     """The mixed-precision search edits the finished int8 model: the restored layer computes with
     its fp32 weights on the same dequantized input (guarded against onnxruntime re-quantizing it),
     every other layer is untouched, and no dangling DequantizeLinear or int8 weight is left."""
-    from qtool.calibration.calibrate import prepared_model
+    from qtool.plan.planner import prepared_model
     from qtool.quantization.float_fallback import restorable_layers, restore_float
     from qtool.graph.kernels import count_kernels
 

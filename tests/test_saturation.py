@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import qtool.calibration.calibrate as calibrate_module
+import qtool.calibration.collect as collect_module
 import qtool.calibration.observer as observer_module
 from qtool.calibration.calibrate import calibrate
 from qtool.config import load_config
@@ -110,7 +110,7 @@ def test_histogram_tensors_keep_their_samples_and_counts_when_saturated(monkeypa
 
 def _table_bytes(monkeypatch, saturating: bool, *args) -> tuple[str, dict]:
     seen = {}
-    real = calibrate_module.observe
+    real = collect_module.observe
 
     def spy(*a, **kw):
         if not saturating:
@@ -118,7 +118,7 @@ def _table_bytes(monkeypatch, saturating: bool, *args) -> tuple[str, dict]:
         seen.update(real(*a, **kw))
         return seen
 
-    monkeypatch.setattr(calibrate_module, "observe", spy)
+    monkeypatch.setattr(collect_module, "observe", spy)
     table = calibrate(*args, progress=False)
     monkeypatch.undo()
     return table.to_json_text(), seen

@@ -1,4 +1,4 @@
-"""Sharded and multi-process calibration: statistics files, merging, worker processes.
+"""Statistics files and the local worker pool: shards of calibration data collected apart, merged by addition.
 
 A shard K/N is a contiguous run of whole batches (shard boundaries fall on multiples
 of the batch size), so the batches of all shards are exactly the batches of a single
@@ -20,15 +20,14 @@ import multiprocessing
 import os
 import zipfile
 from pathlib import Path
-from typing import Optional
-
 import numpy as np
 
 from qtool import atomic
-from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.data.dataset import DataSource, model_batch_size
-from qtool.errors import QtoolError
+from qtool.calibration.collect import collect_statistics, warn_nonfinite
 from qtool.calibration.statistics import TensorStats
+from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.errors import QtoolError
+from qtool.plan.planner import prepared_model
 
 FORMAT = "qtool-statistics"
 VERSION = 1
@@ -45,31 +44,8 @@ def parse_shard(text: str) -> tuple[int, int]:
     return k, n
 
 
-def batch_span(total_batches: int, k: int, n: int) -> tuple[int, int]:
-    return total_batches * k // n, total_batches * (k + 1) // n
-
-
-def select_shard(source: DataSource, calib: CalibrationConfig, k: int, n: int,
-                 sub: tuple[int, int] = (0, 1)) -> Optional[int]:
-    """Restrict `source` to shard k/n (then sub-shard sub[0]/sub[1] of it); returns the sample limit."""
-    if (k, n) == (0, 1) and sub == (0, 1):
-        return calib.num_samples
-    files = source.files[:calib.num_samples] if calib.num_samples else source.files
-    size = model_batch_size(source.specs, calib.batch_size)
-    total = -(-len(files) // size)
-    a, b = batch_span(total, k, n)
-    j, m = sub
-    a, b = a + (b - a) * j // m, a + (b - a) * (j + 1) // m
-    source.files = files[a * size:b * size]
-    if not source.files:
-        raise QtoolError(f"shard {k}/{n} is empty: {len(files)} samples make only {total} batches", source.root)
-    return None
-
-
 def _collect(args) -> tuple[dict[str, TensorStats], int]:
     """Worker process: one session over one (sub-)shard."""
-    from qtool.calibration.calibrate import collect_statistics, prepared_model
-
     model_path, data, preprocess, calib, options, shard, sub, threads, all_histograms = args
     try:
         model, plan = prepared_model(model_path, options)
@@ -83,8 +59,6 @@ def collect_parallel(model_path, data, preprocess: PreprocessConfig, calib: Cali
                      options: QuantizeConfig, shard: tuple[int, int] = (0, 1),
                      force_histograms: bool = False) -> tuple[dict[str, TensorStats], int]:
     """calib.workers processes, each with its own onnxruntime session over a sub-shard; merged in memory."""
-    from qtool.calibration.calibrate import warn_nonfinite
-
     workers = calib.workers
     threads = max(1, (os.cpu_count() or 1) // workers)
     jobs = [(str(model_path), str(data), preprocess, calib, options, shard, (j, workers), threads, force_histograms)
@@ -156,36 +130,3 @@ def merge_files(paths: list[Path], model_sha256: str) -> tuple[dict[str, TensorS
         raise QtoolError(f"the same shard is given twice: {shards}")
     return merge_all(list(parts)), sum(int(h["num_samples"]) for h in headers)
 
-
-def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,
-                    options: QuantizeConfig, shard: tuple[int, int], output: Path) -> tuple[int, int]:
-    """Collect one shard's statistics (with histograms for every tensor) and write them to `output`."""
-    from qtool.calibration.calibrate import collect_statistics, prepared_model
-    from qtool.graph.modelio import sha256_file
-    from qtool.calibration.ranges import check_method
-
-    check_method(calib.method)  # the shard file serves any method, but a typo should fail now
-    if calib.workers > 1:
-        stats, seen = collect_parallel(model_path, data, preprocess, calib, options, shard, force_histograms=True)
-    else:
-        model, plan = prepared_model(model_path, options)
-        stats, seen = collect_statistics(model, plan, data, preprocess, calib, shard=shard, all_histograms=True)
-    save_stats(output, stats, {"model_file": Path(model_path).name, "model_sha256": sha256_file(model_path),
-                               "num_samples": seen, "shard": list(shard), "batch_size": calib.batch_size,
-                               "histogram_sample": calib.histogram_sample})
-    return len(stats), seen
-
-
-def merge_tables(model_path, paths: list[Path], calib: CalibrationConfig, options: QuantizeConfig):
-    """The calibration table of the union of the shards' data."""
-    from qtool.calibration.calibrate import build_table, prepared_model, warn_nonfinite
-    from qtool.graph.modelio import sha256_file
-
-    model, plan = prepared_model(model_path, options)
-    stats, seen = merge_files(paths, sha256_file(model_path))
-    missing = [t for t in plan.activations if t not in stats]
-    if missing:
-        raise QtoolError(f"the statistics lack tensor '{missing[0]}' that this quantization needs "
-                         "(collected with other quantization options?)", paths[0])
-    warn_nonfinite(stats)
-    return build_table(plan, stats, calib, options, model_path, seen, model)

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from qtool.config import PreprocessConfig
+from qtool.config import CalibrationConfig, PreprocessConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import InputSpec
 from qtool.data.preprocess import preprocess_image, read_image
@@ -240,3 +240,24 @@ def _shapes(sample: Sample) -> tuple:
 
 def count_samples(source: DataSource, limit: Optional[int]) -> int:
     return len(source) if limit is None else min(limit, len(source))
+
+
+def batch_span(total_batches: int, k: int, n: int) -> tuple[int, int]:
+    return total_batches * k // n, total_batches * (k + 1) // n
+
+
+def select_shard(source: DataSource, calib: CalibrationConfig, k: int, n: int,
+                 sub: tuple[int, int] = (0, 1)) -> Optional[int]:
+    """Restrict `source` to shard k/n (then sub-shard sub[0]/sub[1] of it); returns the sample limit."""
+    if (k, n) == (0, 1) and sub == (0, 1):
+        return calib.num_samples
+    files = source.files[:calib.num_samples] if calib.num_samples else source.files
+    size = model_batch_size(source.specs, calib.batch_size)
+    total = -(-len(files) // size)
+    a, b = batch_span(total, k, n)
+    j, m = sub
+    a, b = a + (b - a) * j // m, a + (b - a) * (j + 1) // m
+    source.files = files[a * size:b * size]
+    if not source.files:
+        raise QtoolError(f"shard {k}/{n} is empty: {len(files)} samples make only {total} batches", source.root)
+    return None

@@ -34,9 +34,8 @@ from qtool.evaluation.macs import node_label, node_macs, sample_shapes, tensor_s
 from qtool.evaluation.metrics import FidelityAccumulator
 from qtool.calibration.observer import with_outputs
 from qtool.plan.ops import rule_for
-from qtool.calibration.calibrate import prepared_model
-from qtool.plan.planner import QuantPlan, build_plan
-from qtool.quantization.quantize import params_from_table
+from qtool.plan.planner import QuantPlan, build_plan, prepared_model
+from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_graph
 from qtool.graph.runtime import create_session
 from qtool.table.table import CalibrationTable

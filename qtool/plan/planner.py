@@ -13,9 +13,14 @@ from typing import Collection, Optional
 
 import onnx
 
+from pathlib import Path
+
 from qtool.config import QuantizeConfig
+from qtool.graph.modelio import load_model
 from qtool.plan.ops import OpRule, attribute, rule_for
 from qtool.plan.ops.pad import pad_value
+from qtool.prepare.equalize import equalize
+from qtool.prepare.graph_prep import prepare
 
 
 @dataclass(frozen=True)
@@ -255,3 +260,10 @@ def _merge_groups(groups: list[list[str]]) -> list[list[str]]:
     for name in order:
         merged.setdefault(find(name), []).append(name)
     return [g for g in merged.values() if len(g) > 1]
+
+
+def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
+    model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
+    if options.equalize:  # before calibration, so the table matches the equalized graph
+        equalize(model)
+    return model, build_plan(model, options)

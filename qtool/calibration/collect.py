@@ -1,0 +1,53 @@
+"""One streaming pass of calibration data through the observing model: statistics per planned tensor."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import onnx
+from tqdm import tqdm
+
+from qtool.calibration.method_rules import methods_for, needs_histogram
+from qtool.calibration.observer import observe
+from qtool.calibration.saturation import saturable
+from qtool.calibration.statistics import TensorStats
+from qtool.config import CalibrationConfig, PreprocessConfig
+from qtool.data.dataset import batches, count_samples, open_data, select_shard
+from qtool.graph.modelio import input_specs
+from qtool.plan.planner import QuantPlan
+
+
+def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path, preprocess: PreprocessConfig,
+                       calib: CalibrationConfig, progress: bool = True, shard: tuple[int, int] = (0, 1),
+                       threads: int = 0, sub: tuple[int, int] = (0, 1), warn: bool = True,
+                       all_histograms: bool = False) -> tuple[dict[str, TensorStats], int]:
+    """One streaming pass over shard `shard` = (k, n) of the data (the whole data for (0, 1)),
+    sub-shard `sub` of it; histograms for the tensors whose method needs one (all_histograms: every tensor)."""
+    source = open_data(data, input_specs(model), preprocess)
+    limit = select_shard(source, calib, *shard, sub=sub)
+    total = count_samples(source, limit)
+    methods = methods_for(model, plan.activations, calib)
+    histogram_for = set(plan.activations) if all_histograms else needs_histogram(methods)
+    # may stop being observed once saturated; shard files keep every statistic (a merge may average them)
+    saturate = set() if all_histograms else saturable(methods, calib)
+    seen = 0
+    with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
+        def advance(batch):
+            nonlocal seen
+            seen += len(batch)
+            bar.update(len(batch))
+
+        stats = observe(model, plan.activations, batches(source, calib.batch_size, limit),
+                        histogram_for=histogram_for, threads=threads, on_batch=advance,
+                        sample_limit=calib.histogram_sample, saturate=saturate)
+    if warn:
+        warn_nonfinite(stats)
+    return stats, seen
+
+
+def warn_nonfinite(stats: dict[str, TensorStats]) -> None:
+    for name, s in stats.items():
+        if s.nonfinite:
+            warnings.warn(f"tensor '{name}': {s.nonfinite} NaN/Inf values excluded from its statistics",
+                          stacklevel=3)

@@ -1,0 +1,126 @@
+"""The package's layering, read from the code's own imports (those inside functions included).
+
+Units are qtool's stage packages and its top-level modules. Each sits on a level; an
+import may go to its own unit or to a unit on a lower level, never sideways or up. That
+one rule gives the ones docs/architecture.md states: no import circle; the ground
+package (graph/) imports no stage; quantization/ imports neither calibration/ nor
+evaluation/; integer/ imports only graph/, data/, table/ and the top-level modules below
+them; nothing below the API imports the CLI.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "qtool"
+
+LEVELS = {
+    "errors": 0, "interrupt": 0, "targets": 0,
+    "config": 1, "atomic": 1,
+    "graph": 2,
+    "data": 3, "prepare": 3,
+    "plan": 4,
+    "table": 5,
+    "calibration": 6, "quantization": 6, "integer": 6,
+    "evaluation": 7,
+    "api": 8, "__init__": 8,
+    "cli": 9,
+    "__main__": 10,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every qtool module `path` imports, at any depth of the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("qtool"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("qtool"):
+            folder = PACKAGE.parent / node.module.replace(".", "/")
+            for alias in node.names:
+                if (folder / f"{alias.name}.py").exists() or (folder / alias.name).is_dir():
+                    found.add(f"{node.module}.{alias.name}")  # `from qtool.pkg import module`
+                elif (node.module, alias.name) != ("qtool", "__version__"):  # metadata, not a layer
+                    found.add(node.module)
+    return found
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:  # `qtool` itself: its __init__
+        return "__init__"
+    return parts[1]
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GRAPH = {name: sorted(i for i in _imports(path) if i != name) for name, path in MODULES.items()}
+
+
+def test_every_unit_has_a_level():
+    units = {_unit(m) for m in MODULES}
+    assert units <= set(LEVELS), f"units without a level: {sorted(units - set(LEVELS))}"
+
+
+def test_imports_go_down_the_levels_only():
+    wrong = []
+    for module, imported in GRAPH.items():
+        unit = _unit(module)
+        for target in imported:
+            other = _unit(target)
+            if other != unit and LEVELS[other] >= LEVELS[unit]:
+                wrong.append(f"{module} -> {target} ({unit} level {LEVELS[unit]}, {other} level {LEVELS[other]})")
+    assert not wrong, "imports that go sideways or up:\n" + "\n".join(wrong)
+
+
+def test_no_import_circle_between_modules():
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    circles = []
+
+    def visit(module, stack):
+        state[module] = 1
+        for target in GRAPH.get(module, []):
+            if target not in MODULES:
+                continue
+            if state.get(target) == 1:
+                circles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack + [target])
+        state[module] = 2
+
+    for module in MODULES:
+        if module not in state:
+            visit(module, [module])
+    # `from qtool.pkg import x` inside pkg's own __init__ (a registry filling itself) is not a circle of modules
+    circles = [c for c in circles if len(set(c.split(" -> "))) > 1 and not _registry_self_import(c)]
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def _registry_self_import(circle: str) -> bool:
+    names = circle.split(" -> ")
+    packages = [n for n in names if (PACKAGE.parent / n.replace(".", "/")).is_dir()]
+    return bool(packages) and all(n.startswith(packages[0]) for n in names)
+
+
+@pytest.mark.parametrize("rule, unit, forbidden", [
+    ("the ground package imports no stage", "graph",
+     {"data", "prepare", "plan", "table", "calibration", "quantization", "integer", "evaluation", "api", "cli"}),
+    ("quantization imports neither calibration nor evaluation", "quantization", {"calibration", "evaluation"}),
+    ("integer imports only graph, data and table of the stages", "integer",
+     {"prepare", "plan", "calibration", "quantization", "evaluation", "api", "cli"}),
+])
+def test_named_rules(rule, unit, forbidden):
+    broken = [f"{m} -> {t}" for m, ts in GRAPH.items() if _unit(m) == unit for t in ts if _unit(t) in forbidden]
+    assert not broken, f"{rule}: " + ", ".join(broken)
+
+
+def test_nothing_below_the_cli_imports_it():
+    importers = [m for m, ts in GRAPH.items() if _unit(m) not in ("cli", "__main__") and "qtool.cli" in ts]
+    assert not importers
