@@ -7,13 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from qtool.quantization.adaround import adaptive_rounding
 from qtool.quantization.bias_correction import correct_biases
 from qtool.calibration.calibrate import prepared_model, resolve_qparams
+from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization.channel_pad import pad_input_channels
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
@@ -21,10 +20,10 @@ from qtool.errors import QtoolError
 from qtool.graph.modelio import check_model, sha256_file
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import MIN_SCALE, QParams
-from qtool.quantization.rewrite import check_no_bad_scales, quantize_graph
+from qtool.quantization.rewrite import quantize_graph
 from qtool.quantization.stem_s2d import space_to_depth_stems
 from qtool.table.table import CalibrationTable
-from qtool.targets import check_model as check_target, weight_qmax
+from qtool.targets import weight_qmax
 
 
 @dataclass
@@ -61,17 +60,6 @@ def params_from_table(plan: QuantPlan, table: CalibrationTable, options: Quantiz
         if params[name].scale < MIN_SCALE:  # a foreign table's near-zero scale would underflow the bias scale
             params[name] = QParams(MIN_SCALE, params[name].zero_point, params[name].dtype)
     return params
-
-
-def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
-    """NaN/Inf in a weight or bias has no int8 representation: the model itself is broken."""
-    initializers = {t.name: t for t in model.graph.initializer}
-    for name in [*plan.weights, *plan.biases]:
-        values = numpy_helper.to_array(initializers[name])
-        bad = int(values.size - np.count_nonzero(np.isfinite(values)))
-        if bad:
-            raise QtoolError(f"constant '{name}' contains {bad} NaN/Inf value(s); fix the model before quantizing",
-                             path)
 
 
 def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig) -> set[str]:
@@ -156,7 +144,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
             notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
                          "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
     check_no_bad_scales(qmodel)
-    problems = check_target(qmodel, options, plan)
+    problems = target_problems(qmodel, options, plan)
     if problems:
         shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
         notes.append(f"the model does not satisfy target {options.target}'s constraints "
