@@ -19,6 +19,7 @@ from typing import Any, Optional
 import yaml
 
 from qtool.errors import QtoolError
+from qtool.targets import PRESET_FIELDS, TARGETS
 
 RESIZE_MODES = ("stretch", "shorter_side", "crop_fraction", "letterbox")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "area")
@@ -116,8 +117,6 @@ class QuantizeConfig:
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
 
     def __post_init__(self):
-        from qtool.targets import PRESET_FIELDS, TARGETS
-
         _one_of("target", self.target, tuple(TARGETS))
         preset = TARGETS[self.target].preset()
         filled = tuple(name for name in PRESET_FIELDS if getattr(self, name) is None)

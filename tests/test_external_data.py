@@ -14,9 +14,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.prepare import graph_prep
-
-from qtool.graph import modelio
+from qtool.graph import modelio, shapes
 from qtool.cli import main
 from tests.conftest import run_qtool
 
@@ -157,7 +155,7 @@ def test_models_over_the_protobuf_limit(tmp_path, monkeypatch):
     assert normal.exit_code == 0, normal.output
 
     calls = {"on_disk": 0, "shapes_only": 0}
-    real_on_disk, real_shapes_only = modelio.on_disk, graph_prep._shapes_only
+    real_on_disk, real_shapes_only = modelio.on_disk, shapes._shapes_only
 
     def counting(name, real):
         def wrapper(*args, **kwargs):
@@ -166,9 +164,9 @@ def test_models_over_the_protobuf_limit(tmp_path, monkeypatch):
         return wrapper
 
     monkeypatch.setattr(modelio, "PROTOBUF_LIMIT", 5_000)
-    monkeypatch.setattr(graph_prep, "_SHAPE_ONLY_BYTES", 1_000)  # so the shape-inference copy drops payloads
+    monkeypatch.setattr(shapes, "_SHAPE_ONLY_BYTES", 1_000)  # so the shape-inference copy drops payloads
     monkeypatch.setattr(modelio, "on_disk", counting("on_disk", real_on_disk))
-    monkeypatch.setattr(graph_prep, "_shapes_only", counting("shapes_only", real_shapes_only))
+    monkeypatch.setattr(shapes, "_shapes_only", counting("shapes_only", real_shapes_only))
     large = runner.invoke(main, ["quantize", str(model), "--data", str(data), "--save-table",
                                  str(tmp_path / "large.json"), "-o", str(tmp_path / "large.onnx")])
     assert large.exit_code == 0, large.output

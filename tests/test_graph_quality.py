@@ -13,7 +13,8 @@ from onnx import helper, numpy_helper
 from qtool.config import QuantizeConfig, override
 from qtool.prepare.graph_prep import prepare
 from qtool.graph.kernels import count_kernels
-from qtool.targets import TARGETS, check_model, cpu_has_vnni, vnni_warning
+from qtool.quantization.checks import target_problems
+from qtool.targets import TARGETS, cpu_has_vnni, vnni_warning
 
 from tests import graphs
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, RANGES_ONLY, kit_path
@@ -138,7 +139,7 @@ def test_target_constraints_hold_on_efficientnet(qtool_cli, tmp_path, target):
     assert f"target {target}" in result.stdout
     assert "does not satisfy" not in result.stderr
     options = QuantizeConfig(target=target)
-    assert check_model(model, options) == []
+    assert target_problems(model, options) == []
     zeros = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("_zero_point")]
     act_zeros = [z for z in zeros if z.dtype != np.int32 and z.ndim == 0]
     assert act_zeros and all(z.dtype == np.int8 for z in act_zeros)

@@ -42,6 +42,25 @@ def test_conv_transpose_macs():
     assert node_macs(m) == {"deconv": 4 * 5 * 5 * 6 * 9}
 
 
+def test_macs_of_a_model_over_the_protobuf_limit(monkeypatch):
+    """Shape inference refuses a model over the protobuf limit (2 GiB; here lowered to 20 kB by
+    a hook that refuses as protobuf would); the counts must still be exact, not the unknown
+    shapes' zero (qtool.graph.shapes infers on a copy without weight payloads)."""
+    m = graphs.conv_model(np.random.default_rng(0), c_in=32, c_out=64, size=12)  # 74 kB of weights
+    limit = 20_000
+    assert m.ByteSize() > limit
+    real = onnx.shape_inference.infer_shapes
+
+    def refusing(model, *args, **kwargs):
+        if (len(model) if isinstance(model, bytes) else model.ByteSize()) > limit:
+            raise ValueError("Message onnx.ModelProto exceeds maximum protobuf size of 2GB")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", refusing)
+    assert node_macs(m) == {"conv": 64 * 12 * 12 * 32 * 9}
+    assert node_macs(m, {"x": (2, 32, 20, 20)}) == {"conv": 2 * 64 * 20 * 20 * 32 * 9}
+
+
 def test_int8_fraction_counts_only_nodes_fed_by_dequantize(tmp_path):
     """Conv -> Relu -> MatMul; with the MatMul excluded only the Conv's MACs are int8."""
     rng = np.random.default_rng(0)

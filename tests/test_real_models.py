@@ -154,7 +154,7 @@ def test_every_kit_model_quantizes_with_each_preset_and_runs(name, target, tmp_p
     from qtool.data.dataset import batches, open_data
     from qtool.graph.modelio import input_specs
     from qtool.graph.runtime import create_session
-    from qtool.targets import check_model
+    from qtool.quantization.checks import target_problems
 
     spec = SPECS[name]
     model = kit_path("models", name)
@@ -169,7 +169,7 @@ def test_every_kit_model_quantizes_with_each_preset_and_runs(name, target, tmp_p
     assert result.exit_code == 0, result.stderr[-3000:]
     assert "does not satisfy" not in result.stderr
     quantized = onnx.load(str(int8))
-    assert check_model(quantized, QuantizeConfig(target=target)) == []
+    assert target_problems(quantized, QuantizeConfig(target=target)) == []
     assert sum(n.op_type == "QuantizeLinear" for n in quantized.graph.node) > 0
     from qtool.config import load_config
     preprocess = load_config(EFFNET_CONFIG).preprocess if spec.images else load_config(None).preprocess

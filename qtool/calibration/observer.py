@@ -46,6 +46,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool.calibration import saturation
 from qtool.data.dataset import Batch
 from qtool.graph.runtime import SharedWeights, create_session
+from qtool.graph.shapes import elem_types, inferred_shapes
 from qtool.calibration.statistics import SAMPLE_LIMIT, TensorStats
 
 _PREFIX = "qtool_observe"
@@ -62,33 +63,6 @@ def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProt
             exposed.graph.output.append(
                 onnx.helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None))
     return exposed
-
-
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    graph = model.graph
-    return {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.output, *graph.input]}
-
-
-def _declared_shapes(model: onnx.ModelProto) -> dict[str, list]:
-    graph = model.graph
-    return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-            for v in [*graph.value_info, *graph.output, *graph.input] if v.type.tensor_type.HasField("shape")}
-
-
-def _shapes(model: onnx.ModelProto, needed: Optional[Collection[str]] = None) -> dict[str, list]:
-    """Tensor dims (int, or None when symbolic/unknown) from shape inference.
-
-    A model that already declares a shape for every `needed` tensor (qtool.graph_prep.prepare
-    ends with shape inference, whose results it keeps) is not inferred again: inference
-    keeps the shapes a model declares, so it would find the same ones."""
-    declared = _declared_shapes(model)
-    if needed is not None and all(name in declared for name in needed):
-        return declared
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # shape inference is only an optimisation here: unknown shapes take the generic path
-        inferred = model
-    return _declared_shapes(inferred)
 
 
 def pool_stride(height: int, width: int) -> int:
@@ -134,8 +108,9 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     reduced = onnx.ModelProto()
     reduced.CopyFrom(model)
     graph = reduced.graph
-    types = _elem_types(model)
-    shapes = _shapes(model, [*names, *known]) if shapes is None else shapes  # inference is slow: callers may pass it
+    types = elem_types(model)
+    if shapes is None:  # inference is slow: callers may pass it
+        shapes = inferred_shapes(model, [*names, *known])
     floor_zero = nonnegative(model)
     flat, limit, two, one = (f"{_PREFIX}_flat", f"{_PREFIX}_limit", f"{_PREFIX}_two", f"{_PREFIX}_one")
     graph.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), flat),
@@ -226,7 +201,7 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
     inputs = {i.name for i in model.graph.input}
     fetched = [t for t in tensors if t not in inputs]
     from_feeds = [t for t in tensors if t in inputs]  # graph inputs are read from the feeds
-    shapes = _shapes(model, fetched)
+    shapes = inferred_shapes(model, fetched)
     bounded = {t: b for t, b in saturation.bounds(model).items()
                if t in saturate and t in fetched and (t not in histogram_for or saturation.static(shapes.get(t)))}
     weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}

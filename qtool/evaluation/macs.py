@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
+from qtool.graph.shapes import inferred
 from qtool.plan.ops import attribute
 
 COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -38,21 +39,10 @@ class MacSummary:
 
 
 def tensor_shapes(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequence[int]]]) -> dict[str, list[int]]:
-    """Tensor name -> dims (unknown dims as 1) after shape inference on a copy of the model."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    for value in copy.graph.input:
-        if input_shapes and value.name in input_shapes:
-            dims = value.type.tensor_type.shape.dim
-            for dim, size in zip(dims, input_shapes[value.name]):
-                dim.Clear()
-                dim.dim_value = int(size)
-    try:
-        copy = onnx.shape_inference.infer_shapes(copy, data_prop=True)
-    except Exception:  # inference is advisory: unknown shapes count as 1
-        pass
+    """Tensor name -> dims (unknown dims as 1) after shape inference (qtool.graph.shapes: the
+    model is not copied, and a model over 2 GiB is inferred like any other)."""
+    graph = inferred(model, input_shapes=input_shapes).graph
     shapes: dict[str, list[int]] = {}
-    graph = copy.graph
     for value in list(graph.input) + list(graph.value_info) + list(graph.output):
         if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
             shapes[value.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1

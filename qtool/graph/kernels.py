@@ -18,6 +18,8 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
+from qtool.graph.runtime import create_session
+
 INTEGER_CONV = ("QLinearConv", "ConvInteger")
 INTEGER_MATMUL = ("QGemm", "QLinearMatMul", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")
 
@@ -34,20 +36,23 @@ class KernelCounts:
         return self.integer_convs >= self.quantized_convs
 
 
+def optimized_ops(model: onnx.ModelProto | str | Path,
+                  level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED) -> Counter:
+    """Op types of the graph onnxruntime's optimizer makes of `model` (a proto or a path) at
+    `level`; the default is the level where the QDQ fusions run, before the layout changes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        optimized = os.path.join(tmp, "optimized.onnx")
+        source, label = (model, "model") if isinstance(model, onnx.ModelProto) else (str(model), str(model))
+        create_session(source, 1, label, level=level, optimized_path=optimized)
+        return Counter(n.op_type for n in onnx.load(optimized, load_external_data=False).graph.node)
+
+
 def count_kernels(model_path: str | Path) -> KernelCounts:
     model = onnx.load(str(model_path), load_external_data=False)
     dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
     quantized = sum(1 for n in model.graph.node
                     if n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in dq_outputs)
-    with tempfile.TemporaryDirectory() as tmp:
-        optimized = os.path.join(tmp, "optimized.onnx")
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        options.optimized_model_filepath = optimized
-        options.intra_op_num_threads = 1
-        options.log_severity_level = 3
-        ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-        ops = Counter(n.op_type for n in onnx.load(optimized, load_external_data=False).graph.node)
+    ops = optimized_ops(model_path)
     return KernelCounts(quantized, sum(ops[o] for o in INTEGER_CONV), ops["Conv"] + ops["FusedConv"], dict(ops))
 
 

@@ -9,13 +9,22 @@ from qtool.graph import modelio
 from qtool.errors import QtoolError
 
 
-def session_options(threads: int = 0) -> ort.SessionOptions:
+_ENABLE_ALL = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+
+
+def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
+                    optimized_path: str | None = None, log_level: int = 3) -> ort.SessionOptions:
+    """`level` and `optimized_path` (where onnxruntime writes its optimized graph) are for
+    asking which kernels onnxruntime makes (qtool.graph.kernels); `log_level` 4 silences a
+    probe that is expected to fail."""
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.graph_optimization_level = level
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.intra_op_num_threads = threads  # 0: onnxruntime's default (one per core)
     options.inter_op_num_threads = 1
-    options.log_severity_level = 3
+    options.log_severity_level = log_level
+    if optimized_path is not None:
+        options.optimized_model_filepath = optimized_path
     return options
 
 
@@ -71,11 +80,13 @@ def _copy_fields(source, target, skip: str) -> None:
 
 
 def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = "model",
-                   weights: "SharedWeights | None" = None) -> ort.InferenceSession:
+                   weights: "SharedWeights | None" = None, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
+                   optimized_path: str | None = None, log_level: int = 3) -> ort.InferenceSession:
     """A session of `model` (a path or a proto); with `weights`, `model` is a variant of
-    `weights.light` whose large initializers are the shared values."""
+    `weights.light` whose large initializers are the shared values. The other options
+    are session_options'."""
+    options = session_options(threads, level, optimized_path, log_level)
     if weights is not None:
-        options = session_options(threads)
         options.add_external_initializers(list(weights.values), list(weights.values.values()))
         try:
             session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -88,8 +99,9 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         # Over 2 GiB a model cannot be serialised to bytes: hand onnxruntime a file with external
         # data. onnxruntime has read the initializers once the session exists.
         with modelio.on_disk(model) as path:
-            return create_session(str(path), threads, label)
+            return create_session(str(path), threads, label, level=level, optimized_path=optimized_path,
+                                  log_level=log_level)
     try:
-        return ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
         raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from None

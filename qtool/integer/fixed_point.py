@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import onnx
-
 from qtool import atomic
+from qtool.graph.shapes import with_shapes
 from qtool.integer.qdq_graph import WEIGHTED, QLayer, find_layers
 from qtool.table.qparams import INT_RANGES
 
@@ -174,7 +173,7 @@ def _signed_multiplier_json(real: float) -> dict[str, Any]:
 
 
 def export_params(model) -> dict[str, Any]:
-    layers, skipped = find_layers(onnx.shape_inference.infer_shapes(model))  # shapes give pooling windows
+    layers, skipped = find_layers(with_shapes(model, data_prop=False))  # shapes give pooling windows
     exported, float_out = [], []
     for layer in layers:
         item = _layer_params(layer)

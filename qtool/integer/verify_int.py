@@ -18,7 +18,6 @@ Add layers are also run in TPU-MLIR's int16 form (int8 multipliers) for referenc
 
 from __future__ import annotations
 
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Optional
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 
 from qtool.config import PreprocessConfig
 from qtool.data.dataset import batches, open_data
@@ -36,7 +36,9 @@ from qtool.integer.int_kernels import (AccumulatorOverflow, add_float, add_int16
 from qtool.graph.modelio import input_specs, load_model
 from qtool.calibration.observer import with_outputs
 from qtool.integer.qdq_graph import QLayer, find_layers
-from qtool.graph.runtime import create_session, session_options
+from qtool.graph.kernels import optimized_ops
+from qtool.graph.runtime import create_session
+from qtool.graph.shapes import with_shapes
 
 CHECKED_OPS = ("Conv", "Gemm", "MatMul", "Add", "AveragePool", "GlobalAveragePool", "MaxPool")
 MODES = ("fixed", "ort", "int16")
@@ -197,16 +199,8 @@ def _checkable(layers: list[QLayer]) -> tuple[list[QLayer], list[str]]:
 
 def ort_kernels(model: onnx.ModelProto) -> dict[str, int]:
     """How many integer kernels onnxruntime's optimizer made of the QDQ graph (a layer it did
-    not fuse runs as DequantizeLinear, float op, QuantizeLinear)."""
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "optimized.onnx")
-        options = session_options(1)
-        options.optimized_model_filepath = path
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        optimized = onnx.load(path)
-    counts = Counter(n.op_type for n in optimized.graph.node)
+    not fuse runs as DequantizeLinear, float op, QuantizeLinear), at the level it runs."""
+    counts = optimized_ops(model, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     return {op: counts[op] for op in _ORT_KERNELS if counts[op]}
 
 
@@ -219,7 +213,7 @@ def verify(model_path: str | Path, data: str | Path, preprocess: PreprocessConfi
         raise QtoolError("no quantized Conv/Gemm/MatMul/Add/pool layer in QDQ form", model_path)
     names = list(dict.fromkeys(t.name for layer in layers for t in layer.inputs + [layer.output]))
     # shape inference gives the integer tensors their types, which the exposed outputs need
-    session = create_session(with_outputs(onnx.shape_inference.infer_shapes(model), names), threads, str(model_path))
+    session = create_session(with_outputs(with_shapes(model, data_prop=False), names), threads, str(model_path))
     results = {layer.name: LayerResult(layer, {m: Agreement() for m in MODES}) for layer in layers}
     seen = 0
     source = open_data(data, input_specs(model), preprocess)

@@ -12,10 +12,9 @@ import onnx
 from onnx import numpy_helper, version_converter
 
 from qtool.graph import modelio
+from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_batchnorm
 from qtool.errors import QtoolError
-
-_SHAPE_ONLY_BYTES = 1 << 16  # initializers above this lose their payload in the >2 GiB shape-inference copy
 
 MIN_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist
 MIN_PER_CHANNEL_OPSET = 13  # DequantizeLinear gets its `axis` attribute
@@ -141,53 +140,6 @@ def divisions_to_multiplications(model: onnx.ModelProto) -> None:
             inits[name] = reciprocal
         node.op_type = "Mul"
         node.input[1] = name
-
-
-def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with the payload of its large initializers dropped (dims and type kept).
-
-    Shape inference reads tensor values only for small integer shape constants, so this
-    copy infers the same types and shapes and fits in one protobuf when the model does not.
-    """
-    light = onnx.ModelProto(ir_version=model.ir_version)
-    light.opset_import.extend(model.opset_import)
-    light.functions.extend(model.functions)
-    graph = light.graph
-    for name in ("node", "input", "output", "value_info"):
-        getattr(graph, name).extend(getattr(model.graph, name))
-    for tensor in model.graph.initializer:
-        if tensor.ByteSize() > _SHAPE_ONLY_BYTES:
-            tensor = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
-        graph.initializer.append(tensor)
-    return light
-
-
-def _has_subgraphs(model: onnx.ModelProto) -> bool:
-    return any(attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-               for node in model.graph.node for attr in node.attribute)
-
-
-def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Shape inference, run on the copy without weight payloads (`_shapes_only`: serialising and
-    parsing the weights twice was most of its cost). Without If/Loop/Scan bodies (whose own
-    value_info inference fills) the result is the full model's: its value_info and the merged
-    types of its inputs and outputs are copied back. Over 2 GiB only the value_info is."""
-    light = not _has_subgraphs(model)
-    data = None if light else modelio.serialized(model)
-    large = not light and data is None
-    try:
-        inferred = onnx.shape_inference.infer_shapes(_shapes_only(model) if light or large else data, data_prop=True)
-    except Exception:  # inference is advisory: a model that fails it still quantizes
-        return model
-    if light or large:
-        del model.graph.value_info[:]
-        model.graph.value_info.extend(inferred.graph.value_info)
-        if light:
-            for field in ("input", "output"):
-                del getattr(model.graph, field)[:]
-                getattr(model.graph, field).extend(getattr(inferred.graph, field))
-        return model
-    return inferred
 
 
 def prepare(model: onnx.ModelProto, upgrade_opset: bool = False, path: object = None,

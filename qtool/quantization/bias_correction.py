@@ -31,6 +31,7 @@ from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import INT32_MAX
 from qtool.quantization.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
 from qtool.graph.runtime import create_session
+from qtool.graph.shapes import elem_types, inferred
 
 CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}
 
@@ -157,7 +158,7 @@ def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantP
     inits = {t.name: t for t in qmodel.graph.initializer}
 
     nodes = list(qmodel.graph.node)
-    types = _elem_types(qmodel)
+    types = elem_types(inferred(qmodel, data_prop=False))  # QuantizeLinear outputs are 8-bit
     constant = set(inits)
     const_nodes: dict[str, onnx.NodeProto] = {}
     for node in nodes:  # DequantizeLinear of weights and biases: recomputed inside each slice
@@ -205,16 +206,6 @@ def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantP
     report.layers = len(targets)
     report.mean_abs_shift_before = float(np.mean(shifts))
     return report
-
-
-def _elem_types(qmodel: onnx.ModelProto) -> dict[str, int]:
-    """Element types of the QDQ model's tensors (QuantizeLinear outputs are 8-bit)."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(qmodel)
-    except Exception:  # advisory: unknown tensors are taken as float
-        inferred = qmodel
-    return {v.name: v.type.tensor_type.elem_type for v in list(inferred.graph.value_info) + list(inferred.graph.output)
-            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
 
 
 def _shift_bias(inits: dict[str, onnx.TensorProto], bias: str, shift: np.ndarray) -> np.ndarray:

@@ -7,23 +7,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from qtool.quantization.adaround import adaptive_rounding
 from qtool.quantization.bias_correction import correct_biases
+<<<<<<< HEAD
+=======
+from qtool.calibration.calibrate import prepared_model, resolve_qparams
+from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
+>>>>>>> wt-shapes
 from qtool.quantization.channel_pad import pad_input_channels
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import check_model, sha256_file
+<<<<<<< HEAD
 from qtool.plan.planner import QuantPlan, prepared_model
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import check_no_bad_scales, quantize_graph
+=======
+from qtool.plan.planner import QuantPlan
+from qtool.table.qparams import MIN_SCALE, QParams
+from qtool.quantization.rewrite import quantize_graph
+>>>>>>> wt-shapes
 from qtool.quantization.stem_s2d import space_to_depth_stems
 from qtool.table.table import CalibrationTable
-from qtool.targets import check_model as check_target, weight_qmax
+from qtool.targets import weight_qmax
 
 
 @dataclass
@@ -34,6 +43,7 @@ class QuantizeResult:
     source: Optional[onnx.ModelProto] = None  # the prepared fp32 graph `model` was quantized from
 
 
+<<<<<<< HEAD
 def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
     """NaN/Inf in a weight or bias has no int8 representation: the model itself is broken."""
     initializers = {t.name: t for t in model.graph.initializer}
@@ -43,6 +53,48 @@ def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object
         if bad:
             raise QtoolError(f"constant '{name}' contains {bad} NaN/Inf value(s); fix the model before quantizing",
                              path)
+=======
+def params_from_table(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig,
+                      table_path: object = None, allow_missing: bool = False) -> dict[str, QParams]:
+    """Quantization parameters for every planned activation, taken from the table.
+
+    Entries written for the same activation type are used as they are (so a converted
+    table quantizes to the identical model); otherwise they are recomputed from the range.
+    Shared-scale and fixed-range rules are re-applied in case the table came from a tool
+    that does not know them; a shared-scale group whose entries already agree keeps them.
+    """
+    missing = [name for name in plan.activations if name not in table.tensors]
+    if missing and not allow_missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise QtoolError(f"calibration table has no entry for {len(missing)} tensor(s) the model needs: {shown} "
+                         "(calibrate this model again, or pass --allow-missing to keep them in float)", table_path)
+    ranges = {name: table.tensors[name].range for name in plan.activations if name in table.tensors}
+    _, computed = resolve_qparams(plan, ranges, options)
+    params = {}
+    tied = _groups_needing_recompute(plan, table, options)
+    for name in ranges:
+        entry = table.tensors[name].qparams
+        params[name] = entry if entry.dtype == options.activation_dtype and name not in tied else computed[name]
+        if name in plan.fixed:
+            params[name] = computed[name]
+        if params[name].scale < MIN_SCALE:  # a foreign table's near-zero scale would underflow the bias scale
+            params[name] = QParams(MIN_SCALE, params[name].zero_point, params[name].dtype)
+    return params
+
+
+def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig) -> set[str]:
+    """Tensors of shared-scale groups whose table entries differ (or are of another type).
+
+    A table converted from another format carries one scale per tensor; when the group's
+    members agree it is used as is (bit for bit), otherwise the group gets the union range.
+    """
+    out = set()
+    for group in plan.tie_groups:
+        found = {table.tensors[n].qparams for n in group if n in table.tensors}
+        if len(found) > 1 or any(p.dtype != options.activation_dtype for p in found):
+            out.update(group)
+    return out
+>>>>>>> wt-shapes
 
 
 def resolve_data_steps(options: QuantizeConfig, have_data: bool) -> tuple[str, str]:
@@ -113,7 +165,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
             notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
                          "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
     check_no_bad_scales(qmodel)
-    problems = check_target(qmodel, options, plan)
+    problems = target_problems(qmodel, options, plan)
     if problems:
         shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
         notes.append(f"the model does not satisfy target {options.target}'s constraints "

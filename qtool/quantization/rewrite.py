@@ -213,15 +213,6 @@ def _constant_slot(node: onnx.NodeProto, index: int) -> bool:
     return index in (rule.weight, rule.bias)
 
 
-def check_no_bad_scales(model: onnx.ModelProto) -> None:
-    """No NaN, Inf or zero scale may reach a written model."""
-    for init in model.graph.initializer:
-        if init.name.endswith(SCALE_SUFFIX):
-            values = numpy_helper.to_array(init)
-            if not np.all(np.isfinite(values)) or np.any(values <= 0):
-                raise AssertionError(f"internal error: bad scale in {init.name}")
-
-
 def warn_notes(notes: list[str]) -> None:
     for note in notes:
         warnings.warn(note, stacklevel=2)

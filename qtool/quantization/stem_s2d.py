@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool.graph.runtime import create_session
 from qtool.quantization.input_chain import GraphIndex, insert_on_codes, quantized_inputs
 from qtool.plan.ops import attribute
 
@@ -134,16 +135,12 @@ def _set_ints(node, name: str, values: list[int]) -> None:
 @lru_cache(maxsize=None)
 def _runtime_supports(elem_type: int) -> bool:
     """Whether the installed onnxruntime has a CPU SpaceToDepth kernel for this integer type."""
+    node = helper.make_node("SpaceToDepth", ["x"], ["y"], blocksize=BLOCK)
+    graph = helper.make_graph([node], "s2d", [helper.make_tensor_value_info("x", elem_type, [1, 1, 2, 2])],
+                              [helper.make_tensor_value_info("y", elem_type, [1, 4, 1, 1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     try:
-        import onnxruntime as ort
-
-        node = helper.make_node("SpaceToDepth", ["x"], ["y"], blocksize=BLOCK)
-        graph = helper.make_graph([node], "s2d", [helper.make_tensor_value_info("x", elem_type, [1, 1, 2, 2])],
-                                  [helper.make_tensor_value_info("y", elem_type, [1, 4, 1, 1])])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-        options = ort.SessionOptions()
-        options.log_severity_level = 4
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        create_session(model, label="SpaceToDepth probe", log_level=4)
         return True
     except Exception:  # no kernel for the type: keep the channel padding instead
         return False

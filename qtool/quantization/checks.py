@@ -1,0 +1,90 @@
+"""Checks of the quantizer's input and output: constants it can quantize, scales it may write,
+and the written QDQ model against its target's constraints. (The ONNX checker itself is
+qtool.graph.modelio.check_model.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.errors import QtoolError
+from qtool.plan.planner import QuantPlan
+from qtool.quantization.rewrite import SCALE_SUFFIX
+from qtool.targets import weight_qmax
+
+
+def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
+    """NaN/Inf in a weight or bias has no int8 representation: the model itself is broken."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    for name in [*plan.weights, *plan.biases]:
+        values = numpy_helper.to_array(initializers[name])
+        bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+        if bad:
+            raise QtoolError(f"constant '{name}' contains {bad} NaN/Inf value(s); fix the model before quantizing",
+                             path)
+
+
+def check_no_bad_scales(model: onnx.ModelProto) -> None:
+    """No NaN, Inf or zero scale may reach a written model."""
+    for init in model.graph.initializer:
+        if init.name.endswith(SCALE_SUFFIX):
+            values = numpy_helper.to_array(init)
+            if not np.all(np.isfinite(values)) or np.any(values <= 0):
+                raise AssertionError(f"internal error: bad scale in {init.name}")
+
+
+def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
+    """Constraint violations of the written QDQ model: the target's hard requirements (an option
+    overriding the preset can break them) and the options it was written with."""
+    inits = {t.name: t for t in model.graph.initializer}
+    problems: list[str] = []
+    # TensorRT and LiteRT run int8 activations only (TensorRT: zero point 0 only); ort-cpu runs either.
+    hard_int8 = options.target in ("tensorrt", "litert")
+    expected = np.int8 if hard_int8 or options.activation_dtype == "int8" else np.uint8
+    symmetric = options.target == "tensorrt" or options.symmetric_activations
+    qmax = weight_qmax(options.reduce_range)
+    params: dict[str, tuple[float, int]] = {}  # quantized tensor -> (scale, zero point)
+    # A weight is a dequantized constant read as a Conv/ConvTranspose/Gemm/MatMul's second input;
+    # other dequantized int8/uint8 constants (Add/Mul operands) are quantized like activations.
+    weight_inputs = {n.input[1] for n in model.graph.node
+                     if n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(n.input) > 1}
+    for node in model.graph.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
+            continue
+        scale, zero = (numpy_helper.to_array(inits[n]) if n in inits else None for n in node.input[1:3])
+        if scale is None or zero is None:
+            continue
+        if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
+            problems.append(f"{node.name}: scale not finite and positive")
+        constant = node.op_type == "DequantizeLinear" and node.input[0] in inits
+        is_weight = constant and node.output[0] in weight_inputs
+        if node.op_type == "QuantizeLinear" or (constant and not is_weight and zero.dtype != np.int32):
+            # an activation, or a constant operand quantized like one
+            if zero.dtype != expected:
+                problems.append(f"{node.input[0]}: activation type {zero.dtype}, target wants {expected.__name__}")
+            elif symmetric and int(zero) != (0 if expected == np.int8 else 128):
+                problems.append(f"{node.input[0]}: zero point {int(zero)} on a symmetric target")
+            if node.op_type == "QuantizeLinear":
+                params[node.input[0]] = (float(scale), int(zero))
+        elif is_weight and zero.dtype == np.int8:
+            q = numpy_helper.to_array(inits[node.input[0]])
+            if np.any(zero != 0) or q.min(initial=0) < -qmax or q.max(initial=0) > qmax:
+                problems.append(f"{node.input[0]}: weight outside [-{qmax}, {qmax}] or zero point not 0")
+            if options.per_channel and q.ndim >= 2 and scale.ndim == 0:
+                problems.append(f"{node.input[0]}: per-tensor weight on a per-channel target")
+    if plan is not None:
+        for group in plan.tie_groups:
+            # a fixed-range member (Softmax) keeps its spec parameters when the others do not fit in
+            # them (table.resolve.resolve_qparams); the others must still agree among themselves
+            found = {params[n] for n in group if n in params and n not in plan.fixed}
+            if len(found) > 1:
+                problems.append(f"shared-scale group {group[:3]}...: parameters differ")
+        if options.target == "litert":
+            for name, rule in plan.fixed.items():
+                if name in params:
+                    want = rule.fixed(options.activation_dtype)
+                    got = params[name]
+                    if not (np.float32(got[0]) == np.float32(want[0]) and got[1] == want[1]):
+                        problems.append(f"{name}: {rule.op_type} output {got}, LiteRT spec wants {want}")
+    return problems
