@@ -10,7 +10,7 @@ import onnx
 from tqdm import tqdm
 
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.data.dataset import batches, count_samples, open_data
+from qtool.data.dataset import DataLike, batches, count_samples, folder_only, open_data
 from qtool.prepare.equalize import equalize
 from qtool.prepare.graph_prep import prepare
 from qtool.graph.modelio import input_specs, load_model, sha256_file
@@ -24,7 +24,7 @@ from qtool.calibration.statistics import TensorStats
 from qtool.table.table import CalibrationTable, TableEntry
 
 
-def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path, preprocess: PreprocessConfig,
+def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, preprocess: PreprocessConfig,
                        calib: CalibrationConfig, progress: bool = True, shard: tuple[int, int] = (0, 1),
                        threads: int = 0, sub: tuple[int, int] = (0, 1), warn: bool = True,
                        all_histograms: bool = False) -> tuple[dict[str, TensorStats], int]:
@@ -33,6 +33,8 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path
     from qtool.calibration.shards import select_shard
 
     source = open_data(data, input_specs(model), preprocess)
+    if (shard, sub) != ((0, 1), (0, 1)):
+        folder_only(data, "sharding")
     limit = select_shard(source, calib, *shard, sub=sub)
     total = count_samples(source, limit)
     methods = methods_for(model, plan.activations, calib)
@@ -138,12 +140,13 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     return model, build_plan(model, options)
 
 
-def calibrate(model_path: str | Path, data: str | Path, preprocess: PreprocessConfig, calib: CalibrationConfig,
+def calibrate(model_path: str | Path, data: DataLike, preprocess: PreprocessConfig, calib: CalibrationConfig,
               options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
     from qtool.calibration.shards import collect_parallel
 
     model, plan = prepared_model(model_path, options)
     if calib.workers > 1:
+        folder_only(data, "calibration.workers (--workers)")
         stats, seen = collect_parallel(model_path, data, preprocess, calib, options)
     else:
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)

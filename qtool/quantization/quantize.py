@@ -28,7 +28,9 @@ from qtool.targets import check_model as check_target, weight_qmax
 
 
 @dataclass
-class QuantizeResult:
+class QuantizedGraph:
+    """The int8 model with the plan it was made by (internal; the API's QuantizeResult is the public face)."""
+
     model: onnx.ModelProto
     plan: QuantPlan
     notes: list[str] = field(default_factory=list)
@@ -88,11 +90,15 @@ def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options:
     return out
 
 
+def needs_data(options: QuantizeConfig) -> bool:
+    """Whether a data-driven step (bias correction, adaptive rounding) is asked for explicitly, not as `auto`."""
+    return options.bias_correction == "fast" or options.weight_rounding == "adaptive"
+
+
 def resolve_data_steps(options: QuantizeConfig, have_data: bool) -> tuple[str, str]:
     """(bias correction, weight rounding) to run: `auto` means on when calibration data is at hand.
     Asking for either explicitly without data is a user error."""
-    explicit = options.bias_correction == "fast" or options.weight_rounding == "adaptive"
-    if explicit and not have_data:
+    if needs_data(options) and not have_data:
         raise QtoolError("bias correction and adaptive weight rounding need calibration data (--data)")
     bias = "fast" if options.bias_correction == "auto" and have_data else options.bias_correction
     rounding = "adaptive" if options.weight_rounding == "auto" and have_data else options.weight_rounding
@@ -112,7 +118,7 @@ def _optional(setting: str, what: str, notes: list[str], step: Callable):
 
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                    table_path: object = None, allow_missing: bool = False,
-                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizeResult:
+                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizedGraph:
     """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them)."""
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
@@ -165,4 +171,4 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         check_model(qmodel, full_check=True)
     except onnx.checker.ValidationError as exc:
         raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
-    return QuantizeResult(qmodel, plan, notes, model)
+    return QuantizedGraph(qmodel, plan, notes, model)
