@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Optional
 
 import click
-from tqdm import tqdm
 
 from qtool import __version__
 
@@ -29,6 +28,8 @@ EXIT_BUG = 3
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
+    from tqdm import tqdm  # imported here: `qtool --help` does not need it
+
     # tqdm.write: a warning raised while a progress bar is drawn starts on its own line
     tqdm.write(f"warning: {message}", file=sys.stderr)
 

@@ -13,6 +13,7 @@ model allows it.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import warnings
 import zipfile
@@ -33,7 +34,7 @@ TENSOR_SUFFIXES = (".npy", ".npz")
 
 Feeds = Mapping[str, np.ndarray]
 # what qtool takes as data: a folder (or one file), an iterable of feed dicts, or a callable returning one
-DataLike = Union[str, Path, Iterable[Feeds], Callable[[], Iterable[Feeds]]]
+DataLike = Union[str, os.PathLike, Iterable[Feeds], Callable[[], Iterable[Feeds]]]
 
 
 @dataclass
@@ -86,7 +87,7 @@ class DataSource:
 def open_data(data: DataLike, specs: list[InputSpec], preprocess: PreprocessConfig) -> DataSource | MemorySource:
     """The samples of `data` checked against the model's inputs: a folder or file path
     (searched recursively), or samples in memory (a MemorySource, checked as they are read)."""
-    if not isinstance(data, (str, Path)):
+    if not isinstance(data, (str, os.PathLike)):
         return MemorySource(data, specs)
     root = Path(data)
     if not root.exists():
@@ -173,7 +174,7 @@ class MemorySource:
 
 def folder_only(data: object, what: str) -> None:
     """Refuse `what` (sharding, worker processes) for data that is not a folder: they split files."""
-    if not isinstance(data, (str, Path, DataSource)):
+    if not isinstance(data, (str, os.PathLike, DataSource)):
         raise QtoolError(f"{what} needs the data as a folder (it splits the files); in-memory data is read "
                          "in one process")
 
