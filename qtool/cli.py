@@ -1,4 +1,8 @@
-"""Command line: parse options, call the stage functions, report. No quantization logic here."""
+"""Command line: parse options, check their combinations, call the API (qtool.api), print, exit.
+
+No quantization logic here: a job the CLI runs is one call of the API (sharded calibration,
+table conversion and the integer tools call their stage modules, which are folder-based).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,11 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import click
-from tqdm import tqdm
 
 from qtool import __version__
 
@@ -24,6 +28,8 @@ EXIT_BUG = 3
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
+    from tqdm import tqdm  # imported here: `qtool --help` does not need it
+
     # tqdm.write: a warning raised while a progress bar is drawn starts on its own line
     tqdm.write(f"warning: {message}", file=sys.stderr)
 
@@ -115,13 +121,14 @@ def _target_options(func):
 
 def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers=None,
                    target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=()):
+    """The config file with the calibration and quantization flags applied over it."""
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
                      workers=workers)
     quant = override(cfg.quantization, activation_dtype=activation_dtype, upgrade_opset=upgrade_opset, target=target,
                      reduce_range=reduce_range, exclude_op_types=_names(exclude_op_types),
                      exclude_nodes=_names(exclude_nodes))
-    return cfg, calib, quant
+    return replace(cfg, calibration=calib, quantization=quant)
 
 
 @main.command()
@@ -146,7 +153,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     Sharded:  qtool calibrate MODEL --data D --shard 0/2 -o s0.npz   (and 1/2 -> s1.npz)
               qtool calibrate MODEL --merge s0.npz s1.npz -o table.json
     """
-    from qtool.calibration.calibrate import calibrate as run_calibration
+    from qtool import api
     from qtool.table.formats import get_format, write_table
     from qtool.calibration.calibrate import calibrate_shard, merge_tables
     from qtool.calibration.shards import parse_shard
@@ -158,8 +165,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     if not merge and data is None:
         raise click.UsageError("--data is required")
     check_output_path(output, model)
-    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
-                                       workers, target, reduce_range, exclude_op_types, exclude_nodes)
+    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers,
+                         target, reduce_range, exclude_op_types, exclude_nodes)
+    calib, quant = cfg.calibration, cfg.quantization
     start = time.perf_counter()
     if shard:
         k, n = parse_shard(shard)
@@ -171,7 +179,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     if merge:
         table = merge_tables(model, list(stats_files), calib, quant)
     else:
-        table = run_calibration(model, data, cfg.preprocess, calib, quant)
+        table = api.calibrate(model, data, cfg)
     write_table(table, output, table_format, model, quant)
     click.echo(f"calibrated {len(table.tensors)} tensors on {table.num_samples} samples "
                f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output} ({table_format})")
@@ -216,22 +224,25 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
              allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples, eval_data, labels,
              target_agreement, target_top1_drop, target_sqnr, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
-    from qtool.calibration.calibrate import calibrate as run_calibration
-    from qtool.data.dataset import batches, open_data
-    from qtool.table.formats import read_table
-    from qtool.graph.modelio import has_external_data, input_specs, load_model, save_model
+    from qtool import api
     from qtool.graph.kernels import kernel_summary
-    from qtool.quantization.quantize import quantize_model
+    from qtool.quantization.quantize import needs_data
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
-    cfg, calib, quant = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset,
-                                       workers, target, reduce_range, exclude_op_types, exclude_nodes)
-    quant = override(quant, equalize=equalize, bias_correction=bias_correction, weight_rounding=weight_rounding,
-                     correction_samples=correction_samples)
-    needs_data = quant.bias_correction == "fast" or quant.weight_rounding == "adaptive"
-    if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data):
+    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers,
+                         target, reduce_range, exclude_op_types, exclude_nodes)
+    quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
+                     weight_rounding=weight_rounding, correction_samples=correction_samples)
+    cfg = replace(cfg, quantization=quant)
+    if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "
                                "bias correction or adaptive rounding)")
+    search = None
+    if any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr)):
+        if eval_data is None:
+            raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr need --eval-data")
+        search = api.MixedPrecisionSearch(eval_data, target_agreement, target_top1_drop, target_sqnr, labels,
+                                          max_float_layers, min_int8_macs)
     check_output_path(output, model, table_path)
     if save_table:
         check_output_path(save_table, model, output)
@@ -239,58 +250,24 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     if warning:
         click.echo(f"warning: {warning}", err=True)
     start = time.perf_counter()
-    if table_path is not None:
-        table, _ = read_table(table_path, table_format, model, quant)
-    else:
-        table = run_calibration(model, data, cfg.preprocess, calib, quant)
+    table = table_path
+    if table_path is None:
+        table = api.calibrate(model, data, cfg)
         if save_table:
             table.save(save_table)
-    calib_data = None
-    wants_target = any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr))
-    specs = input_specs(load_model(model)) if data is not None or wants_target else None
-    if data is not None:
-        calib_data = lambda limit: batches(open_data(data, specs, cfg.preprocess), calib.batch_size,  # noqa: E731
-                                           min(limit, calib.num_samples or limit))
-    if wants_target:
-        from qtool.evaluation.mixed_precision import Target
-        goal = Target(target_agreement, target_top1_drop, target_sqnr)  # not the --target preset
-        result = _mixed_precision(model, specs, table, quant, goal, eval_data, labels, max_float_layers,
-                                  min_int8_macs, calib_data, cfg)
-    else:
-        result = quantize_model(model, table, quant, table_path, allow_missing, data=calib_data)
+    result = api.quantize(model, table=table, data=data, config=cfg, table_format=table_format,
+                          allow_missing=allow_missing, search=search, log=lambda message: click.echo(message, err=True))
+    if result.search is not None:
+        click.echo(result.search.describe())
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
-    save_model(result.model, output, external=has_external_data(model))
-    plan = result.plan
-    click.echo(f"quantized {len(plan.quantized_nodes)} nodes ({len(plan.weights)} int8 weights, "
-               f"{len(plan.activations)} activations, {len(plan.float_nodes)} nodes left float) "
+    result.save(output)
+    click.echo(f"quantized {result.quantized_nodes} nodes ({result.int8_weights} int8 weights, "
+               f"{result.activations} activations, {result.float_nodes} nodes left float) "
                f"in {time.perf_counter() - start:.1f} s -> {output}")
     click.echo(describe_target(quant))
     if quant.target == "ort-cpu":
         click.echo(kernel_summary(output))
-
-
-def _mixed_precision(model, specs, table, quant, target, eval_data, labels, max_float_layers, min_int8_macs,
-                     calib_data, cfg):
-    """--target-*: search the float layers, report them, return the chosen model's QuantizeResult."""
-    from qtool.data.dataset import batches, open_data
-    from qtool.evaluation.evaluate import EvaluateInputs, _labels
-    from qtool.evaluation.mixed_precision import describe_figures, search
-
-    if eval_data is None:
-        raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr need --eval-data")
-    source = open_data(eval_data, specs, cfg.preprocess)
-    label_map = _labels(EvaluateInputs(model, model, eval_data, labels), source) if labels else None
-    eval_batches = list(batches(source, cfg.evaluation.batch_size, cfg.evaluation.num_samples))
-    click.echo(f"searching the fewest float layers for {target.describe()} on {len(source)} evaluation samples:",
-               err=True)
-    found = search(model, table, quant, target, eval_batches, label_map, max_float_layers, calib_data,
-                   min_int8_macs=min_int8_macs / 100.0, log=lambda message: click.echo(message, err=True))
-    chosen = found.chosen
-    click.echo(f"target met with {len(chosen.float_layers)} layer(s) in float"
-               f"{': ' + ', '.join(chosen.float_layers) if chosen.float_layers else ''}; "
-               f"{100 * chosen.int8_mac_fraction:.1f}% of MACs in int8; {describe_figures(chosen.figures)}")
-    return chosen.result
 
 
 @main.command()
@@ -325,10 +302,11 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_confi
              runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_cosine,
              min_sqnr, min_speedup, json_path, junit_path, html_path):
     """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold."""
-    from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
+    from qtool import api
+    from qtool.atomic import write_text
     from qtool.evaluation.html_report import write_html
     from qtool.evaluation.junit import write_junit
-    from qtool.evaluation.report import render_table, write_json
+    from qtool.evaluation.report import render_table
 
     if data is None:
         raise click.UsageError("--data is required")
@@ -341,18 +319,18 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_confi
                         sensitivity=sensitivity, layer_samples=layer_samples, max_top1_drop=max_top1_drop,
                         min_agreement=min_agreement, min_cosine=min_cosine, min_sqnr=min_sqnr,
                         min_speedup=min_speedup)
-    inputs = EvaluateInputs(fp32_model, int8_model, data, labels, table_path)
-    report = run_evaluation(inputs, cfg.preprocess, eval_cfg, cfg.quantization)
+    report = api.evaluate(fp32_model, int8_model, data, replace(cfg, evaluation=eval_cfg), labels=labels,
+                          table=table_path)
     click.echo(render_table(report))
     if json_path:
-        write_json(report, json_path)
+        write_text(json_path, report.to_json())
     if junit_path:
         write_junit(report, junit_path)
     if html_path:
         write_html(report, html_path)
-    for verdict in report["thresholds"]:
-        click.echo(verdict["message"], err=not verdict["passed"])
-    if not report["passed"]:
+    for verdict in report.thresholds:
+        click.echo(verdict.message, err=not verdict.passed)
+    if not report.passed:
         sys.exit(EXIT_THRESHOLD)
 
 

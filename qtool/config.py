@@ -280,18 +280,29 @@ def load_section(cls: type, path: str | Path):
         raise QtoolError(str(exc), path) from None
 
 
-def load_config(path: str | Path | None) -> Config:
-    """Read a YAML config; None gives the defaults."""
-    if path is None:
+def load_config(config: str | Path | dict | Config | None) -> Config:
+    """The config from a YAML file, a mapping of sections (the same keys as the file), or a
+    Config as is; None gives the defaults."""
+    if config is None:
         return Config()
-    path = Path(path)
-    data = _read_mapping(path, "sections")
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, dict):
+        return _build_config(config, None)
+    path = Path(config)
+    return _build_config(_read_mapping(path, "sections"), path)
+
+
+def _build_config(data: dict, path: Optional[Path]) -> Config:
     hints = typing.get_type_hints(Config)
     sections = {}
     try:
         for key, value in data.items():
             if key not in hints:
                 raise ValueError(_unknown_key(str(key), list(hints), ""))
+            if isinstance(value, hints[key]):  # a typed section inside a mapping
+                sections[key] = value
+                continue
             if not isinstance(value, dict):
                 raise ValueError(f"section '{key}' must be a mapping")
             sections[key] = build_section(hints[key], value, where=f"{key}.")

@@ -13,6 +13,7 @@ from qtool.calibration.ranges import check_method, choose_range
 from qtool.calibration.shards import collect_parallel, merge_files, save_stats
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.data.dataset import DataLike, folder_only
 from qtool.errors import QtoolError
 from qtool.graph.modelio import sha256_file
 from qtool.plan.planner import QuantPlan, prepared_model
@@ -45,10 +46,11 @@ def _range_settings(calib: CalibrationConfig) -> dict:
             for k in keys if (v := getattr(calib, k)) != getattr(defaults, k)}
 
 
-def calibrate(model_path: str | Path, data: str | Path, preprocess: PreprocessConfig, calib: CalibrationConfig,
+def calibrate(model_path: str | Path, data: DataLike, preprocess: PreprocessConfig, calib: CalibrationConfig,
               options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
     model, plan = prepared_model(model_path, options)
     if calib.workers > 1:
+        folder_only(data, "calibration.workers (--workers)")
         stats, seen = collect_parallel(model_path, data, preprocess, calib, options)
     else:
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import onnx
 from tqdm import tqdm
@@ -13,18 +12,20 @@ from qtool.calibration.observer import observe
 from qtool.calibration.saturation import saturable
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig
-from qtool.data.dataset import batches, count_samples, open_data, select_shard
+from qtool.data.dataset import DataLike, batches, count_samples, folder_only, open_data, select_shard
 from qtool.graph.modelio import input_specs
 from qtool.plan.planner import QuantPlan
 
 
-def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: str | Path, preprocess: PreprocessConfig,
+def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, preprocess: PreprocessConfig,
                        calib: CalibrationConfig, progress: bool = True, shard: tuple[int, int] = (0, 1),
                        threads: int = 0, sub: tuple[int, int] = (0, 1), warn: bool = True,
                        all_histograms: bool = False) -> tuple[dict[str, TensorStats], int]:
     """One streaming pass over shard `shard` = (k, n) of the data (the whole data for (0, 1)),
     sub-shard `sub` of it; histograms for the tensors whose method needs one (all_histograms: every tensor)."""
     source = open_data(data, input_specs(model), preprocess)
+    if (shard, sub) != ((0, 1), (0, 1)):
+        folder_only(data, "sharding")
     limit = select_shard(source, calib, *shard, sub=sub)
     total = count_samples(source, limit)
     methods = methods_for(model, plan.activations, calib)

@@ -1,20 +1,26 @@
-"""Calibration and evaluation data: image folders and folders of .npy/.npz tensors.
+"""Calibration and evaluation data: image folders, folders of .npy/.npz tensors, and samples in memory.
 
-A data source is a sorted list of files (sorted so runs are deterministic); each file
+A folder source is a sorted list of files (sorted so runs are deterministic); each file
 is one sample, loaded lazily so memory does not grow with the number of samples.
-`batches()` groups consecutive samples into model batches when the model allows it.
+A memory source is whatever the caller iterates: any iterable of {input name: array}
+dicts, one sample each (a list, a generator, an NNCF Dataset), or a callable that
+returns a fresh such iterable for every pass over the data (what onnxruntime's
+CalibrationDataReader or a torch DataLoader give their users).
+`batches()` groups consecutive samples of either source into model batches when the
+model allows it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import numpy as np
 
@@ -25,6 +31,10 @@ from qtool.data.preprocess import preprocess_image, read_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp")
 TENSOR_SUFFIXES = (".npy", ".npz")
+
+Feeds = Mapping[str, np.ndarray]
+# what qtool takes as data: a folder (or one file), an iterable of feed dicts, or a callable returning one
+DataLike = Union[str, os.PathLike, Iterable[Feeds], Callable[[], Iterable[Feeds]]]
 
 
 @dataclass
@@ -74,9 +84,12 @@ class DataSource:
         return Sample(self.key(path), _load_tensors(path, self.specs))
 
 
-def open_data(path: str | Path, specs: list[InputSpec], preprocess: PreprocessConfig) -> DataSource:
-    """Find the samples under `path` (recursively) and check they suit the model."""
-    root = Path(path)
+def open_data(data: DataLike, specs: list[InputSpec], preprocess: PreprocessConfig) -> DataSource | MemorySource:
+    """The samples of `data` checked against the model's inputs: a folder or file path
+    (searched recursively), or samples in memory (a MemorySource, checked as they are read)."""
+    if not isinstance(data, (str, os.PathLike)):
+        return MemorySource(data, specs)
+    root = Path(data)
     if not root.exists():
         raise QtoolError("data path not found", root)
     if root.is_file():
@@ -94,6 +107,76 @@ def open_data(path: str | Path, specs: list[InputSpec], preprocess: PreprocessCo
         raise QtoolError(f"no samples found: expected images ({', '.join(IMAGE_SUFFIXES)}) "
                          f"or tensors ({', '.join(TENSOR_SUFFIXES)})", root)
     return source
+
+
+class MemorySource:
+    """Samples the caller holds: feed dicts ({input name: array}, one sample each, with or
+    without the leading batch dimension of 1), already preprocessed; keys are their positions.
+
+    An iterable is iterated once per pass over the data; a callable is called once per pass.
+    Arrays are checked as they are read, with the same rules as tensor files.
+    """
+
+    root = None  # no folder: labels (which name files) and sharding (which splits files) need one
+
+    def __init__(self, data: Iterable[Feeds] | Callable[[], Iterable[Feeds]], specs: list[InputSpec]):
+        if isinstance(data, Mapping):
+            raise QtoolError("data is one dict; pass a list of dicts (one per sample), or a callable returning one")
+        if not callable(data) and not isinstance(data, Iterable):
+            raise QtoolError(f"data must be a folder path, an iterable of {{input name: array}} dicts or a "
+                             f"callable returning one, not {type(data).__name__}")
+        self.data = data
+        self.specs = specs
+        self._batched = model_batch_size(specs, 2) > 1  # dicts must then hold one sample, not a batch
+
+    def size(self) -> Optional[int]:
+        """Number of samples when the data knows it without being read (a list does, a generator not)."""
+        try:
+            return len(self.data)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def samples(self, limit: Optional[int] = None) -> Iterator[Sample]:
+        items = self.data() if callable(self.data) else self.data
+        if isinstance(items, Mapping) or not isinstance(items, Iterable):
+            raise QtoolError(f"the data callable returned {type(items).__name__}, not an iterable of "
+                             "{input name: array} dicts")
+        produced = 0
+        for index, item in enumerate(items):
+            if limit is not None and produced >= limit:
+                break
+            yield Sample(str(index), self._feeds(item, index))
+            produced += 1
+        if produced == 0:
+            raise QtoolError("no samples in the in-memory data (a generator can be read only once: pass a list, "
+                             "or a callable that returns a new iterable on each call)")
+
+    def _feeds(self, item: object, index: int) -> dict[str, np.ndarray]:
+        where = f"in-memory sample {index}"
+        if not isinstance(item, Mapping):
+            raise QtoolError(f"expected a dict of input name -> numpy array, got {type(item).__name__}", where)
+        names = [s.name for s in self.specs]
+        unknown = [str(k) for k in item if k not in names]
+        if unknown:
+            raise QtoolError(f"'{unknown[0]}' is not an input of the model (inputs: {', '.join(names)})", where)
+        feeds = {}
+        for spec in self.specs:
+            if spec.name not in item:
+                raise QtoolError(f"no array for model input '{spec.name}' (dict has: {', '.join(map(str, item))})",
+                                 where)
+            array = np.asarray(item[spec.name])
+            if self._batched and array.ndim == len(spec.shape) and array.shape[0] != 1:
+                raise QtoolError(f"array '{spec.name}' has shape {list(array.shape)}: one sample per dict "
+                                 "(leading dimension 1 or none); qtool batches the samples itself", where)
+            feeds[spec.name] = _fit_to_spec(array, spec, where)
+        return feeds
+
+
+def folder_only(data: object, what: str) -> None:
+    """Refuse `what` (sharding, worker processes) for data that is not a folder: they split files."""
+    if not isinstance(data, (str, os.PathLike, DataSource)):
+        raise QtoolError(f"{what} needs the data as a folder (it splits the files); in-memory data is read "
+                         "in one process")
 
 
 def _image_input(specs: list[InputSpec], cfg: PreprocessConfig, root: Path) -> tuple[InputSpec, tuple[int, int]]:
@@ -152,7 +235,7 @@ def _load_tensors(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _fit_to_spec(array: np.ndarray, spec: InputSpec, path: Path) -> np.ndarray:
+def _fit_to_spec(array: np.ndarray, spec: InputSpec, path: Path | str) -> np.ndarray:
     """Add a missing batch dimension and check dtype and static dimensions."""
     if array.ndim == len(spec.shape) - 1:
         array = array[None]
@@ -186,8 +269,11 @@ def model_batch_size(specs: list[InputSpec], requested: int) -> int:
     return 1
 
 
-def iter_samples(source: DataSource, limit: Optional[int] = None) -> Iterator[Sample]:
+def iter_samples(source: DataSource | MemorySource, limit: Optional[int] = None) -> Iterator[Sample]:
     """Decode samples in a small thread pool (OpenCV releases the GIL) while the caller works."""
+    if isinstance(source, MemorySource):
+        yield from source.samples(limit)
+        return
     files = source.files
     wanted = len(files) if limit is None else min(limit, len(files))
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -215,7 +301,7 @@ def iter_samples(source: DataSource, limit: Optional[int] = None) -> Iterator[Sa
         raise QtoolError("no readable samples (every file failed to decode)", source.root)
 
 
-def batches(source: DataSource, batch_size: int, limit: Optional[int] = None) -> Iterator[Batch]:
+def batches(source: DataSource | MemorySource, batch_size: int, limit: Optional[int] = None) -> Iterator[Batch]:
     """Group consecutive samples of equal shapes into batches of at most `batch_size`."""
     size = model_batch_size(source.specs, batch_size)
     group: list[Sample] = []
@@ -238,8 +324,10 @@ def _shapes(sample: Sample) -> tuple:
     return tuple((k, v.shape) for k, v in sample.feeds.items())
 
 
-def count_samples(source: DataSource, limit: Optional[int]) -> int:
-    return len(source) if limit is None else min(limit, len(source))
+def count_samples(source: DataSource | MemorySource, limit: Optional[int]) -> Optional[int]:
+    """Samples a pass will read; None when in-memory data does not know its length."""
+    size = source.size() if isinstance(source, MemorySource) else len(source)
+    return size if limit is None or size is None else min(limit, size)
 
 
 def batch_span(total_batches: int, k: int, n: int) -> tuple[int, int]:

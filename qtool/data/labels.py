@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from qtool.errors import QtoolError
+
+if TYPE_CHECKING:
+    from qtool.data.dataset import DataSource, MemorySource
 
 FOLDERS = "folders"
 
@@ -54,3 +57,17 @@ def labels_from_folders(keys: list[str], root: Path) -> Labels:
     numeric = all(f.isdigit() for f in folders)
     index = {f: (int(f) if numeric else i) for i, f in enumerate(folders)}
     return Labels({k: index[k.split("/")[0]] for k in keys if "/" in k})
+
+
+def labels_for(source: DataSource | MemorySource, labels: str | Path) -> Labels:
+    """The labels of a data folder's samples: from a label file, or from the folders (`labels` = "folders")."""
+    if source.root is None:
+        raise QtoolError("labels name the files of a data folder; in-memory data has none (give the data as a "
+                         "folder, or leave out the labels)")
+    keys = [source.key(p) for p in source.files]
+    if labels == FOLDERS:
+        return labels_from_folders(keys, source.root)
+    found = read_label_file(labels)
+    if not any(found.get(k) is not None for k in keys):
+        raise QtoolError(f"no file of {source.root} has a label in this file", labels)
+    return found

@@ -1,4 +1,4 @@
-"""Evaluation: fp32 and int8 side by side on the same data -> a report (a plain dict).
+"""Evaluation: fp32 and int8 side by side on the same data -> an EvaluationReport.
 
 Both models see exactly the same batches: per-output fidelity for every model, plus the
 task's figures (classification: accuracy, agreement, KL; detection: int8 boxes matched
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -22,16 +22,17 @@ from tqdm import tqdm
 
 from qtool import __version__
 from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig, QuantizeConfig, load_section
-from qtool.data.dataset import Batch, batches, count_samples, open_data
+from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
 from qtool.evaluation.detection import DetectionAccumulator
 from qtool.errors import QtoolError
-from qtool.data.labels import FOLDERS, Labels, labels_from_folders, read_label_file
+from qtool.data.labels import Labels, labels_for
 from qtool.evaluation.layer_error import layer_errors, twins, worst
 from qtool.evaluation.macs import int8_macs, sample_shapes
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator, percentile_ms
 from qtool.graph.modelio import input_specs, load_model, output_names
 from qtool.quantization.rewrite import DQ_SUFFIX
 from qtool.graph.runtime import create_session
+from qtool.evaluation.report import EvaluationReport
 from qtool.evaluation.sensitivity import layer_sensitivity
 from qtool.table.table import load_table
 from qtool.evaluation.thresholds import check_thresholds
@@ -41,7 +42,7 @@ from qtool.evaluation.thresholds import check_thresholds
 class EvaluateInputs:
     fp32: Path
     int8: Path
-    data: Path
+    data: DataLike  # a folder, or samples in memory (dataset.open_data)
     labels: Optional[str] = None  # a label file, or "folders"
     table: Optional[Path] = None  # the calibration table: needed by the sensitivity ranking
 
@@ -98,7 +99,7 @@ def _check_requests(inputs: EvaluateInputs, cfg: EvaluateConfig) -> None:
 
 
 def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: EvaluateConfig,
-             quantization: QuantizeConfig = QuantizeConfig(), progress: bool = True) -> dict:
+             quantization: QuantizeConfig = QuantizeConfig(), progress: bool = True) -> EvaluationReport:
     """The whole report: task figures, per-output fidelity, size, MACs, latency, optional
     per-layer error and sensitivity, and the threshold verdicts."""
     _check_requests(inputs, cfg)
@@ -115,34 +116,29 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     if output_names(int8_model) != outputs:
         raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
     source = open_data(inputs.data, specs, preprocess)
-    run = _compare(inputs, source, _labels(inputs, source), outputs, cfg, detection, progress)
+    labels = labels_for(source, inputs.labels) if inputs.labels else None
+    run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
 
     sizes = {"fp32": _size(inputs.fp32), "int8": _size(inputs.int8)}
-    report: dict = {
-        "qtool_version": __version__,
-        "onnxruntime_version": ort.__version__,
-        "task": run.task.name,
-        "models": {name: {"path": str(path), "size_bytes": sizes[name]}
-                   for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},
-        "data": {"path": str(inputs.data), "samples": run.samples, "labels": inputs.labels},
-        "outputs": {name: acc.result() for name, acc in run.fidelity.items()},
-    }
-    if run.task.result() is not None:
-        report[run.task.name] = run.task.result()
-    report["size"] = {"fp32_bytes": sizes["fp32"], "int8_bytes": sizes["int8"],
-                      "ratio": sizes["fp32"] / max(1, sizes["int8"])}
     macs = int8_macs(int8_model, sample_shapes(run.first_batch.feeds))
-    report["macs"] = {"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
-                      "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes}
-    report["latency"] = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
-    if cfg.per_layer:
-        report["per_layer"] = _per_layer(fp32_model, int8_model, run.subset)
-    if cfg.sensitivity:
-        report["sensitivity"] = _sensitivity(inputs, quantization, run.subset, progress)
+    report = EvaluationReport(
+        qtool_version=__version__,
+        onnxruntime_version=ort.__version__,
+        task=run.task.name,
+        models={name: {"path": str(path), "size_bytes": sizes[name]}
+                for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},
+        data={"path": str(inputs.data) if source.root is not None else None, "samples": run.samples,
+              "labels": inputs.labels},
+        outputs={name: acc.result() for name, acc in run.fidelity.items()},
+        task_figures=run.task.result(),
+        size={"fp32_bytes": sizes["fp32"], "int8_bytes": sizes["int8"], "ratio": sizes["fp32"] / max(1, sizes["int8"])},
+        macs={"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
+              "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes},
+        latency=measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg),
+        per_layer=_per_layer(fp32_model, int8_model, run.subset) if cfg.per_layer else None,
+        sensitivity=_sensitivity(inputs, quantization, run.subset, progress) if cfg.sensitivity else None)
     verdicts = check_thresholds(report, cfg)
-    report["thresholds"] = [asdict(v) for v in verdicts]
-    report["passed"] = all(v.passed for v in verdicts)
-    return report
+    return replace(report, thresholds=tuple(verdicts), passed=all(v.passed for v in verdicts))
 
 
 @dataclass
@@ -163,6 +159,7 @@ def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: 
     run: Optional[_Comparison] = None
     wanted = cfg.layer_samples if cfg.per_layer or cfg.sensitivity else 0
     total = count_samples(source, cfg.num_samples)
+    seen = 0
     with tqdm(total=total, desc="evaluating", unit="sample", disable=None if progress else True, leave=False) as bar:
         for batch in batches(source, cfg.batch_size, cfg.num_samples):
             ref = fp32.run(outputs, batch.feeds)
@@ -177,6 +174,9 @@ def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: 
             if kept < wanted:
                 run.subset.append(_head(batch, wanted - kept))
             bar.update(len(batch))
+            seen += len(batch)
+    if total is None:  # in-memory data of unknown length: the samples read
+        run.samples = seen
     return run
 
 
@@ -200,18 +200,6 @@ def _sensitivity(inputs: EvaluateInputs, quantization: QuantizeConfig, subset: l
         ranking = layer_sensitivity(inputs.fp32, table, quantization, subset, on_layer=lambda layer: bar.update())
     return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,
             "table": str(inputs.table), "layers": [asdict(r) for r in ranking]}
-
-
-def _labels(inputs: EvaluateInputs, source) -> Optional[Labels]:
-    if not inputs.labels:
-        return None
-    if inputs.labels == FOLDERS:
-        return labels_from_folders([source.key(p) for p in source.files], source.root)
-    labels = read_label_file(inputs.labels)
-    keys = [source.key(p) for p in source.files]
-    if not any(labels.get(k) is not None for k in keys):
-        raise QtoolError(f"no file of {inputs.data} has a label in this file", inputs.labels)
-    return labels
 
 
 def _size(path: Path) -> int:

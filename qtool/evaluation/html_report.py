@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from qtool import atomic
-from qtool.evaluation.report import fmt, summary_rows
+from qtool.evaluation.report import EvaluationReport, fmt, summary_rows
 
 STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
@@ -120,12 +120,12 @@ def bar_chart(labels: list[str], values: list[float], unit: str = "dB") -> str:
     return "".join(parts)
 
 
-def _verdicts(report: dict) -> str:
-    if not report["thresholds"]:
+def _verdicts(report: EvaluationReport) -> str:
+    if not report.thresholds:
         return "<p class='meta'>No thresholds set.</p>"
-    items = "".join(f"<li class='{'pass' if v['passed'] else 'fail'}'>{_e(v['message'])}</li>"
-                    for v in report["thresholds"])
-    overall = "<p class='pass'>All thresholds met.</p>" if report["passed"] else \
+    items = "".join(f"<li class='{'pass' if v.passed else 'fail'}'>{_e(v.message)}</li>"
+                    for v in report.thresholds)
+    overall = "<p class='pass'>All thresholds met.</p>" if report.passed else \
         "<p class='fail'>Threshold(s) violated.</p>"
     return overall + f"<ul>{items}</ul>"
 
@@ -158,23 +158,23 @@ def _sensitivity(section: dict, count: int = 30) -> str:
             f"</p>{chart}<details><summary>All layers</summary>{_table(rows)}</details>")
 
 
-def render_html(report: dict) -> str:
-    models = report["models"]
+def render_html(report: EvaluationReport) -> str:
+    models = report.models
     title = f"qtool evaluate: {Path(models['int8']['path']).name} vs {Path(models['fp32']['path']).name}"
     meta = (f"fp32 {_e(models['fp32']['path'])}<br>int8 {_e(models['int8']['path'])}<br>"
-            f"{report['data']['samples']} samples from {_e(report['data']['path'])}; task {_e(report['task'])}; "
-            f"qtool {_e(report['qtool_version'])}, onnxruntime {_e(report['onnxruntime_version'])}")
+            f"{report.data['samples']} samples from {_e(report.data_name)}; task {_e(report.task)}; "
+            f"qtool {_e(report.qtool_version)}, onnxruntime {_e(report.onnxruntime_version)}")
     body = [f"<h1>{_e(title)}</h1><p class='meta'>{meta}</p>", "<h2>Verdict</h2>", _verdicts(report),
             "<h2>Summary</h2>", _table(summary_rows(report))]
-    if "per_layer" in report:
-        body.append(_per_layer(report["per_layer"]))
+    if report.per_layer is not None:
+        body.append(_per_layer(report.per_layer))
     else:
         body.append("<p class='meta'>Run with --per-layer for the per-layer SQNR chart.</p>")
-    if "sensitivity" in report:
-        body.append(_sensitivity(report["sensitivity"]))
+    if report.sensitivity is not None:
+        body.append(_sensitivity(report.sensitivity))
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>\n")
 
 
-def write_html(report: dict, path: str | Path) -> None:
+def write_html(report: EvaluationReport, path: str | Path) -> None:
     atomic.write_text(path, render_html(report))

@@ -42,7 +42,7 @@ from qtool.data.labels import Labels
 from qtool.evaluation.macs import int8_macs, node_label, node_macs, sample_shapes
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.plan.planner import QuantPlan
-from qtool.quantization.quantize import QuantizeResult, quantize_model
+from qtool.quantization.quantize import QuantizedGraph, quantize_model
 from qtool.graph.runtime import create_session
 from qtool.table.table import CalibrationTable
 
@@ -80,7 +80,7 @@ class Target:
 class Candidate:
     float_layers: list[str]
     figures: dict
-    result: QuantizeResult
+    result: QuantizedGraph
     int8_mac_fraction: float
 
 
@@ -228,7 +228,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
         log(f"  {len(layers)} layer(s) float{': ' + ', '.join(names) if names else ''}: "
             f"{describe_figures(figures)}, {100 * fraction:.1f}% of MACs int8{' -> meets the target' if met else ''}")
         notes = base.notes + ([f"kept in float to meet {target.describe()}: {', '.join(names)}"] if names else [])
-        result = QuantizeResult(qmodel, _plan_with_float(base.plan, layers, prepared), notes, prepared)
+        result = QuantizedGraph(qmodel, _plan_with_float(base.plan, layers, prepared), notes, prepared)
         return Candidate(names, figures, result, fraction), first
 
     current, int8_first = candidate([])

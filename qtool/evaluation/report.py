@@ -1,12 +1,66 @@
-"""Turning an evaluation report (a dict) into text for a terminal and JSON for machines."""
+"""The evaluation report (a typed record of every figure) and its text for a terminal and JSON for machines."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 from qtool import atomic
+from qtool.evaluation.thresholds import Verdict
+
+
+@dataclass(frozen=True)
+class EvaluationReport:
+    """What `evaluate` measured. The sections are the JSON's: plain dicts of figures, so
+    `to_dict()` and `to_json()` (the file `qtool evaluate --json` writes) show them as they are."""
+
+    qtool_version: str
+    onnxruntime_version: str
+    task: str  # classification, detection or generic
+    models: dict  # "fp32"/"int8" -> {"path", "size_bytes"}
+    data: dict  # {"path" (None for in-memory data), "samples", "labels"}
+    outputs: dict  # output name -> fidelity figures (cosine, sqnr_db, errors)
+    task_figures: Optional[dict]  # the task's own figures (JSON key: the task's name); None for generic
+    size: dict
+    macs: dict
+    latency: dict
+    per_layer: Optional[dict] = None
+    sensitivity: Optional[dict] = None
+    thresholds: tuple[Verdict, ...] = ()
+    passed: bool = True  # every threshold met (True when none was set)
+
+    @property
+    def classification(self) -> Optional[dict]:
+        return self.task_figures if self.task == "classification" else None
+
+    @property
+    def detection(self) -> Optional[dict]:
+        return self.task_figures if self.task == "detection" else None
+
+    @property
+    def data_name(self) -> str:
+        return self.data["path"] if self.data["path"] is not None else "in-memory data"
+
+    def to_dict(self) -> dict:
+        """The report as JSON-ready data, in the key order of the JSON file."""
+        out = {"qtool_version": self.qtool_version, "onnxruntime_version": self.onnxruntime_version,
+               "task": self.task, "models": self.models, "data": self.data, "outputs": self.outputs}
+        if self.task_figures is not None:
+            out[self.task] = self.task_figures
+        out.update(size=self.size, macs=self.macs, latency=self.latency)
+        if self.per_layer is not None:
+            out["per_layer"] = self.per_layer
+        if self.sensitivity is not None:
+            out["sensitivity"] = self.sensitivity
+        out["thresholds"] = [asdict(v) for v in self.thresholds]
+        out["passed"] = self.passed
+        return out
+
+    def to_json(self) -> str:
+        return json_text(self.to_dict())
 
 
 def fmt(value, digits: int = 4) -> str:
@@ -25,10 +79,10 @@ def _pct(value) -> str:
     return "-" if value is None else f"{100.0 * value:.2f}%"
 
 
-def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
+def summary_rows(report: EvaluationReport) -> list[tuple[str, str, str, str]]:
     """The summary as (figure, fp32, int8, int8 vs fp32) rows: the terminal table and the HTML share it."""
     rows: list[tuple[str, str, str, str]] = [("", "fp32", "int8", "int8 vs fp32")]
-    cls = report.get("classification")
+    cls = report.classification
     if cls:
         if "top1" in cls:
             rows.append(("top-1", _pct(cls["top1"]["fp32"]), _pct(cls["top1"]["int8"]),
@@ -37,27 +91,27 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
             rows.append((f"top-{top_k[3:]}", _pct(cls[top_k]["fp32"]), _pct(cls[top_k]["int8"]), ""))
         rows.append(("top-1 agreement", "", "", _pct(cls["agreement"])))
         rows.append(("mean KL(fp32||int8)", "", "", fmt(cls["mean_kl"], 5)))
-    det = report.get("detection")
+    det = report.detection
     if det:
         rows.append((f"boxes (score >= {det['settings']['conf_threshold']:g})", str(det["fp32_boxes"]),
                      str(det["int8_boxes"]), f"recall {_pct(det['recall'])}, precision {_pct(det['precision'])}"))
         rows.append((f"matched (same class, IoU >= {det['settings']['match_iou']:g}): mean IoU", "", "",
                      fmt(det["mean_iou"], 3)))
-    for name, out in report["outputs"].items():
+    for name, out in report.outputs.items():
         rows.append((f"{name}: cosine", "", "", fmt(out["cosine"], 5)))
         rows.append((f"{name}: SQNR", "", "", f"{fmt(out['sqnr_db'], 2)} dB"))
         rows.append((f"{name}: abs error max / mean", "", "",
                      f"{out['max_abs_error']:.4g} / {out['mean_abs_error']:.4g}"))
-    lat = report.get("latency")
+    lat = report.latency
     if lat:
         rows.append((f"latency, batch {lat['batch_size']}, {lat['threads']} thread(s), median",
                      f"{lat['fp32_ms']['median']:.2f} ms", f"{lat['int8_ms']['median']:.2f} ms",
                      f"speedup {lat['speedup']:.2f}x"))
         rows.append(("latency p90", f"{lat['fp32_ms']['p90']:.2f} ms", f"{lat['int8_ms']['p90']:.2f} ms", ""))
-    size = report["size"]
+    size = report.size
     rows.append(("file size", f"{size['fp32_bytes'] / 1e6:.2f} MB", f"{size['int8_bytes'] / 1e6:.2f} MB",
                  f"{size['ratio']:.2f}x smaller"))
-    macs = report.get("macs")
+    macs = report.macs
     if macs:
         rows.append(("MACs per sample (Conv, Gemm, MatMul)", f"{macs['total'] / 1e6:.1f} M",
                      f"{macs['int8'] / 1e6:.1f} M in int8", f"{_pct(macs['int8_fraction'])} in int8"))
@@ -94,13 +148,13 @@ def _sensitivity_lines(section: dict, count: int = 10) -> list[str]:
              f"layers, one at a time in int8; worst {min(count, len(section['layers']))}"] + _align(rows))
 
 
-def render_table(report: dict) -> str:
-    header = f"{report['data']['samples']} samples from {report['data']['path']}, task {report['task']}"
+def render_table(report: EvaluationReport) -> str:
+    header = f"{report.data['samples']} samples from {report.data_name}, task {report.task}"
     lines = [header] + _align(summary_rows(report))
-    if "per_layer" in report:
-        lines += [""] + _per_layer_lines(report["per_layer"])
-    if "sensitivity" in report:
-        lines += [""] + _sensitivity_lines(report["sensitivity"])
+    if report.per_layer is not None:
+        lines += [""] + _per_layer_lines(report.per_layer)
+    if report.sensitivity is not None:
+        lines += [""] + _sensitivity_lines(report.sensitivity)
     return "\n".join(lines)
 
 
@@ -115,5 +169,10 @@ def _clean(value):
     return value
 
 
+def json_text(report: dict) -> str:
+    return json.dumps(_clean(report), indent=2) + "\n"
+
+
 def write_json(report: dict, path: str | Path) -> None:
-    atomic.write_text(path, json.dumps(_clean(report), indent=2) + "\n")
+    """A report's figures as JSON (an EvaluationReport's: report.to_dict())."""
+    atomic.write_text(path, json_text(report))

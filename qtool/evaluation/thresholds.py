@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from qtool.config import EvaluateConfig
 from qtool.errors import QtoolError
+
+if TYPE_CHECKING:  # report.py holds the verdicts: it imports this module
+    from qtool.evaluation.report import EvaluationReport
 
 
 @dataclass(frozen=True)
@@ -32,19 +35,19 @@ class Threshold:
     figure: str
     unit: str
     at_most: bool  # True: the value must not exceed the limit; False: must reach it
-    read: Callable[[dict], tuple[float, str]]  # report -> (value in the limit's unit, where it was measured)
+    read: Callable[[EvaluationReport], tuple[float, str]]  # report -> (value in the limit's unit, where measured)
 
 
-def _classification(report: dict, key: str) -> dict:
-    cls = report.get("classification")
+def _classification(report: EvaluationReport, key: str) -> dict:
+    cls = report.classification
     if not cls or key not in cls:
         need = "labels (--labels)" if key == "top1_drop" else "the classification task"
         raise QtoolError(f"this threshold needs {need}, and the report has no {key}")
     return cls
 
 
-def _worst_output(report: dict, key: str) -> tuple[float, str]:
-    name, figures = min(report["outputs"].items(), key=lambda item: _ordered(item[1][key]))
+def _worst_output(report: EvaluationReport, key: str) -> tuple[float, str]:
+    name, figures = min(report.outputs.items(), key=lambda item: _ordered(item[1][key]))
     return figures[key], f"output '{name}'"
 
 
@@ -59,7 +62,7 @@ THRESHOLDS = (
               lambda r: (100.0 * _classification(r, "agreement")["agreement"], "")),
     Threshold("min_cosine", "cosine", "", False, lambda r: _worst_output(r, "cosine")),
     Threshold("min_sqnr", "SQNR", "dB", False, lambda r: _worst_output(r, "sqnr_db")),
-    Threshold("min_speedup", "speedup", "x", False, lambda r: (r["latency"]["speedup"], "")),
+    Threshold("min_speedup", "speedup", "x", False, lambda r: (r.latency["speedup"], "")),
 )
 
 
@@ -68,7 +71,7 @@ def _text(value: float, unit: str) -> str:
     return number + ("" if unit in ("", "%", "x") else " ") + unit
 
 
-def check_thresholds(report: dict, cfg: EvaluateConfig) -> list[Verdict]:
+def check_thresholds(report: EvaluationReport, cfg: EvaluateConfig) -> list[Verdict]:
     verdicts = []
     for threshold in THRESHOLDS:
         limit = getattr(cfg, threshold.name)

@@ -11,97 +11,39 @@ import onnx
 
 from qtool.quantization.adaround import adaptive_rounding
 from qtool.quantization.bias_correction import correct_biases
-<<<<<<< HEAD
-=======
-from qtool.calibration.calibrate import prepared_model, resolve_qparams
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
->>>>>>> wt-shapes
 from qtool.quantization.channel_pad import pad_input_channels
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import check_model, sha256_file
-<<<<<<< HEAD
 from qtool.plan.planner import QuantPlan, prepared_model
 from qtool.table.resolve import params_from_table
-from qtool.quantization.rewrite import check_no_bad_scales, quantize_graph
-=======
-from qtool.plan.planner import QuantPlan
-from qtool.table.qparams import MIN_SCALE, QParams
 from qtool.quantization.rewrite import quantize_graph
->>>>>>> wt-shapes
 from qtool.quantization.stem_s2d import space_to_depth_stems
 from qtool.table.table import CalibrationTable
 from qtool.targets import weight_qmax
 
 
 @dataclass
-class QuantizeResult:
+class QuantizedGraph:
+    """The int8 model with the plan it was made by (internal; the API's QuantizeResult is the public face)."""
+
     model: onnx.ModelProto
     plan: QuantPlan
     notes: list[str] = field(default_factory=list)
     source: Optional[onnx.ModelProto] = None  # the prepared fp32 graph `model` was quantized from
 
 
-<<<<<<< HEAD
-def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
-    """NaN/Inf in a weight or bias has no int8 representation: the model itself is broken."""
-    initializers = {t.name: t for t in model.graph.initializer}
-    for name in [*plan.weights, *plan.biases]:
-        values = numpy_helper.to_array(initializers[name])
-        bad = int(values.size - np.count_nonzero(np.isfinite(values)))
-        if bad:
-            raise QtoolError(f"constant '{name}' contains {bad} NaN/Inf value(s); fix the model before quantizing",
-                             path)
-=======
-def params_from_table(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig,
-                      table_path: object = None, allow_missing: bool = False) -> dict[str, QParams]:
-    """Quantization parameters for every planned activation, taken from the table.
-
-    Entries written for the same activation type are used as they are (so a converted
-    table quantizes to the identical model); otherwise they are recomputed from the range.
-    Shared-scale and fixed-range rules are re-applied in case the table came from a tool
-    that does not know them; a shared-scale group whose entries already agree keeps them.
-    """
-    missing = [name for name in plan.activations if name not in table.tensors]
-    if missing and not allow_missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise QtoolError(f"calibration table has no entry for {len(missing)} tensor(s) the model needs: {shown} "
-                         "(calibrate this model again, or pass --allow-missing to keep them in float)", table_path)
-    ranges = {name: table.tensors[name].range for name in plan.activations if name in table.tensors}
-    _, computed = resolve_qparams(plan, ranges, options)
-    params = {}
-    tied = _groups_needing_recompute(plan, table, options)
-    for name in ranges:
-        entry = table.tensors[name].qparams
-        params[name] = entry if entry.dtype == options.activation_dtype and name not in tied else computed[name]
-        if name in plan.fixed:
-            params[name] = computed[name]
-        if params[name].scale < MIN_SCALE:  # a foreign table's near-zero scale would underflow the bias scale
-            params[name] = QParams(MIN_SCALE, params[name].zero_point, params[name].dtype)
-    return params
-
-
-def _groups_needing_recompute(plan: QuantPlan, table: CalibrationTable, options: QuantizeConfig) -> set[str]:
-    """Tensors of shared-scale groups whose table entries differ (or are of another type).
-
-    A table converted from another format carries one scale per tensor; when the group's
-    members agree it is used as is (bit for bit), otherwise the group gets the union range.
-    """
-    out = set()
-    for group in plan.tie_groups:
-        found = {table.tensors[n].qparams for n in group if n in table.tensors}
-        if len(found) > 1 or any(p.dtype != options.activation_dtype for p in found):
-            out.update(group)
-    return out
->>>>>>> wt-shapes
+def needs_data(options: QuantizeConfig) -> bool:
+    """Whether a data-driven step (bias correction, adaptive rounding) is asked for explicitly, not as `auto`."""
+    return options.bias_correction == "fast" or options.weight_rounding == "adaptive"
 
 
 def resolve_data_steps(options: QuantizeConfig, have_data: bool) -> tuple[str, str]:
     """(bias correction, weight rounding) to run: `auto` means on when calibration data is at hand.
     Asking for either explicitly without data is a user error."""
-    explicit = options.bias_correction == "fast" or options.weight_rounding == "adaptive"
-    if explicit and not have_data:
+    if needs_data(options) and not have_data:
         raise QtoolError("bias correction and adaptive weight rounding need calibration data (--data)")
     bias = "fast" if options.bias_correction == "auto" and have_data else options.bias_correction
     rounding = "adaptive" if options.weight_rounding == "auto" and have_data else options.weight_rounding
@@ -121,7 +63,7 @@ def _optional(setting: str, what: str, notes: list[str], step: Callable):
 
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                    table_path: object = None, allow_missing: bool = False,
-                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizeResult:
+                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizedGraph:
     """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them)."""
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
@@ -174,4 +116,4 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         check_model(qmodel, full_check=True)
     except onnx.checker.ValidationError as exc:
         raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
-    return QuantizeResult(qmodel, plan, notes, model)
+    return QuantizedGraph(qmodel, plan, notes, model)

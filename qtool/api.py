@@ -1,0 +1,161 @@
+"""The Python front door: calibrate, quantize, evaluate (docs/api.md).
+
+These functions are the whole jobs the CLI runs; the CLI only parses options, checks
+their combinations, prints and picks exit codes, so the same call gives the same bytes
+from Python and from the command line. Three things are accepted in several forms:
+
+* model: a path to an ONNX file (the table records its name and sha256; a model with
+  external data keeps it when saved);
+* data: a folder (or file) path, any iterable of {input name: numpy array} dicts, one
+  sample each, or a callable returning such an iterable (qtool.data.dataset);
+* config: a YAML path, a dict of sections with the file's keys, or a Config (load_config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
+
+import onnx
+
+from qtool.calibration.calibrate import calibrate as run_calibration
+from qtool.config import Config, load_config
+from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
+from qtool.data.labels import labels_for
+from qtool.errors import QtoolError
+from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
+from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
+from qtool.evaluation.report import EvaluationReport
+from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
+from qtool.quantization.quantize import QuantizedGraph, quantize_model
+from qtool.table.formats import read_table
+from qtool.table.table import CalibrationTable
+
+ConfigLike = Union[str, Path, dict, Config, None]
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionSearch:
+    """Keep the fewest layers in float so that the int8 model meets a target on evaluation
+    data (quantize --target-agreement/--target-top1-drop/--target-sqnr; the search is
+    described in qtool.evaluation.mixed_precision). Set at least one target."""
+
+    data: DataLike  # evaluation data, batched by the config's evaluation section
+    agreement: Optional[float] = None  # percent of samples whose top-1 matches fp32
+    top1_drop: Optional[float] = None  # points of top-1 lost at most (needs labels)
+    sqnr: Optional[float] = None  # dB, worst model output
+    labels: Optional[str] = None  # label file, or "folders" (folder data only)
+    max_float_layers: int = 10  # fail (ThresholdError) when the target needs more
+    min_int8_macs: float = 0.0  # percent of the MACs that must stay int8
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    """The model the search chose: its float layers and the figures it was verified with."""
+
+    float_layers: tuple[str, ...]
+    int8_mac_fraction: float
+    figures: dict  # agreement, mean_kl, sqnr_db (and top1, top1_fp32 with labels)
+
+    def describe(self) -> str:
+        layers = f": {', '.join(self.float_layers)}" if self.float_layers else ""
+        return (f"target met with {len(self.float_layers)} layer(s) in float{layers}; "
+                f"{100 * self.int8_mac_fraction:.1f}% of MACs in int8; {describe_figures(self.figures)}")
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    """The int8 QDQ model, what was quantized, and what the user should know about it."""
+
+    model: onnx.ModelProto
+    table: CalibrationTable  # the table it was made from (calibrated here when only data was given)
+    notes: tuple[str, ...]  # steps skipped, layers kept float, inputs rearranged, target problems
+    quantized_nodes: int
+    int8_weights: int
+    activations: int  # activation tensors with int8 parameters
+    float_nodes: int  # nodes left in float
+    external_data: bool = False  # the source model keeps its tensors in a side file: so does save()
+    search: Optional[SearchOutcome] = None  # with a MixedPrecisionSearch
+
+    def save(self, path: str | Path) -> None:
+        """Write the model atomically (a failure leaves no partial file); tensors go to
+        `<name>.data` beside it when the source had external data or the model is over 2 GiB."""
+        save_model(self.model, path, external=self.external_data)
+
+
+def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
+              progress: bool = True) -> CalibrationTable:
+    """Run `data` through `model` and return the calibration table (`.save(path)` writes its JSON)."""
+    cfg = load_config(config)
+    return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress)
+
+
+def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None = None,
+             data: Optional[DataLike] = None, config: ConfigLike = None, table_format: Optional[str] = None,
+             allow_missing: bool = False, search: Optional[MixedPrecisionSearch] = None,
+             log: Optional[Log] = None, progress: bool = True) -> QuantizeResult:
+    """The int8 QDQ model of `model`.
+
+    table: a CalibrationTable, or a table file in any supported format (`table_format`
+    forces one). Without a table, `data` is calibrated first. Data also feeds bias
+    correction and adaptive rounding (on in `auto` mode whenever data is given).
+    `log` receives the search's progress lines.
+    """
+    cfg = load_config(config)
+    if table is None and data is None:
+        raise QtoolError("quantize needs a calibration table (table=) or calibration data (data=)")
+    table_path = None
+    if table is None:
+        table = calibrate(model, data, cfg, progress=progress)
+    elif not isinstance(table, CalibrationTable):
+        table_path = table
+        table, _ = read_table(table, table_format, model, cfg.quantization)
+    specs = input_specs(load_model(model)) if data is not None or search is not None else None
+    calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
+    outcome = None
+    if search is not None:
+        graph, outcome = _search(model, specs, table, cfg, search, calib_data, log or (lambda message: None))
+    else:
+        graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data)
+    plan = graph.plan
+    return QuantizeResult(graph.model, table, tuple(graph.notes), len(plan.quantized_nodes), len(plan.weights),
+                          len(plan.activations), len(plan.float_nodes), has_external_data(model), outcome)
+
+
+def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigLike = None, *,
+             labels: Optional[str] = None, table: str | Path | None = None,
+             progress: bool = True) -> EvaluationReport:
+    """fp32 and int8 side by side on `data`: task figures, fidelity, size, MACs, latency, and the
+    verdicts of the config's thresholds (`report.passed`). labels: a label file or "folders"
+    (folder data only); table: the int8 model's calibration table (for the sensitivity ranking)."""
+    cfg = load_config(config)
+    inputs = EvaluateInputs(Path(fp32), Path(int8), data, labels, Path(table) if table is not None else None)
+    return run_evaluation(inputs, cfg.preprocess, cfg.evaluation, cfg.quantization, progress)
+
+
+def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) -> Callable[[int], Iterable[Batch]]:
+    """`n -> batches of at most n calibration samples`, read afresh on every call (bias correction,
+    adaptive rounding and the search's all-int8 model each take their own pass)."""
+    calib = cfg.calibration
+    return lambda limit: batches(open_data(data, specs, cfg.preprocess), calib.batch_size,
+                                 min(limit, calib.num_samples or limit))
+
+
+def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, cfg: Config,
+            search: MixedPrecisionSearch, calib_data: Optional[Callable[[int], Iterable[Batch]]],
+            log: Log) -> tuple[QuantizedGraph, SearchOutcome]:
+    target = Target(search.agreement, search.top1_drop, search.sqnr)
+    if not target.given():
+        raise QtoolError("a mixed-precision search needs a target: agreement, top1_drop or sqnr")
+    source = open_data(search.data, specs, cfg.preprocess)
+    label_map = labels_for(source, search.labels) if search.labels else None
+    eval_batches = list(batches(source, cfg.evaluation.batch_size, cfg.evaluation.num_samples))
+    count = count_samples(source, None)
+    count = sum(len(b) for b in eval_batches) if count is None else count
+    log(f"searching the fewest float layers for {target.describe()} on {count} evaluation samples:")
+    found = run_search(model, table, cfg.quantization, target, eval_batches, label_map, search.max_float_layers,
+                       calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log)
+    chosen = found.chosen
+    return chosen.result, SearchOutcome(tuple(chosen.float_layers), chosen.int8_mac_fraction, chosen.figures)
