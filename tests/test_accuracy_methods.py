@@ -20,7 +20,7 @@ from qtool.errors import ThresholdError
 from qtool.prepare.graph_prep import prepare
 from qtool.evaluation.mixed_precision import Target, search
 from qtool.graph.modelio import input_specs, load_model
-from qtool.calibration.observer import with_outputs
+from qtool.graph.edit import with_outputs
 from qtool.plan.planner import build_plan
 from qtool.quantization.quantize import quantize_model
 from qtool.quantization.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX

@@ -124,3 +124,42 @@ def test_named_rules(rule, unit, forbidden):
 def test_nothing_below_the_cli_imports_it():
     importers = [m for m, ts in GRAPH.items() if _unit(m) not in ("cli", "__main__") and "qtool.cli" in ts]
     assert not importers
+
+
+# Each ground concept has one home; a second copy elsewhere is how the old copies drifted apart
+# (one shape inference handled models over 2 GiB, the others did not).
+HOMES = {
+    "shape_inference.infer_shapes": "qtool.graph.shapes",
+    "InferenceSession": "qtool.graph.runtime",
+    "SessionOptions": "qtool.graph.runtime",
+    "get_attribute_value": "qtool.graph.index",
+    "convert_version": "qtool.prepare.graph_prep",
+}
+DEFINED_ONCE = ("node_label", "attribute", "set_attribute", "names_read", "with_outputs", "sub_model", "GraphIndex")
+
+
+def _producer_map(node: ast.AST) -> bool:
+    """`{out: n for n in g.node for out in n.output}`: a graph index built by hand."""
+    if not isinstance(node, (ast.DictComp, ast.SetComp)):
+        return False
+    iters = [ast.unparse(g.iter) for g in node.generators]
+    return len(iters) == 2 and iters[0].endswith(".node") and iters[1].endswith(".output")
+
+
+def test_each_ground_concept_has_one_home():
+    misplaced, definitions = [], {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                called = ast.unparse(node.func)
+                name = next((n for n in HOMES if called == n or called.endswith("." + n)), None)
+                if name and module != HOMES[name]:
+                    misplaced.append(f"{module} calls {name} (its home is {HOMES[name]})")
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in DEFINED_ONCE:
+                definitions.setdefault(node.name, []).append(module)
+            elif _producer_map(node) and module != "qtool.graph.index":
+                misplaced.append(f"{module} builds a producer map by hand (line {node.lineno}): use GraphIndex")
+    twice = [f"{name} defined in {', '.join(where)}" for name, where in definitions.items() if len(where) > 1]
+    assert not misplaced + twice, "\n".join(misplaced + twice)
+    assert set(definitions) == set(DEFINED_ONCE)  # the homes exist: the test reads real code

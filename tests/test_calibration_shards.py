@@ -89,7 +89,7 @@ def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
     got = observe(model, names, [Batch([str(i)], {"x": f}) for i, f in enumerate(feeds)], histogram_for=names,
                   sample_limit=256)
     import onnxruntime as ort
-    from qtool.calibration.observer import with_outputs
+    from qtool.graph.edit import with_outputs
     session = ort.InferenceSession(with_outputs(model, names).SerializeToString(), providers=["CPUExecutionProvider"])
     for name in names:
         want = TensorStats.with_histogram()

@@ -13,7 +13,7 @@ from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import Batch
 from qtool.evaluation.layer_error import layer_errors, twins, worst
 from qtool.evaluation.metrics import sqnr_db
-from qtool.calibration.observer import with_outputs
+from qtool.graph.edit import with_outputs
 from qtool.quantization.quantize import quantize_model
 from qtool.quantization.rewrite import DQ_SUFFIX
 

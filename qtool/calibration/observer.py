@@ -45,24 +45,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibration import saturation
 from qtool.data.dataset import Batch
+from qtool.graph.edit import with_outputs
 from qtool.graph.runtime import SharedWeights, create_session
 from qtool.graph.shapes import elem_types, inferred_shapes
 from qtool.calibration.statistics import SAMPLE_LIMIT, TensorStats
 
 _PREFIX = "qtool_observe"
-
-
-def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
-    """A copy of `model` that also outputs the named intermediate tensors."""
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    present = {o.name for o in exposed.graph.output} | {i.name for i in exposed.graph.input}
-    types = {v.name: v.type.tensor_type.elem_type for v in exposed.graph.value_info}
-    for name in names:
-        if name not in present:
-            exposed.graph.output.append(
-                onnx.helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None))
-    return exposed
 
 
 def pool_stride(height: int, width: int) -> int:

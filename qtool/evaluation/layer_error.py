@@ -16,9 +16,9 @@ from typing import Iterable
 import onnx
 
 from qtool.data.dataset import Batch
-from qtool.evaluation.macs import node_label
+from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import FidelityAccumulator
-from qtool.calibration.observer import with_outputs
+from qtool.graph.edit import with_outputs
 from qtool.quantization.channel_pad import PAD_SUFFIX
 from qtool.quantization.stem_s2d import S2D_SUFFIX, undo
 from qtool.quantization.rewrite import DQ_SUFFIX
@@ -47,7 +47,8 @@ class LayerError:
 
 def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
     """Activations of `fp32` that `int8` quantizes, in fp32 graph order (weights and biases excluded)."""
-    producers = {out: (i, node) for i, node in enumerate(fp32.graph.node) for out in node.output}
+    producers = GraphIndex(fp32).producer
+    position = {id(node): i for i, node in enumerate(fp32.graph.node)}
     inputs = {i.name for i in fp32.graph.input} - {t.name for t in fp32.graph.initializer}
     pairs = []
     for node in int8.graph.node:
@@ -63,9 +64,9 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
             pairs.append(TensorPair(tensor[: -len(S2D_SUFFIX)], "", "input", -1, out))
         elif tensor in inputs:
             pairs.append(TensorPair(tensor, "", "input", -1))
-        elif tensor in producers and producers[tensor][1].op_type != "Constant":
-            index, producer = producers[tensor]
-            pairs.append(TensorPair(tensor, node_label(producer), producer.op_type, index))
+        elif tensor in producers and producers[tensor].op_type != "Constant":
+            producer = producers[tensor]
+            pairs.append(TensorPair(tensor, node_label(producer), producer.op_type, position[id(producer)]))
     return sorted(pairs, key=lambda p: p.position)
 
 

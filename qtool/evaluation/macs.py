@@ -17,13 +17,9 @@ import numpy as np
 import onnx
 
 from qtool.graph.shapes import inferred
-from qtool.plan.ops import attribute
+from qtool.graph.index import GraphIndex, attribute, node_label
 
 COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-
-
-def node_label(node: onnx.NodeProto) -> str:
-    return node.name or node.output[0]
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,7 @@ def int8_macs(qdq_model: onnx.ModelProto,
               input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> MacSummary:
     """Total MACs of a QDQ model and those of the nodes whose inputs are dequantized int8."""
     macs = node_macs(qdq_model, input_shapes)
-    producers = {out: n for n in qdq_model.graph.node for out in n.output}
+    producers = GraphIndex(qdq_model).producer
     total = int8 = nodes = 0
     for node in qdq_model.graph.node:
         label = node_label(node)

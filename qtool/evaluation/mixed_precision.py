@@ -39,7 +39,8 @@ from qtool.data.dataset import Batch
 from qtool.errors import ThresholdError
 from qtool.quantization.float_fallback import Restorable, restorable_layers, restore_float
 from qtool.data.labels import Labels
-from qtool.evaluation.macs import int8_macs, node_label, node_macs, sample_shapes
+from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
+from qtool.graph.index import node_label
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.quantize import QuantizedGraph, quantize_model

@@ -9,7 +9,17 @@ from pathlib import Path
 from typing import Optional
 
 from qtool import atomic
-from qtool.evaluation.thresholds import Verdict
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str  # the config key (the CLI flag is the same with dashes)
+    figure: str
+    limit: float
+    value: float
+    unit: str
+    passed: bool
+    message: str
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,14 @@ from typing import Callable, Optional
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
 from qtool.errors import QtoolError
-from qtool.evaluation.macs import node_label, node_macs, sample_shapes, tensor_shapes
+from qtool.evaluation.macs import node_macs, sample_shapes, tensor_shapes
+from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import FidelityAccumulator
-from qtool.calibration.observer import with_outputs
+from qtool.graph.edit import array_input, sub_model, with_outputs
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan, build_plan, prepared_model
 from qtool.table.resolve import params_from_table
@@ -65,10 +65,7 @@ def layers(model: onnx.ModelProto, plan: QuantPlan) -> list[Layer]:
     """The layers of a prepared model that `plan` quantizes, in graph order."""
     quantized = set(plan.quantized_nodes)
     fused = set(plan.fused)
-    consumers: dict[str, onnx.NodeProto] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, node)
+    consumers = GraphIndex(model).consumers
     found = []
     for node in model.graph.node:
         label = node_label(node)
@@ -79,7 +76,7 @@ def layers(model: onnx.ModelProto, plan: QuantPlan) -> list[Layer]:
             continue  # an absorbed activation: part of its producer's layer
         group = [label]
         if node.output and node.output[0] in fused:
-            group.append(node_label(consumers[node.output[0]]))
+            group.append(node_label(consumers[node.output[0]][0]))
         found.append(Layer(label, node.op_type, tuple(group)))
     return found
 
@@ -139,17 +136,8 @@ def _suffix(qmodel: onnx.ModelProto, before: set[str], arrays: dict[str, np.ndar
     made = {o for n in kept for o in n.output}
     read = {name for n in kept for name in n.input}
     boundary = [name for name in dict.fromkeys(name for n in kept for name in n.input) if name in before]
-    inputs = [i for i in graph.input if i.name in read]
-    inputs += [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arrays[name].dtype), None)
-               for name in boundary]
-    outputs = [o for o in graph.output if o.name in made]
-    initializers = [t for t in graph.initializer if t.name in read]
-    del graph.node[:], graph.input[:], graph.output[:], graph.initializer[:], graph.value_info[:]
-    graph.node.extend(kept)
-    graph.input.extend(inputs)
-    graph.output.extend(outputs)
-    graph.initializer.extend(initializers)
-    return qmodel
+    inputs = [i for i in graph.input if i.name in read] + [array_input(name, arrays[name]) for name in boundary]
+    return sub_model(qmodel, kept, inputs, [o for o in graph.output if o.name in made], graph.name)
 
 
 def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,

@@ -9,24 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from qtool.config import EvaluateConfig
 from qtool.errors import QtoolError
-
-if TYPE_CHECKING:  # report.py holds the verdicts: it imports this module
-    from qtool.evaluation.report import EvaluationReport
-
-
-@dataclass(frozen=True)
-class Verdict:
-    name: str  # the config key (the CLI flag is the same with dashes)
-    figure: str
-    limit: float
-    value: float
-    unit: str
-    passed: bool
-    message: str
+from qtool.evaluation.report import EvaluationReport, Verdict
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from typing import Optional
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+
+from qtool.graph.index import GraphIndex, attribute, node_label
 
 LAYER_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "AveragePool", "GlobalAveragePool", "MaxPool",
              "LeakyRelu", "PRelu")
@@ -76,10 +77,7 @@ class QLayer:
     input_shape: Optional[tuple] = None
 
     def attr(self, name: str, default=None):
-        for a in self.node.attribute:
-            if a.name == name:
-                return helper.get_attribute_value(a)
-        return default
+        return attribute(self.node, name, default)
 
     def slopes(self) -> np.ndarray:
         if self.op_type == "LeakyRelu":
@@ -96,51 +94,24 @@ class QLayer:
         return None
 
 
-class _Graph:
-    def __init__(self, model: onnx.ModelProto):
-        self.inits = {t.name: t for t in model.graph.initializer}
-        self.producer = {o: n for n in model.graph.node for o in n.output}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for n in model.graph.node:
-            for i in n.input:
-                self.consumers.setdefault(i, []).append(n)
-        self.outputs = {o.name for o in model.graph.output}
-        self.shapes = {}
-        for vi in list(model.graph.value_info) + list(model.graph.input):
-            dims = vi.type.tensor_type.shape.dim
-            self.shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in dims)
-
-    def const(self, name: str) -> Optional[np.ndarray]:
-        return numpy_helper.to_array(self.inits[name]) if name in self.inits else None
-
-    def qparams(self, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray]:
-        scale = self.const(node.input[1])
-        zp = self.const(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.uint8)
-        return scale, zp
-
-    def only_consumer(self, tensor: str) -> Optional[onnx.NodeProto]:
-        users = self.consumers.get(tensor, [])
-        return users[0] if len(users) == 1 and tensor not in self.outputs else None
+def _qparams(graph: GraphIndex, node: onnx.NodeProto) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """A QuantizeLinear/DequantizeLinear node's constant scale and zero point (None where computed)."""
+    scale = graph.const(node.input[1])
+    zp = graph.const(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.uint8)
+    return scale, zp
 
 
-def _attr(node, name, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def _dequantized(graph: _Graph, name: str):
+def _dequantized(graph: GraphIndex, name: str):
     """A QTensor or QConst for a DequantizeLinear output; None for anything else."""
     dq = graph.producer.get(name)
     if dq is None or dq.op_type != "DequantizeLinear":
         return None
-    scale, zp = graph.qparams(dq)
+    scale, zp = _qparams(graph, dq)
     if scale is None or zp is None:
         return None
     values = graph.const(dq.input[0])
     if values is not None:
-        axis = _attr(dq, "axis", 1) if scale.ndim else None
+        axis = attribute(dq, "axis", 1) if scale.ndim else None
         if axis is not None and axis < 0:
             axis += values.ndim
         return QConst(dq.input[0], values, scale.astype(np.float32), zp, axis)
@@ -149,7 +120,7 @@ def _dequantized(graph: _Graph, name: str):
     return QTensor(dq.input[0], float(scale), int(zp), _NP_NAMES[zp.dtype])
 
 
-def _quantized_output(graph: _Graph, node: onnx.NodeProto):
+def _quantized_output(graph: GraphIndex, node: onnx.NodeProto):
     """(output QTensor, fused activation bounds) following `node`'s output, or (None, None)."""
     user = graph.only_consumer(node.output[0])
     bounds = None
@@ -160,13 +131,13 @@ def _quantized_output(graph: _Graph, node: onnx.NodeProto):
         user = graph.only_consumer(user.output[0])
     if user is None or user.op_type != "QuantizeLinear":
         return None, None
-    scale, zp = graph.qparams(user)
+    scale, zp = _qparams(graph, user)
     if scale is None or zp is None or scale.ndim or zp.dtype not in _NP_NAMES:
         return None, None
     return QTensor(user.output[0], float(scale), int(zp), _NP_NAMES[zp.dtype]), bounds
 
 
-def _activation_bounds(graph: _Graph, node: onnx.NodeProto):
+def _activation_bounds(graph: GraphIndex, node: onnx.NodeProto):
     if node.op_type == "Relu":
         return (0.0, None)
     bounds = []
@@ -177,7 +148,7 @@ def _activation_bounds(graph: _Graph, node: onnx.NodeProto):
                 return None
             bounds.append(float(value))
         else:
-            bounds.append(_attr(node, attr_name))
+            bounds.append(attribute(node, attr_name))
     return tuple(bounds)
 
 
@@ -185,14 +156,14 @@ def _weight_axis(node: onnx.NodeProto, rank: int) -> int:
     if node.op_type == "ConvTranspose":
         return 1
     if node.op_type == "Gemm":
-        return 0 if _attr(node, "transB", 0) else 1
+        return 0 if attribute(node, "transB", 0) else 1
     if node.op_type == "MatMul":
         return rank - 1
     return 0
 
 
-def _layer(graph: _Graph, node: onnx.NodeProto) -> Optional[QLayer]:
-    name = node.name or node.output[0]
+def _layer(graph: GraphIndex, node: onnx.NodeProto) -> Optional[QLayer]:
+    name = node_label(node)
     parts = [_dequantized(graph, i) if i else None for i in node.input]
     if not parts or not isinstance(parts[0], QTensor):
         return None
@@ -206,10 +177,10 @@ def _layer(graph: _Graph, node: onnx.NodeProto) -> Optional[QLayer]:
             return None
         layer.weight = QConst(weight.name, weight.values, weight.scale, weight.zero_point, axis)
         if len(parts) > 2 and node.input[2]:
-            if not isinstance(parts[2], QConst) or (node.op_type == "Gemm" and _attr(node, "beta", 1.0) != 1.0):
+            if not isinstance(parts[2], QConst) or (node.op_type == "Gemm" and attribute(node, "beta", 1.0) != 1.0):
                 return None
             layer.bias = parts[2]
-        if node.op_type == "Gemm" and (_attr(node, "transA", 0) or _attr(node, "alpha", 1.0) != 1.0):
+        if node.op_type == "Gemm" and (attribute(node, "transA", 0) or attribute(node, "alpha", 1.0) != 1.0):
             return None
     elif node.op_type == "Add":
         if len(parts) != 2 or not isinstance(parts[1], QTensor):
@@ -228,14 +199,14 @@ def _layer(graph: _Graph, node: onnx.NodeProto) -> Optional[QLayer]:
 
 def find_layers(model: onnx.ModelProto) -> tuple[list[QLayer], list[str]]:
     """Integer layers in graph order, and the candidate ops that are not in QDQ form."""
-    graph = _Graph(model)
+    graph = GraphIndex(model)
     layers, skipped = [], []
     for node in model.graph.node:
         if node.op_type not in LAYER_OPS or node.domain not in ("", "ai.onnx"):
             continue
         layer = _layer(graph, node)
         if layer is None:
-            skipped.append(f"{node.name or node.output[0]} ({node.op_type})")
+            skipped.append(f"{node_label(node)} ({node.op_type})")
         else:
             layers.append(layer)
     return layers, skipped

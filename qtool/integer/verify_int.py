@@ -34,7 +34,7 @@ from qtool.integer.fixed_point import add_int16_params, add_int32_params, channe
 from qtool.integer.int_kernels import (AccumulatorOverflow, add_float, add_int16, add_int32, avg_pool_float, conv_acc,
                                matmul_acc, max_pool, pool_sums, requantize_fixed, requantize_float)
 from qtool.graph.modelio import input_specs, load_model
-from qtool.calibration.observer import with_outputs
+from qtool.graph.edit import with_outputs
 from qtool.integer.qdq_graph import QLayer, find_layers
 from qtool.graph.kernels import optimized_ops
 from qtool.graph.runtime import create_session
@@ -82,19 +82,14 @@ class LayerResult:
     modes: dict[str, Agreement] = field(default_factory=dict)
 
 
-def _attr_list(layer: QLayer, name: str, default):
-    value = layer.attr(name)
-    return list(value) if value is not None else default
-
-
 def _conv_acc(layer: QLayer, x: np.ndarray) -> np.ndarray:
     spatial = x.ndim - 2
     if layer.attr("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         raise NotImplementedError("auto_pad")
     w = layer.weight
     acc = conv_acc(x, layer.inputs[0].zero_point, w.values, w.zero_point_per_channel(),
-                   _attr_list(layer, "strides", [1] * spatial), _attr_list(layer, "pads", [0] * 2 * spatial),
-                   _attr_list(layer, "dilations", [1] * spatial), int(layer.attr("group", 1)))
+                   layer.attr("strides", [1] * spatial), layer.attr("pads", [0] * 2 * spatial),
+                   layer.attr("dilations", [1] * spatial), int(layer.attr("group", 1)))
     if layer.bias is not None:
         acc = acc + layer.bias.values.astype(np.int64).reshape((1, -1) + (1,) * spatial)
     return acc
@@ -139,10 +134,10 @@ def _pool(layer: QLayer, x: np.ndarray, mode: str) -> np.ndarray:
     qmin, qmax = output_clamp(layer)
     spatial = x.ndim - 2
     if layer.op_type == "MaxPool":
-        if layer.attr("ceil_mode", 0) or any(d != 1 for d in _attr_list(layer, "dilations", [1] * spatial)):
+        if layer.attr("ceil_mode", 0) or any(d != 1 for d in layer.attr("dilations", [1] * spatial)):
             raise NotImplementedError("ceil_mode/dilations")
-        peak = max_pool(x, layer.attr("kernel_shape"), _attr_list(layer, "strides", [1] * spatial),
-                        _attr_list(layer, "pads", [0] * 2 * spatial))
+        peak = max_pool(x, layer.attr("kernel_shape"), layer.attr("strides", [1] * spatial),
+                        layer.attr("pads", [0] * 2 * spatial))
         return _rescale(peak - t.zero_point, t.scale / out.scale, out.zero_point, qmin, qmax, mode)
     if layer.op_type == "GlobalAveragePool":
         count = int(np.prod(x.shape[2:]))
@@ -154,8 +149,8 @@ def _pool(layer: QLayer, x: np.ndarray, mode: str) -> np.ndarray:
     if layer.attr("ceil_mode", 0) or layer.attr("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         raise NotImplementedError("ceil_mode/auto_pad")
     kernel = layer.attr("kernel_shape")
-    strides = _attr_list(layer, "strides", [1] * spatial)
-    pads = _attr_list(layer, "pads", [0] * 2 * spatial)
+    strides = layer.attr("strides", [1] * spatial)
+    pads = layer.attr("pads", [0] * 2 * spatial)
     include_pad = bool(layer.attr("count_include_pad", 0))
     if mode == "ort":
         return avg_pool_float(x, t.scale, t.zero_point, out.scale, out.zero_point, kernel, strides, pads,

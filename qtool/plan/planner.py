@@ -17,7 +17,8 @@ from pathlib import Path
 
 from qtool.config import QuantizeConfig
 from qtool.graph.modelio import load_model
-from qtool.plan.ops import OpRule, attribute, rule_for
+from qtool.graph.index import GraphIndex, attribute, node_label
+from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.prepare.equalize import equalize
 from qtool.prepare.graph_prep import prepare
@@ -58,63 +59,23 @@ class QuantPlan:
         return {t: i for i, group in enumerate(self.tie_groups) for t in group}
 
 
-class GraphContext:
-    """Look-ups over one graph that the rules and the planner need."""
-
-    def __init__(self, model: onnx.ModelProto):
-        graph = model.graph
-        self.model = model
-        self.initializers = {t.name: t for t in graph.initializer}
-        self.graph_outputs = {o.name for o in graph.output}
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in graph.node:
-            for out in node.output:
-                self.producer[out] = node
-            for name in node.input:
-                if name:
-                    self.consumers.setdefault(name, []).append(node)
-        self.elem_type: dict[str, int] = {}
-        for value in list(graph.value_info) + list(graph.input) + list(graph.output):
-            if value.type.HasField("tensor_type"):
-                self.elem_type[value.name] = value.type.tensor_type.elem_type
-        for init in graph.initializer:
-            self.elem_type[init.name] = init.data_type
-
-    def is_constant(self, name: str) -> bool:
-        return name in self.initializers
-
-    def is_float(self, name: str) -> bool:
-        # Unknown types (shape inference could not reach them) are assumed float: the
-        # rules only ask about inputs that are float for every valid model.
-        return self.elem_type.get(name, onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT
-
-    def rank(self, name: str) -> int:
-        init = self.initializers.get(name)
-        return len(init.dims) if init is not None else -1
-
-
 def _excluded(node: onnx.NodeProto, options: QuantizeConfig) -> bool:
     if node.op_type in options.exclude_op_types:
         return True
     return any(node.name == pattern or fnmatch.fnmatchcase(node.name, pattern) for pattern in options.exclude_nodes)
 
 
-def _node_label(node: onnx.NodeProto) -> str:
-    return node.name or node.output[0]
-
-
 def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[Collection[str]] = None) -> QuantPlan:
     """`only`: quantize just these nodes (names, or first output for unnamed nodes); every
     other node is treated as excluded. The sensitivity ranking quantizes one layer at a time."""
-    ctx = GraphContext(model)
+    ctx = GraphIndex(model)
     plan = QuantPlan()
     rules: dict[int, OpRule] = {}
     for index, node in enumerate(model.graph.node):
         rule = rule_for(node.op_type, node.domain)
-        if (rule is None or _excluded(node, options) or (only is not None and _node_label(node) not in only)
+        if (rule is None or _excluded(node, options) or (only is not None and node_label(node) not in only)
                 or (rule.applies and not rule.applies(node, ctx))):
-            plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
+            plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
             continue
         rules[index] = rule
 
@@ -126,7 +87,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
         if producer is not None and nodes_list.index(producer) not in rules:
             node = nodes_list[index]
             del rules[index]
-            plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
+            plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
     fused: set[str] = set()
@@ -137,7 +98,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
             continue
         out = node.output[0]
         users = ctx.consumers.get(out, [])
-        if out in ctx.graph_outputs or len(users) != 1:
+        if out in ctx.outputs or len(users) != 1:
             continue
         user_index = nodes.index(users[0])
         user_rule = rules.get(user_index)
@@ -171,7 +132,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
             producer_quantized = any(name in quantized or _produced_by_quantized(name, ctx, rules, nodes)
                                      for name in data)
             if not producer_quantized or not node.output or not ctx.is_float(node.output[0]):
-                plan.float_nodes.append(f"{_node_label(node)} ({node.op_type})")
+                plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
                 continue
         _plan_node(node, rule, inputs, ctx, plan, want, fused)
         # A tie op's every float output (Split has several) shares the input's parameters;
@@ -180,7 +141,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
         tied_inputs = [n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized]
         tied_outputs = []
         for out in outputs:
-            if out and out not in fused and out not in ctx.graph_outputs and ctx.is_float(out):
+            if out and out not in fused and out not in ctx.outputs and ctx.is_float(out):
                 want(out)
                 tied_outputs.append(out)
                 if rule.output == "fixed":
@@ -191,19 +152,19 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
                 value = pad_value(node, ctx)
                 if value != 0.0:
                     plan.include_values[tied_outputs[0]] = value
-        plan.quantized_nodes.append(_node_label(node))
+        plan.quantized_nodes.append(node_label(node))
 
     plan.activations = ordered
     plan.tie_groups = _merge_groups(ties)
     return plan
 
 
-def _produced_by_quantized(name: str, ctx: GraphContext, rules: dict[int, OpRule], nodes: list) -> bool:
+def _produced_by_quantized(name: str, ctx: GraphIndex, rules: dict[int, OpRule], nodes: list) -> bool:
     producer = ctx.producer.get(name)
     return producer is not None and nodes.index(producer) in rules
 
 
-def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphContext, plan: QuantPlan, want, fused) -> None:
+def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphIndex, plan: QuantPlan, want, fused) -> None:
     weight_name = node.input[rule.weight] if rule.weight is not None and rule.weight < len(node.input) else ""
     constant_weight = bool(weight_name) and ctx.is_constant(weight_name) and ctx.is_float(weight_name)
     for i in inputs:
@@ -215,20 +176,20 @@ def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphContext, plan: Q
         if ctx.is_constant(name):
             # constant non-weight inputs stay float unless the rule stores them quantized
             if rule.quantize_constants and ctx.is_float(name) and name not in plan.weights:
-                plan.constants.setdefault(name, _node_label(node))
+                plan.constants.setdefault(name, node_label(node))
             continue
         want(name)
     if constant_weight and weight_name not in plan.weights:
         rank = ctx.rank(weight_name)
         axis = rule.weight_axis(node, rank) if rule.weight_axis and rank >= 2 else None
-        plan.weights[weight_name] = WeightPlan(weight_name, axis, _node_label(node))
+        plan.weights[weight_name] = WeightPlan(weight_name, axis, node_label(node))
     if rule.bias is not None and rule.bias < len(node.input) and node.input[rule.bias] and constant_weight:
         bias = node.input[rule.bias]
         activation = node.input[inputs[0]]
         if (ctx.is_constant(bias) and ctx.is_float(bias) and ctx.rank(bias) == 1 and bias not in plan.biases
                 and not ctx.is_constant(activation) and _bias_compatible(node)):
             groups = attribute(node, "group", 1) if node.op_type == "ConvTranspose" else 1
-            plan.biases[bias] = BiasPlan(bias, activation, weight_name, groups, _node_label(node))
+            plan.biases[bias] = BiasPlan(bias, activation, weight_name, groups, node_label(node))
 
 
 def _bias_compatible(node) -> bool:

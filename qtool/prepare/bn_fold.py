@@ -15,9 +15,9 @@ from typing import Optional
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
-from qtool.plan.ops import attribute
+from qtool.graph.index import GraphIndex, attribute, names_read, set_attribute
 
 _FOLDABLE = ("Conv", "ConvTranspose", "Gemm")
 
@@ -53,13 +53,8 @@ def _channel_scaled(node: onnx.NodeProto, weight: np.ndarray, s: np.ndarray) -> 
 def fold_batchnorm(model: onnx.ModelProto) -> int:
     """Fold every foldable BN in place; returns how many were folded."""
     graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    consumers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers[name] = consumers.get(name, 0) + 1
-    producer = {out: node for node in graph.node for out in node.output}
-    outputs = {o.name for o in graph.output}
+    index = GraphIndex(graph)
+    inits, producer, outputs = index.initializers, index.producer, index.outputs
     drop: set[int] = set()
     for bn in graph.node:
         if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx"):
@@ -68,7 +63,7 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
             continue
         prev = producer.get(bn.input[0])
         if (prev is None or prev.op_type not in _FOLDABLE or prev.domain not in ("", "ai.onnx")
-                or consumers.get(bn.input[0], 0) != 1 or bn.input[0] in outputs):
+                or index.only_consumer(bn.input[0]) is None):
             continue
         gamma, beta, mean, var = (_array(inits, n) for n in bn.input[1:5])
         weight = _array(inits, prev.input[1]) if len(prev.input) > 1 else None
@@ -92,14 +87,14 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
         else:
             prev.input.append(b_name)
         if prev.op_type == "Gemm":
-            _set_attribute(prev, "beta", 1.0)
+            set_attribute(prev, "beta", 1.0)
         prev.output[0] = bn.output[0]  # the layer keeps the BN's output name (it may be a graph output)
         drop.add(id(bn))
     if drop:
         keep = [n for n in graph.node if id(n) not in drop]
         del graph.node[:]
         graph.node.extend(keep)
-        used = {name for node in graph.node for name in _names_read(node)}
+        used = {name for node in graph.node for name in names_read(node)}
         kept = [t for t in graph.initializer if t.name in used or t.name in outputs]
         del graph.initializer[:]
         graph.initializer.extend(kept)
@@ -128,21 +123,3 @@ def _unique(inits: dict, name: str) -> str:
         i += 1
         name = f"{base}_{i}"
     return name
-
-
-def _set_attribute(node: onnx.NodeProto, name: str, value) -> None:
-    for i, attr in enumerate(node.attribute):
-        if attr.name == name:
-            del node.attribute[i]
-            break
-    node.attribute.append(helper.make_attribute(name, value))
-
-
-def _names_read(node: onnx.NodeProto) -> set[str]:
-    """Inputs of the node and of every node in its If/Loop/Scan bodies (outer-scope reads)."""
-    names = set(node.input)
-    for attr in node.attribute:
-        for body in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            for inner in body.node:
-                names |= _names_read(inner)
-    return names

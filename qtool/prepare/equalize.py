@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.plan.ops import attribute
+from qtool.graph.index import GraphIndex, attribute
 
 HOMOGENEOUS = ("Relu", "LeakyRelu")
 ROUNDS = 4
@@ -51,14 +51,6 @@ class EqualizeReport:
     pinned: int = 0  # channels kept at s_c = 1 because their Clip could saturate
 
 
-def _uses(model: onnx.ModelProto) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 def _clip_bounds(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> Optional[tuple[float, float]]:
     lo, hi = attribute(node, "min", -np.inf), attribute(node, "max", np.inf)
     for index in (1, 2):
@@ -73,22 +65,13 @@ def _clip_bounds(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> Op
 def find_pairs(model: onnx.ModelProto) -> list[Pair]:
     """Conv -> (Relu | LeakyRelu | Clip(0, M) | nothing) -> Conv chains that can be rescaled."""
     graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    uses = _uses(model)
-    outputs = {o.name for o in graph.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-
-    def only_consumer(name: str) -> Optional[onnx.NodeProto]:
-        users = consumers.get(name, [])
-        return users[0] if len(users) == 1 and name not in outputs else None
+    index = GraphIndex(graph)
+    inits, only_consumer = index.initializers, index.only_consumer
 
     def own_weights(node: onnx.NodeProto) -> bool:
         names = [n for n in node.input[1:3] if n]
         return (node.op_type == "Conv" and node.domain in ("", "ai.onnx") and len(node.input) >= 2
-                and all(n in inits and uses.get(n) == 1 for n in names)
+                and all(n in inits and len(index.consumers.get(n, [])) == 1 for n in names)
                 and inits[node.input[1]].data_type == onnx.TensorProto.FLOAT)
 
     pairs = []

@@ -12,6 +12,7 @@ import onnx
 from onnx import numpy_helper, version_converter
 
 from qtool.graph import modelio
+from qtool.graph.index import attribute, body_reads, names_read
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_batchnorm
 from qtool.errors import QtoolError
@@ -63,7 +64,7 @@ def constants_to_initializers(model: onnx.ModelProto) -> None:
             if attr.name == "value":
                 value = numpy_helper.to_array(attr.t)
             elif attr.name in ("value_float", "value_int", "value_floats", "value_ints"):
-                value = onnx.helper.get_attribute_value(attr)
+                value = attribute(node, attr.name)
                 value = np.asarray(value, dtype=np.float32 if "float" in attr.name else np.int64)
             if value is not None:
                 model.graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
@@ -71,21 +72,6 @@ def constants_to_initializers(model: onnx.ModelProto) -> None:
         keep.append(node)
     del model.graph.node[:]
     model.graph.node.extend(keep)
-
-
-def body_reads(node: onnx.NodeProto) -> set[str]:
-    """Names read inside a node's If/Loop/Scan bodies (outer-scope references among them)."""
-    names: set[str] = set()
-    for attr in node.attribute:
-        for graph in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            for inner in graph.node:
-                names |= names_read(inner)
-    return names
-
-
-def names_read(node: onnx.NodeProto) -> set[str]:
-    """Names a node reads, its bodies included."""
-    return set(node.input) | body_reads(node)
 
 
 def remove_identities(model: onnx.ModelProto) -> None:

@@ -31,9 +31,9 @@ from onnx import numpy_helper
 
 from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
-from qtool.evaluation.macs import node_label
-from qtool.calibration.observer import with_outputs
-from qtool.plan.ops import attribute
+from qtool.graph.index import node_label
+from qtool.graph.edit import with_outputs
+from qtool.graph.index import attribute
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import WEIGHT_QMAX
 from qtool.graph.runtime import create_session

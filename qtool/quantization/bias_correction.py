@@ -25,8 +25,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.data.dataset import Batch
-from qtool.evaluation.macs import node_label
-from qtool.calibration.observer import with_outputs
+from qtool.graph.edit import array_input, sub_model, with_outputs
+from qtool.graph.index import GraphIndex, node_label
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import INT32_MAX
 from qtool.quantization.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
@@ -73,8 +73,8 @@ class _Means:
 def _add_zero_biases(qmodel: onnx.ModelProto) -> list[_Target]:
     """Give int8 Convs without a bias (those followed by an unfolded BatchNormalization) an int32
     zero bias at scale s_in x s_w, so that they can be corrected too."""
-    producers = {o: n for n in qmodel.graph.node for o in n.output}
-    inits = {t.name: t for t in qmodel.graph.initializer}
+    index = GraphIndex(qmodel)
+    producers, inits = index.producer, index.initializers
     added, head = [], []
     for node in qmodel.graph.node:
         if node.op_type != "Conv" or (len(node.input) > 2 and node.input[2]) or len(node.input) < 2:
@@ -132,20 +132,6 @@ def _fp32_means(model: onnx.ModelProto, targets: list[_Target], data: list[Batch
     return {name: m.mean for name, m in means.items()}
 
 
-def _slice_model(qmodel: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray],
-                 outputs: list[str], types: dict[str, int]) -> onnx.ModelProto:
-    read = {name for n in nodes for name in n.input if name}
-    graph = helper.make_graph(
-        nodes, "slice",
-        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), None)
-         for name, a in inputs.items()],
-        [helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None) for name in outputs],
-        [t for t in qmodel.graph.initializer if t.name in read])
-    model = helper.make_model(graph, opset_imports=list(qmodel.opset_import))
-    model.ir_version = qmodel.ir_version
-    return model
-
-
 def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantPlan, data: Iterable[Batch],
                    threads: int = 0) -> BiasCorrectionReport:
     """Correct the int32 biases of `qmodel` (the QDQ model of `model`) in place."""
@@ -185,7 +171,10 @@ def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantP
                   if name and name not in constant and name not in made}
         outputs = [o for o in dict.fromkeys(o for n in part for o in n.output)
                    if o and (last_read.get(o, -1) >= end or o == target.output)]
-        session = create_session(_slice_model(qmodel, needed_consts + part, inputs, outputs, types), threads, target.node)
+        piece = sub_model(qmodel, needed_consts + part, [array_input(name, a) for name, a in inputs.items()],
+                          [helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None)
+                           for name in outputs], "slice")
+        session = create_session(piece, threads, target.node)
         means = _Means()
         for entry in cache:
             entry.update(zip(outputs, session.run(outputs, {name: entry[name] for name in inputs})))

@@ -21,9 +21,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.quantization.input_chain import GraphIndex, insert_on_codes, quantized_inputs
+from qtool.quantization.input_chain import insert_on_codes, quantized_inputs
 
-from qtool.plan.ops import attribute
+from qtool.graph.index import GraphIndex, attribute
 
 ALIGN = 4
 PAD_SUFFIX = "_chpad"
@@ -31,11 +31,11 @@ PAD_SUFFIX = "_chpad"
 
 def pad_input_channels(model: onnx.ModelProto) -> list[str]:
     """Rewrite in place; returns the names of the graph inputs padded."""
-    index = GraphIndex.of(model)
+    index = GraphIndex(model)
     padded = []
     for chain in quantized_inputs(model, index):
         convs = chain.readers
-        weights = [_conv_weight(conv, chain.dq.output[0], index.producer, index.inits) for conv in convs]
+        weights = [_conv_weight(conv, chain.dq.output[0], index.producer, index.initializers) for conv in convs]
         if not convs or any(w is None for w in weights):
             continue
         channels = weights[0][1].shape[1]
@@ -48,7 +48,7 @@ def pad_input_channels(model: onnx.ModelProto) -> list[str]:
         for init_name, weight in {w[0]: w[1] for w in weights}.items():
             pad_shape = (weight.shape[0], extra, *weight.shape[2:])
             grown = np.concatenate([weight, np.zeros(pad_shape, weight.dtype)], axis=1)
-            index.inits[init_name].CopyFrom(numpy_helper.from_array(grown, init_name))
+            index.initializers[init_name].CopyFrom(numpy_helper.from_array(grown, init_name))
         pads_name = chain.name + PAD_SUFFIX + "_pads"
         rank = len(weights[0][1].shape)
         pads = np.zeros(2 * rank, np.int64)

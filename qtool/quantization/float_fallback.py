@@ -25,8 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.prepare.graph_prep import names_read
-from qtool.evaluation.macs import node_label
+from qtool.graph.index import GraphIndex, names_read, node_label
 from qtool.plan.ops import rule_for
 from qtool.quantization.rewrite import float_guard
 
@@ -47,9 +46,9 @@ def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dic
     (the SpaceToDepth stem, channel-padded first convs) have another weight shape and are
     left out, as are products of two activations (no constant to restore)."""
     fp32_nodes = {node_label(n): n for n in prepared.graph.node}
-    fp32_inits = {t.name: t for t in prepared.graph.initializer}
-    q_inits = {t.name: t for t in qmodel.graph.initializer}
-    producers = {out: n for n in qmodel.graph.node for out in n.output}
+    fp32_inits = GraphIndex(prepared).initializers
+    index = GraphIndex(qmodel)
+    q_inits, producers = index.initializers, index.producer
     found = {}
     for node in qmodel.graph.node:
         rule = rule_for(node.op_type, node.domain)
@@ -80,9 +79,9 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     if not layers:
         return out
     graph = out.graph
-    fp32_inits = {t.name: t for t in prepared.graph.initializer}
+    fp32_inits = GraphIndex(prepared).initializers
     by_label = {layer.node: layer for layer in layers}
-    producers = {o: n for n in graph.node for o in n.output}
+    producers = GraphIndex(graph).producer
     existing = {t.name for t in graph.initializer}
     added: list[onnx.TensorProto] = []
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
+from qtool.graph.index import GraphIndex
+
 
 @dataclass
 class InputChain:
@@ -20,23 +22,6 @@ class InputChain:
     q: onnx.NodeProto
     dq: onnx.NodeProto
     readers: list[onnx.NodeProto]  # every node reading the DequantizeLinear output
-
-
-@dataclass
-class GraphIndex:
-    inits: dict[str, onnx.TensorProto]
-    producer: dict[str, onnx.NodeProto]
-    consumers: dict[str, list[onnx.NodeProto]]
-
-    @classmethod
-    def of(cls, model: onnx.ModelProto) -> "GraphIndex":
-        graph = model.graph
-        consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in graph.node:
-            for name in node.input:
-                consumers.setdefault(name, []).append(node)
-        return cls({t.name: t for t in graph.initializer},
-                   {out: node for node in graph.node for out in node.output}, consumers)
 
 
 def quantized_inputs(model: onnx.ModelProto, index: GraphIndex) -> list[InputChain]:

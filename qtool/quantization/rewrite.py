@@ -17,7 +17,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.table import qparams as qp
-from qtool.prepare.graph_prep import names_read
+from qtool.graph.index import names_read, node_label
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
 
@@ -30,10 +30,6 @@ ZP_SUFFIX = "_zero_point"
 WEIGHT_SUFFIX = "_quantized"
 
 _NP_DTYPE = {"uint8": np.uint8, "int8": np.int8}
-
-
-def _node_label(node: onnx.NodeProto) -> str:
-    return node.name or node.output[0]
 
 
 class _Builder:
@@ -160,7 +156,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         for i, name in enumerate(node.input):
             if name in act_set:
                 node.input[i] = name + DQ_SUFFIX
-            elif name in replace and _node_label(node) in quantized_nodes and _constant_slot(node, i):
+            elif name in replace and node_label(node) in quantized_nodes and _constant_slot(node, i):
                 node.input[i] = replace[name]
         if _needs_float_guard(node, quantized_nodes, act_set, float_inits):
             new_nodes.append(float_guard(node, builder.add_init))
@@ -188,7 +184,7 @@ def _needs_float_guard(node: onnx.NodeProto, quantized_nodes: set[str], act_set:
     initializer: onnxruntime's WeightBiasQuantization transformer would quantize its weight to
     per-tensor int8 behind our back (measured on EfficientNet-Lite0: a depthwise conv meant to
     stay float cost 9 dB of output SQNR), so a layer left in float would not be float at all."""
-    return (node.op_type in GUARDED_OPS and node.domain in ("", "ai.onnx") and _node_label(node) not in quantized_nodes
+    return (node.op_type in GUARDED_OPS and node.domain in ("", "ai.onnx") and node_label(node) not in quantized_nodes
             and len(node.input) > 1 and node.input[0].endswith(DQ_SUFFIX)
             and node.input[0][:-len(DQ_SUFFIX)] in act_set and node.input[1] in float_inits)
 
@@ -198,7 +194,7 @@ def float_guard(node: onnx.NodeProto, add_init: Callable[[np.ndarray, str], str]
     and the float layer that no onnxruntime transformer removes or moves a DequantizeLinear across.
     Rewires `node` to read it and returns the new node; `add_init(array, name)` stores the constant."""
     source = node.input[0]
-    guarded = _node_label(node) + FLOAT_GUARD_SUFFIX
+    guarded = node_label(node) + FLOAT_GUARD_SUFFIX
     lowest = add_init(np.array(np.finfo(np.float32).min, np.float32), guarded + "_lowest")
     node.input[0] = guarded
     return helper.make_node("Max", [source, lowest], [guarded], name=guarded)

@@ -28,8 +28,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.graph.runtime import create_session
-from qtool.quantization.input_chain import GraphIndex, insert_on_codes, quantized_inputs
-from qtool.plan.ops import attribute
+from qtool.quantization.input_chain import insert_on_codes, quantized_inputs
+from qtool.graph.index import GraphIndex, attribute, set_attribute
 
 BLOCK = 2
 S2D_SUFFIX = "_s2d"
@@ -37,22 +37,22 @@ S2D_SUFFIX = "_s2d"
 
 def space_to_depth_stems(model: onnx.ModelProto) -> list[str]:
     """Rewrite in place; returns the names of the graph inputs rewritten."""
-    index = GraphIndex.of(model)
+    index = GraphIndex(model)
     done = []
     for chain in quantized_inputs(model, index):
         height, width = _static_hw(chain.graph_input)
         if height is None or height % BLOCK or width % BLOCK:
             continue
         convs = chain.readers
-        plans = [_plan(conv, chain.dq.output[0], index.producer, index.inits, height, width) for conv in convs]
-        if not convs or any(p is None for p in plans) or not _runtime_supports(_zero_type(chain.q, index.inits)):
+        plans = [_plan(conv, chain.dq.output[0], index.producer, index.initializers, height, width) for conv in convs]
+        if not convs or any(p is None for p in plans) or not _runtime_supports(_zero_type(chain.q, index.initializers)):
             continue
         for conv, (init_name, weight, pads) in zip(convs, plans):
             blocked = _blocked_weight(weight, pads[0], pads[1])
-            index.inits[init_name].CopyFrom(numpy_helper.from_array(blocked, init_name))
-            _set_ints(conv, "kernel_shape", [BLOCK, BLOCK])
-            _set_ints(conv, "strides", [1, 1])
-            _set_ints(conv, "pads", _blocked_pads(pads, height, width))
+            index.initializers[init_name].CopyFrom(numpy_helper.from_array(blocked, init_name))
+            set_attribute(conv, "kernel_shape", [BLOCK, BLOCK])
+            set_attribute(conv, "strides", [1, 1])
+            set_attribute(conv, "pads", _blocked_pads(pads, height, width))
         insert_on_codes(model, chain, "SpaceToDepth", [], S2D_SUFFIX, blocksize=BLOCK)
         done.append(chain.name)
     return done
@@ -122,14 +122,6 @@ def _static_hw(graph_input) -> tuple:
 def _zero_type(q, inits) -> int:
     zero = inits.get(q.input[2]) if len(q.input) > 2 else None
     return zero.data_type if zero is not None else TensorProto.UINT8
-
-
-def _set_ints(node, name: str, values: list[int]) -> None:
-    for attr in node.attribute:
-        if attr.name == name:
-            attr.ints[:] = values
-            return
-    node.attribute.append(helper.make_attribute(name, values))
 
 
 @lru_cache(maxsize=None)

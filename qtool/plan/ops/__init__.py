@@ -68,13 +68,6 @@ def rule_for(op_type: str, domain: str = "") -> Optional[OpRule]:
     return RULES.get(op_type)
 
 
-def attribute(node: onnx.NodeProto, name: str, default=None):
-    for attr in node.attribute:
-        if attr.name == name:
-            return onnx.helper.get_attribute_value(attr)
-    return default
-
-
 # Importing the rule modules fills RULES.
 from qtool.plan.ops import (activations, conv, elementwise, gemm, matmul, pad, pooling, resize,  # noqa: E402,F401
                        shape_ops, softmax)

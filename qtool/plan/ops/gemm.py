@@ -1,6 +1,7 @@
 """Gemm: Y = alpha * A' B' + beta * C. The weight B's output axis depends on transB."""
 
-from qtool.plan.ops import OpRule, attribute, register
+from qtool.graph.index import attribute
+from qtool.plan.ops import OpRule, register
 
 
 def _gemm_axis(node, rank: int) -> int:

@@ -7,7 +7,8 @@ must be representable too: the planner widens the shared range to include it
 import numpy as np
 from onnx import numpy_helper
 
-from qtool.plan.ops import OpRule, attribute, register
+from qtool.graph.index import attribute
+from qtool.plan.ops import OpRule, register
 
 
 def pad_value(node, ctx) -> float:

@@ -20,6 +20,7 @@ from onnx import numpy_helper
 from qtool.config import QuantizeConfig
 from qtool.table.formats.common import imported_table
 from qtool.prepare.graph_prep import prepare
+from qtool.graph.index import node_label
 from qtool.graph.modelio import load_model, sha256_file
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import build_plan
@@ -70,7 +71,7 @@ def model_view(model_path: str | Path, options: QuantizeConfig) -> ModelView:
         for out in node.output:
             producers[out] = node.op_type
         rule = rule_for(node.op_type, node.domain)
-        label = node.name or node.output[0]
+        label = node_label(node)
         if rule is None or rule.weight is None or label not in quantized or rule.weight >= len(node.input):
             continue
         weight = node.input[rule.weight]

@@ -1,0 +1,102 @@
+"""One graph's look-ups, and the node helpers every stage shares.
+
+Every pass that walks a graph asks the same questions: which node makes this tensor, which nodes
+read it, is it a constant, a graph output, of what type and shape. `GraphIndex` answers them from
+one scan; it is a snapshot, so a pass that edits the graph builds a new one afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+class GraphIndex:
+    """Producer, consumers, initializers, outputs, element types and shapes of one graph."""
+
+    def __init__(self, model: onnx.ModelProto | onnx.GraphProto):
+        graph = model.graph if isinstance(model, onnx.ModelProto) else model
+        self.graph = graph
+        self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
+        self.outputs: set[str] = {o.name for o in graph.output}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for out in node.output:
+                self.producer[out] = node
+            for name in node.input:
+                if name:
+                    self.consumers.setdefault(name, []).append(node)
+        self.elem_type: dict[str, int] = {}
+        self.shapes: dict[str, tuple[Optional[int], ...]] = {}
+        for value in list(graph.value_info) + list(graph.input) + list(graph.output):
+            if value.type.HasField("tensor_type"):
+                self.elem_type[value.name] = value.type.tensor_type.elem_type
+                if value.type.tensor_type.HasField("shape"):
+                    self.shapes[value.name] = tuple(d.dim_value if d.HasField("dim_value") else None
+                                                    for d in value.type.tensor_type.shape.dim)
+        for init in graph.initializer:
+            self.elem_type[init.name] = init.data_type
+
+    def is_constant(self, name: str) -> bool:
+        return name in self.initializers
+
+    def const(self, name: str) -> Optional[np.ndarray]:
+        """The initializer's values, or None for a computed tensor."""
+        init = self.initializers.get(name)
+        return numpy_helper.to_array(init) if init is not None else None
+
+    def is_float(self, name: str) -> bool:
+        # Unknown types (shape inference could not reach them) are assumed float: the
+        # rules only ask about inputs that are float for every valid model.
+        return self.elem_type.get(name, onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT
+
+    def rank(self, name: str) -> int:
+        """An initializer's rank; -1 for a computed tensor."""
+        init = self.initializers.get(name)
+        return len(init.dims) if init is not None else -1
+
+    def only_consumer(self, name: str) -> Optional[onnx.NodeProto]:
+        """The single node reading `name`, when it is not also a graph output."""
+        users = self.consumers.get(name, [])
+        return users[0] if len(users) == 1 and name not in self.outputs else None
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    """How reports and options name a node: its name, or its first output when it has none."""
+    return node.name or node.output[0]
+
+
+def attribute(node: onnx.NodeProto, name: str, default=None):
+    for attr in node.attribute:
+        if attr.name == name:
+            return helper.get_attribute_value(attr)
+    return default
+
+
+def set_attribute(node: onnx.NodeProto, name: str, value) -> None:
+    """Set one attribute in place (its position kept), or add it at the end."""
+    made = helper.make_attribute(name, value)
+    for attr in node.attribute:
+        if attr.name == name:
+            attr.CopyFrom(made)
+            return
+    node.attribute.append(made)
+
+
+def body_reads(node: onnx.NodeProto) -> set[str]:
+    """Names read inside a node's If/Loop/Scan bodies (outer-scope references among them)."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        for graph in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for inner in graph.node:
+                names |= names_read(inner)
+    return names
+
+
+def names_read(node: onnx.NodeProto) -> set[str]:
+    """Names a node reads, its bodies included."""
+    return set(node.input) | body_reads(node)
