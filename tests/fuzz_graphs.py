@@ -24,6 +24,11 @@ HEAD_OPS = ("Gemm", "MatMul", "Relu", "Softmax", "Clip", "Add")
 # Softmax's int8 output has the fixed scale 1/256 (LiteRT spec): over a long axis every
 # probability is below one step, which is the spec's known limit, not something to fuzz.
 SOFTMAX_MAX_AXIS = 32
+# Ratio of the largest to the smallest possible output-channel magnitude of a weight. With even
+# channels a per-channel scale on the wrong axis is nearly right; uneven ones make it miss the small
+# channels' grid by up to this factor. 100 is too wide: the per-tensor activation of such a layer
+# then loses its small channels legitimately (ConvTranspose -> Tanh at 11% error).
+CHANNEL_SPREAD = 10.0
 
 
 @dataclass
@@ -50,8 +55,18 @@ class Builder:
         self.shapes[out] = tuple(shape)
         return out
 
-    def weight(self, shape: tuple, fan_in: int) -> str:
-        return self.const(self.rng.normal(0, 1 / np.sqrt(max(fan_in, 1)), shape).astype(np.float32), "w")
+    def weight(self, shape: tuple, fan_in: int, out_axis: int) -> tuple[str, np.ndarray]:
+        """A weight whose output channels (along `out_axis`) differ in magnitude by up to
+        CHANNEL_SPREAD, as BN-folded weights do; returns it and the per-channel factors."""
+        factors = CHANNEL_SPREAD ** self.rng.uniform(-0.5, 0.5, shape[out_axis])
+        values = self.rng.normal(0, 1 / np.sqrt(max(fan_in, 1)), shape)
+        values = values * np.expand_dims(factors, [a for a in range(len(shape)) if a != out_axis])
+        return self.const(values.astype(np.float32), "w"), factors
+
+    def bias(self, factors: np.ndarray, groups: int = 1) -> str:
+        """A bias whose channels follow the weight's magnitudes (repeated per group)."""
+        return self.const((self.rng.normal(0, 0.2, factors.size * groups) * np.tile(factors, groups))
+                          .astype(np.float32), "bias")
 
 
 def _divisors(n: int) -> list[int]:
@@ -82,9 +97,10 @@ def _conv(draw, b: Builder, x: str, transpose: bool) -> str:
         w_shape, fan_in = (out_c, c // group, *k), c // group * k[0] * k[1]
     if min(size) < 1 or max(size) > 24:
         return x  # this geometry does not fit: skip the layer
-    inputs = [x, b.weight(w_shape, fan_in)]
+    weight, factors = b.weight(w_shape, fan_in, 1 if transpose else 0)
+    inputs = [x, weight]
     if draw(st.booleans()):
-        inputs.append(b.const(b.rng.normal(0, 0.2, out_c).astype(np.float32), "bias"))
+        inputs.append(b.bias(factors, group if transpose else 1))
     return b.node("ConvTranspose" if transpose else "Conv", inputs, (out_c, *size), **attrs)
 
 
@@ -201,11 +217,12 @@ def _head_layer(draw, b: Builder, x: str) -> str:
     if op in ("Gemm", "MatMul"):
         k = draw(st.integers(1, 12))
         if op == "MatMul":
-            return b.node("MatMul", [x, b.weight((f, k), f)], (k,))
+            return b.node("MatMul", [x, b.weight((f, k), f, 1)[0]], (k,))
         trans_b = draw(st.integers(0, 1))
-        inputs = [x, b.weight((k, f) if trans_b else (f, k), f)]
+        weight, factors = b.weight((k, f) if trans_b else (f, k), f, 0 if trans_b else 1)
+        inputs = [x, weight]
         if draw(st.booleans()):
-            inputs.append(b.const(b.rng.normal(0, 0.2, k).astype(np.float32), "bias"))
+            inputs.append(b.bias(factors))
         alpha, beta = draw(st.sampled_from([(1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (1.0, 2.0)]))
         return b.node("Gemm", inputs, (k,), transB=trans_b, alpha=alpha, beta=beta)
     if op == "Clip":

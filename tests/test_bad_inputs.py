@@ -8,7 +8,6 @@ through a real subprocess, as a user would run qtool.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -79,12 +78,16 @@ def test_every_truncation_of_a_model_is_a_one_line_error(tmp_path):
         assert str(path) in str(info.value)
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can read a chmod-000 file")
+@pytest.mark.skipif(not Path("/proc/self/mem").is_file(), reason="needs Linux's /proc/self/mem")
 def test_unreadable_model(tmp_path):
+    """A regular file that opens but fails to read, even for root (a chmod-000 file would not):
+    this process's /proc/self/mem, whose offset 0 is unmapped, so reading it is an I/O error."""
     path = tmp_path / "locked.onnx"
-    path.write_bytes((CORPUS / "models" / "tiny.onnx").read_bytes())
-    path.chmod(0)
+    path.symlink_to("/proc/self/mem")
+    with pytest.raises(OSError):
+        path.read_bytes()
     result = CliRunner().invoke(main, ["quantize", str(path), "--data", str(CORPUS / "data" / "ok"), "-o",
                                        str(tmp_path / "out.onnx")])
-    assert result.exit_code == 2
-    assert result.stderr.startswith(f"error: {path}: cannot read model")
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: {path}: cannot read model: ") and result.stderr.count("\n") == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["locked.onnx"], "nothing may be written"

@@ -40,15 +40,10 @@ def shard_files(tmp_path_factory):
 def test_merged_shards_equal_a_single_run(tmp_path, shard_files, method):
     _run("--data", CALIB_SAMPLES, *BASE, "--method", method, "-o", tmp_path / "single.json")
     _run(*BASE, "--method", method, "--merge", *shard_files, "-o", tmp_path / "merged.json")
-    single, merged = (json.loads((tmp_path / f).read_text()) for f in ("single.json", "merged.json"))
-    assert merged["num_samples"] == single["num_samples"] == 10
-    if method == "minmax":
-        assert (tmp_path / "merged.json").read_bytes() == (tmp_path / "single.json").read_bytes()
-    for name, entry in single["tensors"].items():
-        other = merged["tensors"][name]
-        assert (other["min"], other["max"]) == (entry["min"], entry["max"]), name
-        bin_width = max(abs(entry["min"]), abs(entry["max"])) / 2048  # one bin of the 2048-bin |x| histogram
-        np.testing.assert_allclose(other["range"], entry["range"], rtol=0, atol=bin_width, err_msg=name)
+    single = json.loads((tmp_path / "single.json").read_text())
+    assert single["num_samples"] == 10 and len(single["tensors"]) > 10
+    # the histogram merges by adding counts and every range method reads only the merged summary
+    assert (tmp_path / "merged.json").read_bytes() == (tmp_path / "single.json").read_bytes()
 
 
 def test_shard_statistics_of_one_shard_differ_from_the_whole(tmp_path, shard_files):

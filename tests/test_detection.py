@@ -102,5 +102,13 @@ def test_kit_yolov8_detection_report(tmp_path):
     assert doc["task"] == "detection" and det["output"] == "output0" and det["images"] == 64
     assert det["fp32_boxes"] >= 20  # faces and people in ImageNet photos
     assert 0.7 <= det["recall"] <= 1.0 and 0.7 <= det["precision"] <= 1.0
-    assert det["matched"] == round(det["recall"] * det["fp32_boxes"])
     assert "recall" in result.stdout and "classification" not in doc
+    # known answer: the fp32 model against itself finds every box again, and only those
+    result = run_qtool("evaluate", model, model, "--data", data, "--task", "detection", "--task-config",
+                       ROOT / "configs" / "yolov8_detection.yaml", "--num-samples", "16", "--runs", "1",
+                       "--json", tmp_path / "self.json")
+    assert result.returncode == 0, result.stderr
+    same = json.loads((tmp_path / "self.json").read_text())["detection"]
+    assert same["images"] == 16 and same["fp32_boxes"] > 0
+    assert same["matched"] == same["fp32_boxes"] == same["int8_boxes"]
+    assert same["recall"] == same["precision"] == 1.0

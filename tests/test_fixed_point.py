@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import onnx
@@ -65,24 +64,53 @@ def _layer(params, op_type):
     return next(item for item in params["layers"] if item["op_type"] == op_type)
 
 
-def test_conv_parameters_reproduce_the_scales_and_bias(tmp_path):
+def _codes(qmodel, tensors: list[str], x: np.ndarray) -> list[np.ndarray]:
+    """The integer codes onnxruntime computes for `tensors` (QuantizeLinear outputs) of a QDQ model."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(qmodel)
+    exposed.graph.output.extend(helper.make_empty_tensor_value_info(t) for t in tensors)
+    session = ort.InferenceSession(exposed.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [c.astype(np.int64) for c in session.run(tensors, {"x": x})]
+
+
+def _conv3x3(x: np.ndarray, w: np.ndarray, pad_value) -> np.ndarray:
+    """Plain 3x3 convolution, pads 1: NCHW x OIHW, in x's dtype (int64 exact, float64)."""
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=pad_value)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(2, 3))
+    return np.einsum("nchwij,ocij->nohw", windows, w)
+
+
+def _assert_matches_float(ours: np.ndarray, exact: np.ndarray, lo: int, hi: int) -> None:
+    """Integer results against the float value they stand for (in output steps, zero point added):
+    equal to it rounded and clamped, except on a near tie where the 31-bit multiplier may go either way."""
+    expected = np.clip(np.floor(exact + 0.5), lo, hi)
+    on_tie = np.abs(exact - np.floor(exact) - 0.5) < 1e-6
+    assert np.all((ours == expected) | on_tie), np.abs(ours - expected).max()
+
+
+def test_conv_parameters_compute_the_float_conv_on_the_integer_grid(tmp_path):
     qmodel = _quantized(tmp_path, graphs.conv_model(np.random.default_rng(0), activation="Clip"), (8, 12, 12))
-    params = export_params(qmodel)
-    conv = _layer(params, "Conv")
+    conv = _layer(export_params(qmodel), "Conv")
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in qmodel.graph.initializer}
-    s_in, s_out = conv["inputs"][0]["scale"], conv["output"]["scale"]
-    w_scale = inits["w_scale"].astype(np.float64)
+    x = np.random.default_rng(5).normal(0, 1, (2, 8, 12, 12)).astype(np.float32)
+    q_x, q_y = _codes(qmodel, ["x_QuantizeLinear_Output", "act_QuantizeLinear_Output"], x)
+    # integer only, from the exported parameters: the padding is the input's zero point (real 0)
+    w = inits[conv["weight"]["tensor"]].astype(np.int64)
+    w = w - np.array(conv["weight"]["zero_point"]).reshape(-1, 1, 1, 1)
+    acc = _conv3x3(q_x, w, conv["inputs"][0]["zero_point"]) + np.array(conv["bias_with_input_zero_point"]
+                                                                         ).reshape(1, -1, 1, 1)
     channel = conv["per_channel"]
-    for c in range(16):
-        real = s_in * w_scale[c] / s_out
-        assert channel["multiplier"][c] * 2.0 ** (-31 - channel["shift"][c]) == pytest.approx(real, rel=2**-30)
-    assert conv["bias"] == inits["b_quantized"].tolist()
-    w = inits["w_quantized"].astype(np.int64).reshape(16, -1)
-    assert conv["bias_with_input_zero_point"] == (inits["b_quantized"] - conv["inputs"][0]["zero_point"]
-                                                  * w.sum(axis=1)).tolist()
-    # Clip(0, 6) folded into the output range: the clamp is the type's range cut at 6
-    zp, scale = conv["output"]["zero_point"], conv["output"]["scale"]
-    assert conv["clamp"] == [max(0, zp), min(255, zp + round(6 / scale))]
+    m0, n = (np.array(channel[k]).reshape(1, -1, 1, 1) for k in ("multiplier", "shift"))
+    ours = np.clip(multiply_by_quantized_multiplier(acc, m0, n) + conv["output"]["zero_point"], *conv["clamp"])
+    # plain float: what the QDQ graph means, Conv on the dequantized values, Clip(0, 6), then the output grid
+    x_real = (q_x - inits["x_zero_point"].astype(np.int64)) * float(inits["x_scale"])
+    w_real = inits["w_quantized"] * inits["w_scale"].astype(np.float64).reshape(-1, 1, 1, 1)
+    b_real = inits["b_quantized"] * inits["b_scale"].astype(np.float64)
+    y_real = np.clip(_conv3x3(x_real, w_real, 0.0) + b_real.reshape(1, -1, 1, 1), 0.0, 6.0)
+    zero = int(inits["act_zero_point"])
+    _assert_matches_float(ours, y_real / float(inits["act_scale"]) + zero, 0, 255)
+    # and onnxruntime's own integer kernel (float32 requantization, ties to even) within one step
+    assert np.abs(ours - q_y).max() <= 1 and np.mean(ours == q_y) > 0.99
 
 
 def test_add_parameters_int16_and_int32_forms(tmp_path):
@@ -151,14 +179,21 @@ def test_leaky_relu_and_prelu_parameters_match_onnxruntime(op):
     assert np.array_equal(ours - item["output"]["zero_point"], np.clip(np.floor(exact + 0.5), -60, 195))
 
 
-def test_average_pool_parameters(tmp_path):
+def test_average_pool_parameters_compute_the_float_mean_on_the_integer_grid(tmp_path):
     qmodel = _quantized(tmp_path, graphs.conv_model(np.random.default_rng(0), pool="AveragePool"), (8, 12, 12))
     pool = _layer(export_params(qmodel), "AveragePool")
-    ratio = pool["inputs"][0]["scale"] / pool["output"]["scale"]
-    assert pool["window_area"] == 4
-    assert pool["per_window"]["real"] == pytest.approx(ratio / 4)
+    assert pool["window_area"] == 4  # the graph's 2x2 kernel
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in qmodel.graph.initializer}
+    x = np.random.default_rng(5).normal(0, 1, (2, 8, 12, 12)).astype(np.float32)
+    q_in, q_out = _codes(qmodel, ["conv_QuantizeLinear_Output", "pool_QuantizeLinear_Output"], x)
+    windows = (q_in - pool["inputs"][0]["zero_point"]).reshape(2, 16, 6, 2, 6, 2)
     m = pool["per_window"]
-    assert m["multiplier"] * 2.0 ** (-31 - m["shift"]) == pytest.approx(ratio / 4, rel=2**-30)
+    ours = np.clip(multiply_by_quantized_multiplier(windows.sum(axis=(3, 5)), m["multiplier"], m["shift"])
+                   + pool["output"]["zero_point"], *pool["clamp"])
+    real = ((q_in - inits["conv_zero_point"].astype(np.int64)) * float(inits["conv_scale"])).reshape(2, 16, 6, 2, 6, 2)
+    _assert_matches_float(ours, real.mean(axis=(3, 5)) / float(inits["pool_scale"]) + int(inits["pool_zero_point"]),
+                          0, 255)
+    assert np.abs(ours - q_out).max() <= 1
 
 
 def test_cli_export_params(tmp_path):
@@ -172,4 +207,3 @@ def test_cli_export_params(tmp_path):
     assert params["float_output"] == ["gemm (Gemm)"]  # the graph output stays float: no requantization
     r = run_qtool("export-params", tmp_path / "params.json", "-o", tmp_path / "again.json")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
-    assert math.isclose(2119995857 / 2**34, 0.1234, rel_tol=1e-9)

@@ -192,21 +192,51 @@ def test_unknown_op_stays_float_with_qdq_at_its_boundary(tmp_path):
     assert _sqnr(path, result.model) >= MIN_SQNR
 
 
-@pytest.mark.parametrize("group", [1, 2])
-def test_conv_transpose_weight_axis_is_1(tmp_path, group):
+def _conv_transpose(group: int, magnitudes: np.ndarray) -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
+    """ConvTranspose (6 output channels) -> Neg, weight column j scaled by magnitudes[j]."""
     rng = np.random.default_rng(0)
-    # ConvTranspose weight (C_in, C_out/group, k, k): output channels on axis 1. Make them differ
-    # strongly so a per-channel scale on the wrong axis would be visible.
-    magnitudes = (10.0 ** -np.arange(6 // group)).astype(np.float32).reshape(1, -1, 1, 1)
-    w = rng.normal(0, 1, (C, 6 // group, 3, 3)).astype(np.float32) * magnitudes
+    w = rng.normal(0, 1, (C, 6 // group, 3, 3)).astype(np.float32) * magnitudes.reshape(1, -1, 1, 1)
+    b = rng.normal(0, 0.1, 6).astype(np.float32)
     nodes = [helper.make_node("ConvTranspose", ["x", "w", "b"], ["ct"], name="op", group=group),
              helper.make_node("Neg", ["ct"], ["y"], name="neg")]
     m = graphs.model(nodes, [graphs.tensor("x", ["N", C, H, W])], [graphs.tensor("y", None)],
-                     [graphs.init("w", w), graphs.init("b", rng.normal(0, 0.1, 6).astype(np.float32))])
+                     [graphs.init("w", w), graphs.init("b", b)])
+    return m, w, b
+
+
+def _assert_bias_in_accumulator_units(model: onnx.ModelProto, bias: np.ndarray, group: int) -> None:
+    """Output channel o of group g is weight column o - g * (6 // group): an integer kernel adds the
+    int32 bias to that channel's accumulator, whose unit is s_in * s_w[column], so the bias must be
+    stored in that unit. (onnxruntime's QDQ graph hides a wrong bias scale: it dequantizes the bias
+    by its own scale, losing only rounding.)"""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    s_in, s_w = float(inits["x_scale"]), inits["w_scale"]
+    unit = np.array([s_in * float(s_w[o % (6 // group)]) for o in range(6)])
+    assert np.allclose(inits["b_scale"], unit, rtol=1e-6)
+    # within half a unit, plus float32 rounding of the bias itself
+    assert np.all(np.abs(inits["b_quantized"] * unit - bias) <= unit / 2 + 1e-6 * np.abs(bias))
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_conv_transpose_weight_axis_is_1(tmp_path, group):
+    # ConvTranspose weight (C_in, C_out/group, k, k): output channels on axis 1. Make them differ
+    # strongly so a per-channel scale on the wrong axis would be visible.
+    m, w, b = _conv_transpose(group, (10.0 ** -np.arange(6 // group)).astype(np.float32))
     path, result = _quantize(tmp_path, m, QuantizeConfig())
     dq = next(n for n in result.model.graph.node if n.output[0] == "w_DequantizeLinear_Output")
     assert next(a.i for a in dq.attribute if a.name == "axis") == 1
     scale, _ = _params(result.model, "w")
     expected = np.abs(w).max(axis=(0, 2, 3)) / 127
     assert np.allclose(scale, expected, rtol=1e-6)
+    _assert_bias_in_accumulator_units(result.model, b, group)
     assert _sqnr(path, result.model) >= MIN_SQNR
+
+
+def test_grouped_conv_transpose_widened_for_its_bias_keeps_the_bias_in_accumulator_units(tmp_path):
+    # column 2 near zero: bias / (s_in * s_w) overflows int32, so its weight scale widens for both groups
+    m, w, b = _conv_transpose(2, np.array([1.0, 0.1, 1e-12], np.float32))
+    _, result = _quantize(tmp_path, m, QuantizeConfig())
+    assert any("int32 bias would overflow" in note for note in result.notes)
+    scale, _ = _params(result.model, "w")
+    assert scale[2] > 1e3 * np.abs(w[:, 2]).max() / 127
+    _assert_bias_in_accumulator_units(result.model, b, 2)

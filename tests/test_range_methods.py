@@ -170,6 +170,21 @@ def test_entropy_fast_path_chooses_the_reference_threshold(levels):
         assert ranges.entropy_threshold(hist, levels) == _entropy_threshold_reference(hist, levels), hist[:4]
 
 
+def test_entropy_quantizes_a_non_negative_tensor_to_256_levels_and_a_signed_one_to_128():
+    """Q in the KL recipe is the grid the tensor gets: uint8's 256 steps over [0, t] for a
+    non-negative tensor, int8's 128 per side for a signed one. |Laplace| is where the two
+    differ (reference recipe on numpy's linear histogram: t = 12.7 b with 256 levels, 10.9 b
+    with 128); the signed tensor +-x has the same |x| histogram."""
+    x = np.abs(np.random.default_rng(8).laplace(0.0, 1.0, N))
+    hist = np.histogram(x, bins=ranges.BINS, range=(0, x.max()))[0].astype(np.float64)
+    t256, t128 = (_entropy_threshold_reference(hist, levels) * x.max() / ranges.BINS for levels in (256, 128))
+    assert t256 > 1.1 * t128  # the data tell the two apart
+    lo, hi = _range(_stats(x), "entropy")
+    assert lo == float(np.float32(x.min())) and hi == pytest.approx(t256, rel=0.01)
+    lo, hi = _range(_stats(np.concatenate([x, -x])), "entropy")
+    assert hi == pytest.approx(t128, rel=0.01) and lo == -hi
+
+
 def test_mse_threshold_balances_clipping_against_rounding():
     # uniform on [0, 1], 255 steps: error(t) = t^3 / (12 * 255^2) + (1 - t)^3 / 3, minimum near t = 0.998
     hist = np.full(2048, 100.0)

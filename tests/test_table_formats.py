@@ -17,7 +17,7 @@ from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig, load_config
 from qtool.errors import QtoolError
 from qtool.table.formats import FORMATS, amct, read_table, write_table
-from qtool.table.qparams import QParams, activation_qparams
+from qtool.table.qparams import QParams
 from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
@@ -89,9 +89,11 @@ def test_tensorrt_golden_is_big_endian_float32_of_amax_over_127():
         assert entry.qparams.scale == pytest.approx(value, rel=1e-9)
         assert entry.range[1] == pytest.approx(127 * value, rel=1e-7)
     assert len(table.tensors) == 8
-    # uint8 options: the same grid with zero point 128, not a recomputed one
+    # uint8 options: the same grid with zero point 128, not a recomputed one; the scale is the
+    # file's big-endian float32 "conv1: 3c88edfc" bit for bit
     as_uint8, _ = read_table(GOLDEN / "tensorrt_mnist.cache", options=UINT8)
-    assert as_uint8.tensors["conv1"].qparams == QParams(table.tensors["conv1"].qparams.scale, 128, "uint8")
+    conv1 = struct.unpack(">f", bytes.fromhex("3c88edfc"))[0]
+    assert as_uint8.tensors["conv1"].qparams == QParams(conv1, 128, "uint8")
 
 
 def test_tpu_mlir_golden_threshold_or_min_max():
@@ -101,7 +103,8 @@ def test_tpu_mlir_golden_threshold_or_min_max():
     # min 0: TPU-MLIR quantizes unsigned, threshold / 255 (here as the same grid in int8)
     assert sym.tensors["images"].qparams == QParams(f32(1.0000080 / 255), -128, "int8")
     asym, _ = read_table(GOLDEN / "tpu_mlir_yolov5s.table", options=UINT8)
-    assert asym.tensors["128_Conv"].qparams == activation_qparams(-87.9204330, 7.2770605, "uint8")
+    # by hand: scale (7.2770605 + 87.9204330) / 255 = 0.37332350, zero point 87.9204330 / 0.37332350 = 235.5 -> 236
+    assert asym.tensors["128_Conv"].qparams == QParams(f32(95.1974935 / 255), 236, "uint8")
     assert asym.tensors["128_Conv"].min == -87.9204330
 
 
@@ -211,7 +214,8 @@ def test_onnxruntime_golden(chain):
     model, _ = chain
     table, fmt = read_table(GOLDEN / "onnxruntime_chain.json", None, model, UINT8)
     assert fmt.name == "onnxruntime" and table.method == "MinMax"
-    assert table.tensors["x"].qparams == activation_qparams(-2.5, 2.75, "uint8")
+    # by hand: scale 5.25 / 255 = 0.0205882, zero point 2.5 / 0.0205882 = 121.43 -> 121
+    assert table.tensors["x"].qparams == QParams(f32(5.25 / 255), 121, "uint8")
     assert table.tensors["r1"].range == (0.0, 3.5)
 
 
@@ -324,7 +328,10 @@ def test_tengine_keeps_float32_digits_where_tengine_prints_six_decimals(tmp_path
     tiny = QParams(f32(3.2e-7), 3, "uint8")
     table = imported_table({"t": TableEntry(None, None, tiny.range, tiny)}, "minmax", "qtool")
     write_table(table, tmp_path / "t.scale", "tengine")
-    assert "%f" % tiny.scale == "0.000000"  # what Tengine's own writer would have kept
+    # Tengine's own writer prints "%f": 0.000000 here. The file must hold a number that reads back,
+    # as plain text, to the same float32.
+    numbers = [float(token) for token in (tmp_path / "t.scale").read_text().split()[1:2]]
+    assert [f32(n) for n in numbers] == [f32(tiny.scale)]
     assert read_table(tmp_path / "t.scale")[0].tensors["t"].qparams == tiny
 
 
