@@ -44,7 +44,7 @@ from qtool.quantization.quantize import quantize_model  # noqa: E402
 KIT = ROOT.parent / "shared" / "bench"
 TARGETS = ("ort-cpu", "tensorrt", "litert")
 MODELS = {
-    # name: (calibration data, config, upgrade opset, timing input H x W for image models or None)
+    # name: (calibration data, config, opset < 13 (qtool converts it), timing input H x W for image models or None)
     "efficientnet_lite0_dyn": (KIT / "data" / "calib" / "images", ROOT / "configs" / "efficientnet_lite0.yaml", False),
     "nudenet_yolov8n_320": (KIT / "inputs" / "nudenet_yolov8n_320" / "calib", None, False),
     "rapidocr_v4_det": (KIT / "inputs" / "rapidocr_v4_det" / "calib", None, True),
@@ -101,16 +101,16 @@ def build_variants(model: str, work: Path, calib_samples: int) -> tuple[dict[str
     fp32_path = work / f"{model}_fp32.onnx"
     prepared_path = work / f"{model}_prepared.onnx"
     if upgrade:
-        from qtool.prepare.graph_prep import check_opset
-        save_model(check_opset(load_model(source), True, source), fp32_path)
+        from qtool.prepare.graph_prep import settle_opset
+        save_model(settle_opset(load_model(source), path=source)[0], fp32_path)
     else:
         fp32_path = source
-    save_model(prepare(load_model(source), upgrade, source), prepared_path)
+    save_model(prepare(load_model(source), path=source).model, prepared_path)
     samples = _samples(model, fp32_path, calib_samples)
     variants = {"fp32": str(fp32_path)}
     calib = CalibrationConfig(batch_size=1, num_samples=calib_samples)
     for target in TARGETS:
-        options = QuantizeConfig(target=target, upgrade_opset=upgrade)
+        options = QuantizeConfig(target=target)
         table = calibrate(source, data, cfg.preprocess, calib, options, progress=False)
         out = work / f"{model}_qtool_{target}.onnx"
         save_model(quantize_model(source, table, options).model, out)

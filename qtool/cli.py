@@ -91,8 +91,11 @@ def _calibration_options(func):
         click.option("--workers", type=click.IntRange(min=1),
                      help="onnxruntime sessions in separate processes over shards of the data."),
         click.option("--activation-dtype", type=click.Choice(["uint8", "int8"]), help="Activation integer type."),
+        click.option("--keep-opset", is_flag=True, default=None,
+                     help="Never convert a model older than opset 13 (converted with onnx's version converter by "
+                          "default): per-tensor weights at opset 10-12, an error below 10."),
         click.option("--upgrade-opset", is_flag=True, default=None,
-                     help="Convert models older than opset 13 with onnx's version converter."),
+                     help="Deprecated, no effect: models older than opset 13 are converted by default."),
     ]):
         func = option(func)
     return func
@@ -119,15 +122,15 @@ def _target_options(func):
     return func
 
 
-def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers=None,
-                   target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=()):
+def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
+                   workers=None, target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=()):
     """The config file with the calibration and quantization flags applied over it."""
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
                      workers=workers)
-    quant = override(cfg.quantization, activation_dtype=activation_dtype, upgrade_opset=upgrade_opset, target=target,
-                     reduce_range=reduce_range, exclude_op_types=_names(exclude_op_types),
-                     exclude_nodes=_names(exclude_nodes))
+    quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset,
+                     upgrade_opset=upgrade_opset, target=target, reduce_range=reduce_range,
+                     exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes))
     return replace(cfg, calibration=calib, quantization=quant)
 
 
@@ -145,8 +148,9 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @click.option("--merge", "merge", is_flag=True, help="Merge the statistics FILES of shards into the table -o.")
 @click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
-def calibrate(model, data, config_path, num_samples, batch_size, method, workers, activation_dtype, upgrade_opset,
-              target, reduce_range, exclude_op_types, exclude_nodes, output, table_format, shard, merge, stats_files):
+def calibrate(model, data, config_path, num_samples, batch_size, method, workers, activation_dtype, keep_opset,
+              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, output, table_format, shard, merge,
+              stats_files):
     """Run calibration data through MODEL and write a calibration table.
 
     \b
@@ -165,8 +169,8 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     if not merge and data is None:
         raise click.UsageError("--data is required")
     check_output_path(output, model)
-    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers,
-                         target, reduce_range, exclude_op_types, exclude_nodes)
+    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
+                         workers, target, reduce_range, exclude_op_types, exclude_nodes)
     calib, quant = cfg.calibration, cfg.quantization
     start = time.perf_counter()
     if shard:
@@ -181,6 +185,8 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     else:
         table = api.calibrate(model, data, cfg)
     write_table(table, output, table_format, model, quant)
+    for note in table.notes:
+        click.echo(f"note: {note}", err=True)
     click.echo(f"calibrated {len(table.tensors)} tensors on {table.num_samples} samples "
                f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output} ({table_format})")
 
@@ -220,8 +226,8 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
               help="MAC budget of the --target-* search: at least this percent of the MACs stays int8.")
 @_command
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers,
-             activation_dtype, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, save_table,
-             allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples, eval_data, labels,
+             activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes,
+             save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples, eval_data, labels,
              target_agreement, target_top1_drop, target_sqnr, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
@@ -229,8 +235,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     from qtool.quantization.quantize import needs_data
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
-    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, upgrade_opset, workers,
-                         target, reduce_range, exclude_op_types, exclude_nodes)
+    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
+                         workers, target, reduce_range, exclude_op_types, exclude_nodes)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
                      weight_rounding=weight_rounding, correction_samples=correction_samples)
     cfg = replace(cfg, quantization=quant)

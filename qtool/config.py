@@ -106,7 +106,8 @@ class QuantizeConfig:
     per_channel: Optional[bool] = None
     exclude_op_types: tuple[str, ...] = ()
     exclude_nodes: tuple[str, ...] = ()  # node names or glob patterns
-    upgrade_opset: bool = False
+    keep_opset: bool = False  # never convert an opset < 13 model (per-tensor weights, or an error below 10)
+    upgrade_opset: bool = False  # deprecated, no effect: conversion is the default; kept so old configs load
     target: str = "ort-cpu"  # ort-cpu | tensorrt | litert
     reduce_range: Optional[bool] = None  # 7-bit weights (x86 without VNNI)
     # Names of the fields filled from the target preset (not given by the user).
@@ -118,6 +119,9 @@ class QuantizeConfig:
 
     def __post_init__(self):
         _one_of("target", self.target, tuple(TARGETS))
+        if self.keep_opset and self.upgrade_opset:
+            raise ValueError("keep_opset and upgrade_opset contradict each other (upgrade_opset is deprecated: "
+                             "conversion is the default)")
         preset = TARGETS[self.target].preset()
         filled = tuple(name for name in PRESET_FIELDS if getattr(self, name) is None)
         for name in filled:

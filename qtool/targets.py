@@ -9,7 +9,9 @@ fast and correct there. Each preset is a named table of defaults; any option the
   the u8s8 path uses vpmaddubsw, whose int16 intermediate sums can saturate; 7-bit
   weights (`reduce_range`) avoid that at a small accuracy cost.
 - tensorrt: TensorRT explicit quantization. Symmetric int8 everywhere (zero point 0: TensorRT
-  supports no other), per-channel weights; Q/DQ on the inputs of quantized layers (qtool's QDQ
+  supports no other) with activation scales amax/127, TensorRT's and ModelOpt's convention and
+  the value a TensorRT calibration cache holds (so a table converted to a cache quantizes to the
+  same model as the table itself), per-channel weights; Q/DQ on the inputs of quantized layers (qtool's QDQ
   form puts one pair on each quantized tensor, read by every consumer), none between a layer and
   the activation it fuses, and the residual Add's other input quantized so TensorRT fuses
   Conv+Add+Relu. Fixed-range outputs (Softmax, Sigmoid) get the symmetric grid [-1, 1).
@@ -26,6 +28,10 @@ from pathlib import Path
 from typing import Optional
 
 
+# A symmetric activation scale 2 amax/255 spreads the 256 codes evenly over [-amax, amax].
+SYMMETRIC_HALF_GRID = 127.5
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -34,6 +40,9 @@ class Target:
     per_channel: bool
     reduce_range: bool
     description: str
+    # The code a symmetric activation range's amax maps to: 127 (scale amax/127, TensorRT), or
+    # SYMMETRIC_HALF_GRID.
+    symmetric_qmax: float = SYMMETRIC_HALF_GRID
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -45,7 +54,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("ort-cpu", "uint8", False, True, False,
            "onnxruntime CPU: uint8 asymmetric activations, int8 symmetric per-channel weights (u8s8 kernels)"),
     Target("tensorrt", "int8", True, True, False,
-           "TensorRT explicit quantization: int8 symmetric activations (zero point 0), per-channel weights"),
+           "TensorRT explicit quantization: int8 symmetric activations (scale amax/127, zero point 0), "
+           "per-channel weights", symmetric_qmax=127.0),
     Target("litert", "int8", False, True, False,
            "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules"),
 )}

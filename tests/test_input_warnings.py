@@ -75,11 +75,12 @@ def test_allow_missing_keeps_untabled_tensors_float(tmp_path):
     assert np.abs(ref - got).max() < 0.05 * np.abs(ref).max()
 
 
-def test_upgrade_opset_converts_old_models(tmp_path):
-    for name in ("opset9.onnx", "opset12.onnx"):
+def test_old_opsets_are_converted_by_default(tmp_path):
+    for name, opset in (("opset9.onnx", 9), ("opset12.onnx", 12)):
         out = tmp_path / f"q_{name}"
-        proc = run_qtool("quantize", CORPUS / "models" / name, "--data", OK_DATA, "--upgrade-opset", "-o", out)
+        proc = run_qtool("quantize", CORPUS / "models" / name, "--data", OK_DATA, "-o", out)
         assert proc.returncode == 0, proc.stderr
+        assert f"note: converted opset {opset} -> 13 with onnx's version converter" in proc.stderr
         model = onnx.load(str(out))
         assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [13]
         assert _dequantize_linear_count(out) >= 3

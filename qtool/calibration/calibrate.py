@@ -26,14 +26,23 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     methods = methods_for(model, plan.activations, calib) if model is not None else {}
     ranges = {name: choose_range(stats[name], methods.get(name, calib.method), calib) for name in plan.activations}
     final, params = resolve_qparams(plan, ranges, options)
-    settings = {"batch_size": calib.batch_size, **_range_settings(calib), **asdict(options)}
+    settings = {"batch_size": calib.batch_size, **_range_settings(calib), **_quantize_settings(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
-    table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples)
+    table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples,
+                             notes=tuple(plan.notes))
     for name in plan.activations:
         s = stats[name]
         qp = params[name]
         table.tensors[name] = TableEntry(s.min if s.seen else None, s.max if s.seen else None, final[name], qp)
     return table
+
+
+def _quantize_settings(options: QuantizeConfig) -> dict:
+    """The quantization options; keep_opset only when set (so tables of default settings keep their bytes)."""
+    settings = asdict(options)
+    if not options.keep_opset:
+        del settings["keep_opset"]
+    return settings
 
 
 def _range_settings(calib: CalibrationConfig) -> dict:

@@ -39,7 +39,7 @@ from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_graph
 from qtool.graph.runtime import create_session
 from qtool.table.table import CalibrationTable
-from qtool.targets import weight_qmax
+from qtool.targets import TARGETS, weight_qmax
 
 CACHE_BUDGET_BYTES = 256 * 2**20  # fp32 tensors kept at once to start the layers' runs mid-graph
 
@@ -185,7 +185,8 @@ def _measure(model: onnx.ModelProto, job: _Job, table: CalibrationTable, options
     reach (made before that node) equal the reference."""
     params = params_from_table(job.plan, table, options, allow_missing=True)
     qmodel, _ = quantize_graph(model, job.plan, params, options.per_channel, weight_qmax(options.reduce_range),
-                               options.activation_dtype, options.symmetric_activations)
+                               options.activation_dtype, options.symmetric_activations,
+                               symmetric_qmax=TARGETS[options.target].symmetric_qmax)
     suffix = _suffix(qmodel, job.before, cache[0])
     produced = [o.name for o in suffix.graph.output]
     session = create_session(suffix, threads, job.layer.node) if produced else None

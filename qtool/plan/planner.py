@@ -21,7 +21,7 @@ from qtool.graph.index import GraphIndex, attribute, node_label
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.prepare.equalize import equalize
-from qtool.prepare.graph_prep import prepare
+from qtool.prepare.graph_prep import per_channel_possible, prepare
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class QuantPlan:
     constants: dict[str, str] = field(default_factory=dict)
     # tensor -> a real value its range must contain (a Pad's non-zero constant border)
     include_values: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what preparing the graph did (opset converted or kept)
 
     def group_of(self) -> dict[str, int]:
         return {t: i for i, group in enumerate(self.tie_groups) for t in group}
@@ -70,6 +71,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     other node is treated as excluded. The sensitivity ranking quantizes one layer at a time."""
     ctx = GraphIndex(model)
     plan = QuantPlan()
+    per_channel = per_channel_possible(model)  # an opset < 13 the converter could not (or may not) lift
     rules: dict[int, OpRule] = {}
     for index, node in enumerate(model.graph.node):
         rule = rule_for(node.op_type, node.domain)
@@ -134,7 +136,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
             if not producer_quantized or not node.output or not ctx.is_float(node.output[0]):
                 plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
                 continue
-        _plan_node(node, rule, inputs, ctx, plan, want, fused)
+        _plan_node(node, rule, inputs, ctx, plan, want, fused, per_channel)
         # A tie op's every float output (Split has several) shares the input's parameters;
         # other ops quantize their first output (MaxPool's second one is int64 indices).
         outputs = [o for o in node.output if o] if rule.output == "tie" else list(node.output[:1])
@@ -164,7 +166,8 @@ def _produced_by_quantized(name: str, ctx: GraphIndex, rules: dict[int, OpRule],
     return producer is not None and nodes.index(producer) in rules
 
 
-def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphIndex, plan: QuantPlan, want, fused) -> None:
+def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphIndex, plan: QuantPlan, want, fused,
+               per_channel: bool) -> None:
     weight_name = node.input[rule.weight] if rule.weight is not None and rule.weight < len(node.input) else ""
     constant_weight = bool(weight_name) and ctx.is_constant(weight_name) and ctx.is_float(weight_name)
     for i in inputs:
@@ -181,7 +184,7 @@ def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphIndex, plan: Qua
         want(name)
     if constant_weight and weight_name not in plan.weights:
         rank = ctx.rank(weight_name)
-        axis = rule.weight_axis(node, rank) if rule.weight_axis and rank >= 2 else None
+        axis = rule.weight_axis(node, rank) if per_channel and rule.weight_axis and rank >= 2 else None
         plan.weights[weight_name] = WeightPlan(weight_name, axis, node_label(node))
     if rule.bias is not None and rule.bias < len(node.input) and node.input[rule.bias] and constant_weight:
         bias = node.input[rule.bias]
@@ -224,7 +227,10 @@ def _merge_groups(groups: list[list[str]]) -> list[list[str]]:
 
 
 def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
-    model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
+    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel)
+    model = prepared.model
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
-    return model, build_plan(model, options)
+    plan = build_plan(model, options)
+    plan.notes.extend(prepared.notes)
+    return model, plan

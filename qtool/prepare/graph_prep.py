@@ -7,6 +7,9 @@ is deterministic and keeps the model's outputs unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 import onnx
 from onnx import numpy_helper, version_converter
@@ -28,22 +31,38 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def check_opset(model: onnx.ModelProto, upgrade: bool, path: object = None,
-                per_channel: bool = True) -> onnx.ModelProto:
-    """QDQ needs opset 10, per-channel int8 weights 13; upgrade with onnx's converter when asked."""
+def settle_opset(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
+                 per_channel: bool = True) -> tuple[onnx.ModelProto, Optional[str]]:
+    """The model at an opset its quantization can use, and a note when that took a step.
+
+    QDQ needs opset 10, per-channel weights 13 (DequantizeLinear's `axis`). An older model is
+    converted to opset 13 with onnx's version converter. Where conversion is refused
+    (keep_opset) or the converter fails, a model at opset 10..12 keeps its opset and gets
+    per-tensor weights (build_plan reads the opset); below 10 nothing can be quantized.
+    """
     opset = default_opset(model)
     if opset >= (MIN_PER_CHANNEL_OPSET if per_channel else MIN_QDQ_OPSET):
-        return model
-    if not upgrade:
-        why = (f"QuantizeLinear/DequantizeLinear need >= {MIN_QDQ_OPSET}" if opset < MIN_QDQ_OPSET else
-               f"per-channel weights need >= {MIN_PER_CHANNEL_OPSET}")
-        raise QtoolError(f"opset {opset} is too old ({why}); re-run with --upgrade-opset to convert it to opset "
-                         f"{MIN_PER_CHANNEL_OPSET} with onnx's version converter", path)
-    try:
-        return version_converter.convert_version(model, MIN_PER_CHANNEL_OPSET)
-    except Exception as exc:  # the converter raises bare RuntimeErrors with C++ messages
-        raise QtoolError(f"onnx version converter could not upgrade opset {opset} to "
-                         f"{MIN_PER_CHANNEL_OPSET}: {str(exc).splitlines()[0]}", path) from None
+        return model, None
+    if keep_opset:
+        refused = "keep_opset (--keep-opset) forbids converting it"
+    else:
+        try:
+            converted = version_converter.convert_version(model, MIN_PER_CHANNEL_OPSET)
+        except Exception as exc:  # the converter raises bare RuntimeErrors with C++ messages
+            refused = (f"onnx's version converter could not convert it to opset {MIN_PER_CHANNEL_OPSET} "
+                       f"({str(exc).strip().splitlines()[0]})")
+        else:
+            return converted, f"converted opset {opset} -> {MIN_PER_CHANNEL_OPSET} with onnx's version converter"
+    if opset < MIN_QDQ_OPSET:
+        raise QtoolError(f"opset {opset} is too old (QuantizeLinear/DequantizeLinear need >= {MIN_QDQ_OPSET}) "
+                         f"and {refused}", path)
+    return model, (f"opset {opset} kept, as {refused}: per-tensor weights "
+                   f"(per-channel DequantizeLinear needs opset {MIN_PER_CHANNEL_OPSET})")
+
+
+def per_channel_possible(model: onnx.ModelProto) -> bool:
+    """Whether the model's opset has per-channel DequantizeLinear."""
+    return default_opset(model) >= MIN_PER_CHANNEL_OPSET
 
 
 def check_float_input(model: onnx.ModelProto, path: object = None) -> None:
@@ -128,15 +147,21 @@ def divisions_to_multiplications(model: onnx.ModelProto) -> None:
         node.input[1] = name
 
 
-def prepare(model: onnx.ModelProto, upgrade_opset: bool = False, path: object = None,
-            per_channel: bool = True) -> onnx.ModelProto:
+@dataclass(frozen=True)
+class Prepared:
+    model: onnx.ModelProto
+    notes: tuple[str, ...] = ()  # what the opset step did (converted, or kept with per-tensor weights)
+
+
+def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
+            per_channel: bool = True) -> Prepared:
     """Return a prepared copy; the input model is not modified."""
     check_float_input(model, path)
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
-    prepared = check_opset(prepared, upgrade_opset, path, per_channel)
+    prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
     constants_to_initializers(prepared)
     remove_identities(prepared)
     fold_batchnorm(prepared)
     divisions_to_multiplications(prepared)
-    return infer_shapes(prepared)
+    return Prepared(infer_shapes(prepared), (note,) if note else ())

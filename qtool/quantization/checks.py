@@ -10,6 +10,7 @@ from onnx import numpy_helper
 
 from qtool.errors import QtoolError
 from qtool.plan.planner import QuantPlan
+from qtool.prepare.graph_prep import per_channel_possible
 from qtool.quantization.rewrite import SCALE_SUFFIX
 from qtool.targets import weight_qmax
 
@@ -44,6 +45,8 @@ def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
     expected = np.int8 if hard_int8 or options.activation_dtype == "int8" else np.uint8
     symmetric = options.target == "tensorrt" or options.symmetric_activations
     qmax = weight_qmax(options.reduce_range)
+    # below opset 13 weights are per tensor whatever the options (a kept or unconvertible opset, noted)
+    per_channel = options.per_channel and per_channel_possible(model)
     params: dict[str, tuple[float, int]] = {}  # quantized tensor -> (scale, zero point)
     # A weight is a dequantized constant read as a Conv/ConvTranspose/Gemm/MatMul's second input;
     # other dequantized int8/uint8 constants (Add/Mul operands) are quantized like activations.
@@ -71,7 +74,7 @@ def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
             q = numpy_helper.to_array(inits[node.input[0]])
             if np.any(zero != 0) or q.min(initial=0) < -qmax or q.max(initial=0) > qmax:
                 problems.append(f"{node.input[0]}: weight outside [-{qmax}, {qmax}] or zero point not 0")
-            if options.per_channel and q.ndim >= 2 and scale.ndim == 0:
+            if per_channel and q.ndim >= 2 and scale.ndim == 0:
                 problems.append(f"{node.input[0]}: per-tensor weight on a per-channel target")
     if plan is not None:
         for group in plan.tie_groups:

@@ -22,7 +22,7 @@ from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_graph
 from qtool.quantization.stem_s2d import space_to_depth_stems
 from qtool.table.table import CalibrationTable
-from qtool.targets import weight_qmax
+from qtool.targets import TARGETS, weight_qmax
 
 
 @dataclass
@@ -72,6 +72,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     check_finite_constants(model, plan, model_path)
     params = params_from_table(plan, table, options, table_path, allow_missing)
     qmax = weight_qmax(options.reduce_range)
+    symmetric_qmax = TARGETS[options.target].symmetric_qmax
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
     notes: list[str] = []
@@ -81,14 +82,16 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
                              lambda: adaptive_rounding(model, plan, params, samples, options))
     try:
         qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
-                                             options.activation_dtype, options.symmetric_activations, rounding)
+                                             options.activation_dtype, options.symmetric_activations, rounding,
+                                             symmetric_qmax)
     except Exception as exc:
         if rounding is None or options.weight_rounding != "auto":
             raise
         notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
         qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
-                                             options.activation_dtype, options.symmetric_activations)
-    notes = graph_notes + notes
+                                             options.activation_dtype, options.symmetric_activations,
+                                             symmetric_qmax=symmetric_qmax)
+    notes = plan.notes + graph_notes + notes
     if bias_correction == "fast":
         corrected = onnx.ModelProto()
         corrected.CopyFrom(qmodel)  # a step that fails half-way in auto mode leaves qmodel untouched

@@ -20,6 +20,7 @@ from qtool.table import qparams as qp
 from qtool.graph.index import names_read, node_label
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
+from qtool.targets import SYMMETRIC_HALF_GRID
 
 # Names of the tensors the rewrite adds. evaluate's per-layer matching relies on them:
 # the DequantizeLinear output `<name>` + DQ_SUFFIX stands for fp32 tensor `<name>`.
@@ -64,11 +65,13 @@ class _Builder:
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
                    per_channel: bool = True, weight_qmax: int = qp.WEIGHT_QMAX, activation_dtype: str = "uint8",
-                   symmetric: bool = False, rounding: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
+                   symmetric: bool = False, rounding: Optional[Callable] = None,
+                   symmetric_qmax: float = SYMMETRIC_HALF_GRID) -> tuple[onnx.ModelProto, list[str]]:
     """Return the QDQ model and notes about what was adjusted (bias overflow, ...).
 
     `rounding(name, weight, scales, axis)`: int8 values of a weight at its final scales
-    (adaptive rounding), or None for round-to-nearest."""
+    (adaptive rounding), or None for round-to-nearest. `symmetric_qmax`: the target's symmetric
+    activation convention (qtool.targets), for constant operands quantized like activations."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -131,7 +134,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         values = numpy_helper.to_array(float_inits[name]).astype(np.float32)
         if values.size == 0 or not np.all(np.isfinite(values)):
             continue
-        cp = qp.activation_qparams(float(values.min()), float(values.max()), activation_dtype, symmetric)
+        cp = qp.activation_qparams(float(values.min()), float(values.max()), activation_dtype, symmetric,
+                                   symmetric_qmax)
         qmin, qmax = qp.INT_RANGES[activation_dtype]
         q = np.clip(np.rint(values.astype(np.float64) / cp.scale) + cp.zero_point, qmin, qmax)
         replace[name] = builder.dequantized_constant(name, q.astype(_NP_DTYPE[activation_dtype]),

@@ -15,6 +15,8 @@ from typing import Optional
 
 import numpy as np
 
+from qtool.targets import SYMMETRIC_HALF_GRID
+
 INT_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
 WEIGHT_QMAX = 127
 INT32_MAX = 2**31 - 1
@@ -47,12 +49,14 @@ def include_zero(lo: float, hi: float) -> tuple[float, float]:
     return min(float(lo), 0.0), max(float(hi), 0.0)
 
 
-def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False) -> QParams:
+def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False,
+                       symmetric_qmax: float = SYMMETRIC_HALF_GRID) -> QParams:
+    """symmetric_qmax: the code amax maps to (the target's convention, qtool.targets)."""
     lo, hi = include_zero(lo, hi)
     qmin, qmax = INT_RANGES[dtype]
     if symmetric:
         amax = max(-lo, hi)
-        scale = amax / ((qmax - qmin) / 2.0)
+        scale = amax / symmetric_qmax
         zero_point = 0 if dtype == "int8" else 128
     else:
         scale = (hi - lo) / (qmax - qmin)

@@ -47,6 +47,7 @@ class CalibrationTable:
     settings: dict[str, Any]
     num_samples: int
     tensors: dict[str, TableEntry] = field(default_factory=dict)
+    notes: tuple[str, ...] = field(default=(), compare=False)  # how it was made, for the user (not saved)
 
     def to_json_text(self) -> str:
         document = {

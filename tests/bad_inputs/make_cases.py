@@ -228,10 +228,9 @@ CASES = [
     ("model_random_bytes", _q(f"{M}/random.onnx"), f"{M}/random.onnx", "not an ONNX model"),
     ("model_fails_checker", _q(f"{M}/fails_checker.onnx"), f"{M}/fails_checker.onnx", "fails the ONNX checker"),
     ("model_no_nodes", _q(f"{M}/no_nodes.onnx"), f"{M}/no_nodes.onnx", "no graph nodes"),
-    ("opset_9_no_qdq", _q(f"{M}/opset9.onnx"), f"{M}/opset9.onnx",
-     "opset 9 is too old (QuantizeLinear/DequantizeLinear need >= 10); re-run with --upgrade-opset"),
-    ("opset_12_no_per_channel", _q(f"{M}/opset12.onnx"), f"{M}/opset12.onnx",
-     "opset 12 is too old (per-channel weights need >= 13); re-run with --upgrade-opset"),
+    ("opset_9_keep_opset", _q(f"{M}/opset9.onnx", "--keep-opset"), f"{M}/opset9.onnx",
+     "opset 9 is too old (QuantizeLinear/DequantizeLinear need >= 10) and keep_opset (--keep-opset) forbids "
+     "converting it"),
     ("no_float_input", ["calibrate", f"{M}/int_input.onnx", "--data", f"{D}/ok", "-o", "{tmp}/t.json"],
      f"{M}/int_input.onnx", "has no float32 input (inputs: ids int64)"),
     ("nan_in_weight", _q(f"{M}/nan_weight.onnx"), f"{M}/nan_weight.onnx", "constant 'W' contains 2 NaN/Inf"),

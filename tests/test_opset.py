@@ -1,0 +1,142 @@
+"""Models older than opset 13: converted by default, kept with per-tensor weights when the
+converter fails or keep_opset forbids it, an error when nothing can be quantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import qtool
+from qtool.errors import QtoolError
+from tests.conftest import kit_path, run_qtool
+
+CORPUS = Path(__file__).resolve().parent / "bad_inputs"
+OK_DATA = CORPUS / "data" / "ok"
+PER_TENSOR_NOTE = "per-tensor weights (per-channel DequantizeLinear needs opset 13)"
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _weight_scales(model: onnx.ModelProto) -> list[np.ndarray]:
+    """Scales of the dequantized Conv weights."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    return [inits[dq[n.input[1]].input[1]] for n in model.graph.node if n.op_type == "Conv" and n.input[1] in dq]
+
+
+def _sparse_constant_model() -> onnx.ModelProto:
+    """Opset 11 Conv(+bias) -> Relu -> Add of a Constant holding a sparse tensor: a valid model
+    that onnx's version converter cannot convert ("Sparse tensors not supported")."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "W")
+    bias = numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "B")
+    sparse = helper.make_sparse_tensor(numpy_helper.from_array(np.array([0.5, -0.25], np.float32), "S"),
+                                       numpy_helper.from_array(np.array([1, 5], np.int64), "S_idx"), [8])
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Constant", [], ["k"], name="k", sparse_value=sparse),
+             helper.make_node("Add", ["r", "k"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "sparse", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])], [weight, bias])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 6
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_kit_opset_11_model_is_converted_without_a_flag(tmp_path):
+    model = kit_path("models", "rapidocr_cls_mobile_v2.onnx")
+    data = kit_path("inputs", "rapidocr_cls_mobile_v2", "calib")
+    assert _opset(onnx.load(str(model), load_external_data=False)) == 11
+    table, out = tmp_path / "t.json", tmp_path / "q.onnx"
+    proc = run_qtool("calibrate", model, "--data", data, "--num-samples", "4", "-o", table)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: converted opset 11 -> 13 with onnx's version converter" in proc.stderr
+    proc = run_qtool("quantize", model, "--table", table, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: converted opset 11 -> 13 with onnx's version converter" in proc.stderr
+    qmodel = onnx.load(str(out))
+    assert _opset(qmodel) == 13
+    assert all(scale.ndim == 1 for scale in _weight_scales(qmodel))  # per-channel
+    sample = np.load(sorted(data.iterdir())[0])
+    feed = {name: sample[name] for name in sample.files}
+    ref = ort.InferenceSession(str(model)).run(None, feed)[0]
+    got = ort.InferenceSession(str(out)).run(None, feed)[0]
+    assert got.shape == ref.shape and np.all(np.isfinite(got))
+    # the deprecated --upgrade-opset is accepted and changes nothing
+    alias = tmp_path / "alias.onnx"
+    proc = run_qtool("quantize", model, "--table", table, "--upgrade-opset", "-o", alias)
+    assert proc.returncode == 0, proc.stderr
+    assert alias.read_bytes() == out.read_bytes()
+
+
+def test_keep_opset_gives_per_tensor_weights_with_a_note():
+    model = CORPUS / "models" / "opset12.onnx"
+    result = qtool.quantize(model, data=OK_DATA, config={"quantization": {"keep_opset": True}}, progress=False)
+    assert _opset(result.model) == 12
+    assert any(note == f"opset 12 kept, as keep_opset (--keep-opset) forbids converting it: {PER_TENSOR_NOTE}"
+               for note in result.notes), result.notes
+    assert not any("does not satisfy target" in note for note in result.notes)
+    scales = _weight_scales(result.model)
+    assert scales and all(scale.ndim == 0 for scale in scales)
+    onnx.checker.check_model(result.model, full_check=True)
+    x = np.load(OK_DATA / "x.npy")
+    ref = ort.InferenceSession(str(model)).run(None, {"x": x})[0]
+    got = ort.InferenceSession(result.model.SerializeToString()).run(None, {"x": x})[0]
+    assert np.abs(ref - got).max() < 0.05 * np.abs(ref).max()
+
+
+def test_keep_opset_below_10_is_an_error():
+    with pytest.raises(QtoolError, match=r"opset 9 is too old .* keep_opset \(--keep-opset\) forbids converting it"):
+        qtool.quantize(CORPUS / "models" / "opset9.onnx", data=OK_DATA, config={"quantization": {"keep_opset": True}},
+                       progress=False)
+
+
+def test_keep_opset_contradicts_upgrade_opset():
+    with pytest.raises(QtoolError, match="contradict"):
+        qtool.quantize(CORPUS / "models" / "opset12.onnx", data=OK_DATA,
+                       config={"quantization": {"keep_opset": True, "upgrade_opset": True}}, progress=False)
+
+
+def test_converter_failure_falls_back_to_per_tensor_weights(tmp_path):
+    path = tmp_path / "sparse.onnx"
+    onnx.save(_sparse_constant_model(), str(path))
+    x = np.random.default_rng(1).normal(size=(1, 3, 8, 8)).astype(np.float32)
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "x.npy", x)
+    result = qtool.quantize(path, data=data, progress=False)
+    assert _opset(result.model) == 11
+    assert any(note.startswith("opset 11 kept, as onnx's version converter could not convert it to opset 13 "
+                               "(Sparse tensors not supported") and note.endswith(PER_TENSOR_NOTE)
+               for note in result.notes), result.notes
+    scales = _weight_scales(result.model)
+    assert scales and all(scale.ndim == 0 for scale in scales)
+    assert any(t.data_type == TensorProto.INT32 for t in result.model.graph.initializer)  # the bias is int32
+    onnx.checker.check_model(result.model, full_check=True)
+    ref = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    got = ort.InferenceSession(result.model.SerializeToString()).run(None, {"x": x})[0]
+    assert np.abs(ref - got).max() < 0.05 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("command", ["calibrate", "quantize"])
+def test_help_documents_keep_opset_and_the_deprecated_alias(command):
+    proc = run_qtool(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "--keep-opset Never convert a model older than opset 13" in text
+    assert "--upgrade-opset Deprecated, no effect" in text
+
+
+def test_docs_describe_keep_opset():
+    root = Path(__file__).resolve().parents[1] / "docs"
+    cli, config = (root / "cli.md").read_text(), (root / "config.md").read_text()
+    assert "`--keep-opset`" in cli and "`--upgrade-opset`" in cli and "deprecated" in cli
+    assert "| `keep_opset` |" in config and "| `upgrade_opset` |" in config
