@@ -22,9 +22,7 @@ from qtool import __version__
 from qtool import interrupt
 from qtool.atomic import check_output_path
 from qtool.config import load_config, override
-from qtool.errors import EXIT_THRESHOLD, QtoolError
-
-EXIT_BUG = 3
+from qtool.errors import EXIT_BUG, EXIT_THRESHOLD, QtoolError
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

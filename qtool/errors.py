@@ -10,6 +10,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_THRESHOLD = 1  # evaluate: a quality threshold was violated
 EXIT_INPUT = 2  # usage or input error
+EXIT_BUG = 3  # an internal error: a bug in qtool
 
 
 class QtoolError(Exception):
@@ -26,3 +27,8 @@ class ThresholdError(QtoolError):
     """A quality target was not met (exit code 1)."""
 
     exit_code = EXIT_THRESHOLD
+
+
+class InternalError(Exception):
+    """qtool made something it must not hand out (a quantized model onnxruntime cannot run):
+    a bug in qtool, not in the user's input. The CLI exits with EXIT_BUG and writes nothing."""

@@ -150,8 +150,11 @@ def _trunk_layer(draw, b: Builder, x: str) -> str:
     if op == "ReduceMean":  # squeeze-excite style: spatial mean scales the channels
         mean = b.node("ReduceMean", [x], (c, 1, 1), axes=[2, 3], keepdims=1)
         return b.node("Mul", [x, b.node("Sigmoid", [mean], (c, 1, 1))], (c, h, w))
-    if op == "Resize":  # upsample 2x (nearest or linear), then Slice back to h x w
-        mode = draw(st.sampled_from(["nearest", "linear"]))
+    if op == "Resize":  # upsample 2x then Slice back to h x w, or downsample 2x (nearest, linear or cubic)
+        mode = draw(st.sampled_from(["nearest", "linear", "cubic"]))
+        if draw(st.booleans()) and min(h, w) >= 2:
+            return b.node("Resize", [x, "", b.const(np.array([1, 1, 0.5, 0.5], np.float32))], (c, h // 2, w // 2),
+                          mode=mode)
         up = b.node("Resize", [x, "", b.const(np.array([1, 1, 2, 2], np.float32))], (c, 2 * h, 2 * w), mode=mode)
         return b.node("Slice", [up, b.const(np.array([0, 0], np.int64)), b.const(np.array([h, w], np.int64)),
                                 b.const(np.array([2, 3], np.int64))], (c, h, w))

@@ -91,7 +91,7 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         try:
             session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:
-            raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from None
+            raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
         session._qtool_weights = weights  # onnxruntime reads the shared buffers while the session lives
         return session
     source = model if isinstance(model, str) else modelio.serialized(model)
@@ -104,4 +104,4 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
     try:
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
-        raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from None
+        raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc

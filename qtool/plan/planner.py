@@ -66,18 +66,22 @@ def _excluded(node: onnx.NodeProto, options: QuantizeConfig) -> bool:
     return any(node.name == pattern or fnmatch.fnmatchcase(node.name, pattern) for pattern in options.exclude_nodes)
 
 
-def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[Collection[str]] = None) -> QuantPlan:
+def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[Collection[str]] = None,
+               keep_float: Collection[str] = ()) -> QuantPlan:
     """`only`: quantize just these nodes (names, or first output for unnamed nodes); every
-    other node is treated as excluded. The sensitivity ranking quantizes one layer at a time."""
+    other node is treated as excluded. The sensitivity ranking quantizes one layer at a time.
+    `keep_float`: nodes (same labels) treated as excluded, those whose int8 form onnxruntime
+    cannot run (qtool.quantization.run_check)."""
     ctx = GraphIndex(model)
     plan = QuantPlan()
     per_channel = per_channel_possible(model)  # an opset < 13 the converter could not (or may not) lift
     rules: dict[int, OpRule] = {}
     for index, node in enumerate(model.graph.node):
         rule = rule_for(node.op_type, node.domain)
-        if (rule is None or _excluded(node, options) or (only is not None and node_label(node) not in only)
+        label = node_label(node)
+        if (rule is None or _excluded(node, options) or (only is not None and label not in only) or label in keep_float
                 or (rule.applies and not rule.applies(node, ctx))):
-            plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
+            plan.float_nodes.append(f"{label} ({node.op_type})")
             continue
         rules[index] = rule
 

@@ -12,12 +12,14 @@ import onnx
 from qtool.quantization.adaround import adaptive_rounding
 from qtool.quantization.bias_correction import correct_biases
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
+from qtool.quantization import run_check
 from qtool.quantization.channel_pad import pad_input_channels
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
-from qtool.errors import QtoolError
-from qtool.graph.modelio import check_model, sha256_file
-from qtool.plan.planner import QuantPlan, prepared_model
+from qtool.errors import InternalError, QtoolError
+from qtool.graph.index import node_label
+from qtool.graph.modelio import check_model, input_specs, sha256_file
+from qtool.plan.planner import QuantPlan, build_plan, prepared_model
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_graph
 from qtool.quantization.stem_s2d import space_to_depth_stems
@@ -64,43 +66,134 @@ def _optional(setting: str, what: str, notes: list[str], step: Callable):
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                    table_path: object = None, allow_missing: bool = False,
                    data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizedGraph:
-    """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them)."""
+    """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them).
+
+    The model is run once in onnxruntime before it is returned (qtool.quantization.run_check);
+    a node whose int8 form onnxruntime cannot run is kept float with a note, and a model that
+    still does not run after MAX_KEPT_FLOAT such nodes is an InternalError."""
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
     model, plan = prepared_model(model_path, options)  # the graph calibration saw, equalized if asked
     check_finite_constants(model, plan, model_path)
-    params = params_from_table(plan, table, options, table_path, allow_missing)
-    qmax = weight_qmax(options.reduce_range)
-    symmetric_qmax = TARGETS[options.target].symmetric_qmax
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
-    notes: list[str] = []
-    rounding = None
-    if rounding_mode == "adaptive":
-        rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
-                             lambda: adaptive_rounding(model, plan, params, samples, options))
-    try:
-        qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
-                                             options.activation_dtype, options.symmetric_activations, rounding,
-                                             symmetric_qmax)
-    except Exception as exc:
-        if rounding is None or options.weight_rounding != "auto":
-            raise
-        notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
-        qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
-                                             options.activation_dtype, options.symmetric_activations,
-                                             symmetric_qmax=symmetric_qmax)
-    notes = plan.notes + graph_notes + notes
-    if bias_correction == "fast":
-        corrected = onnx.ModelProto()
-        corrected.CopyFrom(qmodel)  # a step that fails half-way in auto mode leaves qmodel untouched
-        report = _optional(options.bias_correction, "bias correction", notes,
-                           lambda: correct_biases(model, corrected, plan, samples))
-        if report is not None:
-            qmodel = corrected
-            notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
-                         f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
+    ref = _reference(model, samples, data, options)
+    steps = _Steps(table, options, table_path, allow_missing)
+    kept: list[str] = []
+    fixes: list[str] = []
+    while True:
+        qmodel, notes = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
+        failure = run_check.check(qmodel, ref)
+        if failure is None:
+            break
+        found = None
+        if len(kept) < MAX_KEPT_FLOAT:
+            candidates = [(label, _op_type(model, label)) for label in plan.quantized_nodes]
+            found = run_check.locate(failure, candidates, lambda labels: run_check.check(
+                steps.structure(model, build_plan(model, options, keep_float=[*kept, *labels])), ref) is None)
+        if found is None:
+            raise InternalError(f"the quantized model does not pass onnxruntime's run check: {failure.reason}"
+                                + (f" (after keeping {', '.join(kept)} in float)" if kept else ""))
+        kept.append(found)
+        before = plan.quantized_nodes
+        plan = build_plan(model, options, keep_float=kept)
+        along = [f"'{label}' ({_op_type(model, label)})" for label in before
+                 if label != found and label not in plan.quantized_nodes]
+        fixes.append(f"'{found}' ({_op_type(model, found)}) kept in float"
+                     + (f" (and with it {', '.join(along)})" if along else "")
+                     + f", because onnxruntime cannot run the model with it in int8: {failure.reason}")
+    if ref.skipped:
+        notes.append(f"the int8 model was only loaded, not run: {ref.skipped}")
+    return QuantizedGraph(qmodel, plan, fixes + notes, model)
+
+
+MAX_KEPT_FLOAT = 3  # nodes kept float by the run check before a model that still fails is a bug
+
+
+def _op_type(model: onnx.ModelProto, label: str) -> str:
+    return next(n.op_type for n in model.graph.node if node_label(n) == label)
+
+
+def _reference(model: onnx.ModelProto, samples: list[Batch], data: Optional[Callable[[int], Iterable[Batch]]],
+               options: QuantizeConfig) -> run_check.Reference:
+    """The run check's batch: the first calibration batch, else one made up from the input specs."""
+    first = samples[0] if samples else (next(iter(data(options.correction_samples)), None) if data else None)
+    if first is not None:
+        return run_check.reference(model, first.feeds, "the first calibration batch")
+    return run_check.reference(model, run_check.made_up_feeds(input_specs(model)),
+                               "inputs made up from its input specs")
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """Quantization of the prepared graph by one plan: `quantize` is the whole back end,
+    `structure` the same graph without the data-driven steps (which change only constants),
+    as the run check's search tries it."""
+
+    table: CalibrationTable
+    options: QuantizeConfig
+    table_path: object
+    allow_missing: bool
+
+    def quantize(self, model: onnx.ModelProto, plan: QuantPlan, samples: list[Batch], bias_correction: str,
+                 rounding_mode: str) -> tuple[onnx.ModelProto, list[str]]:
+        options = self.options
+        params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
+        qmax = weight_qmax(options.reduce_range)
+        symmetric_qmax = TARGETS[options.target].symmetric_qmax
+        notes: list[str] = []
+        rounding = None
+        if rounding_mode == "adaptive":
+            rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
+                                 lambda: adaptive_rounding(model, plan, params, samples, options))
+        try:
+            qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
+                                                 options.activation_dtype, options.symmetric_activations, rounding,
+                                                 symmetric_qmax)
+        except Exception as exc:
+            if rounding is None or options.weight_rounding != "auto":
+                raise
+            notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
+            qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
+                                                 options.activation_dtype, options.symmetric_activations,
+                                                 symmetric_qmax=symmetric_qmax)
+        notes = plan.notes + graph_notes + notes
+        if bias_correction == "fast":
+            corrected = onnx.ModelProto()
+            corrected.CopyFrom(qmodel)  # a step that fails half-way in auto mode leaves qmodel untouched
+            report = _optional(options.bias_correction, "bias correction", notes,
+                               lambda: correct_biases(model, corrected, plan, samples))
+            if report is not None:
+                qmodel = corrected
+                notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
+                             f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
+        notes += _target_rewrites(qmodel, options)
+        check_no_bad_scales(qmodel)
+        problems = target_problems(qmodel, options, plan)
+        if problems:
+            shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
+            notes.append(f"the model does not satisfy target {options.target}'s constraints "
+                         f"({len(problems)} problem(s), from the options overriding the preset): {shown}")
+        try:
+            check_model(qmodel, full_check=True)
+        except onnx.checker.ValidationError as exc:
+            raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
+        return qmodel, notes
+
+    def structure(self, model: onnx.ModelProto, plan: QuantPlan) -> onnx.ModelProto:
+        options = self.options
+        params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
+        qmodel, _ = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
+                                   options.activation_dtype, options.symmetric_activations,
+                                   symmetric_qmax=TARGETS[options.target].symmetric_qmax)
+        _target_rewrites(qmodel, options)
+        return qmodel
+
+
+def _target_rewrites(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
+    """onnxruntime's stem rewrites (ort-cpu only), in place; their notes."""
+    notes = []
     if options.target == "ort-cpu":
         for name in space_to_depth_stems(qmodel):
             notes.append(f"input '{name}' rearranged into 2x2 blocks (SpaceToDepth) after its QuantizeLinear, "
@@ -109,14 +202,4 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         for name in pad_input_channels(qmodel):
             notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
                          "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
-    check_no_bad_scales(qmodel)
-    problems = target_problems(qmodel, options, plan)
-    if problems:
-        shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
-        notes.append(f"the model does not satisfy target {options.target}'s constraints "
-                     f"({len(problems)} problem(s), from the options overriding the preset): {shown}")
-    try:
-        check_model(qmodel, full_check=True)
-    except onnx.checker.ValidationError as exc:
-        raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
-    return QuantizedGraph(qmodel, plan, notes, model)
+    return notes

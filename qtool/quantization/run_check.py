@@ -1,0 +1,151 @@
+"""The written model runs: one onnxruntime inference of the int8 model before quantize reports success.
+
+onnxruntime rewrites a QDQ model before it runs it (QDQ fusion into integer kernels, the
+NHWC layout transformer of its 8-bit kernels), and a rewritten form can fail although
+the fp32 graph runs. Found so far: a cubic Resize that scales down between two int8
+Convs. The Convs become NHWC QLinearConvs, the layout transformer pushes their Transposes
+through the Resize, and onnxruntime's cubic Resize rejects NHWC down-scaling ("'Cubic'
+mode only supports ..."), whether the Resize itself is int8 or float. The user would
+only meet such a failure on the first inference, so quantize runs the model once itself.
+
+The check runs one batch: the first calibration batch, or inputs made up from the input
+specs (random normal floats, zero integers, 1 for a symbolic dimension). The model must
+load and run, give outputs of fp32's shapes, and give finite outputs wherever fp32's are
+finite. fp32's outputs come from the prepared fp32 graph on the same batch. When the
+check fails, `locate` looks for one node whose float form makes the model pass.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import onnx
+
+from qtool.errors import QtoolError
+from qtool.graph.modelio import InputSpec
+from qtool.graph.runtime import create_session
+
+_ORT_PREFIX = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_SOURCE_LOCATION = re.compile(r"/\S+\.(?:h|cc|cpp):\d+ [^\[]*")
+_NODE_NAME = re.compile(r"Name:'([^']*)'")
+MAX_REASON = 300  # characters of onnxruntime's message kept in a note
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """Why the model did not pass: one line, and the node onnxruntime named (runtime errors name it)."""
+
+    reason: str
+    node: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The batch the check runs and fp32's outputs on it (None: fp32 does not run on it either,
+    so only loading the int8 model is checked)."""
+
+    feeds: dict[str, np.ndarray]
+    names: tuple[str, ...]
+    outputs: Optional[tuple[np.ndarray, ...]]
+    skipped: Optional[str] = None  # why the outputs are not checked
+
+
+def made_up_feeds(specs: Sequence[InputSpec]) -> dict[str, np.ndarray]:
+    """One batch from the input specs alone (quantize with a table and no data)."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for spec in specs:
+        shape = tuple(1 if d is None else d for d in spec.shape)
+        if np.issubdtype(spec.dtype, np.floating):
+            feeds[spec.name] = rng.normal(0.0, 1.0, shape).astype(spec.dtype)
+        else:
+            feeds[spec.name] = np.zeros(shape, spec.dtype)
+    return feeds
+
+
+def ort_reason(exc: BaseException) -> str:
+    """onnxruntime's message as one line, without its status prefixes and C++ source locations."""
+    cause = exc.__cause__ if isinstance(exc, QtoolError) and exc.__cause__ is not None else exc
+    text = " ".join(str(cause).split())
+    text = _SOURCE_LOCATION.sub("", _ORT_PREFIX.split(text)[-1]).strip()
+    if len(text) <= MAX_REASON:
+        return text
+    tail = MAX_REASON // 3  # onnxruntime ends with the op ("... in the Resize operator")
+    return f"{text[:MAX_REASON - tail - 5]} ... {text[-tail:]}"
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], label: str, load_only: bool = False):
+    """(outputs, None) or (None, RunFailure)."""
+    try:
+        session = create_session(model, threads=1, label=label, log_level=4)
+    except QtoolError as exc:
+        return None, RunFailure(f"onnxruntime cannot load it: {ort_reason(exc)}")
+    if load_only:
+        return (), None
+    try:
+        return tuple(session.run(None, feeds)), None
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument types
+        named = _NODE_NAME.search(str(exc))
+        return None, RunFailure(f"onnxruntime fails running it: {ort_reason(exc)}", named.group(1) if named else None)
+
+
+def reference(fp32: onnx.ModelProto, feeds: dict[str, np.ndarray], source: str) -> Reference:
+    """fp32's outputs on `feeds` (`source` says where they come from, for the note when fp32 fails)."""
+    names = tuple(o.name for o in fp32.graph.output)
+    outputs, failure = _run(fp32, feeds, "fp32 model")
+    if failure is None:
+        return Reference(feeds, names, outputs)
+    return Reference(feeds, names, None, f"the fp32 model does not run on {source} ({failure.reason})")
+
+
+def check(model: onnx.ModelProto, ref: Reference) -> Optional[RunFailure]:
+    """None when `model` passes (see the module doc), else why not."""
+    outputs, failure = _run(model, ref.feeds, "int8 model", load_only=ref.outputs is None)
+    if failure is not None or ref.outputs is None:
+        return failure
+    for name, got, want in zip(ref.names, outputs, ref.outputs):
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape:
+            return RunFailure(f"output '{name}' has shape {list(got.shape)}, fp32's is {list(want.shape)}")
+        if np.issubdtype(want.dtype, np.floating) and np.all(np.isfinite(want)):
+            bad = int(got.size - np.count_nonzero(np.isfinite(got)))
+            if bad:
+                return RunFailure(f"output '{name}' has {bad} NaN/Inf value(s) where fp32's are finite")
+    return None
+
+
+def locate(failure: RunFailure, candidates: Sequence[tuple[str, str]],
+           passes: Callable[[frozenset[str]], bool]) -> Optional[str]:
+    """One node of `candidates` ((label, op type) of the quantized nodes, in graph order) whose
+    float form makes the model pass; `passes(labels)` quantizes with `labels` float and checks.
+
+    First the node onnxruntime named, then the nodes of an op type its message names, then all:
+    a group is halved while one half in float passes, so a node is found in about log2(n) runs.
+    None when no single node is enough."""
+    labels = [label for label, _ in candidates]
+    if failure.node in labels and passes(frozenset([failure.node])):
+        return failure.node
+    words = set(re.findall(r"\w+", failure.reason))
+    suspects = [label for label, op in candidates if op in words]
+    for group in (suspects, labels):
+        if group and passes(frozenset(group)):
+            found = _halve(group, passes)
+            if found is not None:
+                return found
+    return None
+
+
+def _halve(group: list[str], passes: Callable[[frozenset[str]], bool]) -> Optional[str]:
+    """A single node of `group` (which passes in float as a whole) that passes alone."""
+    while len(group) > 1:
+        first, second = group[:len(group) // 2], group[len(group) // 2:]
+        if passes(frozenset(first)):
+            group = first
+        elif passes(frozenset(second)):
+            group = second
+        else:
+            return None  # the failure needs nodes of both halves in float
+    return group[0]

@@ -1,0 +1,135 @@
+"""The written model runs (qtool.quantization.run_check): quantize runs the int8 model once in
+onnxruntime, keeps float a node whose int8 form onnxruntime cannot run, and never writes a
+model that still does not run.
+
+The real case: a cubic Resize that scales down between int8 Convs. fp32 runs; in the int8
+model onnxruntime moves the Convs to NHWC, pushes their Transposes through the Resize and
+then rejects NHWC cubic down-scaling when it loads the model. (A 3-D cubic Resize, the
+other shape onnxruntime's message names, fails in fp32 already: calibration reports it.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.cli import main
+from qtool.quantization import run_check
+
+SHAPE = (1, 4, 8, 8)
+
+
+def _cubic_branch(i: int, rng: np.random.Generator, inits: list) -> tuple[list, str]:
+    """Conv -> cubic Resize to half size -> Conv -> Conv: onnxruntime makes the Convs NHWC."""
+    nodes = []
+    x = "x"
+    for j, op in enumerate(["Conv", "Resize", "Conv", "Conv"]):
+        out = f"b{i}_{j}"
+        if op == "Conv":
+            inits.append(numpy_helper.from_array(rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32), f"w{i}_{j}"))
+            nodes.append(helper.make_node("Conv", [x, f"w{i}_{j}"], [out], pads=[1, 1, 1, 1], name=f"conv{i}_{j}"))
+        else:
+            nodes.append(helper.make_node("Resize", [x, "", "half"], [out], mode="cubic", name=f"resize{i}"))
+        x = out
+    return nodes, x
+
+
+def _cubic_model(path, branches: int = 1) -> None:
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(np.array([1, 1, 0.5, 0.5], np.float32), "half")]
+    nodes, ends = [], []
+    for i in range(branches):
+        branch, end = _cubic_branch(i, rng, inits)
+        nodes += branch
+        ends.append(end)
+    out = ends[0]
+    for i, end in enumerate(ends[1:]):
+        nodes.append(helper.make_node("Add", [out, end], [f"sum{i}"], name=f"add{i}"))
+        out = f"sum{i}"
+    graph = helper.make_graph(nodes, "cubic", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["N", 4, 4, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # fp32 loads and runs
+
+
+def _data(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(4):
+        np.save(folder / f"{i}.npy", rng.normal(0, 1, SHAPE).astype(np.float32))
+    return folder
+
+
+def _runs(path) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": np.ones(SHAPE, np.float32)})[0]
+
+
+def test_a_cubic_resize_onnxruntime_cannot_run_in_int8_stays_float_with_a_note(tmp_path):
+    _cubic_model(tmp_path / "m.onnx")
+    result = CliRunner().invoke(main, ["quantize", str(tmp_path / "m.onnx"), "--data", str(_data(tmp_path)),
+                                       "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 0, result.output + result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:") and "kept in float" in line]
+    assert len(notes) == 1, result.stderr
+    assert "'resize0' (Resize)" in notes[0] and "'Cubic' mode" in notes[0]
+    assert _runs(tmp_path / "q.onnx").shape == (1, 4, 4, 4)
+    assert any(n.op_type == "QuantizeLinear" for n in onnx.load(str(tmp_path / "q.onnx")).graph.node)
+
+
+def test_the_check_runs_on_made_up_inputs_without_data(tmp_path):
+    _cubic_model(tmp_path / "m.onnx")
+    runner = CliRunner()
+    calibrated = runner.invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data", str(_data(tmp_path)),
+                                      "-o", str(tmp_path / "t.json")])
+    assert calibrated.exit_code == 0, calibrated.stderr
+    result = runner.invoke(main, ["quantize", str(tmp_path / "m.onnx"), "--table", str(tmp_path / "t.json"),
+                                  "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 0, result.stderr
+    assert "kept in float" in result.stderr and "'resize0' (Resize)" in result.stderr
+    assert _runs(tmp_path / "q.onnx").shape == (1, 4, 4, 4)
+
+
+def test_a_model_that_still_does_not_run_is_an_internal_error_and_is_not_written(tmp_path):
+    # four independent failing branches need four nodes in float: one more than the check keeps
+    _cubic_model(tmp_path / "m.onnx", branches=4)
+    result = CliRunner().invoke(main, ["quantize", str(tmp_path / "m.onnx"), "--data", str(_data(tmp_path)),
+                                       "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 3, result.output + result.stderr
+    assert "internal error" in result.stderr and "'Cubic' mode" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "m.onnx"]
+
+
+def test_wrong_shapes_and_new_non_finite_outputs_fail_the_check():
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    feeds = {"x": np.array([1.0, np.inf], np.float32)}
+    finite = run_check.Reference(feeds, ("y",), (np.zeros(2, np.float32),))
+    assert "NaN/Inf" in run_check.check(model, finite).reason
+    with_inf = run_check.Reference(feeds, ("y",), (np.array([0, np.inf], np.float32),))
+    assert run_check.check(model, with_inf) is None  # fp32 is not finite there either
+    other_shape = run_check.Reference(feeds, ("y",), (np.zeros(3, np.float32),))
+    assert "shape [2], fp32's is [3]" in run_check.check(model, other_shape).reason
+
+
+def test_locate_halves_down_to_the_one_node_that_passes_in_float():
+    candidates = [(f"n{i}", "Conv") for i in range(13)]
+    tried = []
+
+    def passes(labels):
+        tried.append(labels)
+        return "n9" in labels
+
+    assert run_check.locate(run_check.RunFailure("no kernel"), candidates, passes) == "n9"
+    assert len(tried) <= 2 * 4 + 1
+    assert run_check.locate(run_check.RunFailure("no kernel"), candidates, lambda labels: False) is None
