@@ -145,13 +145,15 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
 
 def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigLike = None, *,
              labels: Optional[str] = None, table: str | Path | None = None,
-             progress: bool = True) -> EvaluationReport:
+             progress: bool = True, executor: Optional[Executor] = None) -> EvaluationReport:
     """fp32 and int8 side by side on `data`: task figures, fidelity, size, MACs, latency, and the
     verdicts of the config's thresholds (`report.passed`). labels: a label file or "folders"
-    (folder data only); table: the int8 model's calibration table (for the sensitivity ranking)."""
+    (folder data only); table: the int8 model's calibration table (for the sensitivity ranking);
+    executor (else the config's `evaluation.dask`): where the batches and layers run, as for calibrate."""
     cfg = load_config(config)
     inputs = EvaluateInputs(Path(fp32), Path(int8), data, labels, Path(table) if table is not None else None)
-    return run_evaluation(inputs, cfg.preprocess, cfg.evaluation, cfg.quantization, progress)
+    with _engine(executor, cfg.evaluation.dask, 1) as engine:
+        return run_evaluation(inputs, cfg.preprocess, cfg.evaluation, cfg.quantization, progress, engine)
 
 
 def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) -> Callable[[int], Iterable[Batch]]:

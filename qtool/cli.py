@@ -306,10 +306,11 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write every figure to this JSON file.")
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path), help="JUnit XML, one test per threshold.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), help="Self-contained HTML report.")
+@dask_option
 @_command
 def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_config, num_samples, batch_size, threads,
              runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_cosine,
-             min_sqnr, min_speedup, json_path, junit_path, html_path):
+             min_sqnr, min_speedup, json_path, junit_path, html_path, dask):
     """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold."""
     from qtool import api
     from qtool.atomic import write_text
@@ -327,7 +328,7 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_confi
                         task=task, task_config=str(task_config) if task_config else None, per_layer=per_layer,
                         sensitivity=sensitivity, layer_samples=layer_samples, max_top1_drop=max_top1_drop,
                         min_agreement=min_agreement, min_cosine=min_cosine, min_sqnr=min_sqnr,
-                        min_speedup=min_speedup)
+                        min_speedup=min_speedup, dask=dask)
     report = api.evaluate(fp32_model, int8_model, data, replace(cfg, evaluation=eval_cfg), labels=labels,
                           table=table_path)
     click.echo(render_table(report))

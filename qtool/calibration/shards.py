@@ -80,7 +80,7 @@ def collect_parallel(engine: Engine, model_path, data, preprocess: PreprocessCon
     folder_only(data, "sharding over workers (--workers, --dask, executor=)")
     model = load_model(model_path)
     source = open_data(data, input_specs(model), preprocess)
-    parts = split_shard(source, calib, *shard, parts=engine.width * TASKS_PER_WORKER)
+    parts = split_shard(source, calib.batch_size, calib.num_samples, *shard, parts=engine.width * TASKS_PER_WORKER)
     whole = replace(calib, num_samples=None)  # each part lists exactly its files
     sha = sha256_file(model_path)
     jobs = [_CollectJob(str(model_path), sha, part, preprocess, whole, options, engine.threads, force_histograms)

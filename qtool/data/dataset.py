@@ -341,29 +341,33 @@ def select_shard(source: DataSource, calib: CalibrationConfig, k: int, n: int) -
     """Restrict `source` to shard k/n; returns the sample limit."""
     if (k, n) == (0, 1):
         return calib.num_samples
-    source.files = _shard_files(source, calib, k, n, (0, 1))
+    source.files = _shard_files(source, calib.batch_size, calib.num_samples, k, n, (0, 1))
     return None
 
 
-def split_shard(source: DataSource, calib: CalibrationConfig, k: int, n: int, parts: int) -> list[DataSource]:
-    """Shard k/n of `source` as up to `parts` sources of whole consecutive batches (at most one
-    per batch): the sample references a worker is sent; it loads the files itself."""
-    files = source.files[:calib.num_samples] if calib.num_samples else source.files
-    size = model_batch_size(source.specs, calib.batch_size)
+def split_shard(source: DataSource, batch_size: int, limit: Optional[int], k: int, n: int,
+                parts: int) -> list[DataSource]:
+    """Shard k/n of the first `limit` samples of `source` as up to `parts` sources of whole
+    consecutive batches (at most one per batch): the sample references a worker is sent; it
+    loads the files itself."""
+    files = source.files[:limit] if limit else source.files
+    size = model_batch_size(source.specs, batch_size)
     a, b = batch_span(-(-len(files) // size), k, n)
     parts = max(1, min(parts, b - a))
-    return [_with_files(source, _shard_files(source, calib, k, n, (j, parts))) for j in range(parts)]
+    return [with_files(source, _shard_files(source, batch_size, limit, k, n, (j, parts))) for j in range(parts)]
 
 
-def _with_files(source: DataSource, files: list[Path]) -> DataSource:
+def with_files(source: DataSource, files: list[Path]) -> DataSource:
+    """`source` restricted to `files` (sample references for a worker)."""
     subset = copy.copy(source)
     subset.files, subset.skipped = files, []
     return subset
 
 
-def _shard_files(source: DataSource, calib: CalibrationConfig, k: int, n: int, sub: tuple[int, int]) -> list[Path]:
-    files = source.files[:calib.num_samples] if calib.num_samples else source.files
-    size = model_batch_size(source.specs, calib.batch_size)
+def _shard_files(source: DataSource, batch_size: int, limit: Optional[int], k: int, n: int,
+                 sub: tuple[int, int]) -> list[Path]:
+    files = source.files[:limit] if limit else source.files
+    size = model_batch_size(source.specs, batch_size)
     total = -(-len(files) // size)
     a, b = batch_span(total, k, n)
     j, m = sub

@@ -44,10 +44,6 @@ class Engine:
     threads: int  # onnxruntime intra-op threads of each task's sessions (0: one per core)
     name: str  # for messages: "2 local processes", "Dask tcp://host:8786"
 
-    def shards(self, units: int) -> int:
-        """How many shards `units` (batches, layers) are cut into: a few per worker, at most one unit each."""
-        return max(1, min(units, self.width * TASKS_PER_WORKER))
-
 
 def parse_dask(text: str) -> tuple[Optional[str], int]:
     """--dask: 'local' or 'local:N' -> (None, N); a scheduler address -> (address, 0)."""
