@@ -81,7 +81,7 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
         with contextlib.ExitStack() as stack:
             if address is None:
                 cluster = stack.enter_context(LocalCluster(n_workers=count, threads_per_worker=1, processes=True,
-                                                           dashboard_address=None, silence_logs=logging.ERROR))
+                                                           dashboard_address=":0", silence_logs=logging.ERROR))
                 client = stack.enter_context(Client(cluster))
             else:
                 try:
