@@ -153,7 +153,8 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def calibrate(model, data, config_path, num_samples, batch_size, method, workers, dask, activation_dtype,
-              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, output, table_format, shard, merge, stats_files):
+              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, output, table_format, shard, merge,
+              stats_files):
     """Run calibration data through MODEL and write a calibration table.
 
     \b
