@@ -13,9 +13,11 @@ from Python and from the command line. Three things are accepted in several form
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import onnx
 
@@ -27,6 +29,7 @@ from qtool.errors import QtoolError
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
 from qtool.evaluation.report import EvaluationReport
+from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
 from qtool.table.formats import read_table
@@ -86,29 +89,45 @@ class QuantizeResult:
 
 
 def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
-              progress: bool = True) -> CalibrationTable:
-    """Run `data` through `model` and return the calibration table (`.save(path)` writes its JSON)."""
+              progress: bool = True, executor: Optional[Executor] = None) -> CalibrationTable:
+    """Run `data` through `model` and return the calibration table (`.save(path)` writes its JSON).
+
+    executor: any concurrent.futures.Executor (Dask's `client.get_executor()`, a process pool)
+    runs the shards of a data folder; without one, the config's `calibration.dask` or
+    `calibration.workers` say where they run (default: here)."""
     cfg = load_config(config)
-    return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress)
+    with _engine(executor, cfg.calibration.dask, cfg.calibration.workers) as engine:
+        return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine)
+
+
+@contextlib.contextmanager
+def _engine(executor: Optional[Executor], dask: Optional[str], workers: int) -> Iterator[Optional[Engine]]:
+    """The caller's executor, else the one the config asks for (opened and closed here), else None."""
+    if executor is not None:
+        yield as_engine(executor)
+    else:
+        with open_engine(dask, workers) as engine:
+            yield engine
 
 
 def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None = None,
              data: Optional[DataLike] = None, config: ConfigLike = None, table_format: Optional[str] = None,
              allow_missing: bool = False, search: Optional[MixedPrecisionSearch] = None,
-             log: Optional[Log] = None, progress: bool = True) -> QuantizeResult:
+             log: Optional[Log] = None, progress: bool = True,
+             executor: Optional[Executor] = None) -> QuantizeResult:
     """The int8 QDQ model of `model`.
 
     table: a CalibrationTable, or a table file in any supported format (`table_format`
     forces one). Without a table, `data` is calibrated first. Data also feeds bias
     correction and adaptive rounding (on in `auto` mode whenever data is given).
-    `log` receives the search's progress lines.
+    `log` receives the search's progress lines; `executor` runs the calibration's shards (calibrate).
     """
     cfg = load_config(config)
     if table is None and data is None:
         raise QtoolError("quantize needs a calibration table (table=) or calibration data (data=)")
     table_path = None
     if table is None:
-        table = calibrate(model, data, cfg, progress=progress)
+        table = calibrate(model, data, cfg, progress=progress, executor=executor)
     elif not isinstance(table, CalibrationTable):
         table_path = table
         table, _ = read_table(table, table_format, model, cfg.quantization)
@@ -126,13 +145,15 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
 
 def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigLike = None, *,
              labels: Optional[str] = None, table: str | Path | None = None,
-             progress: bool = True) -> EvaluationReport:
+             progress: bool = True, executor: Optional[Executor] = None) -> EvaluationReport:
     """fp32 and int8 side by side on `data`: task figures, fidelity, size, MACs, latency, and the
     verdicts of the config's thresholds (`report.passed`). labels: a label file or "folders"
-    (folder data only); table: the int8 model's calibration table (for the sensitivity ranking)."""
+    (folder data only); table: the int8 model's calibration table (for the sensitivity ranking);
+    executor (else the config's `evaluation.dask`): where the batches and layers run, as for calibrate."""
     cfg = load_config(config)
     inputs = EvaluateInputs(Path(fp32), Path(int8), data, labels, Path(table) if table is not None else None)
-    return run_evaluation(inputs, cfg.preprocess, cfg.evaluation, cfg.quantization, progress)
+    with _engine(executor, cfg.evaluation.dask, 1) as engine:
+        return run_evaluation(inputs, cfg.preprocess, cfg.evaluation, cfg.quantization, progress, engine)
 
 
 def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) -> Callable[[int], Iterable[Batch]]:

@@ -81,6 +81,12 @@ data_option = click.option("--data", type=click.Path(path_type=Path),
                            help="Folder of images (.jpg/.png/.bmp) or of .npy/.npz tensors, one sample per file.")
 
 
+dask_option = click.option(
+    "--dask", metavar="ADDRESS|local[:N]",
+    help="Run the shards on a Dask cluster: a scheduler address (tcp://host:8786), or local:N for N "
+         "single-threaded worker processes here (needs: pip install \"qtool[dask]\"; docs/scale-out.md).")
+
+
 def _calibration_options(func):
     for option in reversed([
         click.option("--num-samples", type=click.IntRange(min=1), help="Use at most this many samples."),
@@ -88,6 +94,7 @@ def _calibration_options(func):
         click.option("--method", type=str, help="Range method: minmax, percentile, entropy, mse, aciq."),
         click.option("--workers", type=click.IntRange(min=1),
                      help="onnxruntime sessions in separate processes over shards of the data."),
+        dask_option,
         click.option("--activation-dtype", type=click.Choice(["uint8", "int8"]), help="Activation integer type."),
         click.option("--keep-opset", is_flag=True, default=None,
                      help="Never convert a model older than opset 13 (converted with onnx's version converter by "
@@ -121,11 +128,11 @@ def _target_options(func):
 
 
 def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                   workers=None, target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=()):
+                   workers=None, dask=None, target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=()):
     """The config file with the calibration and quantization flags applied over it."""
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
-                     workers=workers)
+                     workers=workers, dask=dask)
     quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset,
                      upgrade_opset=upgrade_opset, target=target, reduce_range=reduce_range,
                      exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes))
@@ -146,7 +153,7 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @click.option("--merge", "merge", is_flag=True, help="Merge the statistics FILES of shards into the table -o.")
 @click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
-def calibrate(model, data, config_path, num_samples, batch_size, method, workers, activation_dtype, keep_opset,
+def calibrate(model, data, config_path, num_samples, batch_size, method, workers, dask, activation_dtype, keep_opset,
               upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, output, table_format, shard, merge,
               stats_files):
     """Run calibration data through MODEL and write a calibration table.
@@ -159,6 +166,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     from qtool.table.formats import get_format, write_table
     from qtool.calibration.calibrate import calibrate_shard, merge_tables
     from qtool.calibration.shards import parse_shard
+    from qtool.graph.executor import open_engine
 
     if stats_files and not merge:
         raise click.UsageError(f"unexpected argument '{stats_files[0]}' (statistics files go with --merge)")
@@ -168,12 +176,13 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
         raise click.UsageError("--data is required")
     check_output_path(output, model)
     cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                         workers, target, reduce_range, exclude_op_types, exclude_nodes)
+                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes)
     calib, quant = cfg.calibration, cfg.quantization
     start = time.perf_counter()
     if shard:
         k, n = parse_shard(shard)
-        count, samples = calibrate_shard(model, data, cfg.preprocess, calib, quant, (k, n), output)
+        with open_engine(calib.dask, calib.workers) as engine:
+            count, samples = calibrate_shard(model, data, cfg.preprocess, calib, quant, (k, n), output, engine)
         click.echo(f"shard {k}/{n}: statistics of {count} tensors on {samples} samples in "
                    f"{time.perf_counter() - start:.1f} s -> {output}")
         return
@@ -223,9 +232,10 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--min-int8-macs", type=click.FloatRange(0, 100), default=0.0, show_default=True,
               help="MAC budget of the --target-* search: at least this percent of the MACs stays int8.")
 @_command
-def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers,
+def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes,
-             save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples, eval_data, labels,
+             save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
+             eval_data, labels,
              target_agreement, target_top1_drop, target_sqnr, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
@@ -234,7 +244,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
     cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                         workers, target, reduce_range, exclude_op_types, exclude_nodes)
+                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
                      weight_rounding=weight_rounding, correction_samples=correction_samples)
     cfg = replace(cfg, quantization=quant)
@@ -301,10 +311,11 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write every figure to this JSON file.")
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path), help="JUnit XML, one test per threshold.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), help="Self-contained HTML report.")
+@dask_option
 @_command
 def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_config, num_samples, batch_size, threads,
              runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_cosine,
-             min_sqnr, min_speedup, json_path, junit_path, html_path):
+             min_sqnr, min_speedup, json_path, junit_path, html_path, dask):
     """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold."""
     from qtool import api
     from qtool.atomic import write_text
@@ -322,7 +333,7 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_confi
                         task=task, task_config=str(task_config) if task_config else None, per_layer=per_layer,
                         sensitivity=sensitivity, layer_samples=layer_samples, max_top1_drop=max_top1_drop,
                         min_agreement=min_agreement, min_cosine=min_cosine, min_sqnr=min_sqnr,
-                        min_speedup=min_speedup)
+                        min_speedup=min_speedup, dask=dask)
     report = api.evaluate(fp32_model, int8_model, data, replace(cfg, evaluation=eval_cfg), labels=labels,
                           table=table_path)
     click.echo(render_table(report))

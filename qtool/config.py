@@ -83,6 +83,7 @@ class CalibrationConfig:
     method_by_tensor: tuple[tuple[str, str], ...] = ()
     histogram_sample: int = 16384  # values per tensor and batch that feed the histogram (strided sample)
     workers: int = 1  # onnxruntime sessions in separate processes, each over a shard of the data
+    dask: Optional[str] = None  # a Dask scheduler address (tcp://host:8786) or local[:N]; shards run there
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -150,6 +151,7 @@ class EvaluateConfig:
     per_layer: bool = False  # error of every quantized tensor of the int8 model vs its fp32 twin
     sensitivity: bool = False  # one layer at a time in int8 (needs the calibration table)
     layer_samples: int = 32  # samples used by per_layer and sensitivity
+    dask: Optional[str] = None  # a Dask scheduler address (tcp://host:8786) or local[:N]; shards run there
     # CI thresholds; None: not checked. Percentages for top-1 drop (points) and agreement.
     max_top1_drop: Optional[float] = None
     min_agreement: Optional[float] = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import onnx
 
@@ -13,8 +14,9 @@ from qtool.calibration.ranges import check_method, choose_range
 from qtool.calibration.shards import collect_parallel, merge_files, save_stats
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.data.dataset import DataLike, folder_only
+from qtool.data.dataset import DataLike
 from qtool.errors import QtoolError
+from qtool.graph.executor import Engine
 from qtool.graph.modelio import sha256_file
 from qtool.plan.planner import QuantPlan, prepared_model
 from qtool.table.resolve import resolve_qparams
@@ -56,22 +58,24 @@ def _range_settings(calib: CalibrationConfig) -> dict:
 
 
 def calibrate(model_path: str | Path, data: DataLike, preprocess: PreprocessConfig, calib: CalibrationConfig,
-              options: QuantizeConfig, progress: bool = True) -> CalibrationTable:
+              options: QuantizeConfig, progress: bool = True, engine: Optional[Engine] = None) -> CalibrationTable:
+    """The table of `data`; with an engine, its shards are collected on the engine's workers."""
     model, plan = prepared_model(model_path, options)
-    if calib.workers > 1:
-        folder_only(data, "calibration.workers (--workers)")
-        stats, seen = collect_parallel(model_path, data, preprocess, calib, options)
+    if engine is not None:
+        stats, seen = collect_parallel(engine, model_path, data, preprocess, calib, options, progress=progress)
     else:
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
     return build_table(plan, stats, calib, options, model_path, seen, model)
 
 
 def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,
-                    options: QuantizeConfig, shard: tuple[int, int], output: Path) -> tuple[int, int]:
+                    options: QuantizeConfig, shard: tuple[int, int], output: Path,
+                    engine: Optional[Engine] = None) -> tuple[int, int]:
     """Collect one shard's statistics (with histograms for every tensor) and write them to `output`."""
     check_method(calib.method)  # the shard file serves any method, but a typo should fail now
-    if calib.workers > 1:
-        stats, seen = collect_parallel(model_path, data, preprocess, calib, options, shard, force_histograms=True)
+    if engine is not None:
+        stats, seen = collect_parallel(engine, model_path, data, preprocess, calib, options, shard,
+                                       force_histograms=True)
     else:
         model, plan = prepared_model(model_path, options)
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, shard=shard, all_histograms=True)

@@ -19,14 +19,14 @@ from qtool.plan.planner import QuantPlan
 
 def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, preprocess: PreprocessConfig,
                        calib: CalibrationConfig, progress: bool = True, shard: tuple[int, int] = (0, 1),
-                       threads: int = 0, sub: tuple[int, int] = (0, 1), warn: bool = True,
+                       threads: int = 0, warn: bool = True,
                        all_histograms: bool = False) -> tuple[dict[str, TensorStats], int]:
-    """One streaming pass over shard `shard` = (k, n) of the data (the whole data for (0, 1)),
-    sub-shard `sub` of it; histograms for the tensors whose method needs one (all_histograms: every tensor)."""
+    """One streaming pass over shard `shard` = (k, n) of the data (the whole data for (0, 1));
+    histograms for the tensors whose method needs one (all_histograms: every tensor)."""
     source = open_data(data, input_specs(model), preprocess)
-    if (shard, sub) != ((0, 1), (0, 1)):
+    if shard != (0, 1):
         folder_only(data, "sharding")
-    limit = select_shard(source, calib, *shard, sub=sub)
+    limit = select_shard(source, calib, *shard)
     total = count_samples(source, limit)
     methods = methods_for(model, plan.activations, calib)
     histogram_for = set(plan.activations) if all_histograms else needs_histogram(methods)

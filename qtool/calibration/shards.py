@@ -1,4 +1,4 @@
-"""Statistics files and the local worker pool: shards of calibration data collected apart, merged by addition.
+"""Statistics files and shards on workers: calibration data collected apart, merged by addition.
 
 A shard K/N is a contiguous run of whole batches (shard boundaries fall on multiples
 of the batch size), so the batches of all shards are exactly the batches of a single
@@ -9,24 +9,30 @@ single-process run (for models whose batches do not change shape mid-shard).
 Statistics file (.npz, written atomically): a JSON header (model sha256, tensors in
 plan order, samples, shard) and per tensor its extremes, counts and histogram. Shard
 files always carry histograms, so the range method can still be chosen at merge time.
+
+On an executor (--workers, --dask, the API's executor=; qtool.graph.executor) the shards
+are the same runs of whole batches, sent as lists of sample files: each worker reads
+its own samples and returns the shard's fixed-size statistics, no file in between.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import io
 import json
-import multiprocessing
-import os
 import zipfile
+from dataclasses import dataclass, replace
 from pathlib import Path
+
 import numpy as np
 
 from qtool import atomic
 from qtool.calibration.collect import collect_statistics, warn_nonfinite
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.data.dataset import DataSource, folder_only, open_data, split_shard
 from qtool.errors import QtoolError
+from qtool.graph.executor import TASKS_PER_WORKER, Engine, model_cache, run_in_order
+from qtool.graph.modelio import input_specs, load_model, sha256_file
 from qtool.plan.planner import prepared_model
 
 FORMAT = "qtool-statistics"
@@ -44,34 +50,45 @@ def parse_shard(text: str) -> tuple[int, int]:
     return k, n
 
 
-def _collect(args) -> tuple[dict[str, TensorStats], int]:
-    """Worker process: one session over one (sub-)shard."""
-    model_path, data, preprocess, calib, options, shard, sub, threads, all_histograms = args
-    try:
-        model, plan = prepared_model(model_path, options)
-        return collect_statistics(model, plan, data, preprocess, calib, progress=False, shard=shard,
-                                  threads=threads, sub=sub, warn=False, all_histograms=all_histograms)
-    except QtoolError as exc:  # sent back as text: exceptions with extra arguments do not unpickle
-        raise RuntimeError(f"qtool-error:{exc}") from None
+@dataclass(frozen=True)
+class _CollectJob:
+    """One shard as a worker receives it: references, not samples."""
+
+    model_path: str
+    model_sha256: str
+    source: DataSource  # the shard's sample files only
+    preprocess: PreprocessConfig
+    calib: CalibrationConfig
+    options: QuantizeConfig
+    threads: int
+    all_histograms: bool
 
 
-def collect_parallel(model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,
-                     options: QuantizeConfig, shard: tuple[int, int] = (0, 1),
-                     force_histograms: bool = False) -> tuple[dict[str, TensorStats], int]:
-    """calib.workers processes, each with its own onnxruntime session over a sub-shard; merged in memory."""
-    workers = calib.workers
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    jobs = [(str(model_path), str(data), preprocess, calib, options, shard, (j, workers), threads, force_histograms)
-            for j in range(workers)]
-    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold onnxruntime threads
-    try:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            results = list(pool.map(_collect, jobs))
-    except RuntimeError as exc:
-        if str(exc).startswith("qtool-error:"):
-            raise QtoolError(str(exc)[len("qtool-error:"):]) from None
-        raise
-    stats, seen = merge_all([r[0] for r in results]), sum(r[1] for r in results)
+def _collect(job: _CollectJob) -> tuple[dict[str, TensorStats], int]:
+    """On a worker: one pass over one shard, with the prepared model it keeps per model hash."""
+    model, plan = model_cache(job.model_path, job.model_sha256, ("prepared", job.options),
+                              lambda: prepared_model(job.model_path, job.options))
+    return collect_statistics(model, plan, job.source, job.preprocess, job.calib, progress=False,
+                              threads=job.threads, warn=False, all_histograms=job.all_histograms)
+
+
+def collect_parallel(engine: Engine, model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,
+                     options: QuantizeConfig, shard: tuple[int, int] = (0, 1), force_histograms: bool = False,
+                     progress: bool = True) -> tuple[dict[str, TensorStats], int]:
+    """Shard `shard` of the data cut into a few runs of whole batches per worker of `engine`, each
+    collected on a worker with its own onnxruntime session; merged in shard order as they come in."""
+    folder_only(data, "sharding over workers (--workers, --dask, executor=)")
+    model = load_model(model_path)
+    source = open_data(data, input_specs(model), preprocess)
+    parts = split_shard(source, calib.batch_size, calib.num_samples, *shard, parts=engine.width * TASKS_PER_WORKER)
+    whole = replace(calib, num_samples=None)  # each part lists exactly its files
+    sha = sha256_file(model_path)
+    jobs = [_CollectJob(str(model_path), sha, part, preprocess, whole, options, engine.threads, force_histograms)
+            for part in parts]
+    stats, seen = None, 0
+    for part_stats, part_seen in run_in_order(engine, _collect, jobs, "calibrating", progress):
+        stats = part_stats if stats is None else merge_all([stats, part_stats])
+        seen += part_seen
     warn_nonfinite(stats)
     return stats, seen
 

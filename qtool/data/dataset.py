@@ -13,6 +13,7 @@ model allows it.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 import threading
 import warnings
@@ -87,6 +88,8 @@ class DataSource:
 def open_data(data: DataLike, specs: list[InputSpec], preprocess: PreprocessConfig) -> DataSource | MemorySource:
     """The samples of `data` checked against the model's inputs: a folder or file path
     (searched recursively), or samples in memory (a MemorySource, checked as they are read)."""
+    if isinstance(data, DataSource):  # sample references sent to a worker (split_shard)
+        return data
     if not isinstance(data, (str, os.PathLike)):
         return MemorySource(data, specs)
     root = Path(data)
@@ -334,18 +337,41 @@ def batch_span(total_batches: int, k: int, n: int) -> tuple[int, int]:
     return total_batches * k // n, total_batches * (k + 1) // n
 
 
-def select_shard(source: DataSource, calib: CalibrationConfig, k: int, n: int,
-                 sub: tuple[int, int] = (0, 1)) -> Optional[int]:
-    """Restrict `source` to shard k/n (then sub-shard sub[0]/sub[1] of it); returns the sample limit."""
-    if (k, n) == (0, 1) and sub == (0, 1):
+def select_shard(source: DataSource, calib: CalibrationConfig, k: int, n: int) -> Optional[int]:
+    """Restrict `source` to shard k/n; returns the sample limit."""
+    if (k, n) == (0, 1):
         return calib.num_samples
-    files = source.files[:calib.num_samples] if calib.num_samples else source.files
-    size = model_batch_size(source.specs, calib.batch_size)
+    source.files = _shard_files(source, calib.batch_size, calib.num_samples, k, n, (0, 1))
+    return None
+
+
+def split_shard(source: DataSource, batch_size: int, limit: Optional[int], k: int, n: int,
+                parts: int) -> list[DataSource]:
+    """Shard k/n of the first `limit` samples of `source` as up to `parts` sources of whole
+    consecutive batches (at most one per batch): the sample references a worker is sent; it
+    loads the files itself."""
+    files = source.files[:limit] if limit else source.files
+    size = model_batch_size(source.specs, batch_size)
+    a, b = batch_span(-(-len(files) // size), k, n)
+    parts = max(1, min(parts, b - a))
+    return [with_files(source, _shard_files(source, batch_size, limit, k, n, (j, parts))) for j in range(parts)]
+
+
+def with_files(source: DataSource, files: list[Path]) -> DataSource:
+    """`source` restricted to `files` (sample references for a worker)."""
+    subset = copy.copy(source)
+    subset.files, subset.skipped = files, []
+    return subset
+
+
+def _shard_files(source: DataSource, batch_size: int, limit: Optional[int], k: int, n: int,
+                 sub: tuple[int, int]) -> list[Path]:
+    files = source.files[:limit] if limit else source.files
+    size = model_batch_size(source.specs, batch_size)
     total = -(-len(files) // size)
     a, b = batch_span(total, k, n)
     j, m = sub
     a, b = a + (b - a) * j // m, a + (b - a) * (j + 1) // m
-    source.files = files[a * size:b * size]
-    if not source.files:
+    if a == b:
         raise QtoolError(f"shard {k}/{n} is empty: {len(files)} samples make only {total} batches", source.root)
-    return None
+    return files[a * size:b * size]

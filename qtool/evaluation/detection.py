@@ -116,13 +116,24 @@ class DetectionAccumulator:
     iou_sum: float = 0.0
 
     def update(self, ref: np.ndarray, test: np.ndarray) -> None:
+        """One batch; its IoUs are summed before they join the total, so a batch's accumulator
+        merged into the total (evaluation on workers) gives the same float as updating the total."""
+        batch_iou = 0.0
         for r, t in zip(decode(ref, self.cfg), decode(test, self.cfg)):
             pairs = match(r, t, self.cfg.match_iou)
             self.images += 1
             self.ref_boxes += len(r.boxes)
             self.test_boxes += len(t.boxes)
             self.matched += len(pairs)
-            self.iou_sum += sum(p[2] for p in pairs)
+            batch_iou += sum(p[2] for p in pairs)
+        self.iou_sum += batch_iou
+
+    def merge(self, other: "DetectionAccumulator") -> None:
+        self.images += other.images
+        self.ref_boxes += other.ref_boxes
+        self.test_boxes += other.test_boxes
+        self.matched += other.matched
+        self.iou_sum += other.iou_sum
 
     def result(self) -> dict:
         # With nothing to find (or nothing found) there is nothing to miss: 1.0, not a division by zero.

@@ -10,25 +10,28 @@ sensitivity run on the first `layer_samples` samples. Threshold verdicts come la
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
 
 from qtool import __version__
 from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig, QuantizeConfig, load_section
-from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
-from qtool.evaluation.detection import DetectionAccumulator
+from qtool.data.dataset import Batch, DataLike, batches, count_samples, folder_only, open_data
 from qtool.errors import QtoolError
 from qtool.data.labels import Labels, labels_for
+from qtool.evaluation import shards
+from qtool.evaluation.latency import measure_latency
 from qtool.evaluation.layer_error import layer_errors, twins, worst
 from qtool.evaluation.macs import int8_macs, sample_shapes
-from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator, percentile_ms
+from qtool.evaluation.metrics import FidelityAccumulator
+from qtool.evaluation.task import Task, compare_batch, resolve_task
+from qtool.graph.executor import Engine
 from qtool.graph.modelio import input_specs, load_model, output_names
 from qtool.quantization.rewrite import DQ_SUFFIX
 from qtool.graph.runtime import create_session
@@ -47,46 +50,6 @@ class EvaluateInputs:
     table: Optional[Path] = None  # the calibration table: needed by the sensitivity ranking
 
 
-def _looks_like_classifier(shape: tuple) -> bool:
-    return len(shape) == 2 and shape[1] > 1
-
-
-@dataclass
-class _Task:
-    """The task-specific figures, fed the reference and test arrays of one output."""
-
-    name: str
-    output: str
-    accumulator: Optional[ClassificationAccumulator | DetectionAccumulator]
-
-    def update(self, ref: dict[str, np.ndarray], test: dict[str, np.ndarray], labels: list) -> None:
-        if isinstance(self.accumulator, ClassificationAccumulator):
-            self.accumulator.update(ref[self.output], test[self.output], labels)
-        elif self.accumulator is not None:
-            self.accumulator.update(ref[self.output], test[self.output])
-
-    def result(self) -> Optional[dict]:
-        return None if self.accumulator is None else {"output": self.output, **self.accumulator.result()}
-
-
-def _task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray, detection: DetectionConfig) -> _Task:
-    """Resolve `auto` from the first batch's first output and set up the task's figures."""
-    name = cfg.task
-    if name == "auto":
-        name = "classification" if _looks_like_classifier(first.shape) else "generic"
-    if name != "classification" and (cfg.max_top1_drop is not None or cfg.min_agreement is not None):
-        raise QtoolError(f"max_top1_drop and min_agreement are classification figures; the task is {name}")
-    if name == "classification":
-        return _Task(name, outputs[0], ClassificationAccumulator(top_k=cfg.top_k))
-    if name == "detection":
-        output = detection.output or outputs[0]
-        if output not in outputs:
-            raise QtoolError(f"detection output '{output}' is not an output of the model ({', '.join(outputs)})",
-                             cfg.task_config)
-        return _Task(name, output, DetectionAccumulator(detection))
-    return _Task(name, outputs[0], None)
-
-
 def _check_requests(inputs: EvaluateInputs, cfg: EvaluateConfig) -> None:
     """Fail before the long run when a requested figure cannot be computed."""
     if cfg.max_top1_drop is not None and not inputs.labels:
@@ -99,10 +62,14 @@ def _check_requests(inputs: EvaluateInputs, cfg: EvaluateConfig) -> None:
 
 
 def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: EvaluateConfig,
-             quantization: QuantizeConfig = QuantizeConfig(), progress: bool = True) -> EvaluationReport:
+             quantization: QuantizeConfig = QuantizeConfig(), progress: bool = True,
+             engine: Optional[Engine] = None) -> EvaluationReport:
     """The whole report: task figures, per-output fidelity, size, MACs, latency, optional
-    per-layer error and sensitivity, and the threshold verdicts."""
+    per-layer error and sensitivity, and the threshold verdicts. With an engine, the data's
+    batches, the latency and the sensitivity's layers run on its workers (qtool.evaluation.shards)."""
     _check_requests(inputs, cfg)
+    if engine is not None:
+        folder_only(inputs.data, "evaluation on workers (--dask, executor=)")
     detection = load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
     fp32_model = load_model(inputs.fp32)
     int8_model = load_model(inputs.int8)
@@ -117,7 +84,14 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
         raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
     source = open_data(inputs.data, specs, preprocess)
     labels = labels_for(source, inputs.labels) if inputs.labels else None
-    run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
+    if engine is None:
+        run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
+    else:
+        run = _compare_on(engine, inputs, source, labels, outputs, cfg, detection, progress)
+    if engine is None:
+        latency = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
+    else:
+        latency = shards.latency_on(engine, inputs.fp32, inputs.int8, source, run.first_batch, cfg)
 
     sizes = {"fp32": _size(inputs.fp32), "int8": _size(inputs.int8)}
     macs = int8_macs(int8_model, sample_shapes(run.first_batch.feeds))
@@ -134,16 +108,17 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
         size={"fp32_bytes": sizes["fp32"], "int8_bytes": sizes["int8"], "ratio": sizes["fp32"] / max(1, sizes["int8"])},
         macs={"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
               "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes},
-        latency=measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg),
+        latency=latency,
         per_layer=_per_layer(fp32_model, int8_model, run.subset) if cfg.per_layer else None,
-        sensitivity=_sensitivity(inputs, quantization, run.subset, progress) if cfg.sensitivity else None)
+        sensitivity=_sensitivity(inputs, quantization, run.subset, progress, engine, source, cfg.batch_size)
+        if cfg.sensitivity else None)
     verdicts = check_thresholds(report, cfg)
     return replace(report, thresholds=tuple(verdicts), passed=all(v.passed for v in verdicts))
 
 
 @dataclass
 class _Comparison:
-    task: _Task
+    task: Task
     fidelity: dict[str, FidelityAccumulator]
     samples: int
     first_batch: Batch  # timed for latency
@@ -164,12 +139,9 @@ def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: 
         for batch in batches(source, cfg.batch_size, cfg.num_samples):
             ref = fp32.run(outputs, batch.feeds)
             test = int8.run(outputs, batch.feeds)
-            for name, r, t in zip(outputs, ref, test):
-                fidelity[name].update(r, t)
             if run is None:
-                run = _Comparison(_task(cfg, outputs, ref[0], detection), fidelity, total, batch, [])
-            run.task.update(dict(zip(outputs, ref)), dict(zip(outputs, test)),
-                            [labels.get(k) if labels else None for k in batch.keys])
+                run = _Comparison(resolve_task(cfg, outputs, ref[0], detection), fidelity, total, batch, [])
+            compare_batch(run.task, fidelity, outputs, batch, ref, test, labels)
             kept = sum(len(b) for b in run.subset)
             if kept < wanted:
                 run.subset.append(_head(batch, wanted - kept))
@@ -177,6 +149,22 @@ def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: 
             seen += len(batch)
     if total is None:  # in-memory data of unknown length: the samples read
         run.samples = seen
+    return run
+
+
+def _compare_on(engine: Engine, inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: list[str],
+                cfg: EvaluateConfig, detection: DetectionConfig, progress: bool) -> _Comparison:
+    """_compare's figures from the engine's workers; the first batch and the per-layer subset read here."""
+    task, fidelity = shards.compare_on(engine, inputs.fp32, inputs.int8, source, labels, outputs, cfg, detection,
+                                       progress)
+    wanted = cfg.layer_samples if cfg.per_layer or cfg.sensitivity else 0
+    head = batches(source, cfg.batch_size, cfg.num_samples)
+    run = _Comparison(task, fidelity, count_samples(source, cfg.num_samples), next(head), [])
+    for batch in itertools.chain([run.first_batch], head):
+        kept = sum(len(b) for b in run.subset)
+        if kept >= wanted:
+            break
+        run.subset.append(_head(batch, wanted - kept))
     return run
 
 
@@ -193,11 +181,18 @@ def _per_layer(fp32_model, int8_model, subset: list[Batch]) -> dict:
             "tensors": [asdict(e) for e in errors], "worst": [e.tensor for e in worst(errors)]}
 
 
-def _sensitivity(inputs: EvaluateInputs, quantization: QuantizeConfig, subset: list[Batch], progress: bool) -> dict:
+def _sensitivity(inputs: EvaluateInputs, quantization: QuantizeConfig, subset: list[Batch], progress: bool,
+                 engine: Optional[Engine], source, batch_size: int) -> dict:
     start = time.perf_counter()
     table = load_table(inputs.table)
-    with tqdm(desc="one layer at a time", unit="layer", disable=None if progress else True, leave=False) as bar:
-        ranking = layer_sensitivity(inputs.fp32, table, quantization, subset, on_layer=lambda layer: bar.update())
+    if engine is not None:
+        ranking = shards.sensitivity_on(engine, inputs.fp32, table, quantization, source, subset, batch_size,
+                                        progress)
+    else:
+        with tqdm(desc="one layer at a time", unit="layer", disable=None if progress else True,
+                  leave=False) as bar:
+            ranking = layer_sensitivity(inputs.fp32, table, quantization, subset,
+                                        on_layer=lambda layer: bar.update())
     return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,
             "table": str(inputs.table), "layers": [asdict(r) for r in ranking]}
 
@@ -206,30 +201,3 @@ def _size(path: Path) -> int:
     size = os.path.getsize(path)
     data = Path(str(path) + ".data")
     return size + (os.path.getsize(data) if data.exists() else 0)
-
-
-def time_models(paths: dict[str, str], feeds: dict[str, np.ndarray], threads: int, warmup: int,
-                runs: int) -> dict[str, list[float]]:
-    """Seconds per run of each model: warm-up, then the models take turns run by run, so a
-    slowdown from a noisy neighbour hits all of them alike. Same session options for all."""
-    sessions = {name: create_session(path, threads, path) for name, path in paths.items()}
-    times: dict[str, list[float]] = {name: [] for name in sessions}
-    for _ in range(warmup):
-        for session in sessions.values():
-            session.run(None, feeds)
-    for _ in range(runs):
-        for name, session in sessions.items():
-            start = time.perf_counter()
-            session.run(None, feeds)
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def measure_latency(fp32_path: str, int8_path: str, batch: Batch, cfg: EvaluateConfig) -> dict:
-    """Median and p90 milliseconds per batch of each model, and the speedup of the medians."""
-    times = time_models({"fp32": fp32_path, "int8": int8_path}, batch.feeds, cfg.threads, cfg.warmup, cfg.runs)
-    result = {"batch_size": len(batch), "threads": cfg.threads, "runs": cfg.runs}
-    for name, values in times.items():
-        result[f"{name}_ms"] = {"median": percentile_ms(values, 50), "p90": percentile_ms(values, 90)}
-    result["speedup"] = result["fp32_ms"]["median"] / result["int8_ms"]["median"]
-    return result

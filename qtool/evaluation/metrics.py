@@ -60,6 +60,17 @@ class FidelityAccumulator:
         self.cosine_sum += float(np.sum(cos))
         self.samples += n
 
+    def merge(self, other: "FidelityAccumulator") -> None:
+        """Add another batch's (or shard's) sums: merging each batch in order gives the very floats
+        of updating batch by batch."""
+        self.signal += other.signal
+        self.noise += other.noise
+        self.cosine_sum += other.cosine_sum
+        self.samples += other.samples
+        self.abs_sum += other.abs_sum
+        self.abs_max = max(self.abs_max, other.abs_max)
+        self.values += other.values
+
     def result(self) -> dict[str, float]:
         return {
             "cosine": self.cosine_sum / self.samples if self.samples else math.nan,
@@ -102,6 +113,11 @@ class ClassificationAccumulator:
             self.test_top1 += int(test_rank[i, 0] == label)
             self.ref_topk += int(label in ref_rank[i])
             self.test_topk += int(label in test_rank[i])
+
+    def merge(self, other: "ClassificationAccumulator") -> None:
+        """Add another batch's counts and KL sum (see FidelityAccumulator.merge)."""
+        for name in ("samples", "labelled", "agree", "kl_sum", "ref_top1", "ref_topk", "test_top1", "test_topk"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def result(self) -> dict:
         out = {"samples": self.samples, "agreement": self.agree / self.samples if self.samples else math.nan,

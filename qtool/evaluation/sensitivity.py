@@ -148,10 +148,25 @@ def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: 
     `nodes` restricts the ranking to these layers (names as in `layers()`); `table` must
     hold the ranges of the layers' activations (a table made for the whole model does).
     """
+    return rank(measured(model_path, table, options, batches, nodes, threads, on_layer))
+
+
+def rank(entries: list[tuple[tuple[int, int], LayerSensitivity]]) -> list[LayerSensitivity]:
+    """Worst SQNR first; ties in the order the layers start to differ from fp32, then in graph
+    order, so layers measured apart (on workers) rank exactly as in one run."""
+    return [r for _, r in sorted(entries, key=lambda entry: (entry[1].sqnr_db, entry[0]))]
+
+
+def measured(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig, batches: list[Batch],
+             nodes: Optional[list[str]] = None, threads: int = 0,
+             on_layer: Optional[Callable[[Layer], None]] = None) -> list[tuple[tuple[int, int], LayerSensitivity]]:
+    """Each layer's sensitivity with its sort key for `rank` (see layer_sensitivity)."""
     if not batches:
         raise QtoolError("sensitivity needs at least one batch of samples")
     model, plan = prepared_model(model_path, options)
-    selected = _select(layers(model, plan), nodes)
+    found = layers(model, plan)
+    position = {layer.node: i for i, layer in enumerate(found)}
+    selected = _select(found, nodes)
     shapes = sample_shapes(batches[0].feeds)
     macs = node_macs(model, shapes)
     sizes = {name: 4 * math.prod(dims) for name, dims in tensor_shapes(model, shapes).items()}
@@ -171,11 +186,12 @@ def layer_sensitivity(model_path: str | Path, table: CalibrationTable, options: 
                  for batch in batches]
         del session
         for job in chunk:
-            results.append(_measure(model, job, table, options, reference, cache, threads, macs))
+            result = _measure(model, job, table, options, reference, cache, threads, macs)
+            results.append(((job.start, position[job.layer.node]), result))
             if on_layer:
                 on_layer(job.layer)
         del cache
-    return sorted(results, key=lambda r: r.sqnr_db)
+    return results
 
 
 def _measure(model: onnx.ModelProto, job: _Job, table: CalibrationTable, options: QuantizeConfig,

@@ -1,0 +1,164 @@
+"""Evaluation on an executor's workers (evaluate --dask, the API's executor=): the same figures as one process.
+
+The data folder is cut into runs of whole batches, sent as lists of sample files (with
+the labels of those files only). A worker keeps both models' sessions per model hash,
+runs its batches and returns, per batch, the accumulators of that batch alone (sums and
+counts, a few numbers per output). Merged into the totals in batch order, they give the
+very floats of a single pass (FidelityAccumulator.merge). Latency is measured on one
+worker, alone (after the comparison), and the report says so. The sensitivity ranking
+sends each worker a run of consecutive layers; every worker reads the same first
+`layer_samples` samples, and the layers are ranked together exactly as in one run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from qtool.config import DetectionConfig, EvaluateConfig, QuantizeConfig
+from qtool.data.dataset import Batch, DataSource, batches, split_shard, with_files
+from qtool.data.labels import Labels
+from qtool.evaluation.latency import measure_latency
+from qtool.evaluation.metrics import FidelityAccumulator
+from qtool.evaluation.task import Task, compare_batch, resolve_task
+from qtool.graph.executor import TASKS_PER_WORKER, Engine, model_cache, run_in_order
+from qtool.graph.modelio import sha256_file
+from qtool.graph.runtime import create_session
+from qtool.evaluation.sensitivity import layers, measured, rank
+from qtool.plan.planner import prepared_model
+from qtool.table.table import CalibrationTable
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model file as a worker reads it: its path and the sha256 it must have."""
+
+    path: str
+    sha256: str
+
+    @classmethod
+    def of(cls, path) -> "ModelRef":
+        return cls(str(path), sha256_file(path))
+
+    def session(self, threads: int):
+        return model_cache(self.path, self.sha256, ("session", threads),
+                           lambda: create_session(self.path, threads, self.path))
+
+
+@dataclass(frozen=True)
+class _CompareJob:
+    fp32: ModelRef
+    int8: ModelRef
+    source: DataSource  # this shard's sample files only
+    labels: Optional[Labels]  # of those files only
+    outputs: list[str]
+    cfg: EvaluateConfig
+    detection: DetectionConfig
+    threads: int
+
+
+@dataclass
+class BatchFigures:
+    """One batch's accumulators: per output fidelity, and the task's."""
+
+    task: Task  # of this batch alone
+    fidelity: dict[str, FidelityAccumulator]
+
+
+def _compare(job: _CompareJob) -> list[BatchFigures]:
+    fp32, int8 = job.fp32.session(job.threads), job.int8.session(job.threads)
+    found = []
+    for batch in batches(job.source, job.cfg.batch_size):
+        ref, test = fp32.run(job.outputs, batch.feeds), int8.run(job.outputs, batch.feeds)
+        figures = BatchFigures(resolve_task(job.cfg, job.outputs, ref[0], job.detection),
+                               {name: FidelityAccumulator() for name in job.outputs})
+        compare_batch(figures.task, figures.fidelity, job.outputs, batch, ref, test, job.labels)
+        found.append(figures)
+    return found
+
+
+def compare_on(engine: Engine, fp32, int8, source: DataSource, labels: Optional[Labels], outputs: list[str],
+               cfg: EvaluateConfig, detection: DetectionConfig, progress: bool):
+    """(task, fidelity) over the first cfg.num_samples samples of `source`, batch by batch in order."""
+    fp32, int8 = ModelRef.of(fp32), ModelRef.of(int8)
+    parts = split_shard(source, cfg.batch_size, cfg.num_samples, 0, 1, engine.width * TASKS_PER_WORKER)
+    jobs = [_CompareJob(fp32, int8, part, _labels_of(part, labels), outputs, cfg, detection, engine.threads)
+            for part in parts]
+    task, fidelity = None, {name: FidelityAccumulator() for name in outputs}
+    for found in run_in_order(engine, _compare, jobs, "evaluating", progress):
+        for figures in found:
+            if task is None:
+                task = figures.task
+            elif task.accumulator is not None:
+                task.accumulator.merge(figures.task.accumulator)
+            for name, acc in fidelity.items():
+                acc.merge(figures.fidelity[name])
+    return task, fidelity
+
+
+def _labels_of(part: DataSource, labels: Optional[Labels]) -> Optional[Labels]:
+    if labels is None:
+        return None
+    keys = (part.key(path) for path in part.files)
+    return Labels({key: label for key in keys if (label := labels.get(key)) is not None})
+
+
+@dataclass(frozen=True)
+class _LatencyJob:
+    fp32: ModelRef
+    int8: ModelRef
+    source: DataSource  # the first batch's files
+    cfg: EvaluateConfig
+
+
+def _latency(job: _LatencyJob) -> dict:
+    first = next(iter(batches(job.source, job.cfg.batch_size)))
+    return measure_latency(job.fp32.path, job.int8.path, first, job.cfg)
+
+
+def latency_on(engine: Engine, fp32, int8, source: DataSource, first: Batch, cfg: EvaluateConfig) -> dict:
+    """measure_latency on one worker, with a note saying where."""
+    job = _LatencyJob(ModelRef.of(fp32), ModelRef.of(int8), with_files(source, _files(source, first)), cfg)
+    (result,) = run_in_order(engine, _latency, [job], "timing", progress=False)
+    return {**result, "measured_on": f"one worker ({engine.name})"}
+
+
+def _files(source: DataSource, batch: Batch) -> list:
+    """The files of `batch`'s samples (read from the start of `source`)."""
+    wanted, found = set(batch.keys), []
+    for path in source.files:
+        if len(found) == len(wanted):
+            break
+        if source.key(path) in wanted:
+            found.append(path)
+    return found
+
+
+@dataclass(frozen=True)
+class _SensitivityJob:
+    model: ModelRef
+    table: CalibrationTable
+    options: QuantizeConfig
+    source: DataSource  # the subset's files
+    batch_size: int
+    nodes: list[str]
+
+
+def _sensitivity(job: _SensitivityJob) -> list:
+    subset = list(batches(job.source, job.batch_size))
+    return measured(job.model.path, job.table, job.options, subset, job.nodes, threads=1)
+
+
+def sensitivity_on(engine: Engine, model_path, table: CalibrationTable, options: QuantizeConfig,
+                   source: DataSource, subset: list[Batch], batch_size: int, progress: bool) -> list:
+    """layer_sensitivity with runs of consecutive layers on the workers."""
+    model, plan = prepared_model(model_path, options)
+    names = [layer.node for layer in layers(model, plan)]
+    count = max(1, min(len(names), engine.width))  # one run per worker: each first runs fp32 on the subset
+    groups = [names[len(names) * j // count:len(names) * (j + 1) // count] for j in range(count)]
+    files = _files(source, Batch([k for b in subset for k in b.keys], {}))
+    ref = ModelRef.of(model_path)
+    jobs = [_SensitivityJob(ref, table, options, with_files(source, files), batch_size, group)
+            for group in groups if group]
+    return rank([entry for found in run_in_order(engine, _sensitivity, jobs, "one layer at a time", progress)
+                 for entry in found])

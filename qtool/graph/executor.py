@@ -1,0 +1,150 @@
+"""Where the shards of a long job run: local processes (--workers) or a Dask cluster (--dask).
+
+Every heavy verb splits its data into shards whose partial results are fixed-size and
+merge exactly (calibration statistics, evaluation sums), so what runs them only has to
+be a `concurrent.futures.Executor`: a process pool on this machine, Dask's
+`Client.get_executor()`, or whatever executor an API caller passes. A task's arguments
+are small (a model path and its sha256, a list of sample files, options); each worker
+loads its own samples and keeps what it built per model hash (`worker_cache`), so
+nothing the size of the dataset goes through the scheduler.
+
+Dask is optional (`pip install "qtool[dask]"`) and imported only when --dask is given.
+Dask re-runs the tasks of a worker that dies; a task that fails on bad input fails the
+job (QtoolError pickles by its message, so the user sees the usual one line).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import multiprocessing
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
+
+from qtool.errors import QtoolError
+from qtool.graph.modelio import sha256_file
+
+INSTALL_HINT = '--dask needs Dask: pip install "qtool[dask]" (or: pip install "dask[distributed]")'
+TASKS_PER_WORKER = 4  # shards per worker: a dead worker's share is small, the progress bar moves
+CACHE_ENTRIES = 4  # models (and their sessions) a worker keeps
+
+Job = TypeVar("Job")
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An executor and how to split work for it."""
+
+    executor: concurrent.futures.Executor
+    width: int  # tasks that run at once
+    threads: int  # onnxruntime intra-op threads of each task's sessions (0: one per core)
+    name: str  # for messages: "2 local processes", "Dask tcp://host:8786"
+
+
+def parse_dask(text: str) -> tuple[Optional[str], int]:
+    """--dask: 'local' or 'local:N' -> (None, N); a scheduler address -> (address, 0)."""
+    text = text.strip()
+    if text == "local" or text.startswith("local:"):
+        count = text[len("local:"):] if ":" in text else str(os.cpu_count() or 1)
+        if not count.isdigit() or int(count) < 1:
+            raise QtoolError(f"--dask local:N needs a worker count N >= 1, got '{text}'")
+        return None, int(count)
+    if not text:
+        raise QtoolError("--dask needs a scheduler address (tcp://host:8786) or local[:N]")
+    return text, 0
+
+
+def as_engine(executor: concurrent.futures.Executor) -> Engine:
+    """A caller's executor: Dask's (its cluster's thread count) or any other (its max_workers, else the cores)."""
+    client = getattr(executor, "_client", None)
+    if client is not None and hasattr(client, "nthreads"):
+        width = sum(client.nthreads().values()) or 1
+        return Engine(executor, width, 1, f"Dask {client.scheduler.address}")
+    width = getattr(executor, "_max_workers", None) or os.cpu_count() or 1
+    return Engine(executor, width, max(1, (os.cpu_count() or 1) // width), type(executor).__name__)
+
+
+@contextlib.contextmanager
+def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Optional[Engine]]:
+    """The engine of --dask (a LocalCluster of single-threaded worker processes, or a running
+    scheduler) or of --workers N > 1 (a local process pool); None: run in this process."""
+    if dask:
+        address, count = parse_dask(dask)
+        try:
+            from distributed import Client, LocalCluster
+        except ImportError:
+            raise QtoolError(INSTALL_HINT) from None
+        with contextlib.ExitStack() as stack:
+            if address is None:
+                cluster = stack.enter_context(LocalCluster(n_workers=count, threads_per_worker=1, processes=True,
+                                                           dashboard_address=":0", silence_logs=logging.ERROR))
+                client = stack.enter_context(Client(cluster))
+            else:
+                try:
+                    client = stack.enter_context(Client(address, timeout="30s"))
+                except (OSError, TimeoutError) as exc:
+                    raise QtoolError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
+            engine = as_engine(client.get_executor())
+            yield Engine(engine.executor, engine.width, 1, f"Dask {address or f'local:{count}'}")
+        return
+    if workers > 1:
+        context = multiprocessing.get_context("spawn")  # no fork of a process that may hold onnxruntime threads
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            yield Engine(pool, workers, max(1, (os.cpu_count() or 1) // workers), f"{workers} local processes")
+        return
+    yield None
+
+
+def run_in_order(engine: Engine, task: Callable[[Job], Result], jobs: Sequence[Job], desc: str,
+                 progress: bool = True) -> Iterator[Result]:
+    """Submit every job, then yield the results in job order as soon as each is in (one tqdm
+    bar over the shards as they complete); the first failure cancels the rest and is raised."""
+    from tqdm import tqdm
+
+    futures = [engine.executor.submit(task, job) for job in jobs]
+    done: dict[int, Result] = {}
+    index = {future: i for i, future in enumerate(futures)}
+    following = 0
+    try:
+        with tqdm(total=len(jobs), desc=desc, unit="shard", disable=None if progress else True,
+                  leave=False) as bar:
+            for future in concurrent.futures.as_completed(futures):
+                done[index[future]] = future.result()
+                bar.update()
+                while following in done:
+                    yield done.pop(following)
+                    following += 1
+    finally:
+        for future in futures:
+            future.cancel()
+
+
+_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+
+
+def worker_cache(key: tuple, build: Callable[[], Result]) -> Result:
+    """What a worker process built for `key` (a model's sha256 and options), built once and
+    kept for its next shards; the least recently used of CACHE_ENTRIES goes first."""
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]  # type: ignore[return-value]
+    value = build()
+    _CACHE[key] = value
+    while len(_CACHE) > CACHE_ENTRIES:
+        _CACHE.popitem(last=False)
+    return value
+
+
+def model_cache(path: str, sha256: str, key: tuple, build: Callable[[], Result]) -> Result:
+    """worker_cache for what is built from the model file at `path`, checked once per worker
+    to be the coordinator's model (a cluster's workers read their own copy of the file)."""
+    def checked() -> Result:
+        if sha256_file(path) != sha256:
+            raise QtoolError("the model file a worker reads differs from the coordinator's (sha256)", path)
+        return build()
+
+    return worker_cache((sha256, *key), checked)
