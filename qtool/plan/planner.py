@@ -16,7 +16,8 @@ import onnx
 from pathlib import Path
 
 from qtool.config import QuantizeConfig
-from qtool.graph.modelio import load_model
+from qtool.errors import QtoolError
+from qtool.graph.modelio import input_specs, load_model
 from qtool.graph.index import GraphIndex, attribute, node_label
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
@@ -227,4 +228,13 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     model = prepare(load_model(model_path), options.upgrade_opset, model_path, options.per_channel)
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
-    return model, build_plan(model, options)
+    plan = build_plan(model, options)
+    if not plan.activations and not plan.weights:
+        raise QtoolError(f"nothing to quantize: no float tensor reaches an op qtool quantizes "
+                         f"(inputs: {_describe_inputs(model)})", model_path)
+    return model, plan
+
+
+def _describe_inputs(model: onnx.ModelProto) -> str:
+    specs = input_specs(model)
+    return ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"

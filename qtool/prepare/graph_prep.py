@@ -11,7 +11,6 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, version_converter
 
-from qtool.graph import modelio
 from qtool.graph.index import attribute, body_reads, names_read
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_batchnorm
@@ -44,14 +43,6 @@ def check_opset(model: onnx.ModelProto, upgrade: bool, path: object = None,
     except Exception as exc:  # the converter raises bare RuntimeErrors with C++ messages
         raise QtoolError(f"onnx version converter could not upgrade opset {opset} to "
                          f"{MIN_PER_CHANNEL_OPSET}: {str(exc).splitlines()[0]}", path) from None
-
-
-def check_float_input(model: onnx.ModelProto, path: object = None) -> None:
-    """Calibration observes float activations; a model without a float32 input has none to observe."""
-    specs = modelio.input_specs(model)
-    if not any(spec.dtype == np.float32 for spec in specs):
-        found = ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
-        raise QtoolError(f"the model has no float32 input (inputs: {found}); qtool quantizes float32 models", path)
 
 
 def constants_to_initializers(model: onnx.ModelProto) -> None:
@@ -131,7 +122,6 @@ def divisions_to_multiplications(model: onnx.ModelProto) -> None:
 def prepare(model: onnx.ModelProto, upgrade_opset: bool = False, path: object = None,
             per_channel: bool = True) -> onnx.ModelProto:
     """Return a prepared copy; the input model is not modified."""
-    check_float_input(model, path)
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
     prepared = check_opset(prepared, upgrade_opset, path, per_channel)
