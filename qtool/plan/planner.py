@@ -8,6 +8,7 @@ quantization uses it again to know where Q/DQ pairs go, so both always agree.
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import Collection, Optional
 
@@ -15,10 +16,10 @@ import onnx
 
 from pathlib import Path
 
-from qtool.config import QuantizeConfig
+from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs, load_model
-from qtool.graph.index import GraphIndex, attribute, node_label
+from qtool.graph.index import GraphIndex, attribute, body_reads, node_label
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.prepare.equalize import equalize
@@ -55,6 +56,8 @@ class QuantPlan:
     constants: dict[str, str] = field(default_factory=dict)
     # tensor -> a real value its range must contain (a Pad's non-zero constant border)
     include_values: dict[str, float] = field(default_factory=dict)
+    # embedding tables stored int8 per row (weight-only) -> the Gather nodes reading them
+    embeddings: dict[str, list[str]] = field(default_factory=dict)
 
     def group_of(self) -> dict[str, int]:
         return {t: i for i, group in enumerate(self.tie_groups) for t in group}
@@ -157,7 +160,38 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
 
     plan.activations = ordered
     plan.tie_groups = _merge_groups(ties)
+    plan.embeddings = _embedding_tables(model, ctx, options, only)
     return plan
+
+
+def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig,
+                      only: Optional[Collection[str]]) -> dict[str, list[str]]:
+    """Float tables that only Gathers read, by row (axis 0) at computed indices: token, position
+    or character embeddings. Stored int8 per row they shrink about 4x (a BERT's word table is half
+    its file); the Gather moves int8 rows and the rows are dequantized after it, so the cost is one
+    multiply per gathered value. Every reader must be such a Gather, else the float table stays in
+    the file and nothing is saved. `auto` takes tables of EMBEDDING_AUTO_BYTES or more: below that
+    the saving is small and the graph stays as it was."""
+    if options.embeddings == "float":
+        return {}
+    in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
+    tables: dict[str, list[str]] = {}
+    for name, init in ctx.initializers.items():
+        users = ctx.consumers.get(name, [])
+        if (not users or name in ctx.outputs or name in in_bodies or init.data_type != onnx.TensorProto.FLOAT
+                or len(init.dims) < 2 or (options.embeddings == "auto" and 4 * math.prod(init.dims) < EMBEDDING_AUTO_BYTES)):
+            continue
+        if all(_row_gather(node, name, ctx, options, only) for node in users):
+            tables[name] = [node_label(node) for node in users]
+    return tables
+
+
+def _row_gather(node: onnx.NodeProto, table: str, ctx: GraphIndex, options: QuantizeConfig,
+                only: Optional[Collection[str]]) -> bool:
+    return (node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2
+            and node.input[0] == table and node.input[1] != table and not ctx.is_constant(node.input[1])
+            and attribute(node, "axis", 0) in (0, -ctx.rank(table))
+            and not _excluded(node, options) and (only is None or node_label(node) in only))
 
 
 def _produced_by_quantized(name: str, ctx: GraphIndex, rules: dict[int, OpRule], nodes: list) -> bool:
@@ -229,7 +263,7 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
     plan = build_plan(model, options)
-    if not plan.activations and not plan.weights:
+    if not plan.activations and not plan.weights and not plan.embeddings:
         raise QtoolError(f"nothing to quantize: no float tensor reaches an op qtool quantizes "
                          f"(inputs: {_describe_inputs(model)})", model_path)
     return model, plan
