@@ -26,7 +26,7 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     methods = methods_for(model, plan.activations, calib) if model is not None else {}
     ranges = {name: choose_range(stats[name], methods.get(name, calib.method), calib) for name in plan.activations}
     final, params = resolve_qparams(plan, ranges, options)
-    settings = {"batch_size": calib.batch_size, **_range_settings(calib), **asdict(options)}
+    settings = {"batch_size": calib.batch_size, **_range_settings(calib), **_quantize_settings(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples)
     for name in plan.activations:
@@ -34,6 +34,15 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
         qp = params[name]
         table.tensors[name] = TableEntry(s.min if s.seen else None, s.max if s.seen else None, final[name], qp)
     return table
+
+
+def _quantize_settings(options: QuantizeConfig) -> dict:
+    """The quantization options; `embeddings` (it never changes the table: embedding tables are
+    weights) only where it differs from the default, so tables of default settings keep their bytes."""
+    settings = asdict(options)
+    if options.embeddings == QuantizeConfig.embeddings:
+        del settings["embeddings"]
+    return settings
 
 
 def _range_settings(calib: CalibrationConfig) -> dict:
