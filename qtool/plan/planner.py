@@ -263,12 +263,16 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
     plan = build_plan(model, options)
-    if not plan.activations and not plan.weights and not plan.embeddings:
-        raise QtoolError(f"nothing to quantize: no float tensor reaches an op qtool quantizes "
-                         f"(inputs: {_describe_inputs(model)})", model_path)
+    _check_something_to_quantize(model, plan, model_path)
     return model, plan
 
 
-def _describe_inputs(model: onnx.ModelProto) -> str:
+def _check_something_to_quantize(model: onnx.ModelProto, plan: QuantPlan, path: object) -> None:
+    """A model with integer inputs only (token ids, masks) is quantized in its float part; one that
+    has none is refused rather than copied. A float model with every node excluded stays legal."""
     specs = input_specs(model)
-    return ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
+    if any(s.dtype.kind == "f" for s in specs) or plan.activations or plan.weights or plan.embeddings:
+        return
+    found = ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
+    raise QtoolError(f"nothing to quantize: the model has no float input and no float tensor reaches an op "
+                     f"qtool quantizes (inputs: {found})", path)

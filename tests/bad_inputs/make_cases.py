@@ -233,7 +233,8 @@ CASES = [
     ("opset_12_no_per_channel", _q(f"{M}/opset12.onnx"), f"{M}/opset12.onnx",
      "opset 12 is too old (per-channel weights need >= 13); re-run with --upgrade-opset"),
     ("nothing_to_quantize", ["calibrate", f"{M}/int_input.onnx", "--data", f"{D}/ok", "-o", "{tmp}/t.json"],
-     f"{M}/int_input.onnx", "nothing to quantize: no float tensor reaches an op qtool quantizes (inputs: ids int64)"),
+     f"{M}/int_input.onnx", "nothing to quantize: the model has no float input and no float tensor reaches an op "
+     "qtool quantizes (inputs: ids int64)"),
     ("nan_in_weight", _q(f"{M}/nan_weight.onnx"), f"{M}/nan_weight.onnx", "constant 'W' contains 2 NaN/Inf"),
     ("evaluate_int8_model_broken", ["evaluate", f"{M}/tiny.onnx", f"{M}/truncated.onnx", "--data", f"{D}/ok"],
      f"{M}/truncated.onnx", "not an ONNX model"),
