@@ -209,7 +209,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
               help="Calibration samples used by bias correction and adaptive rounding (64).")
 @click.option("--embeddings", type=click.Choice(["auto", "int8", "float"]),
               help="Embedding tables read by Gather: int8 per row, weight-only (auto, the default: tables of "
-                   "1 MiB or more), or float.")
+                   "1 MiB or more with target ort-cpu), or float.")
 @click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")
 @click.option("--labels", type=str, help="Labels of --eval-data ('filename<TAB>class_index' file, or 'folders').")
 @click.option("--target-agreement", type=click.FloatRange(0, 100),

@@ -28,7 +28,7 @@ LAYOUTS = ("NCHW", "NHWC")
 ACTIVATION_DTYPES = ("uint8", "int8")
 BIAS_CORRECTIONS = ("auto", "off", "fast")  # auto: fast when calibration data is at hand (quantize --data)
 WEIGHT_ROUNDINGS = ("auto", "nearest", "adaptive")  # auto: adaptive when calibration data is at hand
-EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUTO_BYTES or more
+EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUTO_BYTES or more (ort-cpu)
 EMBEDDING_AUTO_BYTES = 1 << 20
 ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 

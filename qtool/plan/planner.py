@@ -170,16 +170,18 @@ def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: Quantize
     or character embeddings. Stored int8 per row they shrink about 4x (a BERT's word table is half
     its file); the Gather moves int8 rows and the rows are dequantized after it, so the cost is one
     multiply per gathered value. Every reader must be such a Gather, else the float table stays in
-    the file and nothing is saved. `auto` takes tables of EMBEDDING_AUTO_BYTES or more: below that
-    the saving is small and the graph stays as it was."""
-    if options.embeddings == "float":
+    the file and nothing is saved. `auto` takes tables of EMBEDDING_AUTO_BYTES or more (below that
+    the saving is small and the graph stays as it was), on target ort-cpu only: that is where the
+    int8 Gather -> Cast -> Mul was measured, not in TensorRT's or LiteRT's converters."""
+    if options.embeddings == "float" or (options.embeddings == "auto" and options.target != "ort-cpu"):
         return {}
+    auto = options.embeddings == "auto"
     in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
     tables: dict[str, list[str]] = {}
     for name, init in ctx.initializers.items():
         users = ctx.consumers.get(name, [])
         if (not users or name in ctx.outputs or name in in_bodies or init.data_type != onnx.TensorProto.FLOAT
-                or len(init.dims) < 2 or (options.embeddings == "auto" and 4 * math.prod(init.dims) < EMBEDDING_AUTO_BYTES)):
+                or len(init.dims) < 2 or (auto and 4 * math.prod(init.dims) < EMBEDDING_AUTO_BYTES)):
             continue
         if all(_row_gather(node, name, ctx, options, only) for node in users):
             tables[name] = [node_label(node) for node in users]
