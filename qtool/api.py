@@ -80,6 +80,7 @@ class QuantizeResult:
     activations: int  # activation tensors with int8 parameters
     float_nodes: int  # nodes left in float
     external_data: bool = False  # the source model keeps its tensors in a side file: so does save()
+    int8_embeddings: int = 0  # embedding tables stored int8 per row
     search: Optional[SearchOutcome] = None  # with a MixedPrecisionSearch
 
     def save(self, path: str | Path) -> None:
@@ -140,7 +141,8 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
         graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data)
     plan = graph.plan
     return QuantizeResult(graph.model, table, tuple(graph.notes), len(plan.quantized_nodes), len(plan.weights),
-                          len(plan.activations), len(plan.float_nodes), has_external_data(model), outcome)
+                          len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
+                          outcome)
 
 
 def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigLike = None, *,

@@ -220,6 +220,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
                    "auto: adaptive when --data is given; default nearest).")
 @click.option("--correction-samples", type=click.IntRange(min=1),
               help="Calibration samples used by bias correction and adaptive rounding (64).")
+@click.option("--embeddings", type=click.Choice(["auto", "int8", "float"]),
+              help="Embedding tables read by Gather: int8 per row, weight-only (auto, the default: tables of "
+                   "1 MiB or more with target ort-cpu), or float.")
 @click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")
 @click.option("--labels", type=str, help="Labels of --eval-data ('filename<TAB>class_index' file, or 'folders').")
 @click.option("--target-agreement", type=click.FloatRange(0, 100),
@@ -235,8 +238,8 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes,
              save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
-             eval_data, labels,
-             target_agreement, target_top1_drop, target_sqnr, max_float_layers, min_int8_macs):
+             embeddings, eval_data, labels, target_agreement, target_top1_drop, target_sqnr, max_float_layers,
+             min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
     from qtool.graph.kernels import kernel_summary
@@ -246,7 +249,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
                          workers, dask, target, reduce_range, exclude_op_types, exclude_nodes)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
-                     weight_rounding=weight_rounding, correction_samples=correction_samples)
+                     weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings)
     cfg = replace(cfg, quantization=quant)
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "
@@ -276,7 +279,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     result.save(output)
-    click.echo(f"quantized {result.quantized_nodes} nodes ({result.int8_weights} int8 weights, "
+    tables = f"{result.int8_embeddings} int8 embedding tables, " if result.int8_embeddings else ""
+    click.echo(f"quantized {result.quantized_nodes} nodes ({result.int8_weights} int8 weights, {tables}"
                f"{result.activations} activations, {result.float_nodes} nodes left float) "
                f"in {time.perf_counter() - start:.1f} s -> {output}")
     click.echo(describe_target(quant))

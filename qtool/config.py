@@ -28,6 +28,8 @@ LAYOUTS = ("NCHW", "NHWC")
 ACTIVATION_DTYPES = ("uint8", "int8")
 BIAS_CORRECTIONS = ("auto", "off", "fast")  # auto: fast when calibration data is at hand (quantize --data)
 WEIGHT_ROUNDINGS = ("auto", "nearest", "adaptive")  # auto: adaptive when calibration data is at hand
+EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUTO_BYTES or more (ort-cpu)
+EMBEDDING_AUTO_BYTES = 1 << 20
 ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 
 
@@ -117,6 +119,8 @@ class QuantizeConfig:
     bias_correction: str = "off"  # fast: correct int32 biases by the per-channel output mean shift
     weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
+    # Embedding tables read by Gather: int8 per row, weight-only (the rows are dequantized after the Gather)
+    embeddings: str = "auto"
 
     def __post_init__(self):
         _one_of("target", self.target, tuple(TARGETS))
@@ -131,6 +135,7 @@ class QuantizeConfig:
         _one_of("activation_dtype", self.activation_dtype, ACTIVATION_DTYPES)
         _one_of("bias_correction", self.bias_correction, BIAS_CORRECTIONS)
         _one_of("weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
+        _one_of("embeddings", self.embeddings, EMBEDDINGS)
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
 

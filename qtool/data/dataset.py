@@ -239,7 +239,10 @@ def _load_tensors(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
 
 
 def _fit_to_spec(array: np.ndarray, spec: InputSpec, path: Path | str) -> np.ndarray:
-    """Add a missing batch dimension and check dtype and static dimensions."""
+    """Add a missing batch dimension and check dtype and static dimensions.
+
+    Integer and bool arrays (token ids, masks, lengths) must have the model's dtype: converting
+    them could wrap or truncate values silently. Float arrays are cast (float64 -> float32)."""
     if array.ndim == len(spec.shape) - 1:
         array = array[None]
     if array.ndim != len(spec.shape):
@@ -253,7 +256,8 @@ def _fit_to_spec(array: np.ndarray, spec: InputSpec, path: Path | str) -> np.nda
         if array.dtype.kind == spec.dtype.kind == "f":
             array = array.astype(spec.dtype)
         else:
-            raise QtoolError(f"array '{spec.name}' has dtype {array.dtype}, the model expects {spec.dtype}", path)
+            raise QtoolError(f"array '{spec.name}' has dtype {array.dtype}, the model expects {spec.dtype} "
+                             "(only float arrays are converted, to the model's float type)", path)
     return array
 
 

@@ -8,6 +8,7 @@ quantization uses it again to know where Q/DQ pairs go, so both always agree.
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import Collection, Optional
 
@@ -15,9 +16,10 @@ import onnx
 
 from pathlib import Path
 
-from qtool.config import QuantizeConfig
-from qtool.graph.modelio import load_model
-from qtool.graph.index import GraphIndex, attribute, node_label
+from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
+from qtool.errors import QtoolError
+from qtool.graph.modelio import input_specs, load_model
+from qtool.graph.index import GraphIndex, attribute, body_reads, node_label
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.prepare.equalize import equalize
@@ -55,6 +57,8 @@ class QuantPlan:
     # tensor -> a real value its range must contain (a Pad's non-zero constant border)
     include_values: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what preparing the graph did (opset converted or kept)
+    # embedding tables stored int8 per row (weight-only) -> the Gather nodes reading them
+    embeddings: dict[str, list[str]] = field(default_factory=dict)
 
     def group_of(self) -> dict[str, int]:
         return {t: i for i, group in enumerate(self.tie_groups) for t in group}
@@ -162,7 +166,40 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
 
     plan.activations = ordered
     plan.tie_groups = _merge_groups(ties)
+    plan.embeddings = _embedding_tables(model, ctx, options, only)
     return plan
+
+
+def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig,
+                      only: Optional[Collection[str]]) -> dict[str, list[str]]:
+    """Float tables that only Gathers read, by row (axis 0) at computed indices: token, position
+    or character embeddings. Stored int8 per row they shrink about 4x (a BERT's word table is half
+    its file); the Gather moves int8 rows and the rows are dequantized after it, so the cost is one
+    multiply per gathered value. Every reader must be such a Gather, else the float table stays in
+    the file and nothing is saved. `auto` takes tables of EMBEDDING_AUTO_BYTES or more (below that
+    the saving is small and the graph stays as it was), on target ort-cpu only: that is where the
+    int8 Gather -> Cast -> Mul was measured, not in TensorRT's or LiteRT's converters."""
+    if options.embeddings == "float" or (options.embeddings == "auto" and options.target != "ort-cpu"):
+        return {}
+    auto = options.embeddings == "auto"
+    in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
+    tables: dict[str, list[str]] = {}
+    for name, init in ctx.initializers.items():
+        users = ctx.consumers.get(name, [])
+        if (not users or name in ctx.outputs or name in in_bodies or init.data_type != onnx.TensorProto.FLOAT
+                or len(init.dims) < 2 or (auto and 4 * math.prod(init.dims) < EMBEDDING_AUTO_BYTES)):
+            continue
+        if all(_row_gather(node, name, ctx, options, only) for node in users):
+            tables[name] = [node_label(node) for node in users]
+    return tables
+
+
+def _row_gather(node: onnx.NodeProto, table: str, ctx: GraphIndex, options: QuantizeConfig,
+                only: Optional[Collection[str]]) -> bool:
+    return (node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2
+            and node.input[0] == table and node.input[1] != table and not ctx.is_constant(node.input[1])
+            and attribute(node, "axis", 0) in (0, -ctx.rank(table))
+            and not _excluded(node, options) and (only is None or node_label(node) in only))
 
 
 def _produced_by_quantized(name: str, ctx: GraphIndex, rules: dict[int, OpRule], nodes: list) -> bool:
@@ -237,4 +274,16 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
         equalize(model)
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
+    _check_something_to_quantize(model, plan, model_path)
     return model, plan
+
+
+def _check_something_to_quantize(model: onnx.ModelProto, plan: QuantPlan, path: object) -> None:
+    """A model with integer inputs only (token ids, masks) is quantized in its float part; one that
+    has none is refused rather than copied. A float model with every node excluded stays legal."""
+    specs = input_specs(model)
+    if any(s.dtype.kind == "f" for s in specs) or plan.activations or plan.weights or plan.embeddings:
+        return
+    found = ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
+    raise QtoolError(f"nothing to quantize: the model has no float input and no float tensor reaches an op "
+                     f"qtool quantizes (inputs: {found})", path)

@@ -14,7 +14,6 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, version_converter
 
-from qtool.graph import modelio
 from qtool.graph.index import attribute, body_reads, names_read
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_batchnorm
@@ -63,14 +62,6 @@ def settle_opset(model: onnx.ModelProto, keep_opset: bool = False, path: object 
 def per_channel_possible(model: onnx.ModelProto) -> bool:
     """Whether the model's opset has per-channel DequantizeLinear."""
     return default_opset(model) >= MIN_PER_CHANNEL_OPSET
-
-
-def check_float_input(model: onnx.ModelProto, path: object = None) -> None:
-    """Calibration observes float activations; a model without a float32 input has none to observe."""
-    specs = modelio.input_specs(model)
-    if not any(spec.dtype == np.float32 for spec in specs):
-        found = ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
-        raise QtoolError(f"the model has no float32 input (inputs: {found}); qtool quantizes float32 models", path)
 
 
 def constants_to_initializers(model: onnx.ModelProto) -> None:
@@ -156,7 +147,6 @@ class Prepared:
 def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
             per_channel: bool = True) -> Prepared:
     """Return a prepared copy; the input model is not modified."""
-    check_float_input(model, path)
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)

@@ -152,9 +152,18 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         if name in graph_inputs:
             builder.head.extend(builder.qdq_pair(name, params[name]))
 
+    row_scales = {name: _int8_rows(name, numpy_helper.to_array(float_inits[name]), builder)
+                  for name in plan.embeddings}
+
     quantized_nodes = set(plan.quantized_nodes)
     new_nodes: list[onnx.NodeProto] = []
     for node in graph.node:
+        if node.op_type == "Gather" and node.input[0] in row_scales:
+            new_nodes.extend(_gather_int8_rows(node, row_scales[node.input[0]]))
+            for output in node.output:
+                if output in act_set:
+                    new_nodes.extend(builder.qdq_pair(output, params[output]))
+            continue
         # Every consumer of a quantized activation reads its DequantizeLinear output: a
         # producer whose output went both to Q and elsewhere could not be fused.
         for i, name in enumerate(node.input):
@@ -176,6 +185,32 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     del graph.node[:]
     graph.node.extend(builder.head + new_nodes)
     return out, notes
+
+
+def _int8_rows(name: str, table: np.ndarray, builder: _Builder) -> str:
+    """Store an embedding table int8 with one symmetric scale per row; returns the scales' name.
+    The scales keep the table's rank ([V, 1, ...]) so that gathered with the rows they broadcast
+    over them. 8 bits, not the 7 of reduce_range: no integer kernel ever sums these values."""
+    scales = qp.weight_scales(table, 0)
+    builder.add_init(qp.quantize_weight(table, scales, 0), name + WEIGHT_SUFFIX)
+    return builder.add_init(scales.reshape((-1,) + (1,) * (table.ndim - 1)), name + SCALE_SUFFIX)
+
+
+def _gather_int8_rows(node: onnx.NodeProto, scales: str) -> list[onnx.NodeProto]:
+    """Gather(table, ids) -> Gather(int8 table, ids) * Gather(row scales, ids), the same values as a
+    DequantizeLinear of the table but computed for the gathered rows only. A DequantizeLinear on
+    the table would dequantize all of it on every run (onnxruntime does not fold it: 4 ms of
+    MiniLM's 8), and one after the Gather cannot take per-row scales (its scale is 1-D along an
+    axis; the rows' scales have the shape of the indices)."""
+    table, ids = node.input
+    out, label = node.output[0], node_label(node)
+    codes, row_scale, values = out + "_int8_rows", out + "_row_scales", out + "_int8_rows_float"
+    return [
+        helper.make_node("Gather", [table + WEIGHT_SUFFIX, ids], [codes], name=label, axis=0),
+        helper.make_node("Gather", [scales, ids], [row_scale], name=label + "_row_scales", axis=0),
+        helper.make_node("Cast", [codes], [values], name=label + "_cast", to=onnx.TensorProto.FLOAT),
+        helper.make_node("Mul", [values, row_scale], [out], name=label + "_dequantize"),
+    ]
 
 
 GUARDED_OPS = ("Conv", "ConvTranspose", "Gemm")

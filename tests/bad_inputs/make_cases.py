@@ -231,8 +231,9 @@ CASES = [
     ("opset_9_keep_opset", _q(f"{M}/opset9.onnx", "--keep-opset"), f"{M}/opset9.onnx",
      "opset 9 is too old (QuantizeLinear/DequantizeLinear need >= 10) and keep_opset (--keep-opset) forbids "
      "converting it"),
-    ("no_float_input", ["calibrate", f"{M}/int_input.onnx", "--data", f"{D}/ok", "-o", "{tmp}/t.json"],
-     f"{M}/int_input.onnx", "has no float32 input (inputs: ids int64)"),
+    ("nothing_to_quantize", ["calibrate", f"{M}/int_input.onnx", "--data", f"{D}/ok", "-o", "{tmp}/t.json"],
+     f"{M}/int_input.onnx", "nothing to quantize: the model has no float input and no float tensor reaches an op "
+     "qtool quantizes (inputs: ids int64)"),
     ("nan_in_weight", _q(f"{M}/nan_weight.onnx"), f"{M}/nan_weight.onnx", "constant 'W' contains 2 NaN/Inf"),
     ("evaluate_int8_model_broken", ["evaluate", f"{M}/tiny.onnx", f"{M}/truncated.onnx", "--data", f"{D}/ok"],
      f"{M}/truncated.onnx", "not an ONNX model"),

@@ -3,7 +3,8 @@
 Only the data input (index 0) is an activation; shape, axes, indices, pads and starts
 inputs are int64. Concat ties all of its inputs and its output to one scale, as the LiteRT
 spec requires; Split ties all of its outputs to its input. Gather selects along an axis
-of a quantized data tensor (a constant table, an embedding, stays float).
+of a quantized data tensor; a constant table (an embedding) is no activation: the planner
+may store it int8 per row, weight-only (planner._embedding_tables).
 """
 
 from qtool.plan.ops import OpRule, register
