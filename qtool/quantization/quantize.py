@@ -88,7 +88,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
         qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
                                              options.activation_dtype, options.symmetric_activations)
-    notes = graph_notes + notes
+    notes = plan.notes + graph_notes + notes
     if bias_correction == "fast":
         corrected = onnx.ModelProto()
         corrected.CopyFrom(qmodel)  # a step that fails half-way in auto mode leaves qmodel untouched
