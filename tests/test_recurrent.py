@@ -9,6 +9,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from qtool.evaluation.macs import int8_macs
 from tests.conftest import run_qtool
 
 STEPS, INPUT, HIDDEN, DIRS = 20, 16, 32, 2
@@ -79,6 +80,8 @@ def test_lstm_becomes_dynamic_quantize_lstm_with_int8_weights_per_gate_column(tm
     assert _initializer(qmodel, lstm.input[8]).shape == (DIRS, 4 * HIDDEN)  # one scale per gate column
     assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in qmodel.graph.node)  # Squeeze stays float
     assert "1 recurrent layer(s) with int8 weights" in output
+    macs = int8_macs(qmodel)  # every step, both directions: 4 gates x (input + hidden) products
+    assert macs.total == macs.int8 == STEPS * DIRS * 4 * HIDDEN * (INPUT + HIDDEN)
     # Measured: 0.99993 for both outputs (38-39 dB); one scale per direction gives 0.9994, and a
     # weight in the wrong layout or at the wrong scale gives garbage.
     assert min(_cosines(model, qmodel, np.random.default_rng(2))) > 0.9997
@@ -98,6 +101,8 @@ def test_gru_stays_float_with_a_note(tmp_path):
     qmodel, output = _quantize(tmp_path, _recurrent_model("GRU", np.random.default_rng(0)))
     assert [n.op_type for n in qmodel.graph.node] == ["GRU"]
     assert "GRU node 'rnn' kept float: onnxruntime CPU has no int8 GRU kernel" in output
+    macs = int8_macs(qmodel)
+    assert macs.total == STEPS * DIRS * 3 * HIDDEN * (INPUT + HIDDEN) and macs.int8 == 0
 
 
 def test_lstm_on_tensorrt_stays_float_with_a_note(tmp_path):
