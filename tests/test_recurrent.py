@@ -116,3 +116,17 @@ def test_lstm_with_a_form_the_kernel_lacks_stays_float_with_a_note(tmp_path):
     qmodel, output = _quantize(tmp_path, model)
     assert [n.op_type for n in qmodel.graph.node] == ["LSTM"]
     assert "LSTM node 'rnn' kept float: DynamicQuantizeLSTM needs" in output
+
+
+def test_lstms_sharing_weights_share_one_int8_copy(tmp_path):
+    model = _recurrent_model("LSTM", np.random.default_rng(0))
+    twin = onnx.helper.make_node("LSTM", ["x", "W", "R", "B"], ["y2", "y2_h"], name="rnn2", hidden_size=HIDDEN,
+                                 direction="bidirectional")
+    model.graph.node.append(twin)
+    model.graph.output.append(helper.make_tensor_value_info("y2_h", onnx.TensorProto.FLOAT, [DIRS, 1, HIDDEN]))
+    qmodel, output = _quantize(tmp_path, model)
+    kernels = [n for n in qmodel.graph.node if n.op_type == "DynamicQuantizeLSTM"]
+    assert len(kernels) == 2 and kernels[0].input[1:3] == kernels[1].input[1:3]
+    assert sum(t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 3 for t in qmodel.graph.initializer) == 2
+    assert "2 recurrent layer(s) with int8 weights" in output
+    assert min(_cosines(model, qmodel, np.random.default_rng(2))) > 0.9997

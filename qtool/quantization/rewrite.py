@@ -20,7 +20,7 @@ from qtool.table import qparams as qp
 from qtool.graph.index import names_read, node_label
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
-from qtool.quantization.weight_only import KERNELS, use_kernel_domain
+from qtool.quantization.weight_only import KERNELS, stored_once, use_kernel_domain
 
 # Names of the tensors the rewrite adds. evaluate's per-layer matching relies on them:
 # the DequantizeLinear output `<name>` + DQ_SUFFIX stands for fp32 tensor `<name>`.
@@ -154,6 +154,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
 
     quantized_nodes = set(plan.quantized_nodes)
     dynamic = {label: p for label, p in plan.dynamic.items() if label in quantized_nodes}
+    store_kernel_weights = stored_once(builder.quantized_constant)
     new_nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         # Every consumer of a quantized activation reads its DequantizeLinear output: a
@@ -168,7 +169,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         if node_label(node) in dynamic:
             weights = {name: numpy_helper.to_array(float_inits[name]) for name in dynamic[node_label(node)].weights}
             node = KERNELS[dynamic[node_label(node)].kernel](node, weights, per_channel, weight_qmax,
-                                                             builder.quantized_constant)
+                                                             store_kernel_weights)
         new_nodes.append(node)
         for output in node.output:
             if output in act_set and output not in graph_inputs:

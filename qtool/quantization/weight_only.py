@@ -55,6 +55,19 @@ def dynamic_lstm(node: onnx.NodeProto, weights: dict[str, np.ndarray], per_colum
 
 
 KERNELS = {"DynamicQuantizeLSTM": dynamic_lstm}
+KERNEL_SUFFIX = "_kernel"  # a weight also read by a QDQ layer keeps that layer's int8 copy apart
+
+
+def stored_once(store: StoreQuantized) -> StoreQuantized:
+    """`store` under the kernel's own names, once per weight: two LSTMs calling one module share
+    W and R, and their int8 copies (same layout, same scales) are one set of initializers."""
+    stored: dict[str, tuple[str, str, str]] = {}
+
+    def once(name: str, q: np.ndarray, scales: np.ndarray, zero: np.ndarray) -> tuple[str, str, str]:
+        if name not in stored:
+            stored[name] = store(name + KERNEL_SUFFIX, q, scales, zero)
+        return stored[name]
+    return once
 
 
 def use_kernel_domain(model: onnx.ModelProto) -> None:

@@ -5,7 +5,7 @@ pairs: its gates and state live inside the op.
 - LSTM on ort-cpu becomes com.microsoft DynamicQuantizeLSTM: W and R int8, symmetric, one scale
   per output gate column per direction; X and the hidden state are quantized to uint8 by the
   kernel itself at every step. It has no `layout` attribute, so a batch-first LSTM stays float;
-  qtool takes the default activations only (the kernel's gate math is checked for those).
+  qtool takes the default activations only (the form measured against fp32).
 - GRU: onnxruntime has no int8 GRU kernel (no DynamicQuantizeGRU; its contrib ops quantize
   LSTM, MatMul and Attention), and neither do TensorRT or LiteRT for a QDQ graph: a GRU stays
   float on every target, and the user is told so.
