@@ -40,6 +40,7 @@ class Target:
     per_channel: bool
     reduce_range: bool
     description: str
+    runtime: str  # who runs the model, as notes name it ("onnxruntime CPU has no int8 GRU kernel")
     # The code a symmetric activation range's amax maps to: 127 (scale amax/127, TensorRT), or
     # SYMMETRIC_HALF_GRID.
     symmetric_qmax: float = SYMMETRIC_HALF_GRID
@@ -52,12 +53,14 @@ class Target:
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("ort-cpu", "uint8", False, True, False,
-           "onnxruntime CPU: uint8 asymmetric activations, int8 symmetric per-channel weights (u8s8 kernels)"),
+           "onnxruntime CPU: uint8 asymmetric activations, int8 symmetric per-channel weights (u8s8 kernels)",
+           "onnxruntime CPU"),
     Target("tensorrt", "int8", True, True, False,
            "TensorRT explicit quantization: int8 symmetric activations (scale amax/127, zero point 0), "
-           "per-channel weights", symmetric_qmax=127.0),
+           "per-channel weights", "TensorRT", symmetric_qmax=127.0),
     Target("litert", "int8", False, True, False,
-           "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules"),
+           "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules",
+           "LiteRT"),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

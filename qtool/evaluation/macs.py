@@ -1,7 +1,8 @@
 """Multiply-accumulate counts per node, and how many of them a QDQ model runs in int8.
 
 Only the ops that dominate inference cost are counted (Conv, ConvTranspose, Gemm,
-MatMul); elementwise ops are noise beside them. Shapes come from ONNX shape inference,
+MatMul, and the recurrent LSTM, GRU and DynamicQuantizeLSTM, int8 by construction); elementwise
+ops are noise beside them. Shapes come from ONNX shape inference,
 optionally with the graph inputs pinned to a real batch's shapes so that dynamic
 spatial sizes (OCR widths, detector resolutions) resolve; a dimension that is still
 unknown counts as 1, so figures are per sample at the model's static shapes.
@@ -20,6 +21,8 @@ from qtool.graph.shapes import inferred
 from qtool.graph.index import GraphIndex, attribute, node_label
 
 COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+RECURRENT_OPS = ("LSTM", "GRU")
+INT8_RECURRENT = "DynamicQuantizeLSTM"  # com.microsoft: W and R int8 in [dirs, input, 4*hidden] layout
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,12 @@ def _macs(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int:
         return math.prod(out) * k
     if node.op_type == "MatMul" and out and shape(0):
         return math.prod(out) * shape(0)[-1]
+    if node.op_type in (*RECURRENT_OPS, INT8_RECURRENT) and shape(0) and weight and shape(2):
+        # every step of every direction: gates x (input + hidden) products; X is [steps, batch, input]
+        transposed = node.op_type == INT8_RECURRENT
+        gate_rows, recurrent = (weight[2], shape(2)[1]) if transposed else (weight[1], shape(2)[2])
+        inputs = weight[1] if transposed else weight[2]
+        return math.prod(shape(0)[:2]) * weight[0] * gate_rows * (inputs + recurrent)
     return 0
 
 
@@ -75,15 +84,18 @@ def sample_shapes(feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]
 
 
 def node_macs(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, int]:
-    """MACs of every Conv/ConvTranspose/Gemm/MatMul node, keyed by node name (or first output)."""
+    """MACs of every Conv/ConvTranspose/Gemm/MatMul/recurrent node, keyed by node name (or first output)."""
     shapes = tensor_shapes(model, input_shapes)
     return {node_label(n): _macs(n, shapes) for n in model.graph.node
-            if n.op_type in COUNTED_OPS and n.domain in ("", "ai.onnx")}
+            if (n.op_type in COUNTED_OPS + RECURRENT_OPS and n.domain in ("", "ai.onnx"))
+            or (n.op_type == INT8_RECURRENT and n.domain == "com.microsoft")}
 
 
 def _runs_int8(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> bool:
     """Activation (input 0) and weight (input 1) both come out of DequantizeLinear nodes:
-    the pattern onnxruntime and TensorRT fuse into an integer kernel."""
+    the pattern onnxruntime and TensorRT fuse into an integer kernel. DynamicQuantizeLSTM is one."""
+    if node.op_type == INT8_RECURRENT:
+        return True
     if len(node.input) < 2:
         return False
     return all(producers.get(name) is not None and producers[name].op_type == "DequantizeLinear"

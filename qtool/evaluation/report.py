@@ -123,7 +123,7 @@ def summary_rows(report: EvaluationReport) -> list[tuple[str, str, str, str]]:
                  f"{size['ratio']:.2f}x smaller"))
     macs = report.macs
     if macs:
-        rows.append(("MACs per sample (Conv, Gemm, MatMul)", f"{macs['total'] / 1e6:.1f} M",
+        rows.append(("MACs per sample (Conv, Gemm, MatMul, RNN)", f"{macs['total'] / 1e6:.1f} M",
                      f"{macs['int8'] / 1e6:.1f} M in int8", f"{_pct(macs['int8_fraction'])} in int8"))
     return rows
 

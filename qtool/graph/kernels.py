@@ -67,6 +67,8 @@ def kernel_summary(model_path: str | Path) -> str:
             f"{counts.quantized_convs} quantized Conv, {counts.float_convs} float Conv, {matmuls} integer "
             f"Gemm/MatMul, {ops.get('QuantizeLinear', 0)} QuantizeLinear, {ops.get('DequantizeLinear', 0)} "
             f"DequantizeLinear left")
+    if ops.get("DynamicQuantizeLSTM"):
+        text += f", {ops['DynamicQuantizeLSTM']} DynamicQuantizeLSTM (int8 weights)"
     if not counts.all_convs_integer:
         text += f" (warning: {counts.quantized_convs - counts.integer_convs} quantized Conv not fused)"
     return text

@@ -22,6 +22,7 @@ from qtool.graph.modelio import input_specs, load_model
 from qtool.graph.index import GraphIndex, attribute, body_reads, node_label
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
+from qtool.targets import TARGETS
 from qtool.prepare.equalize import equalize
 from qtool.prepare.graph_prep import per_channel_possible, prepare
 
@@ -42,6 +43,16 @@ class BiasPlan:
     node: str
 
 
+@dataclass(frozen=True)
+class DynamicPlan:
+    """A weight-only node: its constant weights are stored int8 and it becomes `kernel`, which
+    quantizes its activations itself at run time (no Q/DQ, no calibration)."""
+
+    node: str
+    kernel: str
+    weights: tuple[str, ...]
+
+
 @dataclass
 class QuantPlan:
     activations: list[str] = field(default_factory=list)  # Q/DQ per tensor, in graph order
@@ -56,9 +67,16 @@ class QuantPlan:
     constants: dict[str, str] = field(default_factory=dict)
     # tensor -> a real value its range must contain (a Pad's non-zero constant border)
     include_values: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)  # what preparing the graph did (opset converted or kept)
+    # what preparing the graph did (opset converted or kept), and why nodes an int8 kernel exists for
+    # elsewhere stay float
+    notes: list[str] = field(default_factory=list)
     # embedding tables stored int8 per row (weight-only) -> the Gather nodes reading them
     embeddings: dict[str, list[str]] = field(default_factory=dict)
+    dynamic: dict[str, DynamicPlan] = field(default_factory=dict)  # node -> its weight-only rewrite
+
+    def int8_weights(self) -> int:
+        """Weights stored int8: the QDQ layers' and the weight-only kernels'."""
+        return len(self.weights) + sum(len(d.weights) for d in self.dynamic.values())
 
     def group_of(self) -> dict[str, int]:
         return {t: i for i, group in enumerate(self.tie_groups) for t in group}
@@ -83,18 +101,23 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     for index, node in enumerate(model.graph.node):
         rule = rule_for(node.op_type, node.domain)
         label = node_label(node)
-        if (rule is None or _excluded(node, options) or (only is not None and label not in only) or label in keep_float
-                or (rule.applies and not rule.applies(node, ctx))):
+        if (rule is None or _excluded(node, options) or (only is not None and label not in only)
+                or label in keep_float):
             plan.float_nodes.append(f"{label} ({node.op_type})")
+            continue
+        note = _float_note(node, rule, ctx, options.target)
+        if note is not None or (rule.applies and not rule.applies(node, ctx)):
+            plan.float_nodes.append(f"{label} ({node.op_type})")
+            plan.notes.extend([note] if note else [])
             continue
         rules[index] = rule
 
-    # A Relu/Clip after a float op (no rule, excluded) runs in float with it: quantizing its input
-    # would only add a Q/DQ pair that no kernel absorbs (onnxruntime leaves DQ -> Q behind).
+    # A Relu/Clip after a float op (no rule, excluded, weight-only) runs in float with it: quantizing
+    # its input would only add a Q/DQ pair that no kernel absorbs (onnxruntime leaves DQ -> Q behind).
     nodes_list = list(model.graph.node)
     for index in [i for i, r in rules.items() if r.fusable_activation]:
         producer = ctx.producer.get(nodes_list[index].input[0])
-        if producer is not None and nodes_list.index(producer) not in rules:
+        if producer is not None and not _int8_output(nodes_list.index(producer), rules):
             node = nodes_list[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
@@ -135,6 +158,11 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     for index, node in enumerate(nodes):
         rule = rules.get(index)
         if rule is None:
+            continue
+        if rule.kernel:
+            label = node_label(node)
+            plan.dynamic[label] = DynamicPlan(label, rule.kernel, tuple(node.input[i] for i in rule.kernel_weights))
+            plan.quantized_nodes.append(label)
             continue
         inputs = [i for i in range(len(node.input))] if rule.activations is None else list(rule.activations)
         if rule.output == "tie":
@@ -204,7 +232,22 @@ def _row_gather(node: onnx.NodeProto, table: str, ctx: GraphIndex, options: Quan
 
 def _produced_by_quantized(name: str, ctx: GraphIndex, rules: dict[int, OpRule], nodes: list) -> bool:
     producer = ctx.producer.get(name)
-    return producer is not None and nodes.index(producer) in rules
+    return producer is not None and _int8_output(nodes.index(producer), rules)
+
+
+def _int8_output(index: int, rules: dict[int, OpRule]) -> bool:
+    """Whether the node's output gets int8 parameters: a weight-only op's output stays float."""
+    return index in rules and rules[index].kernel is None
+
+
+def _float_note(node, rule: OpRule, ctx: GraphIndex, target: str) -> Optional[str]:
+    """Why a node of an op that has (or lacks) a dedicated int8 kernel stays float; None if it does not."""
+    if rule.targets is not None and target not in rule.targets:
+        return f"{node.op_type} node '{node_label(node)}' kept float: {TARGETS[target].runtime} has no int8 " \
+               f"{node.op_type} kernel"
+    if rule.unsupported and rule.applies and not rule.applies(node, ctx):
+        return f"{node.op_type} node '{node_label(node)}' kept float: {rule.unsupported}"
+    return None
 
 
 def _plan_node(node, rule: OpRule, inputs: list[int], ctx: GraphIndex, plan: QuantPlan, want, fused,

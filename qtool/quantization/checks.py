@@ -18,7 +18,7 @@ from qtool.targets import weight_qmax
 def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
     """NaN/Inf in a weight, bias or embedding table has no int8 representation: the model itself is broken."""
     initializers = {t.name: t for t in model.graph.initializer}
-    for name in [*plan.weights, *plan.biases, *plan.embeddings]:
+    for name in [*plan.weights, *plan.biases, *plan.embeddings, *(w for d in plan.dynamic.values() for w in d.weights)]:
         values = numpy_helper.to_array(initializers[name])
         bad = int(values.size - np.count_nonzero(np.isfinite(values)))
         if bad:

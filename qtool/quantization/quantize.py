@@ -96,8 +96,9 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
             raise InternalError(f"the quantized model does not pass onnxruntime's run check: {failure.reason}"
                                 + (f" (after keeping {', '.join(kept)} in float)" if kept else ""))
         kept.append(found)
-        before = plan.quantized_nodes
+        before, notes_before = plan.quantized_nodes, plan.notes
         plan = build_plan(model, options, keep_float=kept)
+        plan.notes = notes_before  # what preparing the graph did, and the float notes: unchanged by keep_float
         along = [f"'{label}' ({_op_type(model, label)})" for label in before
                  if label != found and label not in plan.quantized_nodes]
         fixes.append(f"'{found}' ({_op_type(model, found)}) kept in float"

@@ -20,6 +20,7 @@ from qtool.table import qparams as qp
 from qtool.graph.index import names_read, node_label
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
+from qtool.quantization.weight_only import KERNELS, stored_once, use_kernel_domain
 from qtool.targets import SYMMETRIC_HALF_GRID
 
 # Names of the tensors the rewrite adds. evaluate's per-layer matching relies on them:
@@ -52,11 +53,14 @@ class _Builder:
                              name=name + "_DequantizeLinear"),
         ]
 
+    def quantized_constant(self, name: str, q: np.ndarray, scale: np.ndarray,
+                           zero: np.ndarray) -> tuple[str, str, str]:
+        return (self.add_init(q, name + WEIGHT_SUFFIX), self.add_init(scale, name + SCALE_SUFFIX),
+                self.add_init(zero, name + ZP_SUFFIX))
+
     def dequantized_constant(self, name: str, q: np.ndarray, scale: np.ndarray, zero: np.ndarray,
                              axis) -> str:
-        qname = self.add_init(q, name + WEIGHT_SUFFIX)
-        sname = self.add_init(scale, name + SCALE_SUFFIX)
-        zname = self.add_init(zero, name + ZP_SUFFIX)
+        qname, sname, zname = self.quantized_constant(name, q, scale, zero)
         attrs = {"axis": axis} if axis is not None else {}
         self.head.append(helper.make_node("DequantizeLinear", [qname, sname, zname], [name + DQ_SUFFIX],
                                           name=name + "_DequantizeLinear", **attrs))
@@ -156,6 +160,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                   for name in plan.embeddings}
 
     quantized_nodes = set(plan.quantized_nodes)
+    dynamic = {label: p for label, p in plan.dynamic.items() if label in quantized_nodes}
+    store_kernel_weights = stored_once(builder.quantized_constant)
     new_nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         if node.op_type == "Gather" and node.input[0] in row_scales:
@@ -173,11 +179,20 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                 node.input[i] = replace[name]
         if _needs_float_guard(node, quantized_nodes, act_set, float_inits):
             new_nodes.append(float_guard(node, builder.add_init))
+        if node_label(node) in dynamic:
+            weights = {name: numpy_helper.to_array(float_inits[name]) for name in dynamic[node_label(node)].weights}
+            node = KERNELS[dynamic[node_label(node)].kernel](node, weights, per_channel, weight_qmax,
+                                                             store_kernel_weights)
         new_nodes.append(node)
         for output in node.output:
             if output in act_set and output not in graph_inputs:
                 new_nodes.extend(builder.qdq_pair(output, params[output]))
 
+    if dynamic:
+        use_kernel_domain(out)
+        kernels = sorted({p.kernel for p in dynamic.values()})
+        notes.append(f"{len(dynamic)} recurrent layer(s) with int8 weights ({', '.join(kernels)}: weights int8 per "
+                     f"{'gate column' if per_channel else 'direction'}, activations quantized at run time)")
     used = {name for node in new_nodes + builder.head for name in names_read(node)}
     keep_inits = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]

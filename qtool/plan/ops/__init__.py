@@ -13,6 +13,12 @@ quantization parameters are:
 - "fixed": the output range is fixed by the op's math (Softmax/Sigmoid: [0, 1),
            Tanh: [-1, 1)), as the LiteRT int8 spec prescribes.
 
+A weight-only rule (`kernel`) is different: the op becomes a runtime kernel that takes int8
+weights and quantizes its activations itself while it runs (onnxruntime's DynamicQuantizeLSTM),
+so it gets no Q/DQ and no calibration; only its weights are planned. A rule may be limited to
+the targets whose runtime has such a kernel (`targets`); elsewhere the node stays float with a
+note that says so (a rule with no target at all only records why an op is never int8: GRU).
+
 An op type that has no rule stays in float; the planner puts DequantizeLinear /
 QuantizeLinear at its boundary only where its neighbours are quantized.
 """
@@ -52,6 +58,15 @@ class OpRule:
     # activation (Add's bias vector, HardSwish's "+ 3"): onnxruntime fuses DQ -> Add -> Q into
     # QLinearAdd only when every input comes from a DequantizeLinear.
     quantize_constants: bool = False
+    # Weight-only op: the runtime kernel it becomes (its domain's op type), and the indices of the
+    # constant weights stored int8 for it. `activations` is () for such a rule.
+    kernel: Optional[str] = None
+    kernel_weights: tuple[int, ...] = ()
+    # Targets whose runtime has a kernel for the op (None: every target). On another target, or
+    # where `applies` rejects the node, it stays float and the user is told why: `unsupported`
+    # says what the kernel cannot take.
+    targets: Optional[tuple[str, ...]] = None
+    unsupported: str = ""
 
 
 RULES: dict[str, OpRule] = {}
@@ -69,5 +84,5 @@ def rule_for(op_type: str, domain: str = "") -> Optional[OpRule]:
 
 
 # Importing the rule modules fills RULES.
-from qtool.plan.ops import (activations, conv, elementwise, gemm, matmul, pad, pooling, resize,  # noqa: E402,F401
-                       shape_ops, softmax)
+from qtool.plan.ops import (activations, conv, elementwise, gemm, matmul, pad, pooling, recurrent,  # noqa: E402,F401
+                       resize, shape_ops, softmax)
