@@ -3,9 +3,11 @@
 A graph is an NCHW trunk of random layers (Conv and ConvTranspose with random channels,
 groups, kernels, strides, dilations and asymmetric pads; pooling; activations; Add/Mul/
 Concat with earlier tensors; Transpose, Reshape, Unsqueeze/Squeeze, Softmax; an
-activation x activation MatMul), optionally followed by a 2-D head (Flatten, Gemm with
-random transB/alpha/beta, MatMul with a constant, Softmax). Every draw tracks shapes so
-the graph is valid by construction; the batch dimension is dynamic.
+activation x activation MatMul; an `If` on a data-dependent condition whose branches read the
+trunk from the outer scope; a second, int64 input of token ids whose embedding rows are added
+to the trunk), optionally followed by a 2-D head (Flatten, Gemm with random transB/alpha/beta,
+MatMul with a constant, Softmax). Every draw tracks shapes so the graph is valid by
+construction; the batch dimension is dynamic.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 TRUNK_OPS = ("Conv", "ConvTranspose", "Relu", "Clip", "Sigmoid", "MaxPool", "AveragePool", "Add", "Mul", "Concat",
              "Transpose", "Reshape", "Unsqueeze", "Softmax", "MatMulSelf", "SiLU", "Sub", "Tanh", "LeakyRelu",
-             "PRelu", "HardSigmoid", "HardSwish", "ReduceMean", "Resize", "Pad", "Gather", "Split")
+             "PRelu", "HardSigmoid", "HardSwish", "ReduceMean", "Resize", "Pad", "Gather", "Split", "If",
+             "IdsInput")
 HEAD_OPS = ("Gemm", "MatMul", "Relu", "Softmax", "Clip", "Add")
 # Softmax's int8 output has the fixed scale 1/256 (LiteRT spec): over a long axis every
 # probability is below one step, which is the spec's known limit, not something to fuzz.
@@ -29,6 +32,7 @@ SOFTMAX_MAX_AXIS = 32
 # channels' grid by up to this factor. 100 is too wide: the per-tensor activation of such a layer
 # then loses its small channels legitimately (ConvTranspose -> Tanh at 11% error).
 CHANNEL_SPREAD = 10.0
+VOCABULARY = 5  # token ids of the int64 input are drawn from range(VOCABULARY)
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Builder:
     inits: list = field(default_factory=list)
     shapes: dict = field(default_factory=dict)  # tensor -> per-sample shape (without batch)
     count: int = 0
+    ids: tuple = ()  # per-sample shape of the int64 input `ids`, once a layer reads it
 
     def name(self, prefix: str) -> str:
         self.count += 1
@@ -125,8 +130,8 @@ def _same_shape_partner(draw, b: Builder, x: str) -> str | None:
 
 
 @st.composite
-def _trunk_layer(draw, b: Builder, x: str) -> str:
-    op = draw(st.sampled_from(TRUNK_OPS))
+def _trunk_layer(draw, b: Builder, x: str, ops: tuple = TRUNK_OPS) -> str:
+    op = draw(st.sampled_from(ops))
     c, h, w = b.shapes[x]
     if op in ("Conv", "ConvTranspose"):
         return draw(_conv(b, x, op == "ConvTranspose"))
@@ -167,6 +172,22 @@ def _trunk_layer(draw, b: Builder, x: str) -> str:
             inputs.append(b.const(np.array(value, np.float32)))
         padded = b.node("Pad", inputs, (c, h + 2, w + 2), mode=mode)
         return b.node("MaxPool", [padded], (c, h, w), kernel_shape=[3, 3])
+    if op == "If":  # a data-dependent branch: Relu or Sigmoid of the outer-scope trunk
+        cond = b.node("Greater", [b.node("ReduceMean", [x], (), keepdims=0), b.const(np.array(0.0, np.float32))], ())
+        branches = {}
+        for attr, body_op in (("then_branch", "Relu"), ("else_branch", "Sigmoid")):
+            out = b.name(body_op.lower() + "_in_if_")
+            branches[attr] = helper.make_graph([helper.make_node(body_op, [x], [out], name=out + "_node")], attr, [],
+                                               [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+        return b.node("If", [cond], (c, h, w), **branches)
+    if op == "IdsInput":  # embedding rows of int64 token ids [N, c], one row of width w per channel
+        if b.ids:
+            return x
+        b.ids = (c,)
+        table = b.const(b.rng.normal(0, 0.5, (VOCABULARY, w)).astype(np.float32), "table")
+        rows = b.node("Gather", [table, "ids"], (c, w), axis=0)
+        return b.node("Add", [x, b.node("Unsqueeze", [rows, b.const(np.array([2], np.int64))], (c, 1, w))],
+                      (c, h, w))
     if op == "Gather":  # channels in a random order
         order = b.rng.permutation(c).astype(np.int64)
         return b.node("Gather", [x, b.const(order)], (c, h, w), axis=1)
@@ -238,14 +259,15 @@ def _head_layer(draw, b: Builder, x: str) -> str:
 
 
 @st.composite
-def random_model(draw) -> tuple[onnx.ModelProto, tuple[int, int, int]]:
-    """A random valid model with input `x` [N, C, H, W] and output `y`; returns it and (C, H, W)."""
+def random_model(draw, trunk_ops: tuple = TRUNK_OPS) -> tuple[onnx.ModelProto, tuple[int, int, int]]:
+    """A random valid model with input `x` [N, C, H, W] (and int64 `ids` [N, C] when a layer reads
+    token ids) and one output, its trunk drawn from `trunk_ops`; returns it and (C, H, W)."""
     b = Builder(np.random.default_rng(draw(st.integers(0, 2**32 - 1))))
     shape = (draw(st.integers(1, 6)), draw(st.integers(3, 10)), draw(st.integers(3, 10)))
     b.shapes["x"] = shape
     current = "x"
     for _ in range(draw(st.integers(1, 5))):
-        current = draw(_trunk_layer(b, current))
+        current = draw(_trunk_layer(b, current, trunk_ops))
     if draw(st.booleans()):
         if draw(st.booleans()):
             current = b.node("GlobalAveragePool", [current], (b.shapes[current][0], 1, 1))
@@ -255,7 +277,10 @@ def random_model(draw) -> tuple[onnx.ModelProto, tuple[int, int, int]]:
             current = draw(_head_layer(b, current))
     if current == "x":
         current = b.node("Relu", ["x"], shape)
-    graph = helper.make_graph(b.nodes, "fuzz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape])],
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape])]
+    if b.ids:
+        inputs.append(helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", *b.ids]))
+    graph = helper.make_graph(b.nodes, "fuzz", inputs,
                               [helper.make_tensor_value_info(current, TensorProto.FLOAT, ["N", *b.shapes[current]])],
                               b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -20,7 +20,7 @@ from onnx import numpy_helper
 
 from qtool.cli import main
 from qtool.plan.ops import RULES
-from tests.fuzz_graphs import HEAD_OPS, TRUNK_OPS, random_model
+from tests.fuzz_graphs import HEAD_OPS, TRUNK_OPS, VOCABULARY, random_model
 
 EXAMPLES = int(os.environ.get("QTOOL_FUZZ_EXAMPLES", "40"))
 # Relative L2 error of the int8 output against fp32 on the calibration samples. Measured over
@@ -87,16 +87,36 @@ def _assert_integer_contract(model: onnx.ModelProto, quantized: onnx.ModelProto)
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(random_model())
 def test_random_graphs_quantize(drawn):
-    model, (c, h, w) = drawn
+    _quantizes_close_to_fp32(*drawn)
+
+
+# Drawn often enough to be sure they are in the graphs CI runs: an If whose branches read the trunk
+# from the outer scope (it stays float; the ops around it are quantized), and int64 token ids.
+CONTROL_FLOW_AND_IDS = ("If", "IdsInput", "Conv", "Relu", "Add", "Mul", "Softmax")
+
+
+@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=not os.environ.get("QTOOL_FUZZ_RANDOM"),
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(random_model(CONTROL_FLOW_AND_IDS))
+def test_random_graphs_with_if_and_token_ids_quantize(drawn):
+    _quantizes_close_to_fp32(*drawn)
+
+
+def _quantizes_close_to_fp32(model: onnx.ModelProto, shape: tuple[int, int, int]) -> None:
+    c, h, w = shape
     onnx.checker.check_model(model, full_check=True)
     rng = np.random.default_rng(0)
-    samples = [rng.normal(0, 1, (1, c, h, w)).astype(np.float32) for _ in range(6)]
+    ids = next((i for i in model.graph.input if i.name == "ids"), None)
+    samples = [{"x": rng.normal(0, 1, (1, c, h, w)).astype(np.float32)} for _ in range(6)]
+    if ids is not None:  # token ids [1, C], a different draw per sample
+        for sample in samples:
+            sample["ids"] = rng.integers(0, VOCABULARY, (1, ids.type.tensor_type.shape.dim[1].dim_value), np.int64)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         onnx.save(model, str(tmp / "m.onnx"))
         (tmp / "data").mkdir()
-        for i, x in enumerate(samples):
-            np.save(tmp / "data" / f"{i}.npy", x)
+        for i, sample in enumerate(samples):
+            np.savez(tmp / "data" / f"{i}.npz", **sample)
         result = CliRunner().invoke(main, ["quantize", str(tmp / "m.onnx"), "--data", str(tmp / "data"),
                                            "--batch-size", "4", "-o", str(tmp / "q.onnx")])
         assert result.exit_code == 0, result.output + result.stderr
@@ -105,9 +125,9 @@ def test_random_graphs_quantize(drawn):
         _assert_integer_contract(model, quantized)
         fp32 = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         int8 = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"])
-        batch = np.concatenate(samples)
-        ref = fp32.run(None, {"x": batch})[0].astype(np.float64)
-        got = int8.run(None, {"x": batch})[0].astype(np.float64)
+        batch = {name: np.concatenate([sample[name] for sample in samples]) for name in samples[0]}
+        ref = fp32.run(None, batch)[0].astype(np.float64)
+        got = int8.run(None, batch)[0].astype(np.float64)
     assert got.shape == ref.shape and np.all(np.isfinite(got))
     error = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-6)
     assert error <= MAX_RELATIVE_ERROR, f"relative error {error:.3f}; nodes: {[n.op_type for n in model.graph.node]}"

@@ -1,0 +1,96 @@
+"""Every model of the bench kit through the plain command, evaluated on samples it was not calibrated on.
+
+    python benchmarks/kit.py [--kit ../shared/bench] [--out DIR]
+
+For each model in KIT/models: `qtool quantize MODEL --data KIT/inputs/<model>/calib -o out.onnx`
+with no other flag (EfficientNet-Lite0: the kit's calibration photos and its config), then
+`qtool evaluate` on KIT/inputs/<model>/eval where the kit has one, else on every fourth
+calibration file held back from calibration (then calibration uses the other three quarters).
+Prints a markdown table: exit codes, int8 weights, the worst output's cosine, speedup and size
+as `qtool evaluate --json` reports them (1 thread; the machine's load is printed with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _qtool(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], env=env, capture_output=True, text=True)
+
+
+def _split(calib: Path, work: Path) -> tuple[Path, Path]:
+    """Every fourth file held back: (calibration folder, held-back folder), as symlinks."""
+    kept, held = work / "calib", work / "held"
+    kept.mkdir()
+    held.mkdir()
+    for i, sample in enumerate(sorted(calib.iterdir())):
+        (held if i % 4 == 3 else kept).joinpath(sample.name).symlink_to(sample)
+    return kept, held
+
+
+def run(kit: Path, out: Path) -> list[dict]:
+    rows = []
+    for model in sorted((kit / "models").glob("*.onnx")):
+        name, work = model.stem, out / model.stem
+        work.mkdir(parents=True, exist_ok=True)
+        int8, report = work / "int8.onnx", work / "report.json"
+        if name == "efficientnet_lite0_dyn":
+            config = ROOT / "configs" / "efficientnet_lite0.yaml"
+            quant = _qtool("quantize", model, "--data", kit / "data" / "calib" / "images", "--config", config,
+                           "-o", int8)
+            evaluated = _qtool("evaluate", model, int8, "--data", kit / "data" / "imagenet_dev" / "images",
+                               "--labels", kit / "data" / "imagenet_dev" / "labels.tsv", "--config", config,
+                               "--num-samples", 64, "--json", report)
+            held_out = "64 dev photos"
+        else:
+            calib, held = kit / "inputs" / name / "calib", kit / "inputs" / name / "eval"
+            held_out = "eval/"
+            if not held.is_dir():
+                calib, held = _split(calib, work)
+                held_out = "1/4 of calib, held back"
+            quant = _qtool("quantize", model, "--data", calib, "-o", int8)
+            evaluated = _qtool("evaluate", model, int8, "--data", held, "--json", report)
+        weights = re.search(r"(\d+) int8 weights", quant.stdout + quant.stderr)
+        row = {"model": name, "quantize": quant.returncode, "evaluate": evaluated.returncode,
+               "int8_weights": int(weights.group(1)) if weights else 0, "held_out": held_out}
+        if evaluated.returncode == 0:
+            figures = json.loads(report.read_text())
+            row["worst_cosine"] = min(o["cosine"] for o in figures["outputs"].values())
+            row["speedup"] = figures["latency"].get("speedup")
+            row["size_ratio"] = figures["size"].get("ratio")
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run(args.kit, args.out or Path(tmp))
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    print("| model | quantize / evaluate exit | int8 weights | evaluated on | worst output cosine | speedup | smaller |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        cos = f"{r['worst_cosine']:.4f}" if "worst_cosine" in r else "-"
+        speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        size = f"{r['size_ratio']:.2f}x" if r.get("size_ratio") else "-"
+        print(f"| {r['model']} | {r['quantize']} / {r['evaluate']} | {r['int8_weights']} | {r['held_out']} "
+              f"| {cos} | {speed} | {size} |")
+
+
+if __name__ == "__main__":
+    main()
