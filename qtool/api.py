@@ -140,7 +140,8 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
     else:
         graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data)
     plan = graph.plan
-    return QuantizeResult(graph.model, table, tuple(graph.notes), len(plan.quantized_nodes), len(plan.weights),
+    return QuantizeResult(graph.model, table, tuple(graph.notes), len(plan.quantized_nodes),
+                          len(plan.weights) + len(plan.dynamic),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
                           outcome)
 
