@@ -24,7 +24,7 @@ from qtool.plan.dynamic import matmul_strategy, weighted_matmul
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.prepare.equalize import equalize
-from qtool.prepare.graph_prep import per_channel_possible, prepare
+from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare
 
 
 @dataclass(frozen=True)
@@ -289,13 +289,15 @@ def _merge_groups(groups: list[list[str]]) -> list[list[str]]:
 
 
 def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
-    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel)
+    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False)
     model = prepared.model
+    strategy, chosen = matmul_strategy(model, GraphIndex(model), options)
+    if strategy == "static":  # Mul has integer kernels, Div none; dynamic quantizes neither and keeps Gelu's Div
+        divisions_to_multiplications(model)
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
-    chosen = matmul_strategy(model, GraphIndex(model), options)[1]
     if chosen:
         plan.notes.append(chosen)
     _check_something_to_quantize(model, plan, model_path)
