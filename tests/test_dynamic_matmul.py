@@ -14,6 +14,7 @@ from onnx import helper
 from qtool import api
 from qtool.cli import main
 from qtool.config import Config, QuantizeConfig, load_config
+from qtool.evaluation.macs import int8_macs
 from tests import graphs
 
 T, D = 8, 16
@@ -83,6 +84,8 @@ def test_dynamic_quantizes_weighted_matmuls_and_keeps_the_rest_float(tmp_path):
     assert list(inits["wq_scale"].dims) == [D]  # per output column
     assert result.int8_weights == 3 and result.activations == 0
     assert _cosine_to_fp32(path, result.model, data) > 0.999
+    macs = int8_macs(result.model)  # the projections are int8, the attention MatMuls float
+    assert macs.int8_nodes == 3 and macs.counted_nodes == 5 and macs.int8 == 3 * T * D * D
 
 
 def test_dynamic_beats_static_on_an_outlier_channel(tmp_path):
@@ -150,3 +153,21 @@ def test_matmul_option_parses():
         QuantizeConfig(matmul="int16")
     result = CliRunner().invoke(main, ["quantize", "m.onnx", "--data", "d", "--matmul", "float", "-o", "o.onnx"])
     assert result.exit_code == 2 and "--matmul" in result.stderr
+
+
+def test_float_fallback_restores_a_dynamic_matmul(tmp_path):
+    from qtool.plan.planner import prepared_model
+    from qtool.quantization.float_fallback import restorable_layers, restore_float
+
+    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
+    prepared, _ = prepared_model(path, QuantizeConfig(matmul="dynamic"))
+    layers = restorable_layers(result.model, prepared)
+    assert sorted(layers) == ["k", "o", "q"]
+    mixed = restore_float(result.model, prepared, [layers["q"], layers["k"], layers["o"]])
+    onnx.checker.check_model(mixed, full_check=True)
+    ops = Counter(n.op_type for n in mixed.graph.node)
+    assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == ops["Cast"] == 0 and ops["MatMul"] == 5
+    assert _cosine_to_fp32(path, mixed, data) > 0.999999
+    partial = restore_float(result.model, prepared, [layers["k"]])  # h's DynamicQuantizeLinear stays for q
+    ops = Counter(n.op_type for n in partial.graph.node)
+    assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 2

@@ -19,7 +19,7 @@ import onnx
 from qtool.graph.shapes import inferred
 from qtool.graph.index import GraphIndex, attribute, node_label
 
-COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul", "MatMulInteger")  # MatMulInteger: dynamic int8 MatMul
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def _macs(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int:
         a = shape(0)
         k = a[0] if attribute(node, "transA", 0) else a[-1]
         return math.prod(out) * k
-    if node.op_type == "MatMul" and out and shape(0):
+    if node.op_type in ("MatMul", "MatMulInteger") and out and shape(0):
         return math.prod(out) * shape(0)[-1]
     return 0
 
@@ -83,7 +83,9 @@ def node_macs(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequen
 
 def _runs_int8(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> bool:
     """Activation (input 0) and weight (input 1) both come out of DequantizeLinear nodes:
-    the pattern onnxruntime and TensorRT fuse into an integer kernel."""
+    the pattern onnxruntime and TensorRT fuse into an integer kernel. A MatMulInteger is int8 itself."""
+    if node.op_type == "MatMulInteger":
+        return True
     if len(node.input) < 2:
         return False
     return all(producers.get(name) is not None and producers[name].op_type == "DequantizeLinear"

@@ -25,6 +25,13 @@ from qtool.table import qparams as qp
 DYNAMIC_SUFFIX = "_dynamic"
 
 
+def inner_tensors(label: str) -> tuple[str, str, str, str]:
+    """The tensors the rewrite of node `label` makes between its input and its output (scales,
+    int32 product, product as float, rescaled product before a Gemm's bias); the float fallback
+    finds a rewritten layer's nodes by them."""
+    return label + "_scales", label + "_int32", label + "_int32_float", label + "_product"
+
+
 class DynamicMatMuls:
     """Rewrites planned nodes one by one, in graph order; `add_init(array, name)` stores a constant."""
 
@@ -46,9 +53,9 @@ class DynamicMatMuls:
                                           name=data + DYNAMIC_SUFFIX + "_DynamicQuantizeLinear"))
         codes, scale, zero = self.activations[data]
         w_codes, w_scale, w_zero = self._weight(node, weight)
-        scales, product, as_float = label + "_scales", label + "_int32", label + "_int32_float"
+        scales, product, as_float, result = inner_tensors(label)
         gemm_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
-        result = label + "_product" if gemm_bias else node.output[0]
+        result = result if gemm_bias else node.output[0]
         nodes += [
             helper.make_node("Mul", [scale, w_scale], [scales], name=label + "_scales"),
             helper.make_node("MatMulInteger", [codes, w_codes, zero, w_zero], [product], name=label),
