@@ -223,6 +223,10 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--embeddings", type=click.Choice(["auto", "int8", "float"]),
               help="Embedding tables read by Gather: int8 per row, weight-only (auto, the default: tables of "
                    "1 MiB or more with target ort-cpu), or float.")
+@click.option("--matmul", type=click.Choice(["auto", "static", "dynamic"]),
+              help="MatMul/Gemm with a constant weight: static int8 (calibrated Q/DQ), or dynamic (int8 weights, "
+                   "activations quantized at run time, every other node float); auto, the default: dynamic for "
+                   "transformers (LayerNormalization or attention, no Conv) with target ort-cpu.")
 @click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")
 @click.option("--labels", type=str, help="Labels of --eval-data ('filename<TAB>class_index' file, or 'folders').")
 @click.option("--target-agreement", type=click.FloatRange(0, 100),
@@ -238,7 +242,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes,
              save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
-             embeddings, eval_data, labels, target_agreement, target_top1_drop, target_sqnr, max_float_layers,
+             embeddings, matmul, eval_data, labels, target_agreement, target_top1_drop, target_sqnr, max_float_layers,
              min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
@@ -249,7 +253,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
                          workers, dask, target, reduce_range, exclude_op_types, exclude_nodes)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
-                     weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings)
+                     weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings,
+                     matmul=matmul)
     cfg = replace(cfg, quantization=quant)
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "

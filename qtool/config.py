@@ -30,6 +30,8 @@ BIAS_CORRECTIONS = ("auto", "off", "fast")  # auto: fast when calibration data i
 WEIGHT_ROUNDINGS = ("auto", "nearest", "adaptive")  # auto: adaptive when calibration data is at hand
 EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUTO_BYTES or more (ort-cpu)
 EMBEDDING_AUTO_BYTES = 1 << 20
+# auto: dynamic for transformer graphs (qtool.plan.dynamic), static otherwise
+MATMUL_STRATEGIES = ("auto", "static", "dynamic")
 ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 
 
@@ -121,6 +123,9 @@ class QuantizeConfig:
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
     # Embedding tables read by Gather: int8 per row, weight-only (the rows are dequantized after the Gather)
     embeddings: str = "auto"
+    # MatMul/Gemm with a constant weight: static (Q/DQ from calibrated ranges) or dynamic (int8 weight,
+    # activation quantized at run time, every other node float); auto: dynamic for transformers
+    matmul: str = "auto"
 
     def __post_init__(self):
         _one_of("target", self.target, tuple(TARGETS))
@@ -136,6 +141,7 @@ class QuantizeConfig:
         _one_of("bias_correction", self.bias_correction, BIAS_CORRECTIONS)
         _one_of("weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
         _one_of("embeddings", self.embeddings, EMBEDDINGS)
+        _one_of("matmul", self.matmul, MATMUL_STRATEGIES)
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
 

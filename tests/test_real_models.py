@@ -72,7 +72,8 @@ SPECS = {
     "silero_vad_16k_op15.onnx": Spec({
         "speech probability mean abs error <= 0.05": lambda r: _out("output", "mean_abs_error")(r) <= 0.05,
         "state cosine >= 0.90": lambda r: _out("stateN", "cosine")(r) >= 0.90}),
-    # GRU decoder step (unrolled cells, attention): measured agreement 16/16, KL 0.00054, hidden cosine 0.9999
+    # GRU decoder step (unrolled cells, attention): `auto` quantizes its Gemms dynamically (attention, no
+    # Conv): measured agreement 16/16, KL 0.00004, hidden cosine 0.99999 (static: KL 0.00054, 0.9999)
     "arabic_name_romanizer_decoder.onnx": Spec({
         "agreement >= 14/16": lambda r: _cls("agreement")(r) >= 0.875,
         "hidden state cosine >= 0.99": lambda r: _out("hidden_out", "cosine")(r) >= 0.99}),
@@ -82,15 +83,21 @@ SPECS = {
     "arabic_name_romanizer_encoder.onnx": Spec({
         "memory cosine >= 0.999": lambda r: _out("memory_out", "cosine")(r) >= 0.999,
         "hidden state cosine >= 0.999": lambda r: _out("hidden_out", "cosine")(r) >= 0.999}),
-    # BERT, int64 ids/mask/types, a different sequence length on every sample. Measured cosine 0.825
-    # embedding, 0.755 token states (onnxruntime 0.832, 0.759): per-tensor ranges of the residual
-    # stream are set by outlier channels (layer 0's FFN output reaches 195). The word table stored int8
-    # per row takes the file from 58.7 to 23.6 MB (fp32 90.3 MB); the floors catch a collapse only.
+    # BERT, int64 ids/mask/types, a different sequence length on every sample. `auto` quantizes its
+    # MatMuls dynamically (LayerNormalization and attention, no Conv): measured cosine 0.9935 embedding,
+    # 0.9912 token states (onnxruntime quantize_dynamic per-channel 0.993/0.991 on the kit's eval set,
+    # per-tensor 0.962/0.957). Static int8 (--matmul static) measured 0.825/0.755: the residual stream's
+    # outlier channels (layer 0's FFN output reaches 195) set its per-tensor ranges. The word table
+    # stored int8 per row takes the file from 58.7 to 23.6 MB (fp32 90.3 MB).
     "minilm_l6_v2_sentence.onnx": Spec({
-        "embedding cosine >= 0.75": lambda r: _out("sentence_embedding", "cosine")(r) >= 0.75,
-        "token states cosine >= 0.68": lambda r: _out("last_hidden_state", "cosine")(r) >= 0.68,
+        "embedding cosine >= 0.985": lambda r: _out("sentence_embedding", "cosine")(r) >= 0.985,
+        "token states cosine >= 0.98": lambda r: _out("last_hidden_state", "cosine")(r) >= 0.98,
         "int8 file <= 30 MB (word embeddings int8)": lambda r: r["size"]["int8_bytes"] <= 30e6}),
 }
+
+
+# static Q/DQ, or the dynamic MatMul strategy `auto` picks for attention/LayerNorm graphs on ort-cpu
+QUANTIZERS = ("QuantizeLinear", "DynamicQuantizeLinear")
 
 
 def _invoke(*args) -> None:
@@ -132,7 +139,7 @@ def test_real_model_end_to_end(name, tmp_path):
     _invoke("quantize", model, "--table", table, "-o", int8)
     quantized = onnx.load(str(int8))
     onnx.checker.check_model(quantized, full_check=True)
-    assert sum(n.op_type == "QuantizeLinear" for n in quantized.graph.node) > 0
+    assert sum(n.op_type in QUANTIZERS for n in quantized.graph.node) > 0
     _invoke("evaluate", model, int8, *evaluation, "--runs", 1, "--json", report_path)
     report = json.loads(report_path.read_text())
     assert report["data"]["samples"] == (32 if spec.images else 16)
@@ -168,7 +175,7 @@ def test_every_kit_model_quantizes_with_each_preset_and_runs(name, target, tmp_p
     assert "does not satisfy" not in result.stderr
     quantized = onnx.load(str(int8))
     assert target_problems(quantized, QuantizeConfig(target=target)) == []
-    assert sum(n.op_type == "QuantizeLinear" for n in quantized.graph.node) > 0
+    assert sum(n.op_type in QUANTIZERS for n in quantized.graph.node) > 0
     from qtool.config import load_config
     preprocess = load_config(EFFNET_CONFIG).preprocess if spec.images else load_config(None).preprocess
     batch = next(batches(open_data(data, input_specs(quantized), preprocess), 1, 1))

@@ -40,14 +40,16 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 
 
 def _quantize_settings(options: QuantizeConfig) -> dict:
-    """The quantization options; keep_opset and `embeddings` (it never changes the table: embedding
-    tables are weights) only where they differ from the default, so tables of default settings keep
-    their bytes."""
+    """The quantization options; keep_opset, `embeddings` (it never changes the table: embedding
+    tables are weights) and `matmul` only where they differ from the default, so tables of default
+    settings keep their bytes."""
     settings = asdict(options)
     if not options.keep_opset:
         del settings["keep_opset"]
     if options.embeddings == QuantizeConfig.embeddings:
         del settings["embeddings"]
+    if options.matmul == QuantizeConfig.matmul:
+        del settings["matmul"]
     return settings
 
 

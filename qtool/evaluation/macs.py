@@ -20,7 +20,7 @@ import onnx
 from qtool.graph.shapes import inferred
 from qtool.graph.index import GraphIndex, attribute, node_label
 
-COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul", "MatMulInteger")  # MatMulInteger: dynamic int8 MatMul
 RECURRENT_OPS = ("LSTM", "GRU")
 INT8_RECURRENT = "DynamicQuantizeLSTM"  # com.microsoft: W and R int8 in [dirs, input, 4*hidden] layout
 
@@ -67,7 +67,7 @@ def _macs(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int:
         a = shape(0)
         k = a[0] if attribute(node, "transA", 0) else a[-1]
         return math.prod(out) * k
-    if node.op_type == "MatMul" and out and shape(0):
+    if node.op_type in ("MatMul", "MatMulInteger") and out and shape(0):
         return math.prod(out) * shape(0)[-1]
     if node.op_type in (*RECURRENT_OPS, INT8_RECURRENT) and shape(0) and weight and shape(2):
         # every step of every direction: gates x (input + hidden) products; X is [steps, batch, input]
@@ -93,8 +93,9 @@ def node_macs(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequen
 
 def _runs_int8(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> bool:
     """Activation (input 0) and weight (input 1) both come out of DequantizeLinear nodes:
-    the pattern onnxruntime and TensorRT fuse into an integer kernel. DynamicQuantizeLSTM is one."""
-    if node.op_type == INT8_RECURRENT:
+    the pattern onnxruntime and TensorRT fuse into an integer kernel. DynamicQuantizeLSTM and
+    MatMulInteger (a dynamic int8 MatMul) are int8 themselves."""
+    if node.op_type in (INT8_RECURRENT, "MatMulInteger"):
         return True
     if len(node.input) < 2:
         return False

@@ -20,11 +20,12 @@ from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs, load_model
 from qtool.graph.index import GraphIndex, attribute, body_reads, node_label
+from qtool.plan.dynamic import matmul_strategy, weighted_matmul
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.targets import TARGETS
 from qtool.prepare.equalize import equalize
-from qtool.prepare.graph_prep import per_channel_possible, prepare
+from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,10 @@ class QuantPlan:
     dynamic: dict[str, DynamicPlan] = field(default_factory=dict)  # node -> its weight-only rewrite
 
     def int8_weights(self) -> int:
-        """Weights stored int8: the QDQ layers' and the weight-only kernels'."""
-        return len(self.weights) + sum(len(d.weights) for d in self.dynamic.values())
+        """Weights stored int8: the QDQ layers', the weight-only kernels' and the dynamic MatMuls'."""
+        return len(self.weights) + sum(len(d.weights) for d in self.dynamic.values()) + len(self.dynamic_matmuls)
+    # MatMul/Gemm run with dynamic int8 activations (qtool.plan.dynamic); every other node is float
+    dynamic_matmuls: list[str] = field(default_factory=list)
 
     def group_of(self) -> dict[str, int]:
         return {t: i for i, group in enumerate(self.tie_groups) for t in group}
@@ -95,6 +98,8 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     `keep_float`: nodes (same labels) treated as excluded, those whose int8 form onnxruntime
     cannot run (qtool.quantization.run_check)."""
     ctx = GraphIndex(model)
+    if matmul_strategy(model, ctx, options)[0] == "dynamic":
+        return _dynamic_plan(model, ctx, options, only, keep_float)
     plan = QuantPlan()
     per_channel = per_channel_possible(model)  # an opset < 13 the converter could not (or may not) lift
     rules: dict[int, OpRule] = {}
@@ -194,6 +199,22 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
 
     plan.activations = ordered
     plan.tie_groups = _merge_groups(ties)
+    plan.embeddings = _embedding_tables(model, ctx, options, only)
+    return plan
+
+
+def _dynamic_plan(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig,
+                  only: Optional[Collection[str]], keep_float: Collection[str]) -> QuantPlan:
+    """The weighted MatMul/Gemm quantized dynamically, every other node float (no Q/DQ, no ranges)."""
+    plan = QuantPlan()
+    for node in model.graph.node:
+        label = node_label(node)
+        if (weighted_matmul(node, ctx) and not _excluded(node, options) and (only is None or label in only)
+                and label not in keep_float):
+            plan.dynamic_matmuls.append(label)
+            plan.quantized_nodes.append(label)
+        else:
+            plan.float_nodes.append(f"{label} ({node.op_type})")
     plan.embeddings = _embedding_tables(model, ctx, options, only)
     return plan
 
@@ -311,12 +332,17 @@ def _merge_groups(groups: list[list[str]]) -> list[list[str]]:
 
 
 def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
-    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel)
+    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False)
     model = prepared.model
+    strategy, chosen = matmul_strategy(model, GraphIndex(model), options)
+    if strategy == "static":  # Mul has integer kernels, Div none; dynamic quantizes neither and keeps Gelu's Div
+        divisions_to_multiplications(model)
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
+    if chosen:
+        plan.notes.append(chosen)
     _check_something_to_quantize(model, plan, model_path)
     return model, plan
 
@@ -325,7 +351,8 @@ def _check_something_to_quantize(model: onnx.ModelProto, plan: QuantPlan, path: 
     """A model with integer inputs only (token ids, masks) is quantized in its float part; one that
     has none is refused rather than copied. A float model with every node excluded stays legal."""
     specs = input_specs(model)
-    if any(s.dtype.kind == "f" for s in specs) or plan.activations or plan.weights or plan.embeddings:
+    if (any(s.dtype.kind == "f" for s in specs) or plan.activations or plan.weights or plan.embeddings
+            or plan.dynamic or plan.dynamic_matmuls):
         return
     found = ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
     raise QtoolError(f"nothing to quantize: the model has no float input and no float tensor reaches an op "

@@ -12,7 +12,9 @@ kept and only the chosen layers change:
 
 The layer reads the same dequantized input and its output is quantized as before for
 its int8 consumers, so every other layer computes exactly as in the int8 model; the
-weight and bias are the prepared fp32 graph's own. The Max is the identity guard of
+weight and bias are the prepared fp32 graph's own. A dynamic int8 MatMul/Gemm
+(qtool.quantization.dynamic_matmul) becomes its fp32 node again, and its
+DynamicQuantizeLinear goes when no other layer reads it. The Max is the identity guard of
 qtool.rewrite.float_guard: without it onnxruntime's WeightBiasQuantization would
 quantize the float weight again behind our back.
 """
@@ -27,6 +29,7 @@ from onnx import numpy_helper
 
 from qtool.graph.index import GraphIndex, names_read, node_label
 from qtool.plan.ops import rule_for
+from qtool.quantization.dynamic_matmul import inner_tensors
 from qtool.quantization.rewrite import float_guard
 
 FLOAT_SUFFIX = "_fp32"
@@ -54,6 +57,10 @@ def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dic
         rule = rule_for(node.op_type, node.domain)
         label = node_label(node)
         source = fp32_nodes.get(label)
+        if node.op_type == "MatMulInteger" and source is not None and source.op_type in ("MatMul", "Gemm"):
+            if len(source.input) > 1 and source.input[1] in fp32_inits:  # a dynamic int8 MatMul/Gemm
+                found[label] = Restorable(label, ((1, source.input[1]),))
+            continue
         if rule is None or rule.weight is None or source is None or source.op_type != node.op_type:
             continue
         slots = []
@@ -89,9 +96,20 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
         added.append(numpy_helper.from_array(array, name))
         return name
 
+    fp32_nodes = {node_label(n): n for n in prepared.graph.node}
+    q_ops = {node_label(n): n.op_type for n in graph.node}
+    dynamic = {label: fp32_nodes[label] for label in by_label if q_ops.get(label) == "MatMulInteger"}
+    replaced = {name for label, source in dynamic.items() for name in (*inner_tensors(label), *source.output)}
     nodes = []
     for node in graph.node:
-        layer = by_label.get(node_label(node))
+        label = node_label(node)
+        if label in dynamic and node.op_type == "MatMulInteger":
+            # the DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul group back to the fp32 node
+            node = onnx.NodeProto()
+            node.CopyFrom(dynamic[label])
+        elif any(o in replaced for o in node.output):
+            continue
+        layer = by_label.get(label)
         if layer is not None:
             for index, fp32_name in layer.slots:
                 name = fp32_name + FLOAT_SUFFIX
@@ -114,11 +132,12 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
 
 
 def _prune(graph: onnx.GraphProto) -> None:
-    """Drop the DequantizeLinear nodes nothing reads any more, then unread initializers."""
+    """Drop the (Dynamic)DequantizeLinear nodes nothing reads any more, then unread initializers."""
     outputs = {o.name for o in graph.output}
     while True:
         read = {name for node in graph.node for name in names_read(node)} | outputs
-        kept = [n for n in graph.node if n.op_type != "DequantizeLinear" or any(o in read for o in n.output)]
+        kept = [n for n in graph.node if n.op_type not in ("DequantizeLinear", "DynamicQuantizeLinear")
+                or any(o in read for o in n.output)]
         if len(kept) == len(graph.node):
             break
         del graph.node[:]

@@ -21,6 +21,7 @@ from qtool.graph.index import names_read, node_label
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.weight_only import KERNELS, stored_once, use_kernel_domain
+from qtool.quantization.dynamic_matmul import DynamicMatMuls
 from qtool.targets import SYMMETRIC_HALF_GRID
 
 # Names of the tensors the rewrite adds. evaluate's per-layer matching relies on them:
@@ -162,8 +163,12 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     quantized_nodes = set(plan.quantized_nodes)
     dynamic = {label: p for label, p in plan.dynamic.items() if label in quantized_nodes}
     store_kernel_weights = stored_once(builder.quantized_constant)
+    dynamic_matmuls, dynamic_nodes = DynamicMatMuls(builder.add_init, weight_qmax), set(plan.dynamic_matmuls)
     new_nodes: list[onnx.NodeProto] = []
     for node in graph.node:
+        if node_label(node) in dynamic_nodes:
+            new_nodes.extend(dynamic_matmuls.rewrite(node, numpy_helper.to_array(float_inits[node.input[1]])))
+            continue
         if node.op_type == "Gather" and node.input[0] in row_scales:
             new_nodes.extend(_gather_int8_rows(node, row_scales[node.input[0]]))
             for output in node.output:

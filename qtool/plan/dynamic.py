@@ -1,0 +1,68 @@
+"""Which MatMul/Gemm run with dynamic int8 activations, and when `auto` chooses that.
+
+Static int8 gives each activation one calibrated range. A transformer's residual stream
+carries a few channels 10-100x larger than the rest (MiniLM's first FFN output reaches 195
+where most values are within +-3), so one range either clips them or leaves the others a
+handful of codes: static int8 QDQ keeps a sentence embedding at cosine ~0.80. Quantizing
+each MatMul input at run time (DynamicQuantizeLinear: min/max of that very tensor) with the
+weight int8 per output column keeps it at ~0.99; LayerNorm, Softmax, GELU, the attention
+MatMuls of two activations and the residual adds stay float, as in onnxruntime's
+quantize_dynamic. No calibrated range is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import onnx
+
+from qtool.config import QuantizeConfig
+from qtool.graph.index import GraphIndex, attribute
+
+CONV_OPS = ("Conv", "ConvTranspose")
+
+
+def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig) -> tuple[str, Optional[str]]:
+    """(static or dynamic, why `auto` chose dynamic; None when it was not `auto`'s choice to report).
+
+    `auto` takes dynamic for a transformer or an RNN with attention: a graph with a LayerNormalization op or an attention
+    MatMul (two activations), a MatMul/Gemm with a constant weight, and no Conv. A Conv net
+    with attention blocks (PP-OCR's SVTR recognizer) keeps static int8 for its Convs; dynamic
+    int8 is measured on onnxruntime CPU only, so other targets keep static."""
+    if options.matmul != "auto":
+        return options.matmul, None
+    if options.target != "ort-cpu":
+        return "static", None
+    ops = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
+    if any(n.op_type in CONV_OPS for n in ops) or not any(weighted_matmul(n, ctx) for n in ops):
+        return "static", None
+    norms = sum(n.op_type == "LayerNormalization" for n in ops)
+    attention = sum(_attention_matmul(n, ctx) for n in ops)
+    if not norms and not attention:
+        return "static", None
+    found = ", ".join(f"{count} {what}" for count, what in ((norms, "LayerNormalization"),
+                                                           (attention, "MatMul(s) of two activations")) if count)
+    return "dynamic", (f"MatMul/Gemm with constant weights quantized dynamically (int8 weights per column, "
+                       f"activations quantized at run time; every other node float): the graph has attention or "
+                       f"LayerNorm blocks ({found}, no Conv), whose activation outliers one static range cannot hold "
+                       f"(--matmul static to override)")
+
+
+def weighted_matmul(node: onnx.NodeProto, ctx: GraphIndex) -> bool:
+    """A MatMul or plain Gemm (no transA, alpha = beta = 1) of a float activation by a 2-D float
+    weight initializer: the form DynamicQuantizeLinear + MatMulInteger computes."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
+        return False
+    data, weight = node.input[0], node.input[1]
+    if (weight not in ctx.initializers or not ctx.is_float(weight) or ctx.rank(weight) != 2
+            or ctx.is_constant(data) or not ctx.is_float(data)):
+        return False
+    if node.op_type == "Gemm":
+        return (not attribute(node, "transA", 0) and attribute(node, "alpha", 1.0) == 1.0
+                and attribute(node, "beta", 1.0) == 1.0)
+    return True
+
+
+def _attention_matmul(node: onnx.NodeProto, ctx: GraphIndex) -> bool:
+    return (node.op_type == "MatMul" and len(node.input) == 2
+            and not any(ctx.is_constant(name) for name in node.input))

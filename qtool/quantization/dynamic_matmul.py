@@ -1,0 +1,80 @@
+"""Back end of dynamic int8 MatMul/Gemm (qtool.plan.dynamic): onnxruntime's integer pattern.
+
+    x -> DynamicQuantizeLinear -> (x_q uint8, x_scale, x_zero_point)
+    Mul(x_scale, w_scale[N]) -> scales
+    MatMulInteger(x_q, w_q int8 [K, N], x_zero_point, 0) -> Cast(float) -> Mul(scales) [-> Add(C): Gemm]
+
+the node pattern onnxruntime's own quantize_dynamic writes, which its CPU session fuses into
+DynamicQuantizeMatMul (one kernel: quantize the rows, u8s8 GEMM, rescale). The weight scale is
+per output column: the integer product is the same as per tensor, only the final Mul differs,
+and a column of small weights keeps its precision. Several MatMuls reading one tensor (query,
+key, value) share its DynamicQuantizeLinear.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from qtool.graph.index import attribute, node_label
+from qtool.table import qparams as qp
+
+DYNAMIC_SUFFIX = "_dynamic"
+
+
+def inner_tensors(label: str) -> tuple[str, str, str, str]:
+    """The tensors the rewrite of node `label` makes between its input and its output (scales,
+    int32 product, product as float, rescaled product before a Gemm's bias); the float fallback
+    finds a rewritten layer's nodes by them."""
+    return label + "_scales", label + "_int32", label + "_int32_float", label + "_product"
+
+
+class DynamicMatMuls:
+    """Rewrites planned nodes one by one, in graph order; `add_init(array, name)` stores a constant."""
+
+    def __init__(self, add_init: Callable[[np.ndarray, str], str], weight_qmax: int):
+        self.add_init = add_init
+        self.weight_qmax = weight_qmax
+        self.activations: dict[str, tuple[str, str, str]] = {}  # tensor -> (codes, scale, zero point)
+        self.weights: dict[str, tuple[str, str, str]] = {}  # (initializer, transposed) key -> names
+
+    def rewrite(self, node: onnx.NodeProto, weight: np.ndarray) -> list[onnx.NodeProto]:
+        """The nodes replacing MatMul/Gemm `node` whose weight initializer holds `weight`."""
+        label = node_label(node)
+        nodes: list[onnx.NodeProto] = []
+        data = node.input[0]
+        if data not in self.activations:
+            self.activations[data] = (data + DYNAMIC_SUFFIX + "_quantized", data + DYNAMIC_SUFFIX + "_scale",
+                                      data + DYNAMIC_SUFFIX + "_zero_point")
+            nodes.append(helper.make_node("DynamicQuantizeLinear", [data], list(self.activations[data]),
+                                          name=data + DYNAMIC_SUFFIX + "_DynamicQuantizeLinear"))
+        codes, scale, zero = self.activations[data]
+        w_codes, w_scale, w_zero = self._weight(node, weight)
+        scales, product, as_float, result = inner_tensors(label)
+        gemm_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
+        result = result if gemm_bias else node.output[0]
+        nodes += [
+            helper.make_node("Mul", [scale, w_scale], [scales], name=label + "_scales"),
+            helper.make_node("MatMulInteger", [codes, w_codes, zero, w_zero], [product], name=label),
+            helper.make_node("Cast", [product], [as_float], name=label + "_cast", to=onnx.TensorProto.FLOAT),
+            helper.make_node("Mul", [as_float, scales], [result], name=label + "_rescale"),
+        ]
+        if gemm_bias:
+            nodes.append(helper.make_node("Add", [result, node.input[2]], [node.output[0]], name=label + "_bias"))
+        return nodes
+
+    def _weight(self, node: onnx.NodeProto, weight: np.ndarray) -> tuple[str, str, str]:
+        """int8 [K, N] (a Gemm's transB weight transposed), symmetric per column, zero point 0."""
+        transposed = node.op_type == "Gemm" and bool(attribute(node, "transB", 0))
+        name = node.input[1] + ("_transposed" if transposed else "")
+        if name not in self.weights:
+            matrix = weight.T if transposed else weight
+            scales = qp.weight_scales(matrix, 1, self.weight_qmax)
+            self.weights[name] = (
+                self.add_init(qp.quantize_weight(matrix, scales, 1, self.weight_qmax), name + "_quantized"),
+                self.add_init(scales, name + "_scale"),
+                self.add_init(np.array(0, np.int8), name + "_zero_point"))
+        return self.weights[name]

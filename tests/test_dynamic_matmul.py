@@ -1,0 +1,173 @@
+"""Dynamic int8 MatMul/Gemm (--matmul): the integer pattern, what stays float, and `auto`'s choice."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+from onnx import helper
+
+from qtool import api
+from qtool.cli import main
+from qtool.config import Config, QuantizeConfig, load_config
+from qtool.evaluation.macs import int8_macs
+from tests import graphs
+
+T, D = 8, 16
+
+
+def _block(rng) -> onnx.ModelProto:
+    """A transformer-ish block: LayerNorm, query/key projections with bias Adds, attention
+    (MatMul of two activations, Softmax), an output projection and a residual Add."""
+    w = {name: rng.normal(0, 0.3, (D, D)).astype(np.float32) for name in ("wq", "wk", "wo")}
+    b = {name: rng.normal(0, 0.1, D).astype(np.float32) for name in ("bq", "bk")}
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["h"], name="ln", axis=-1),
+        helper.make_node("MatMul", ["h", "wq"], ["q0"], name="q"),
+        helper.make_node("Add", ["q0", "bq"], ["q1"], name="q_bias"),
+        helper.make_node("MatMul", ["h", "wk"], ["k0"], name="k"),
+        helper.make_node("Add", ["k0", "bk"], ["k1"], name="k_bias"),
+        helper.make_node("Transpose", ["k1"], ["kt"], name="kt", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q1", "kt"], ["scores"], name="scores"),
+        helper.make_node("Softmax", ["scores"], ["p"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["p", "q1"], ["context"], name="context"),
+        helper.make_node("MatMul", ["context", "wo"], ["o"], name="o"),
+        helper.make_node("Add", ["o", "x"], ["y"], name="residual"),
+    ]
+    inits = [graphs.init(k, v) for k, v in {**w, **b}.items()]
+    inits += [graphs.init("gamma", np.ones(D, np.float32)), graphs.init("beta", np.zeros(D, np.float32))]
+    return graphs.model(nodes, [graphs.tensor("x", [1, T, D])], [graphs.tensor("y", None)], inits)
+
+
+def _samples(tmp_path, rng):
+    folder = graphs.write_samples(tmp_path / "data", rng, (T, D))
+    for f in folder.glob("*.npy"):  # an outlier channel, as in a transformer's residual stream
+        x = np.load(f)
+        x[..., 3] *= 40.0
+        np.save(f, x)
+    return folder
+
+
+def _quantize(tmp_path, model, **options):
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    data = _samples(tmp_path, np.random.default_rng(1))
+    result = api.quantize(path, data=data, config=Config(quantization=QuantizeConfig(**options)), progress=False)
+    onnx.checker.check_model(result.model, full_check=True)
+    return path, result, data
+
+
+def _cosine_to_fp32(path, qmodel, data) -> float:
+    worst = 1.0
+    sessions = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
+                for m in (str(path), qmodel.SerializeToString())]
+    for f in sorted(data.glob("*.npy")):
+        a, b = (s.run(None, {"x": np.load(f)})[0].ravel().astype(np.float64) for s in sessions)
+        worst = min(worst, float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+    return worst
+
+
+def test_dynamic_quantizes_weighted_matmuls_and_keeps_the_rest_float(tmp_path):
+    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
+    ops = Counter(n.op_type for n in result.model.graph.node)
+    assert ops["MatMulInteger"] == 3  # q, k, o
+    assert ops["MatMul"] == 2  # the attention MatMuls of two activations
+    assert ops["DynamicQuantizeLinear"] == 2  # h is quantized once for q and k, context once for o
+    assert ops["LayerNormalization"] == 1 and ops["Softmax"] == 1
+    assert ops["QuantizeLinear"] == ops["DequantizeLinear"] == 0
+    inits = {t.name: t for t in result.model.graph.initializer}
+    assert "wq" not in inits and inits["wq_quantized"].data_type == onnx.TensorProto.INT8
+    assert list(inits["wq_scale"].dims) == [D]  # per output column
+    assert result.int8_weights == 3 and result.activations == 0
+    assert _cosine_to_fp32(path, result.model, data) > 0.999
+    macs = int8_macs(result.model)  # the projections are int8, the attention MatMuls float
+    assert macs.int8_nodes == 3 and macs.counted_nodes == 5 and macs.int8 == 3 * T * D * D
+
+
+def test_dynamic_beats_static_on_an_outlier_channel(tmp_path):
+    model = _block(np.random.default_rng(0))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "s").mkdir()
+    path, dynamic, data = _quantize(tmp_path / "d", model, matmul="dynamic")
+    _, static, _ = _quantize(tmp_path / "s", model, matmul="static")
+    assert sum(n.op_type == "QuantizeLinear" for n in static.model.graph.node) > 0
+    assert _cosine_to_fp32(path, dynamic.model, data) > _cosine_to_fp32(path, static.model, data)
+
+
+def test_auto_chooses_dynamic_for_attention_and_says_why(tmp_path):
+    model = _block(np.random.default_rng(0))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "d").mkdir()
+    _, auto, _ = _quantize(tmp_path / "a", model)
+    _, dynamic, _ = _quantize(tmp_path / "d", model, matmul="dynamic")
+    assert auto.model.SerializeToString() == dynamic.model.SerializeToString()
+    chosen = [n for n in auto.notes if "quantized dynamically" in n]
+    assert len(chosen) == 1 and "1 LayerNormalization" in chosen[0] and "2 MatMul(s) of two activations" in chosen[0]
+    assert not any("quantized dynamically" in n for n in dynamic.notes)  # asked for, not chosen
+
+
+def test_auto_keeps_static_on_other_targets(tmp_path):
+    _, result, _ = _quantize(tmp_path, _block(np.random.default_rng(0)), target="tensorrt")
+    assert sum(n.op_type == "QuantizeLinear" for n in result.model.graph.node) > 0
+    assert not any(n.op_type == "MatMulInteger" for n in result.model.graph.node)
+
+
+def test_auto_leaves_a_cnn_unaffected(tmp_path):
+    model = graphs.conv_model(np.random.default_rng(0), activation="Relu")
+    results = []
+    for matmul in ("auto", "static"):
+        path = tmp_path / f"{matmul}.onnx"
+        onnx.save(model, path)
+        data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12))
+        results.append(api.quantize(path, data=data, progress=False,
+                                    config=Config(quantization=QuantizeConfig(matmul=matmul))))
+    assert results[0].model.SerializeToString() == results[1].model.SerializeToString()
+    assert not any("dynamic" in n for n in results[0].notes)
+
+
+def test_gemm_trans_b_with_bias_under_dynamic(tmp_path):
+    rng = np.random.default_rng(0)
+    model = graphs.gemm_model(rng, k=32, n=10, trans_b=1)
+    path, data, out = tmp_path / "gemm.onnx", graphs.write_samples(tmp_path / "data", rng, (32,)), tmp_path / "q.onnx"
+    onnx.save(model, path)
+    result = CliRunner().invoke(main, ["quantize", str(path), "--data", str(data), "--matmul", "dynamic",
+                                       "-o", str(out)])
+    assert result.exit_code == 0, result.stderr
+    qmodel = onnx.load(str(out))
+    ops = Counter(n.op_type for n in qmodel.graph.node)
+    assert ops["MatMulInteger"] == 1 and ops["Gemm"] == 0 and ops["Add"] == 1  # the bias C added after
+    inits = {t.name: t for t in qmodel.graph.initializer}
+    weight = next(t for name, t in inits.items() if name.endswith("_transposed_quantized"))
+    assert list(weight.dims) == [32, 10]  # [K, N]: transB's weight stored transposed
+    assert _cosine_to_fp32(path, qmodel, data) > 0.999
+
+
+def test_matmul_option_parses():
+    assert load_config({"quantization": {"matmul": "dynamic"}}).quantization.matmul == "dynamic"
+    assert QuantizeConfig().matmul == "auto"
+    with pytest.raises(ValueError, match="matmul must be one of auto, static, dynamic"):
+        QuantizeConfig(matmul="int16")
+    result = CliRunner().invoke(main, ["quantize", "m.onnx", "--data", "d", "--matmul", "float", "-o", "o.onnx"])
+    assert result.exit_code == 2 and "--matmul" in result.stderr
+
+
+def test_float_fallback_restores_a_dynamic_matmul(tmp_path):
+    from qtool.plan.planner import prepared_model
+    from qtool.quantization.float_fallback import restorable_layers, restore_float
+
+    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
+    prepared, _ = prepared_model(path, QuantizeConfig(matmul="dynamic"))
+    layers = restorable_layers(result.model, prepared)
+    assert sorted(layers) == ["k", "o", "q"]
+    mixed = restore_float(result.model, prepared, [layers["q"], layers["k"], layers["o"]])
+    onnx.checker.check_model(mixed, full_check=True)
+    ops = Counter(n.op_type for n in mixed.graph.node)
+    assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == ops["Cast"] == 0 and ops["MatMul"] == 5
+    assert _cosine_to_fp32(path, mixed, data) > 0.999999
+    partial = restore_float(result.model, prepared, [layers["k"]])  # h's DynamicQuantizeLinear stays for q
+    ops = Counter(n.op_type for n in partial.graph.node)
+    assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 2
