@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from qtool import atomic
-from qtool.calibration.collect import collect_statistics, warn_nonfinite
+from qtool.calibration.collect import collect_statistics, make_observer, warn_nonfinite
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataSource, folder_only, open_data, split_shard
@@ -65,11 +65,15 @@ class _CollectJob:
 
 
 def _collect(job: _CollectJob) -> tuple[dict[str, TensorStats], int]:
-    """On a worker: one pass over one shard, with the prepared model it keeps per model hash."""
+    """On a worker: one pass over one shard, with the prepared model and its observing sessions
+    it keeps per model hash and options (each pass still starts from fresh statistics)."""
     model, plan = model_cache(job.model_path, job.model_sha256, ("prepared", job.options),
                               lambda: prepared_model(job.model_path, job.options))
+    observer = model_cache(job.model_path, job.model_sha256,
+                           ("observer", job.options, job.calib, job.threads, job.all_histograms),
+                           lambda: make_observer(model, plan, job.calib, job.threads, job.all_histograms))
     return collect_statistics(model, plan, job.source, job.preprocess, job.calib, progress=False,
-                              threads=job.threads, warn=False, all_histograms=job.all_histograms)
+                              threads=job.threads, warn=False, all_histograms=job.all_histograms, observer=observer)
 
 
 def collect_parallel(engine: Engine, model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,

@@ -28,7 +28,9 @@ from qtool.errors import QtoolError
 from qtool.graph.modelio import sha256_file
 
 INSTALL_HINT = '--dask needs Dask: pip install "qtool[dask]" (or: pip install "dask[distributed]")'
-TASKS_PER_WORKER = 4  # shards per worker: a dead worker's share is small, the progress bar moves
+# shards per worker: few, since each costs a task's round trip and a pass's first, unsaturated batches;
+# more than one, so a dead worker's share is small and the progress bar moves
+TASKS_PER_WORKER = 2
 CACHE_ENTRIES = 4  # models (and their sessions) a worker keeps
 
 Job = TypeVar("Job")
@@ -139,12 +141,17 @@ def worker_cache(key: tuple, build: Callable[[], Result]) -> Result:
     return value
 
 
+_CHECKED: set[tuple[str, str]] = set()
+
+
 def model_cache(path: str, sha256: str, key: tuple, build: Callable[[], Result]) -> Result:
     """worker_cache for what is built from the model file at `path`, checked once per worker
     to be the coordinator's model (a cluster's workers read their own copy of the file)."""
     def checked() -> Result:
-        if sha256_file(path) != sha256:
-            raise QtoolError("the model file a worker reads differs from the coordinator's (sha256)", path)
+        if (path, sha256) not in _CHECKED:
+            if sha256_file(path) != sha256:
+                raise QtoolError("the model file a worker reads differs from the coordinator's (sha256)", path)
+            _CHECKED.add((path, sha256))
         return build()
 
     return worker_cache((sha256, *key), checked)
