@@ -11,6 +11,7 @@ import sys
 import time
 import traceback
 import warnings
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -239,6 +240,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
              target_agreement, target_top1_drop, target_sqnr, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
+    from qtool.graph.executor import open_engine
     from qtool.graph.kernels import kernel_summary
     from qtool.quantization.quantize import needs_data
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
@@ -265,12 +267,16 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         click.echo(f"warning: {warning}", err=True)
     start = time.perf_counter()
     table = table_path
-    if table_path is None:
-        table = api.calibrate(model, data, cfg)
-        if save_table:
-            table.save(save_table)
-    result = api.quantize(model, table=table, data=data, config=cfg, table_format=table_format,
-                          allow_missing=allow_missing, search=search, log=lambda message: click.echo(message, err=True))
+    sharded = table_path is None or search is not None  # one engine for the calibration and the search
+    with open_engine(cfg.calibration.dask, cfg.calibration.workers) if sharded else nullcontext() as engine:
+        executor = engine.executor if engine is not None else None
+        if table_path is None:
+            table = api.calibrate(model, data, cfg, executor=executor)
+            if save_table:
+                table.save(save_table)
+        result = api.quantize(model, table=table, data=data, config=cfg, table_format=table_format,
+                              allow_missing=allow_missing, search=search, executor=executor,
+                              log=lambda message: click.echo(message, err=True))
     if result.search is not None:
         click.echo(result.search.describe())
     for note in result.notes:

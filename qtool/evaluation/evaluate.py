@@ -109,7 +109,8 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
         macs={"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
               "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes},
         latency=latency,
-        per_layer=_per_layer(fp32_model, int8_model, run.subset) if cfg.per_layer else None,
+        per_layer=_per_layer(inputs, fp32_model, int8_model, run.subset, engine, source, cfg.batch_size, progress)
+        if cfg.per_layer else None,
         sensitivity=_sensitivity(inputs, quantization, run.subset, progress, engine, source, cfg.batch_size)
         if cfg.sensitivity else None)
     verdicts = check_thresholds(report, cfg)
@@ -174,9 +175,14 @@ def _head(batch: Batch, count: int) -> Batch:
     return Batch(batch.keys[:count], {name: array[:count] for name, array in batch.feeds.items()})
 
 
-def _per_layer(fp32_model, int8_model, subset: list[Batch]) -> dict:
+def _per_layer(inputs: EvaluateInputs, fp32_model, int8_model, subset: list[Batch], engine: Optional[Engine],
+               source, batch_size: int, progress: bool) -> dict:
     start = time.perf_counter()
-    errors = layer_errors(fp32_model, int8_model, subset)
+    if engine is not None:
+        errors = shards.per_layer_on(engine, inputs.fp32, inputs.int8, fp32_model, int8_model, source, subset,
+                                     batch_size, progress)
+    else:
+        errors = layer_errors(fp32_model, int8_model, subset)
     return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,
             "tensors": [asdict(e) for e in errors], "worst": [e.tensor for e in worst(errors)]}
 

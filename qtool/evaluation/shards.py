@@ -5,9 +5,11 @@ the labels of those files only). A worker keeps both models' sessions per model 
 runs its batches and returns, per batch, the accumulators of that batch alone (sums and
 counts, a few numbers per output). Merged into the totals in batch order, they give the
 very floats of a single pass (FidelityAccumulator.merge). Latency is measured on one
-worker, alone (after the comparison), and the report says so. The sensitivity ranking
-sends each worker a run of consecutive layers; every worker reads the same first
-`layer_samples` samples, and the layers are ranked together exactly as in one run.
+worker, alone (after the comparison), and the report says so. The per-layer error sends
+each worker a run of the first `layer_samples` samples' batches and merges their per-batch
+sums in order, as above. The sensitivity ranking sends each worker a run of consecutive
+layers; every worker reads the same first `layer_samples` samples, and the layers are
+ranked together exactly as in one run.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import onnx
+
 from qtool.config import DetectionConfig, EvaluateConfig, QuantizeConfig
 from qtool.data.dataset import Batch, DataSource, batches, split_shard, with_files
 from qtool.data.labels import Labels
 from qtool.evaluation.latency import measure_latency
+from qtool.evaluation.layer_error import LayerError, batch_fidelity, summarize
 from qtool.evaluation.metrics import FidelityAccumulator
 from qtool.evaluation.task import Task, compare_batch, resolve_task
 from qtool.graph.executor import TASKS_PER_WORKER, Engine, model_cache, run_in_order
-from qtool.graph.modelio import sha256_file
+from qtool.graph.modelio import load_model, sha256_file
 from qtool.graph.runtime import create_session
 from qtool.evaluation.sensitivity import layers, measured, rank
 from qtool.plan.planner import prepared_model
@@ -43,6 +48,9 @@ class ModelRef:
     def session(self, threads: int):
         return model_cache(self.path, self.sha256, ("session", threads),
                            lambda: create_session(self.path, threads, self.path))
+
+    def model(self) -> onnx.ModelProto:
+        return model_cache(self.path, self.sha256, ("model",), lambda: load_model(self.path))
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,32 @@ def _files(source: DataSource, batch: Batch) -> list:
         if source.key(path) in wanted:
             found.append(path)
     return found
+
+
+@dataclass(frozen=True)
+class _PerLayerJob:
+    fp32: ModelRef
+    int8: ModelRef
+    source: DataSource  # a run of whole batches of the subset's files
+    batch_size: int
+    threads: int
+
+
+def _per_layer(job: _PerLayerJob) -> list[dict]:
+    fp32, int8 = job.fp32.model(), job.int8.model()
+    return list(batch_fidelity(fp32, int8, batches(job.source, job.batch_size), job.threads))
+
+
+def per_layer_on(engine: Engine, fp32_path, int8_path, fp32: onnx.ModelProto, int8: onnx.ModelProto,
+                 source: DataSource, subset: list[Batch], batch_size: int, progress: bool) -> list[LayerError]:
+    """layer_errors over `subset` with runs of its batches on the workers (one per worker), each
+    returning per-batch sums, merged in batch order: the figures of one pass."""
+    files = _files(source, Batch([k for b in subset for k in b.keys], {}))
+    parts = split_shard(with_files(source, files), batch_size, None, 0, 1, engine.width)
+    refs = ModelRef.of(fp32_path), ModelRef.of(int8_path)
+    jobs = [_PerLayerJob(*refs, part, batch_size, engine.threads) for part in parts]
+    return summarize(fp32, int8, (fidelity for found in run_in_order(engine, _per_layer, jobs, "per layer", progress)
+                                  for fidelity in found))
 
 
 @dataclass(frozen=True)
