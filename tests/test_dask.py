@@ -130,6 +130,33 @@ def test_quantize_data_dask_calibrates_and_searches_on_workers_writing_the_same_
     assert outputs[0] == outputs[1]
 
 
+def test_in_memory_sequences_are_sent_as_slices_and_generators_refused(tmp_path, client):
+    """A list of feed dicts: each shard gets its slice (keys and errors keep the caller's positions):
+    the table and the report are those of one process; a generator cannot be cut: one line says so."""
+    from qtool.graph.modelio import input_specs, load_model
+
+    (spec,) = input_specs(load_model(EFFNET))
+    rng = np.random.default_rng(0)
+    samples = [{spec.name: rng.normal(0, 1, (3, 224, 224)).astype(np.float32)} for _ in range(9)]
+    config = {"calibration": {"batch_size": 2}, "evaluation": {"batch_size": 2, "runs": 1, "warmup": 0,
+                                                               "per_layer": True, "layer_samples": 3}}
+    executor = client.get_executor()
+    single = qtool.calibrate(EFFNET, samples, config, progress=False)
+    assert qtool.calibrate(EFFNET, samples, config, progress=False, executor=executor).to_json_text() == \
+        single.to_json_text()
+    int8 = tmp_path / "int8.onnx"
+    qtool.quantize(EFFNET, table=single, config=config).save(int8)
+    report = qtool.evaluate(EFFNET, int8, samples, config, progress=False)
+    assert _figures(qtool.evaluate(EFFNET, int8, samples, config, progress=False, executor=executor)) == \
+        _figures(report)
+    bad = samples[:7] + [{spec.name: np.zeros((3, 5, 5), np.float32)}] + samples[8:]
+    with pytest.raises(QtoolError, match="in-memory sample 7"):
+        qtool.calibrate(EFFNET, bad, config, progress=False, executor=executor)
+    with pytest.raises(QtoolError, match="needs the data as a folder or a sequence") as error:
+        qtool.calibrate(EFFNET, (s for s in samples), config, progress=False, executor=executor)
+    assert "\n" not in str(error.value)
+
+
 def test_a_killed_worker_changes_nothing(tmp_path, client):
     single = _table_bytes(tmp_path, "single.json", config=_config("minmax"))
     pids = list(client.run(os.getpid).values())

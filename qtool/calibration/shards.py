@@ -11,8 +11,9 @@ plan order, samples, shard) and per tensor its extremes, counts and histogram. S
 files always carry histograms, so the range method can still be chosen at merge time.
 
 On an executor (--workers, --dask, the API's executor=; qtool.graph.executor) the shards
-are the same runs of whole batches, sent as lists of sample files: each worker reads
-its own samples and returns the shard's fixed-size statistics, no file in between.
+are the same runs of whole batches, sent as lists of sample files (in-memory data: a
+sequence's slice): each worker reads its own samples and returns the shard's fixed-size
+statistics, no file in between.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from qtool import atomic
 from qtool.calibration.collect import collect_statistics, make_observer, warn_nonfinite
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.data.dataset import DataSource, folder_only, open_data, split_shard
+from qtool.data.dataset import DataSource, MemorySource, check_shippable, open_data, split_shard
 from qtool.errors import QtoolError
 from qtool.graph.executor import TASKS_PER_WORKER, Engine, model_cache, run_in_order
 from qtool.graph.modelio import input_specs, load_model, sha256_file
@@ -56,7 +57,7 @@ class _CollectJob:
 
     model_path: str
     model_sha256: str
-    source: DataSource  # the shard's sample files only
+    source: DataSource | MemorySource  # the shard's sample files (or its slice of samples in memory) only
     preprocess: PreprocessConfig
     calib: CalibrationConfig
     options: QuantizeConfig
@@ -81,9 +82,9 @@ def collect_parallel(engine: Engine, model_path, data, preprocess: PreprocessCon
                      progress: bool = True) -> tuple[dict[str, TensorStats], int]:
     """Shard `shard` of the data cut into a few runs of whole batches per worker of `engine`, each
     collected on a worker with its own onnxruntime session; merged in shard order as they come in."""
-    folder_only(data, "sharding over workers (--workers, --dask, executor=)")
     model = load_model(model_path)
     source = open_data(data, input_specs(model), preprocess)
+    check_shippable(source, "sharding over workers (--workers, --dask, executor=)")
     parts = split_shard(source, calib.batch_size, calib.num_samples, *shard, parts=engine.width * TASKS_PER_WORKER)
     whole = replace(calib, num_samples=None)  # each part lists exactly its files
     sha = sha256_file(model_path)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from qtool import __version__
 from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig, QuantizeConfig, load_section
-from qtool.data.dataset import Batch, DataLike, batches, count_samples, folder_only, open_data
+from qtool.data.dataset import Batch, DataLike, batches, check_shippable, count_samples, open_data
 from qtool.errors import QtoolError
 from qtool.data.labels import Labels, labels_for
 from qtool.evaluation import shards
@@ -68,8 +68,6 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     per-layer error and sensitivity, and the threshold verdicts. With an engine, the data's
     batches, the latency and the sensitivity's layers run on its workers (qtool.evaluation.shards)."""
     _check_requests(inputs, cfg)
-    if engine is not None:
-        folder_only(inputs.data, "evaluation on workers (--dask, executor=)")
     detection = load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
     fp32_model = load_model(inputs.fp32)
     int8_model = load_model(inputs.int8)
@@ -83,6 +81,8 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     if output_names(int8_model) != outputs:
         raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
     source = open_data(inputs.data, specs, preprocess)
+    if engine is not None:
+        check_shippable(source, "evaluation on workers (--dask, executor=)")
     labels = labels_for(source, inputs.labels) if inputs.labels else None
     if engine is None:
         run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
