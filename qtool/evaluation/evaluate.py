@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+import onnx
 import onnxruntime as ort
 from tqdm import tqdm
 
@@ -68,18 +69,8 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     per-layer error and sensitivity, and the threshold verdicts. With an engine, the data's
     batches, the latency and the sensitivity's layers run on its workers (qtool.evaluation.shards)."""
     _check_requests(inputs, cfg)
-    detection = load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
-    fp32_model = load_model(inputs.fp32)
-    int8_model = load_model(inputs.int8)
-    if cfg.per_layer and not twins(fp32_model, int8_model):
-        raise QtoolError(f"no DequantizeLinear output of the int8 model is named <fp32 tensor>{DQ_SUFFIX}, so the "
-                         "per-layer error cannot pair its tensors with the fp32 model's", inputs.int8)
-    specs = input_specs(fp32_model)
-    if [s.name for s in input_specs(int8_model)] != [s.name for s in specs]:
-        raise QtoolError("the int8 model's inputs differ from the fp32 model's", inputs.int8)
-    outputs = output_names(fp32_model)
-    if output_names(int8_model) != outputs:
-        raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
+    detection = detection_config(cfg)
+    fp32_model, int8_model, specs, outputs = open_models(inputs, cfg)
     source = open_data(inputs.data, specs, preprocess)
     if engine is not None:
         check_shippable(source, "evaluation on workers (--dask, executor=)")
@@ -92,27 +83,57 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
         latency = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
     else:
         latency = shards.latency_on(engine, inputs.fp32, inputs.int8, source, run.first_batch, cfg)
+    per_layer = _per_layer(inputs, fp32_model, int8_model, run.subset, engine, source, cfg.batch_size, progress) \
+        if cfg.per_layer else None
+    sensitivity = _sensitivity(inputs, quantization, run.subset, progress, engine, source, cfg.batch_size) \
+        if cfg.sensitivity else None
+    return build_report(inputs, int8_model, source.root is not None, run.task, run.fidelity, run.samples,
+                        sample_shapes(run.first_batch.feeds), latency, cfg, per_layer, sensitivity)
 
+
+def detection_config(cfg: EvaluateConfig) -> DetectionConfig:
+    return load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
+
+
+def open_models(inputs: EvaluateInputs, cfg: EvaluateConfig) -> tuple[onnx.ModelProto, onnx.ModelProto, list, list]:
+    """(fp32 model, int8 model, their input specs, their output names), checked to be comparable."""
+    fp32_model = load_model(inputs.fp32)
+    int8_model = load_model(inputs.int8)
+    if cfg.per_layer and not twins(fp32_model, int8_model):
+        raise QtoolError(f"no DequantizeLinear output of the int8 model is named <fp32 tensor>{DQ_SUFFIX}, so the "
+                         "per-layer error cannot pair its tensors with the fp32 model's", inputs.int8)
+    specs = input_specs(fp32_model)
+    if [s.name for s in input_specs(int8_model)] != [s.name for s in specs]:
+        raise QtoolError("the int8 model's inputs differ from the fp32 model's", inputs.int8)
+    outputs = output_names(fp32_model)
+    if output_names(int8_model) != outputs:
+        raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
+    return fp32_model, int8_model, specs, outputs
+
+
+def build_report(inputs: EvaluateInputs, int8_model: onnx.ModelProto, folder: bool, task: Task,
+                 fidelity: dict[str, FidelityAccumulator], samples: int, shapes: dict, latency: dict,
+                 cfg: EvaluateConfig, per_layer: Optional[dict] = None,
+                 sensitivity: Optional[dict] = None) -> EvaluationReport:
+    """The report of the merged figures (`shapes`: the first batch's input shapes, for the MACs),
+    with the threshold verdicts."""
     sizes = {"fp32": _size(inputs.fp32), "int8": _size(inputs.int8)}
-    macs = int8_macs(int8_model, sample_shapes(run.first_batch.feeds))
+    macs = int8_macs(int8_model, shapes)
     report = EvaluationReport(
         qtool_version=__version__,
         onnxruntime_version=ort.__version__,
-        task=run.task.name,
+        task=task.name,
         models={name: {"path": str(path), "size_bytes": sizes[name]}
                 for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},
-        data={"path": str(inputs.data) if source.root is not None else None, "samples": run.samples,
-              "labels": inputs.labels},
-        outputs={name: acc.result() for name, acc in run.fidelity.items()},
-        task_figures=run.task.result(),
+        data={"path": str(inputs.data) if folder else None, "samples": samples, "labels": inputs.labels},
+        outputs={name: acc.result() for name, acc in fidelity.items()},
+        task_figures=task.result(),
         size={"fp32_bytes": sizes["fp32"], "int8_bytes": sizes["int8"], "ratio": sizes["fp32"] / max(1, sizes["int8"])},
         macs={"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
               "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes},
         latency=latency,
-        per_layer=_per_layer(inputs, fp32_model, int8_model, run.subset, engine, source, cfg.batch_size, progress)
-        if cfg.per_layer else None,
-        sensitivity=_sensitivity(inputs, quantization, run.subset, progress, engine, source, cfg.batch_size)
-        if cfg.sensitivity else None)
+        per_layer=per_layer,
+        sensitivity=sensitivity)
     verdicts = check_thresholds(report, cfg)
     return replace(report, thresholds=tuple(verdicts), passed=all(v.passed for v in verdicts))
 

@@ -87,6 +87,12 @@ def _compare(job: _CompareJob) -> list[BatchFigures]:
     return found
 
 
+def compare_part(fp32: ModelRef, int8: ModelRef, part: Source, labels: Optional[Labels], outputs: list[str],
+                 cfg: EvaluateConfig, detection: DetectionConfig, threads: int) -> list[BatchFigures]:
+    """The per-batch figures of `part` in this process (evaluate --shard: qtool.evaluation.shard_files)."""
+    return _compare(_CompareJob(fp32, int8, part, _labels_of(part, labels), outputs, cfg, detection, threads))
+
+
 def compare_on(engine: Engine, fp32, int8, source: Source, labels: Optional[Labels], outputs: list[str],
                cfg: EvaluateConfig, detection: DetectionConfig, progress: bool):
     """(task, fidelity) over the first cfg.num_samples samples of `source`, batch by batch in order."""

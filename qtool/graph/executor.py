@@ -6,7 +6,8 @@ be a `concurrent.futures.Executor`: a process pool on this machine, Dask's
 `Client.get_executor()`, or whatever executor an API caller passes. A task's arguments
 are small (a model path and its sha256, a list of sample files, options); each worker
 loads its own samples and keeps what it built per model hash (`worker_cache`), so
-nothing the size of the dataset goes through the scheduler.
+nothing the size of the dataset goes through the scheduler. What the coordinator built
+itself (the search's int8 model) goes to each worker once (`shared`), not with every task.
 
 Dask is optional (`pip install "qtool[dask]"`) and imported only when --dask is given.
 Dask re-runs the tasks of a worker that dies; a task that fails on bad input fails the
