@@ -121,24 +121,30 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
     table: a CalibrationTable, or a table file in any supported format (`table_format`
     forces one). Without a table, `data` is calibrated first. Data also feeds bias
     correction and adaptive rounding (on in `auto` mode whenever data is given).
-    `log` receives the search's progress lines; `executor` runs the calibration's shards (calibrate).
+    `log` receives the search's progress lines; `executor` (else the config's `calibration.dask` or
+    `calibration.workers`) runs the calibration's shards (calibrate) and scores the search's candidates.
     """
     cfg = load_config(config)
     if table is None and data is None:
         raise QtoolError("quantize needs a calibration table (table=) or calibration data (data=)")
-    table_path = None
-    if table is None:
-        table = calibrate(model, data, cfg, progress=progress, executor=executor)
-    elif not isinstance(table, CalibrationTable):
-        table_path = table
-        table, _ = read_table(table, table_format, model, cfg.quantization)
-    specs = input_specs(load_model(model)) if data is not None or search is not None else None
-    calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
-    outcome = None
-    if search is not None:
-        graph, outcome = _search(model, specs, table, cfg, search, calib_data, log or (lambda message: None))
-    else:
-        graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data)
+    sharded = table is None or search is not None  # what runs on an engine: the calibration, the search
+    with _engine(executor, cfg.calibration.dask, cfg.calibration.workers) if sharded \
+            else contextlib.nullcontext() as engine:
+        table_path = None
+        if table is None:
+            table = run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress,
+                                    engine)
+        elif not isinstance(table, CalibrationTable):
+            table_path = table
+            table, _ = read_table(table, table_format, model, cfg.quantization)
+        specs = input_specs(load_model(model)) if data is not None or search is not None else None
+        calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
+        outcome = None
+        if search is not None:
+            graph, outcome = _search(model, specs, table, cfg, search, calib_data, log or (lambda message: None),
+                                     engine)
+        else:
+            graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data)
     plan = graph.plan
     return QuantizeResult(graph.model, table, tuple(graph.notes), len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
@@ -168,7 +174,7 @@ def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) ->
 
 def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, cfg: Config,
             search: MixedPrecisionSearch, calib_data: Optional[Callable[[int], Iterable[Batch]]],
-            log: Log) -> tuple[QuantizedGraph, SearchOutcome]:
+            log: Log, engine: Optional[Engine]) -> tuple[QuantizedGraph, SearchOutcome]:
     target = Target(search.agreement, search.top1_drop, search.sqnr)
     if not target.given():
         raise QtoolError("a mixed-precision search needs a target: agreement, top1_drop or sqnr")
@@ -179,6 +185,6 @@ def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, 
     count = sum(len(b) for b in eval_batches) if count is None else count
     log(f"searching the fewest float layers for {target.describe()} on {count} evaluation samples:")
     found = run_search(model, table, cfg.quantization, target, eval_batches, label_map, search.max_float_layers,
-                       calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log)
+                       calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log, engine=engine)
     chosen = found.chosen
     return chosen.result, SearchOutcome(tuple(chosen.float_layers), chosen.int8_mac_fraction, chosen.figures)

@@ -11,6 +11,7 @@ import sys
 import time
 import traceback
 import warnings
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -246,6 +247,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
              min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
+    from qtool.graph.executor import open_engine
     from qtool.graph.kernels import kernel_summary
     from qtool.quantization.quantize import needs_data
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
@@ -273,12 +275,16 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         click.echo(f"warning: {warning}", err=True)
     start = time.perf_counter()
     table = table_path
-    if table_path is None:
-        table = api.calibrate(model, data, cfg)
-        if save_table:
-            table.save(save_table)
-    result = api.quantize(model, table=table, data=data, config=cfg, table_format=table_format,
-                          allow_missing=allow_missing, search=search, log=lambda message: click.echo(message, err=True))
+    sharded = table_path is None or search is not None  # one engine for the calibration and the search
+    with open_engine(cfg.calibration.dask, cfg.calibration.workers) if sharded else nullcontext() as engine:
+        executor = engine.executor if engine is not None else None
+        if table_path is None:
+            table = api.calibrate(model, data, cfg, executor=executor)
+            if save_table:
+                table.save(save_table)
+        result = api.quantize(model, table=table, data=data, config=cfg, table_format=table_format,
+                              allow_missing=allow_missing, search=search, executor=executor,
+                              log=lambda message: click.echo(message, err=True))
     if result.search is not None:
         click.echo(result.search.describe())
     for note in result.notes:
@@ -321,20 +327,39 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path), help="JUnit XML, one test per threshold.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), help="Self-contained HTML report.")
 @dask_option
+@click.option("--shard", metavar="K/N", help="Only shard K of N (0-based) of the data; write its figures to -o.")
+@click.option("-o", "--output", "shard_output", type=click.Path(path_type=Path),
+              help="With --shard: the shard's figures file to write (.json), for --merge.")
+@click.option("--merge", "merge", is_flag=True, help="Report on the figures FILES of shards (no --data).")
+@click.argument("shard_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_config, num_samples, batch_size, threads,
              runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_cosine,
-             min_sqnr, min_speedup, json_path, junit_path, html_path, dask):
-    """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold."""
+             min_sqnr, min_speedup, json_path, junit_path, html_path, dask, shard, shard_output, merge, shard_files):
+    """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold.
+
+    \b
+    Sharded:  qtool evaluate FP32 INT8 --data D --shard 0/2 -o e0.json   (and 1/2 -> e1.json)
+              qtool evaluate FP32 INT8 --merge e0.json e1.json --json report.json
+    """
     from qtool import api
     from qtool.atomic import write_text
+    from qtool.calibration.shards import parse_shard
+    from qtool.evaluation.evaluate import EvaluateInputs
     from qtool.evaluation.html_report import write_html
     from qtool.evaluation.junit import write_junit
     from qtool.evaluation.report import render_table
+    from qtool.evaluation.shard_files import evaluate_shard, merge_evaluations
 
-    if data is None:
+    if shard_files and not merge:
+        raise click.UsageError(f"unexpected argument '{shard_files[0]}' (shard files go with --merge)")
+    if merge and (not shard_files or data is not None or shard):
+        raise click.UsageError("--merge takes the shard FILES, without --data or --shard")
+    if not merge and data is None:
         raise click.UsageError("--data is required")
-    for path in (json_path, junit_path, html_path):
+    if bool(shard) != bool(shard_output):
+        raise click.UsageError("--shard K/N and -o FILE go together")
+    for path in (json_path, junit_path, html_path, shard_output):
         if path:
             check_output_path(path, fp32_model, int8_model)
     cfg = load_config(config_path)
@@ -343,8 +368,19 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_confi
                         sensitivity=sensitivity, layer_samples=layer_samples, max_top1_drop=max_top1_drop,
                         min_agreement=min_agreement, min_cosine=min_cosine, min_sqnr=min_sqnr,
                         min_speedup=min_speedup, dask=dask)
-    report = api.evaluate(fp32_model, int8_model, data, replace(cfg, evaluation=eval_cfg), labels=labels,
-                          table=table_path)
+    if shard:
+        k, n = parse_shard(shard)
+        start = time.perf_counter()
+        samples = evaluate_shard(EvaluateInputs(fp32_model, int8_model, data, labels), cfg.preprocess, eval_cfg,
+                                 (k, n), shard_output)
+        click.echo(f"shard {k}/{n}: figures of {samples} samples in {time.perf_counter() - start:.1f} s "
+                   f"-> {shard_output}")
+        return
+    if merge:
+        report = merge_evaluations(EvaluateInputs(fp32_model, int8_model, None), list(shard_files), eval_cfg)
+    else:
+        report = api.evaluate(fp32_model, int8_model, data, replace(cfg, evaluation=eval_cfg), labels=labels,
+                              table=table_path)
     click.echo(render_table(report))
     if json_path:
         write_text(json_path, report.to_json())

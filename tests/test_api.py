@@ -193,8 +193,9 @@ def test_in_memory_samples_follow_the_file_rules(small):
 def test_folder_only_features_say_so(small):
     path, folder = small
     arrays = [{"x": np.load(f)} for f in sorted(folder.iterdir())]
-    with pytest.raises(qtool.QtoolError, match="needs the data as a folder"):
-        qtool.calibrate(path, arrays, config={"calibration": {"workers": 2}}, progress=False)
+    generator = ({"x": np.load(f)} for f in sorted(folder.iterdir()))
+    with pytest.raises(qtool.QtoolError, match="needs the data as a folder or a sequence"):
+        qtool.calibrate(path, generator, config={"calibration": {"workers": 2}}, progress=False)
     table = qtool.calibrate(path, arrays, progress=False)
     result = qtool.quantize(path, table=table)
     result.save(path.parent / "m.int8.onnx")

@@ -117,3 +117,17 @@ def test_method_by_op_type_and_tensor_pattern(tmp_path):
     assert chosen[relu_input] == ("percentile" if relu_input.startswith("c") else "minmax")
     chosen = methods_for(model, [relu_input], CalibrationConfig(method="mse", method_by_op_type=(("Relu", "aciq"),)))
     assert chosen[relu_input] == "aciq"
+
+
+def test_statistics_travel_to_and_from_workers_whole_and_small():
+    """A shard's statistics are pickled with their histogram's filled keys only: the same counts back."""
+    import pickle
+
+    stats = TensorStats.with_histogram()
+    values = np.random.default_rng(0).normal(size=50_000).astype(np.float32)
+    stats.update(values)
+    copy = pickle.loads(pickle.dumps(stats))
+    assert (copy.min, copy.max, copy.count, copy.batches) == (stats.min, stats.max, stats.count, stats.batches)
+    assert copy.hist.dtype == np.int64 and np.array_equal(copy.hist, stats.hist) and copy.sampled == stats.sampled
+    assert len(pickle.dumps(stats)) < stats.hist.nbytes // 8
+    assert pickle.loads(pickle.dumps(TensorStats())).hist is None

@@ -236,3 +236,33 @@ def test_labels_from_class_folders(effnet, tmp_path):
     cls = json.loads(report.read_text())["classification"]
     assert cls["labelled"] == 10 and cls["top1"]["fp32"] == 1.0
     assert cls["top1"]["int8"] == cls["agreement"] and cls["top5"]["int8"] >= cls["top1"]["int8"]
+
+
+def test_shards_merged_give_the_single_report(effnet, tmp_path):
+    """evaluate --shard K/N in separate commands, then --merge: the figures of one evaluate (only
+    the latency, timed by the merge on random inputs, differs); incomplete or mixed sets are refused."""
+    from click.testing import CliRunner
+
+    from qtool.cli import main
+
+    tmp, table, int8 = effnet
+    base = ["evaluate", str(EFFNET), str(int8), "--config", str(EFFNET_CONFIG), "--batch-size", "2", "--runs", "2"]
+    runner = CliRunner()
+    single = runner.invoke(main, [*base, "--data", str(CALIB_SAMPLES), "--json", str(tmp_path / "single.json")])
+    assert single.exit_code == 0, single.output
+    parts = [tmp_path / f"e{k}.json" for k in range(3)]
+    for k, part in enumerate(parts):
+        result = runner.invoke(main, [*base, "--data", str(CALIB_SAMPLES), "--shard", f"{k}/3", "-o", str(part)])
+        assert result.exit_code == 0 and f"shard {k}/3" in result.output, result.output
+    merged = runner.invoke(main, [*base, "--merge", *map(str, reversed(parts)), "--json", str(tmp_path / "m.json")])
+    assert merged.exit_code == 0, merged.output
+    one, other = (json.loads((tmp_path / name).read_text()) for name in ("single.json", "m.json"))
+    assert other.pop("latency")["measured_on"].startswith("the merging process")
+    one.pop("latency")
+    assert other == one and one["data"]["samples"] == 10
+    for files, message in ((parts[:2], "shard(s) 2/3 missing"), ([parts[0], parts[0], parts[1], parts[2]],
+                                                                  "the same shard is given twice")):
+        result = runner.invoke(main, [*base, "--merge", *map(str, files)])
+        assert result.exit_code == 2 and message in result.output, result.output
+    other_model = runner.invoke(main, ["evaluate", str(EFFNET), str(EFFNET), "--merge", *map(str, parts)])
+    assert other_model.exit_code == 2 and "other models" in other_model.output

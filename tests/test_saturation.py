@@ -108,17 +108,44 @@ def test_histogram_tensors_keep_their_samples_and_counts_when_saturated(monkeypa
     assert got["a"].count == sum(f.size for f in feeds)
 
 
+def test_a_kept_observer_builds_each_session_once_and_each_pass_starts_afresh(monkeypatch):
+    """An Observer kept for several passes (a worker's shards): every pass has the statistics of a
+    pass of its own, whatever saturated before (here the second pass never reaches a's bounds),
+    and a session it needs again is not rebuilt."""
+    model = _two_clips()
+    rng = np.random.default_rng(2)
+    saturating = [Batch([str(i)], {"x": rng.uniform(-5, 10, (2, 4, 8, 8)).astype(np.float32)}) for i in range(3)]
+    below = [Batch([str(i)], {"x": rng.uniform(1, 3, (2, 4, 8, 8)).astype(np.float32)}) for i in range(3)]
+    built = []
+    real = observer_module._observing_session
+    monkeypatch.setattr(observer_module, "_observing_session",
+                        lambda model, names, *rest: built.append(list(names)) or real(model, names, *rest))
+    names = ["a", "b", "s"]
+    kept = observer_module.Observer(model, names, histogram_for={"a"}, saturate=set(names))
+    passes = [kept.run(saturating), kept.run(below), kept.run(saturating)]
+    assert built == [names, ["b", "s"]]  # the full session and the one without the saturated a, once each
+    for got, data in zip(passes, (saturating, below, saturating)):
+        alone = observe(model, names, data, histogram_for={"a"}, saturate=set(names))
+        for name in names:
+            g, f = got[name], alone[name]
+            assert (g.min, g.max, g.count, g.batches) == (f.min, f.max, f.count, f.batches), name
+            assert np.array_equal(g.hist, f.hist) if name == "a" else g.hist is None
+    assert (passes[1]["a"].min, passes[1]["a"].max) == (0.0, float(max(b.feeds["x"].max() for b in below)))
+
+
 def _table_bytes(monkeypatch, saturating: bool, *args) -> tuple[str, dict]:
     seen = {}
-    real = collect_module.observe
+    real = collect_module.Observer
 
     def spy(*a, **kw):
         if not saturating:
             kw["saturate"] = ()
-        seen.update(real(*a, **kw))
-        return seen
+        observer = real(*a, **kw)
+        run = observer.run
+        observer.run = lambda *ra, **rk: seen.update(run(*ra, **rk)) or seen
+        return observer
 
-    monkeypatch.setattr(collect_module, "observe", spy)
+    monkeypatch.setattr(collect_module, "Observer", spy)
     table = calibrate(*args, progress=False)
     monkeypatch.undo()
     return table.to_json_text(), seen

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import onnx
 from tqdm import tqdm
 
 from qtool.calibration.method_rules import methods_for, needs_histogram
-from qtool.calibration.observer import observe
+from qtool.calibration.observer import Observer
 from qtool.calibration.saturation import saturable
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig
@@ -20,18 +21,17 @@ from qtool.plan.planner import QuantPlan
 def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, preprocess: PreprocessConfig,
                        calib: CalibrationConfig, progress: bool = True, shard: tuple[int, int] = (0, 1),
                        threads: int = 0, warn: bool = True,
-                       all_histograms: bool = False) -> tuple[dict[str, TensorStats], int]:
+                       all_histograms: bool = False,
+                       observer: Optional[Observer] = None) -> tuple[dict[str, TensorStats], int]:
     """One streaming pass over shard `shard` = (k, n) of the data (the whole data for (0, 1));
-    histograms for the tensors whose method needs one (all_histograms: every tensor)."""
+    histograms for the tensors whose method needs one (all_histograms: every tensor).
+    `observer`: one make_observer built of the same arguments, kept for several passes."""
     source = open_data(data, input_specs(model), preprocess)
     if shard != (0, 1):
         folder_only(data, "sharding")
     limit = select_shard(source, calib, *shard)
     total = count_samples(source, limit)
-    methods = methods_for(model, plan.activations, calib)
-    histogram_for = set(plan.activations) if all_histograms else needs_histogram(methods)
-    # may stop being observed once saturated; shard files keep every statistic (a merge may average them)
-    saturate = set() if all_histograms else saturable(methods, calib)
+    observer = observer or make_observer(model, plan, calib, threads, all_histograms)
     seen = 0
     with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
         def advance(batch):
@@ -39,12 +39,22 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, 
             seen += len(batch)
             bar.update(len(batch))
 
-        stats = observe(model, plan.activations, batches(source, calib.batch_size, limit),
-                        histogram_for=histogram_for, threads=threads, on_batch=advance,
-                        sample_limit=calib.histogram_sample, saturate=saturate)
+        stats = observer.run(batches(source, calib.batch_size, limit), on_batch=advance)
     if warn:
         warn_nonfinite(stats)
     return stats, seen
+
+
+def make_observer(model: onnx.ModelProto, plan: QuantPlan, calib: CalibrationConfig, threads: int = 0,
+                  all_histograms: bool = False) -> Observer:
+    """The observer of the plan's activations: histograms for the tensors whose method needs one
+    (all_histograms: every tensor)."""
+    methods = methods_for(model, plan.activations, calib)
+    histogram_for = set(plan.activations) if all_histograms else needs_histogram(methods)
+    # may stop being observed once saturated; shard files keep every statistic (a merge may average them)
+    saturate = set() if all_histograms else saturable(methods, calib)
+    return Observer(model, plan.activations, histogram_for=histogram_for, threads=threads,
+                    sample_limit=calib.histogram_sample, saturate=saturate)
 
 
 def warn_nonfinite(stats: dict[str, TensorStats]) -> None:

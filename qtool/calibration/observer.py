@@ -37,6 +37,7 @@ values (qtool.runtime.SharedWeights), so a (re)build serialises only the graph.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Collection, Iterable, Optional
 
 import numpy as np
@@ -186,69 +187,109 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
     qtool.saturation.saturable). Those bounded by construction stop having their extremes
     reduced once they reach their bounds; the ones with a histogram keep being sampled
     (qtool.saturation)."""
-    inputs = {i.name for i in model.graph.input}
-    fetched = [t for t in tensors if t not in inputs]
-    from_feeds = [t for t in tensors if t in inputs]  # graph inputs are read from the feeds
-    shapes = inferred_shapes(model, fetched)
-    bounded = {t: b for t, b in saturation.bounds(model).items()
-               if t in saturate and t in fetched and (t not in histogram_for or saturation.static(shapes.get(t)))}
-    weight = {t: int(np.prod([d or 1 for d in shapes.get(t, [])[1:]], dtype=np.int64)) for t in fetched}
-    active = list(fetched)  # extremes reduced (and sampled when in histogram_for)
-    known: list[str] = []  # saturated histogram tensors: sampled and counted only
-    weights = SharedWeights(model)  # the observing sessions are variants of one model: its weights held once
-    session, outputs, names = _observing_session(weights, active, histogram_for, sample_limit, threads, shapes)
-    rebuilds = 0
-    fallback = None
-    stats = {t: TensorStats.with_histogram() if t in histogram_for else TensorStats() for t in tensors}
-    for s in stats.values():
-        s.sample_limit = sample_limit  # the same stride for graph inputs, sampled in numpy
-    for batch in batches:
-        values = dict(zip(names, session.run(names, batch.feeds))) if names else {}
-        bad = []
-        for name in active:
-            min_name, max_name, size_name, sample_name, spatial, _ = outputs[name]
-            maxima = values[max_name]
-            size = int(values[size_name]) if size_name else maxima.size * spatial
-            if size == 0:
-                continue
-            hi = float(np.max(maxima))
-            # a non-negative tensor's range starts at 0 whatever its minimum (see the module doc)
-            lo = float(values[min_name]) if min_name else min(0.0, hi)
-            if not (np.isfinite(lo) and np.isfinite(hi)):
-                bad.append(name)
-                continue
-            stats[name].add_extremes(lo, hi, size)
-            if sample_name:
+    return Observer(model, tensors, histogram_for, threads, sample_limit, saturate).run(batches, on_batch)
+
+
+class Observer:
+    """The observing sessions of one model and one set of observed tensors, kept for several passes.
+
+    A worker that collects several shards of one model (qtool.calibration.shards) keeps one
+    Observer: each pass starts from fresh statistics and the full observing session and
+    saturates exactly as a pass of its own would (so its statistics depend on its batches
+    only, whatever ran before on that worker), but every session is built once: the one
+    without the saturated tensors, which each pass reaches after its first batches, is the
+    same session the previous pass built."""
+
+    KEPT_SESSIONS = 4
+
+    def __init__(self, model: onnx.ModelProto, tensors: list[str], histogram_for: Collection[str] = (),
+                 threads: int = 0, sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()):
+        self.model, self.tensors, self.threads, self.sample_limit = model, tensors, threads, sample_limit
+        self.histogram_for = set(histogram_for)
+        inputs = {i.name for i in model.graph.input}
+        self.fetched = [t for t in tensors if t not in inputs]
+        self.from_feeds = [t for t in tensors if t in inputs]  # graph inputs are read from the feeds
+        self.shapes = inferred_shapes(model, self.fetched)
+        self.bounded = {t: b for t, b in saturation.bounds(model).items()
+                        if t in saturate and t in self.fetched
+                        and (t not in self.histogram_for or saturation.static(self.shapes.get(t)))}
+        self.weight = {t: int(np.prod([d or 1 for d in self.shapes.get(t, [])[1:]], dtype=np.int64))
+                       for t in self.fetched}
+        self.weights = SharedWeights(model)  # the observing sessions are variants of one model: its weights held once
+        self._sessions: OrderedDict[tuple, tuple] = OrderedDict()
+        self._fallback = None
+
+    def _session(self, active: list[str], known: list[str]):
+        """The session observing `active` (and sampling `known`), built once; the least recently used
+        of KEPT_SESSIONS goes first (passes over other data may saturate other tensors)."""
+        key = (tuple(active), tuple(known))
+        if key in self._sessions:
+            self._sessions.move_to_end(key)
+        else:
+            self._sessions[key] = _observing_session(self.weights, active, self.histogram_for, self.sample_limit,
+                                                     self.threads, self.shapes, known)
+            while len(self._sessions) > self.KEPT_SESSIONS:
+                self._sessions.popitem(last=False)
+        return self._sessions[key]
+
+    def run(self, batches: Iterable[Batch], on_batch: Optional[Callable[[Batch], None]] = None
+            ) -> dict[str, TensorStats]:
+        """One pass over `batches`, from fresh statistics (see observe)."""
+        bounded = self.bounded
+        active = list(self.fetched)  # extremes reduced (and sampled when in histogram_for)
+        known: list[str] = []  # saturated histogram tensors: sampled and counted only
+        session, outputs, names = self._session(active, known)
+        rebuilds = 0
+        stats = {t: TensorStats.with_histogram() if t in self.histogram_for else TensorStats() for t in self.tensors}
+        for s in stats.values():
+            s.sample_limit = self.sample_limit  # the same stride for graph inputs, sampled in numpy
+        for batch in batches:
+            values = dict(zip(names, session.run(names, batch.feeds))) if names else {}
+            bad = []
+            for name in active:
+                min_name, max_name, size_name, sample_name, spatial, _ = outputs[name]
+                maxima = values[max_name]
+                size = int(values[size_name]) if size_name else maxima.size * spatial
+                if size == 0:
+                    continue
+                hi = float(np.max(maxima))
+                # a non-negative tensor's range starts at 0 whatever its minimum (see the module doc)
+                lo = float(values[min_name]) if min_name else min(0.0, hi)
+                if not (np.isfinite(lo) and np.isfinite(hi)):
+                    bad.append(name)
+                    continue
+                stats[name].add_extremes(lo, hi, size)
+                if sample_name:
+                    stats[name].add_sample(values[sample_name])
+            for name in known:  # its extremes are its bounds, reached already: only the count and sample grow
+                _, _, size_name, sample_name, spatial, per_size = outputs[name]
+                size = int(values[size_name])
+                size = size // per_size * spatial if per_size else size
+                if size == 0:
+                    continue
+                stats[name].add_extremes(*bounded[name], size)
                 stats[name].add_sample(values[sample_name])
-        for name in known:  # its extremes are its bounds, reached already: only the count and sample grow
-            _, _, size_name, sample_name, spatial, per_size = outputs[name]
-            size = int(values[size_name])
-            size = size // per_size * spatial if per_size else size
-            if size == 0:
-                continue
-            stats[name].add_extremes(*bounded[name], size)
-            stats[name].add_sample(values[sample_name])
-        if bad:  # rare: NaN/Inf in this batch; count and exclude them exactly from the full tensors
-            fallback = fallback or create_session(with_outputs(model, fetched), threads)
-            for name, array in zip(bad, fallback.run(bad, batch.feeds)):
-                stats[name].update(array)
-        for name in from_feeds:
-            stats[name].update(batch.feeds[name])
-        del values
-        done = [t for t in active if t in bounded and stats[t].seen
-                and saturation.saturated(stats[t].min, stats[t].max, bounded[t])]
-        if done and saturation.worth_rebuilding(sum(weight[t] for t in done), sum(weight[t] for t in active),
-                                                rebuilds):
-            active = [t for t in active if t not in done]
-            known += [t for t in done if t in histogram_for]
-            session, outputs, names = _observing_session(weights, active, histogram_for, sample_limit, threads,
-                                                         shapes, known)
-            rebuilds += 1
-        if on_batch:
-            on_batch(batch)
-    for s in stats.values():
-        s.flush()
-    return stats
+            if bad:  # rare: NaN/Inf in this batch; count and exclude them exactly from the full tensors
+                self._fallback = self._fallback or create_session(with_outputs(self.model, self.fetched),
+                                                                  self.threads)
+                for name, array in zip(bad, self._fallback.run(bad, batch.feeds)):
+                    stats[name].update(array)
+            for name in self.from_feeds:
+                stats[name].update(batch.feeds[name])
+            del values
+            done = [t for t in active if t in bounded and stats[t].seen
+                    and saturation.saturated(stats[t].min, stats[t].max, bounded[t])]
+            if done and saturation.worth_rebuilding(sum(self.weight[t] for t in done),
+                                                    sum(self.weight[t] for t in active), rebuilds):
+                active = [t for t in active if t not in done]
+                known += [t for t in done if t in self.histogram_for]
+                session, outputs, names = self._session(active, known)
+                rebuilds += 1
+            if on_batch:
+                on_batch(batch)
+        for s in stats.values():
+            s.flush()
+        return stats
 
 
 def _observing_session(weights: SharedWeights, names: list[str], histogram_for: Collection[str],

@@ -11,8 +11,9 @@ plan order, samples, shard) and per tensor its extremes, counts and histogram. S
 files always carry histograms, so the range method can still be chosen at merge time.
 
 On an executor (--workers, --dask, the API's executor=; qtool.graph.executor) the shards
-are the same runs of whole batches, sent as lists of sample files: each worker reads
-its own samples and returns the shard's fixed-size statistics, no file in between.
+are the same runs of whole batches, sent as lists of sample files (in-memory data: a
+sequence's slice): each worker reads its own samples and returns the shard's fixed-size
+statistics, no file in between.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from qtool import atomic
-from qtool.calibration.collect import collect_statistics, warn_nonfinite
+from qtool.calibration.collect import collect_statistics, make_observer, warn_nonfinite
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.data.dataset import DataSource, folder_only, open_data, split_shard
+from qtool.data.dataset import DataSource, MemorySource, check_shippable, open_data, split_shard
 from qtool.errors import QtoolError
 from qtool.graph.executor import TASKS_PER_WORKER, Engine, model_cache, run_in_order
 from qtool.graph.modelio import input_specs, load_model, sha256_file
@@ -56,7 +57,7 @@ class _CollectJob:
 
     model_path: str
     model_sha256: str
-    source: DataSource  # the shard's sample files only
+    source: DataSource | MemorySource  # the shard's sample files (or its slice of samples in memory) only
     preprocess: PreprocessConfig
     calib: CalibrationConfig
     options: QuantizeConfig
@@ -65,11 +66,15 @@ class _CollectJob:
 
 
 def _collect(job: _CollectJob) -> tuple[dict[str, TensorStats], int]:
-    """On a worker: one pass over one shard, with the prepared model it keeps per model hash."""
+    """On a worker: one pass over one shard, with the prepared model and its observing sessions
+    it keeps per model hash and options (each pass still starts from fresh statistics)."""
     model, plan = model_cache(job.model_path, job.model_sha256, ("prepared", job.options),
                               lambda: prepared_model(job.model_path, job.options))
+    observer = model_cache(job.model_path, job.model_sha256,
+                           ("observer", job.options, job.calib, job.threads, job.all_histograms),
+                           lambda: make_observer(model, plan, job.calib, job.threads, job.all_histograms))
     return collect_statistics(model, plan, job.source, job.preprocess, job.calib, progress=False,
-                              threads=job.threads, warn=False, all_histograms=job.all_histograms)
+                              threads=job.threads, warn=False, all_histograms=job.all_histograms, observer=observer)
 
 
 def collect_parallel(engine: Engine, model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,
@@ -77,9 +82,9 @@ def collect_parallel(engine: Engine, model_path, data, preprocess: PreprocessCon
                      progress: bool = True) -> tuple[dict[str, TensorStats], int]:
     """Shard `shard` of the data cut into a few runs of whole batches per worker of `engine`, each
     collected on a worker with its own onnxruntime session; merged in shard order as they come in."""
-    folder_only(data, "sharding over workers (--workers, --dask, executor=)")
     model = load_model(model_path)
     source = open_data(data, input_specs(model), preprocess)
+    check_shippable(source, "sharding over workers (--workers, --dask, executor=)")
     parts = split_shard(source, calib.batch_size, calib.num_samples, *shard, parts=engine.width * TASKS_PER_WORKER)
     whole = replace(calib, num_samples=None)  # each part lists exactly its files
     sha = sha256_file(model_path)

@@ -88,7 +88,7 @@ class DataSource:
 def open_data(data: DataLike, specs: list[InputSpec], preprocess: PreprocessConfig) -> DataSource | MemorySource:
     """The samples of `data` checked against the model's inputs: a folder or file path
     (searched recursively), or samples in memory (a MemorySource, checked as they are read)."""
-    if isinstance(data, DataSource):  # sample references sent to a worker (split_shard)
+    if isinstance(data, (DataSource, MemorySource)):  # a shard sent to a worker (split_shard)
         return data
     if not isinstance(data, (str, os.PathLike)):
         return MemorySource(data, specs)
@@ -120,7 +120,8 @@ class MemorySource:
     Arrays are checked as they are read, with the same rules as tensor files.
     """
 
-    root = None  # no folder: labels (which name files) and sharding (which splits files) need one
+    root = None  # no folder: labels (which name files) and --shard K/N (a separate command) need one
+    start = 0  # the position of the first sample in the caller's data (a shard's slice starts later)
 
     def __init__(self, data: Iterable[Feeds] | Callable[[], Iterable[Feeds]], specs: list[InputSpec]):
         if isinstance(data, Mapping):
@@ -145,7 +146,7 @@ class MemorySource:
             raise QtoolError(f"the data callable returned {type(items).__name__}, not an iterable of "
                              "{input name: array} dicts")
         produced = 0
-        for index, item in enumerate(items):
+        for index, item in enumerate(items, self.start):
             if limit is not None and produced >= limit:
                 break
             yield Sample(str(index), self._feeds(item, index))
@@ -153,6 +154,12 @@ class MemorySource:
         if produced == 0:
             raise QtoolError("no samples in the in-memory data (a generator can be read only once: pass a list, "
                              "or a callable that returns a new iterable on each call)")
+
+    def shippable(self) -> bool:
+        """Whether the data can be cut into index ranges for workers: a sequence (a list of dicts),
+        not a generator or a callable, which can only be read through in one process."""
+        return (not callable(self.data) and hasattr(type(self.data), "__getitem__")
+                and hasattr(type(self.data), "__len__"))
 
     def _feeds(self, item: object, index: int) -> dict[str, np.ndarray]:
         where = f"in-memory sample {index}"
@@ -176,10 +183,18 @@ class MemorySource:
 
 
 def folder_only(data: object, what: str) -> None:
-    """Refuse `what` (sharding, worker processes) for data that is not a folder: they split files."""
+    """Refuse `what` (--shard K/N: one command of several) for data that is not a folder: it splits files."""
     if not isinstance(data, (str, os.PathLike, DataSource)):
         raise QtoolError(f"{what} needs the data as a folder (it splits the files); in-memory data is read "
                          "in one process")
+
+
+def check_shippable(source: DataSource | MemorySource, what: str) -> None:
+    """Refuse `what` (workers: --workers, --dask, executor=) for in-memory data that cannot be cut into
+    index ranges."""
+    if isinstance(source, MemorySource) and not source.shippable():
+        raise QtoolError(f"{what} needs the data as a folder or a sequence (e.g. a list of {{input name: array}} "
+                         "dicts), which it cuts into index ranges; a generator or a callable is read in one process")
 
 
 def _image_input(specs: list[InputSpec], cfg: PreprocessConfig, root: Path) -> tuple[InputSpec, tuple[int, int]]:
@@ -345,20 +360,33 @@ def select_shard(source: DataSource, calib: CalibrationConfig, k: int, n: int) -
     """Restrict `source` to shard k/n; returns the sample limit."""
     if (k, n) == (0, 1):
         return calib.num_samples
-    source.files = _shard_files(source, calib.batch_size, calib.num_samples, k, n, (0, 1))
+    source.files = source.files[slice(*_span(source, calib.batch_size, calib.num_samples, k, n, (0, 1)))]
     return None
 
 
-def split_shard(source: DataSource, batch_size: int, limit: Optional[int], k: int, n: int,
-                parts: int) -> list[DataSource]:
+def split_shard(source: DataSource | MemorySource, batch_size: int, limit: Optional[int], k: int, n: int,
+                parts: int) -> list[DataSource | MemorySource]:
     """Shard k/n of the first `limit` samples of `source` as up to `parts` sources of whole
-    consecutive batches (at most one per batch): the sample references a worker is sent; it
-    loads the files itself."""
-    files = source.files[:limit] if limit else source.files
-    size = model_batch_size(source.specs, batch_size)
-    a, b = batch_span(-(-len(files) // size), k, n)
+    consecutive batches (at most one per batch): what a worker is sent. For a folder, the sample
+    files (it loads them itself); for a sequence in memory (check_shippable), its slice."""
+    count = _count(source, limit)
+    a, b = batch_span(-(-count // model_batch_size(source.specs, batch_size)), k, n)
     parts = max(1, min(parts, b - a))
-    return [with_files(source, _shard_files(source, batch_size, limit, k, n, (j, parts))) for j in range(parts)]
+    return [_restricted(source, *_span(source, batch_size, limit, k, n, (j, parts))) for j in range(parts)]
+
+
+def first_samples(source: DataSource | MemorySource, keys: list[str]) -> DataSource | MemorySource:
+    """`source` restricted to the samples of `keys`, its first readable samples (the first batch, the
+    per-layer subset), for a worker to read again."""
+    if isinstance(source, MemorySource):
+        return _restricted(source, 0, len(keys))
+    wanted, found = set(keys), []
+    for path in source.files:
+        if len(found) == len(wanted):
+            break
+        if source.key(path) in wanted:
+            found.append(path)
+    return with_files(source, found)
 
 
 def with_files(source: DataSource, files: list[Path]) -> DataSource:
@@ -368,14 +396,30 @@ def with_files(source: DataSource, files: list[Path]) -> DataSource:
     return subset
 
 
-def _shard_files(source: DataSource, batch_size: int, limit: Optional[int], k: int, n: int,
-                 sub: tuple[int, int]) -> list[Path]:
-    files = source.files[:limit] if limit else source.files
+def _restricted(source: DataSource | MemorySource, lo: int, hi: int) -> DataSource | MemorySource:
+    """Samples lo..hi-1 of `source`: its files, or a copy of that slice of the caller's sequence."""
+    if isinstance(source, DataSource):
+        return with_files(source, source.files[lo:hi])
+    subset = copy.copy(source)
+    subset.data = [source.data[i] for i in range(lo, hi)]
+    subset.start = source.start + lo
+    return subset
+
+
+def _count(source: DataSource | MemorySource, limit: Optional[int]) -> int:
+    count = len(source.files) if isinstance(source, DataSource) else len(source.data)
+    return min(limit, count) if limit else count
+
+
+def _span(source: DataSource | MemorySource, batch_size: int, limit: Optional[int], k: int, n: int,
+          sub: tuple[int, int]) -> tuple[int, int]:
+    """The sample positions [lo, hi) of part sub = (j, m) of shard k/n: whole batches."""
+    count = _count(source, limit)
     size = model_batch_size(source.specs, batch_size)
-    total = -(-len(files) // size)
+    total = -(-count // size)
     a, b = batch_span(total, k, n)
     j, m = sub
     a, b = a + (b - a) * j // m, a + (b - a) * (j + 1) // m
     if a == b:
-        raise QtoolError(f"shard {k}/{n} is empty: {len(files)} samples make only {total} batches", source.root)
-    return files[a * size:b * size]
+        raise QtoolError(f"shard {k}/{n} is empty: {count} samples make only {total} batches", source.root)
+    return a * size, min(b * size, count)

@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+import onnx
 import onnxruntime as ort
 from tqdm import tqdm
 
 from qtool import __version__
 from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig, QuantizeConfig, load_section
-from qtool.data.dataset import Batch, DataLike, batches, count_samples, folder_only, open_data
+from qtool.data.dataset import Batch, DataLike, batches, check_shippable, count_samples, open_data
 from qtool.errors import QtoolError
 from qtool.data.labels import Labels, labels_for
 from qtool.evaluation import shards
@@ -68,9 +69,34 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     per-layer error and sensitivity, and the threshold verdicts. With an engine, the data's
     batches, the latency and the sensitivity's layers run on its workers (qtool.evaluation.shards)."""
     _check_requests(inputs, cfg)
+    detection = detection_config(cfg)
+    fp32_model, int8_model, specs, outputs = open_models(inputs, cfg)
+    source = open_data(inputs.data, specs, preprocess)
     if engine is not None:
-        folder_only(inputs.data, "evaluation on workers (--dask, executor=)")
-    detection = load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
+        check_shippable(source, "evaluation on workers (--dask, executor=)")
+    labels = labels_for(source, inputs.labels) if inputs.labels else None
+    if engine is None:
+        run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
+    else:
+        run = _compare_on(engine, inputs, source, labels, outputs, cfg, detection, progress)
+    if engine is None:
+        latency = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
+    else:
+        latency = shards.latency_on(engine, inputs.fp32, inputs.int8, source, run.first_batch, cfg)
+    per_layer = _per_layer(inputs, fp32_model, int8_model, run.subset, engine, source, cfg.batch_size, progress) \
+        if cfg.per_layer else None
+    sensitivity = _sensitivity(inputs, quantization, run.subset, progress, engine, source, cfg.batch_size) \
+        if cfg.sensitivity else None
+    return build_report(inputs, int8_model, source.root is not None, run.task, run.fidelity, run.samples,
+                        sample_shapes(run.first_batch.feeds), latency, cfg, per_layer, sensitivity)
+
+
+def detection_config(cfg: EvaluateConfig) -> DetectionConfig:
+    return load_section(DetectionConfig, cfg.task_config) if cfg.task_config else DetectionConfig()
+
+
+def open_models(inputs: EvaluateInputs, cfg: EvaluateConfig) -> tuple[onnx.ModelProto, onnx.ModelProto, list, list]:
+    """(fp32 model, int8 model, their input specs, their output names), checked to be comparable."""
     fp32_model = load_model(inputs.fp32)
     int8_model = load_model(inputs.int8)
     if cfg.per_layer and not twins(fp32_model, int8_model):
@@ -82,36 +108,32 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     outputs = output_names(fp32_model)
     if output_names(int8_model) != outputs:
         raise QtoolError("the int8 model's outputs differ from the fp32 model's", inputs.int8)
-    source = open_data(inputs.data, specs, preprocess)
-    labels = labels_for(source, inputs.labels) if inputs.labels else None
-    if engine is None:
-        run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
-    else:
-        run = _compare_on(engine, inputs, source, labels, outputs, cfg, detection, progress)
-    if engine is None:
-        latency = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
-    else:
-        latency = shards.latency_on(engine, inputs.fp32, inputs.int8, source, run.first_batch, cfg)
+    return fp32_model, int8_model, specs, outputs
 
+
+def build_report(inputs: EvaluateInputs, int8_model: onnx.ModelProto, folder: bool, task: Task,
+                 fidelity: dict[str, FidelityAccumulator], samples: int, shapes: dict, latency: dict,
+                 cfg: EvaluateConfig, per_layer: Optional[dict] = None,
+                 sensitivity: Optional[dict] = None) -> EvaluationReport:
+    """The report of the merged figures (`shapes`: the first batch's input shapes, for the MACs),
+    with the threshold verdicts."""
     sizes = {"fp32": _size(inputs.fp32), "int8": _size(inputs.int8)}
-    macs = int8_macs(int8_model, sample_shapes(run.first_batch.feeds))
+    macs = int8_macs(int8_model, shapes)
     report = EvaluationReport(
         qtool_version=__version__,
         onnxruntime_version=ort.__version__,
-        task=run.task.name,
+        task=task.name,
         models={name: {"path": str(path), "size_bytes": sizes[name]}
                 for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},
-        data={"path": str(inputs.data) if source.root is not None else None, "samples": run.samples,
-              "labels": inputs.labels},
-        outputs={name: acc.result() for name, acc in run.fidelity.items()},
-        task_figures=run.task.result(),
+        data={"path": str(inputs.data) if folder else None, "samples": samples, "labels": inputs.labels},
+        outputs={name: acc.result() for name, acc in fidelity.items()},
+        task_figures=task.result(),
         size={"fp32_bytes": sizes["fp32"], "int8_bytes": sizes["int8"], "ratio": sizes["fp32"] / max(1, sizes["int8"])},
         macs={"total": macs.total, "int8": macs.int8, "int8_fraction": macs.fraction,
               "int8_nodes": macs.int8_nodes, "counted_nodes": macs.counted_nodes},
         latency=latency,
-        per_layer=_per_layer(fp32_model, int8_model, run.subset) if cfg.per_layer else None,
-        sensitivity=_sensitivity(inputs, quantization, run.subset, progress, engine, source, cfg.batch_size)
-        if cfg.sensitivity else None)
+        per_layer=per_layer,
+        sensitivity=sensitivity)
     verdicts = check_thresholds(report, cfg)
     return replace(report, thresholds=tuple(verdicts), passed=all(v.passed for v in verdicts))
 
@@ -174,9 +196,14 @@ def _head(batch: Batch, count: int) -> Batch:
     return Batch(batch.keys[:count], {name: array[:count] for name, array in batch.feeds.items()})
 
 
-def _per_layer(fp32_model, int8_model, subset: list[Batch]) -> dict:
+def _per_layer(inputs: EvaluateInputs, fp32_model, int8_model, subset: list[Batch], engine: Optional[Engine],
+               source, batch_size: int, progress: bool) -> dict:
     start = time.perf_counter()
-    errors = layer_errors(fp32_model, int8_model, subset)
+    if engine is not None:
+        errors = shards.per_layer_on(engine, inputs.fp32, inputs.int8, fp32_model, int8_model, source, subset,
+                                     batch_size, progress)
+    else:
+        errors = layer_errors(fp32_model, int8_model, subset)
     return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,
             "tensors": [asdict(e) for e in errors], "worst": [e.tensor for e in worst(errors)]}
 

@@ -11,7 +11,7 @@ tells where in the graph the error grows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import onnx
 
@@ -73,14 +73,21 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
 def layer_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable[Batch],
                  threads: int = 0) -> list[LayerError]:
     """SQNR, cosine and absolute errors of every quantized activation, in graph order."""
+    return summarize(fp32, int8, batch_fidelity(fp32, int8, batches, threads))
+
+
+def batch_fidelity(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable[Batch],
+                   threads: int = 0) -> Iterator[dict[str, FidelityAccumulator]]:
+    """Per batch, the accumulators of that batch alone for every twin tensor (a worker's share of
+    the per-layer error: merged in batch order, they are the floats of one pass)."""
     pairs = twins(fp32, int8)
     feeds_only = [p.tensor for p in pairs if p.position < 0]
     ref_names = [p.tensor for p in pairs if p.position >= 0]
     test_names = [p.test_name or p.tensor + DQ_SUFFIX for p in pairs]
     ref_session = create_session(with_outputs(fp32, ref_names), threads, "fp32 with per-layer outputs")
     test_session = create_session(with_outputs(int8, test_names), threads, "int8 with per-layer outputs")
-    fidelity = {p.tensor: FidelityAccumulator() for p in pairs}
     for batch in batches:
+        fidelity = {p.tensor: FidelityAccumulator() for p in pairs}
         ref = dict(zip(ref_names, ref_session.run(ref_names, batch.feeds) if ref_names else []))
         ref.update({name: batch.feeds[name] for name in feeds_only})
         for pair, array in zip(pairs, test_session.run(test_names, batch.feeds)):
@@ -89,9 +96,20 @@ def layer_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable
             if array.ndim >= 2 and array.shape[1] != ref[pair.tensor].shape[1]:
                 array = array[:, :ref[pair.tensor].shape[1]]  # drop padded zero channels
             fidelity[pair.tensor].update(ref[pair.tensor], array)
+        yield fidelity
+
+
+def summarize(fp32: onnx.ModelProto, int8: onnx.ModelProto,
+              per_batch: Iterable[dict[str, FidelityAccumulator]]) -> list[LayerError]:
+    """The layer errors of batch_fidelity's accumulators, merged in batch order."""
+    pairs = twins(fp32, int8)
+    total = {p.tensor: FidelityAccumulator() for p in pairs}
+    for fidelity in per_batch:
+        for name, acc in total.items():
+            acc.merge(fidelity[name])
     errors = []
     for pair in pairs:
-        figures = fidelity[pair.tensor].result()
+        figures = total[pair.tensor].result()
         errors.append(LayerError(pair.tensor, pair.node, pair.op_type, figures["sqnr_db"], figures["cosine"],
                                  figures["max_abs_error"], figures["mean_abs_error"]))
     return errors

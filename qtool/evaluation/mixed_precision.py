@@ -27,6 +27,8 @@ that is verified on the evaluation data and written is exactly the one that was 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -37,6 +39,7 @@ import onnx
 from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
 from qtool.errors import ThresholdError
+from qtool.graph.executor import Engine, resolve, run_in_order, shared
 from qtool.quantization.float_fallback import Restorable, restorable_layers, restore_float
 from qtool.data.labels import Labels
 from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
@@ -171,6 +174,27 @@ class _Focus:
                 self.reference.append([r[rows] for r in ref])
         self.outputs, self.threads = evaluate.outputs, evaluate.threads
 
+    @contextlib.contextmanager
+    def on_workers(self, engine: Optional[Engine], qmodel: onnx.ModelProto, prepared: onnx.ModelProto):
+        """The handle `scores` needs on an engine (None without one): the int8 model, the prepared
+        model and the focus samples, sent once per worker for the whole search (executor.shared)."""
+        if engine is None:
+            yield None
+            return
+        focus = copy.copy(self)
+        focus.threads = engine.threads
+        with shared(engine, (focus, qmodel, prepared)) as common:
+            yield common
+
+    def scores(self, qmodel: onnx.ModelProto, prepared: onnx.ModelProto, chosen: list[Restorable],
+               layers: list[Restorable], engine: Optional[Engine], common: object) -> list[tuple]:
+        """The score of `qmodel` with `chosen` and each of `layers` in float; on an engine, on its
+        workers (one layer list per task, `common` from on_workers): the same scores as here."""
+        if engine is None:
+            return [self.score(restore_float(qmodel, prepared, chosen + [layer])) for layer in layers]
+        jobs = [tuple(chosen) + (layer,) for layer in layers]
+        return list(run_in_order(engine, _score, jobs, "candidates", common=common))
+
     def score(self, qmodel: onnx.ModelProto) -> tuple:
         session = create_session(qmodel, self.threads, "candidate")
         if not self.classify:
@@ -190,6 +214,12 @@ class _Focus:
         return flips, shortfall / max(1, sum(len(b) for b in self.batches))
 
 
+def _score(layers: tuple[Restorable, ...], common: object) -> tuple:
+    """On a worker: the score of the shared int8 model with `layers` in float."""
+    focus, qmodel, prepared = resolve(common)
+    return focus.score(restore_float(qmodel, prepared, list(layers)))
+
+
 def _margins(logits: np.ndarray, classes: np.ndarray) -> np.ndarray:
     """Per row: the logit of `classes` minus the largest other logit (negative when another class wins)."""
     logits = logits.astype(np.float64)
@@ -204,10 +234,12 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
            eval_data: list[Batch], labels: Optional[Labels], max_float_layers: int,
            calib_data: Optional[Callable[[int], Iterable[Batch]]] = None, focus_samples: int = 64,
            threads: int = 0, min_int8_macs: float = 0.0,
-           log: Callable[[str], None] = lambda message: None) -> MixedPrecisionResult:
+           log: Callable[[str], None] = lambda message: None,
+           engine: Optional[Engine] = None) -> MixedPrecisionResult:
     """The verified model with the fewest layers in float found by the greedy search (module
     doc); ThresholdError if none within `max_float_layers` and `min_int8_macs` (a fraction of
-    the MACs that must stay int8) meets `target`."""
+    the MACs that must stay int8) meets `target`. With an engine, each step's candidates are
+    scored on its workers (`_Focus.scores`)."""
     model_path = Path(model_path)
     if target.top1_drop is not None and labels is None:
         raise ThresholdError("--target-top1-drop needs --labels for the evaluation data")
@@ -246,20 +278,22 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
     chosen: list[Restorable] = []
     ranking: list[str] = []
     budget = min(max_float_layers, len(pool))
-    while len(chosen) < budget:
-        spent = sum(macs.get(layer.node, 0) for layer in chosen)
-        options_left = [layer for name, layer in pool.items() if layer not in chosen
-                        and (int8_now - spent - macs.get(name, 0)) / total >= min_int8_macs]
-        if not options_left:
-            break
-        scored = sorted(((focus.score(restore_float(base.model, prepared, chosen + [layer])), i, layer)
-                         for i, layer in enumerate(options_left)), key=lambda s: (s[0], s[1]))
-        if not ranking:
-            ranking = [layer.node for _, _, layer in scored]
-        chosen.append(scored[0][2])
-        current, _ = candidate(list(chosen))
-        if target.met(current.figures):
-            return MixedPrecisionResult(current, tried, ranking)
+    with focus.on_workers(engine, base.model, prepared) as common:
+        while len(chosen) < budget:
+            spent = sum(macs.get(layer.node, 0) for layer in chosen)
+            options_left = [layer for name, layer in pool.items() if layer not in chosen
+                            and (int8_now - spent - macs.get(name, 0)) / total >= min_int8_macs]
+            if not options_left:
+                break
+            scores = focus.scores(base.model, prepared, chosen, options_left, engine, common)
+            scored = sorted(((score, i, layer) for i, (score, layer) in enumerate(zip(scores, options_left))),
+                            key=lambda s: (s[0], s[1]))
+            if not ranking:
+                ranking = [layer.node for _, _, layer in scored]
+            chosen.append(scored[0][2])
+            current, _ = candidate(list(chosen))
+            if target.met(current.figures):
+                return MixedPrecisionResult(current, tried, ranking)
     sqnr_only = target.agreement is None and target.top1_drop is None
     best = max(tried, key=lambda t: (t["sqnr_db"],) if sqnr_only else (t["agreement"], t["sqnr_db"]))
     limit = f"--max-float-layers {max_float_layers}"

@@ -6,7 +6,8 @@ be a `concurrent.futures.Executor`: a process pool on this machine, Dask's
 `Client.get_executor()`, or whatever executor an API caller passes. A task's arguments
 are small (a model path and its sha256, a list of sample files, options); each worker
 loads its own samples and keeps what it built per model hash (`worker_cache`), so
-nothing the size of the dataset goes through the scheduler.
+nothing the size of the dataset goes through the scheduler. What the coordinator built
+itself (the search's int8 model) goes to each worker once (`shared`), not with every task.
 
 Dask is optional (`pip install "qtool[dask]"`) and imported only when --dask is given.
 Dask re-runs the tasks of a worker that dies; a task that fails on bad input fails the
@@ -17,9 +18,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import multiprocessing
 import os
+import pickle
+import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
@@ -28,7 +32,9 @@ from qtool.errors import QtoolError
 from qtool.graph.modelio import sha256_file
 
 INSTALL_HINT = '--dask needs Dask: pip install "qtool[dask]" (or: pip install "dask[distributed]")'
-TASKS_PER_WORKER = 4  # shards per worker: a dead worker's share is small, the progress bar moves
+# shards per worker: few, since each costs a task's round trip and a pass's first, unsaturated batches;
+# more than one, so a dead worker's share is small and the progress bar moves
+TASKS_PER_WORKER = 2
 CACHE_ENTRIES = 4  # models (and their sessions) a worker keeps
 
 Job = TypeVar("Job")
@@ -43,6 +49,7 @@ class Engine:
     width: int  # tasks that run at once
     threads: int  # onnxruntime intra-op threads of each task's sessions (0: one per core)
     name: str  # for messages: "2 local processes", "Dask tcp://host:8786"
+    client: Optional[object] = None  # Dask's Client, for `shared`
 
 
 def parse_dask(text: str) -> tuple[Optional[str], int]:
@@ -63,7 +70,7 @@ def as_engine(executor: concurrent.futures.Executor) -> Engine:
     client = getattr(executor, "_client", None)
     if client is not None and hasattr(client, "nthreads"):
         width = sum(client.nthreads().values()) or 1
-        return Engine(executor, width, 1, f"Dask {client.scheduler.address}")
+        return Engine(executor, width, 1, f"Dask {client.scheduler.address}", client)
     width = getattr(executor, "_max_workers", None) or os.cpu_count() or 1
     return Engine(executor, width, max(1, (os.cpu_count() or 1) // width), type(executor).__name__)
 
@@ -89,7 +96,7 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
                 except (OSError, TimeoutError) as exc:
                     raise QtoolError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
             engine = as_engine(client.get_executor())
-            yield Engine(engine.executor, engine.width, 1, f"Dask {address or f'local:{count}'}")
+            yield Engine(engine.executor, engine.width, 1, f"Dask {address or f'local:{count}'}", client)
         return
     if workers > 1:
         context = multiprocessing.get_context("spawn")  # no fork of a process that may hold onnxruntime threads
@@ -99,13 +106,15 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
     yield None
 
 
-def run_in_order(engine: Engine, task: Callable[[Job], Result], jobs: Sequence[Job], desc: str,
-                 progress: bool = True) -> Iterator[Result]:
+def run_in_order(engine: Engine, task: Callable[..., Result], jobs: Sequence[Job], desc: str,
+                 progress: bool = True, common: object = None) -> Iterator[Result]:
     """Submit every job, then yield the results in job order as soon as each is in (one tqdm
-    bar over the shards as they complete); the first failure cancels the rest and is raised."""
+    bar over the shards as they complete); the first failure cancels the rest and is raised.
+    `common`: a handle from `shared`, passed to every task after its job (task(job, common))."""
     from tqdm import tqdm
 
-    futures = [engine.executor.submit(task, job) for job in jobs]
+    extra = () if common is None else (common,)
+    futures = [engine.executor.submit(task, job, *extra) for job in jobs]
     done: dict[int, Result] = {}
     index = {future: i for i, future in enumerate(futures)}
     following = 0
@@ -121,6 +130,45 @@ def run_in_order(engine: Engine, task: Callable[[Job], Result], jobs: Sequence[J
     finally:
         for future in futures:
             future.cancel()
+
+
+@dataclass(frozen=True)
+class SharedFile:
+    """What `shared` wrote for a non-Dask executor's workers: a pickle file and its sha256."""
+
+    path: str
+    sha256: str
+
+
+@contextlib.contextmanager
+def shared(engine: Engine, value: object) -> Iterator[object]:
+    """A handle that sends `value` (a model the coordinator built, evaluation batches) to each
+    worker once, not with every task: on Dask it is scattered to every worker (a task given the
+    handle receives the value itself); on other executors (process pools on this machine) it is
+    a temporary pickle file each worker reads once. Tasks get the value with `resolve`."""
+    if engine.client is not None:
+        (future,) = engine.client.scatter([value], broadcast=True, hash=False)  # a list: one value, not split
+        try:
+            yield future
+        finally:
+            future.release()
+        return
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    with tempfile.TemporaryDirectory(prefix="qtool-shared-") as folder:
+        path = os.path.join(folder, "value.pickle")
+        with open(path, "wb") as file:
+            file.write(data)
+        yield SharedFile(path, hashlib.sha256(data).hexdigest())
+
+
+def resolve(handle: object) -> object:
+    """On a worker: the value behind a `shared` handle (read once per worker from a SharedFile)."""
+    if isinstance(handle, SharedFile):
+        def load() -> object:
+            with open(handle.path, "rb") as file:
+                return pickle.load(file)
+        return worker_cache(("shared", handle.sha256), load)
+    return handle
 
 
 _CACHE: "OrderedDict[tuple, object]" = OrderedDict()
@@ -139,12 +187,17 @@ def worker_cache(key: tuple, build: Callable[[], Result]) -> Result:
     return value
 
 
+_CHECKED: set[tuple[str, str]] = set()
+
+
 def model_cache(path: str, sha256: str, key: tuple, build: Callable[[], Result]) -> Result:
     """worker_cache for what is built from the model file at `path`, checked once per worker
     to be the coordinator's model (a cluster's workers read their own copy of the file)."""
     def checked() -> Result:
-        if sha256_file(path) != sha256:
-            raise QtoolError("the model file a worker reads differs from the coordinator's (sha256)", path)
+        if (path, sha256) not in _CHECKED:
+            if sha256_file(path) != sha256:
+                raise QtoolError("the model file a worker reads differs from the coordinator's (sha256)", path)
+            _CHECKED.add((path, sha256))
         return build()
 
     return worker_cache((sha256, *key), checked)
