@@ -123,20 +123,25 @@ def _target_options(func):
                      help="Keep these op types in float (comma-separated or repeated), e.g. Softmax,Sigmoid."),
         click.option("--exclude-nodes", multiple=True, metavar="NAMES",
                      help="Keep these nodes in float: names or glob patterns (comma-separated or repeated)."),
+        click.option("--matmul", type=click.Choice(["auto", "static", "dynamic"]),
+                     help="MatMul/Gemm with a constant weight: static int8 (calibrated Q/DQ), or dynamic (int8 "
+                          "weights, activations quantized at run time, every other node float); auto, the default: "
+                          "dynamic for graphs with LayerNormalization or attention and no Conv, with target ort-cpu."),
     ]):
         func = option(func)
     return func
 
 
 def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                   workers=None, dask=None, target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=()):
+                   workers=None, dask=None, target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=(),
+                   matmul=None):
     """The config file with the calibration and quantization flags applied over it."""
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
                      workers=workers, dask=dask)
     quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset,
                      upgrade_opset=upgrade_opset, target=target, reduce_range=reduce_range,
-                     exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes))
+                     exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes), matmul=matmul)
     return replace(cfg, calibration=calib, quantization=quant)
 
 
@@ -155,8 +160,8 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def calibrate(model, data, config_path, num_samples, batch_size, method, workers, dask, activation_dtype, keep_opset,
-              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, output, table_format, shard, merge,
-              stats_files):
+              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul, output, table_format, shard,
+              merge, stats_files):
     """Run calibration data through MODEL and write a calibration table.
 
     \b
@@ -177,7 +182,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
         raise click.UsageError("--data is required")
     check_output_path(output, model)
     cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes)
+                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul)
     calib, quant = cfg.calibration, cfg.quantization
     start = time.perf_counter()
     if shard:
@@ -224,10 +229,6 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--embeddings", type=click.Choice(["auto", "int8", "float"]),
               help="Embedding tables read by Gather: int8 per row, weight-only (auto, the default: tables of "
                    "1 MiB or more with target ort-cpu), or float.")
-@click.option("--matmul", type=click.Choice(["auto", "static", "dynamic"]),
-              help="MatMul/Gemm with a constant weight: static int8 (calibrated Q/DQ), or dynamic (int8 weights, "
-                   "activations quantized at run time, every other node float); auto, the default: dynamic for "
-                   "transformers (LayerNormalization or attention, no Conv) with target ort-cpu.")
 @click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")
 @click.option("--labels", type=str, help="Labels of --eval-data ('filename<TAB>class_index' file, or 'folders').")
 @click.option("--target-agreement", type=click.FloatRange(0, 100),
@@ -241,9 +242,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
               help="MAC budget of the --target-* search: at least this percent of the MACs stays int8.")
 @_command
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
-             activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes,
+             activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
              save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
-             embeddings, matmul, eval_data, labels, target_agreement, target_top1_drop, target_sqnr, max_float_layers,
+             embeddings, eval_data, labels, target_agreement, target_top1_drop, target_sqnr, max_float_layers,
              min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
@@ -253,10 +254,9 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
     cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes)
+                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
-                     weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings,
-                     matmul=matmul)
+                     weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings)
     cfg = replace(cfg, quantization=quant)
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
 from qtool import atomic
-from qtool.config import EvaluateConfig, PreprocessConfig
+from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig
 from qtool.data.dataset import Batch, batches, folder_only, open_data, split_shard
 from qtool.data.labels import labels_for
 from qtool.errors import QtoolError
@@ -32,7 +33,7 @@ from qtool.evaluation.evaluate import EvaluateInputs, build_report, detection_co
 from qtool.evaluation.latency import measure_latency
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.evaluation.report import EvaluationReport
-from qtool.evaluation.shards import BatchFigures, ModelRef, compare_part
+from qtool.evaluation.shards import ModelRef, compare_part
 from qtool.evaluation.task import Task
 
 FORMAT = "qtool-evaluation-shard"
@@ -54,11 +55,11 @@ def evaluate_shard(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Ev
     source = open_data(inputs.data, specs, preprocess)
     labels = labels_for(source, inputs.labels) if inputs.labels else None
     (part,) = split_shard(source, cfg.batch_size, cfg.num_samples, *shard, parts=1)
-    found = compare_part(ModelRef.of(inputs.fp32), ModelRef.of(inputs.int8), part, labels, outputs, cfg,
-                         detection_config(cfg), threads=0)
+    fp32, int8 = ModelRef.of(inputs.fp32), ModelRef.of(inputs.int8)
+    found = compare_part(fp32, int8, part, labels, outputs, cfg, detection_config(cfg), threads=0)
     first = found[0].task
-    header = {"format": FORMAT, "version": VERSION, "fp32_sha256": ModelRef.of(inputs.fp32).sha256,
-              "int8_sha256": ModelRef.of(inputs.int8).sha256, "shard": list(shard), "samples": len(part),
+    header = {"format": FORMAT, "version": VERSION, "fp32_sha256": fp32.sha256, "int8_sha256": int8.sha256,
+              "shard": list(shard), "samples": len(part),
               "data": str(inputs.data), "labels": inputs.labels, "task": first.name, "task_output": first.output,
               "outputs": outputs, "first_batch": _first_batch(part, cfg)}
     per_batch = [{"task": None if f.task.accumulator is None else _fields(f.task.accumulator),
@@ -86,32 +87,33 @@ def merge_evaluations(inputs: EvaluateInputs, paths: list[Path], cfg: EvaluateCo
     _check(shards, ModelRef.of(inputs.fp32).sha256, ModelRef.of(inputs.int8).sha256, outputs)
     header = shards[0][1]
     inputs = replace(inputs, data=header["data"], labels=header["labels"])
-    task = _task(header["task"], header["task_output"], None, cfg)
+    detection = detection_config(cfg)
+    task = _task(header, None, cfg, detection)
     fidelity = {name: FidelityAccumulator() for name in outputs}
     for _, data in shards:
         for entry in data["batches"]:
-            figures = BatchFigures(_task(header["task"], header["task_output"], entry["task"], cfg),
-                                   {name: FidelityAccumulator(**values) for name, values in entry["fidelity"].items()})
             if task.accumulator is not None:
-                task.accumulator.merge(figures.task.accumulator)
+                task.accumulator.merge(_task(header, entry["task"], cfg, detection).accumulator)
             for name, acc in fidelity.items():
-                acc.merge(figures.fidelity[name])
+                acc.merge(FidelityAccumulator(**entry["fidelity"][name]))
     first = header["first_batch"]
     rng = np.random.default_rng(0)
     feeds = {name: rng.normal(size=spec["shape"]).astype(spec["dtype"]) for name, spec in first.items()}
-    latency = measure_latency(str(inputs.fp32), str(inputs.int8), Batch([""] * len(next(iter(feeds.values()))),
-                                                                         feeds), cfg)
+    size = next(iter(first.values()))["shape"][0]
+    latency = measure_latency(str(inputs.fp32), str(inputs.int8), Batch([""] * size, feeds), cfg)
     latency["measured_on"] = "the merging process, on random inputs of the first batch's shapes"
     shapes = {name: (1, *spec["shape"][1:]) for name, spec in first.items()}
     return build_report(inputs, int8_model, True, task, fidelity, sum(d["samples"] for _, d in shards), shapes,
                         latency, cfg)
 
 
-def _task(name: str, output: str, values, cfg: EvaluateConfig) -> Task:
+def _task(header: dict, values: Optional[dict], cfg: EvaluateConfig, detection: DetectionConfig) -> Task:
+    """The shards' task with one batch's counts (`values`), or with none yet."""
+    name, output = header["task"], header["task_output"]
     if name == "classification":
         return Task(name, output, ClassificationAccumulator(**(values or {"top_k": cfg.top_k})))
     if name == "detection":
-        return Task(name, output, DetectionAccumulator(detection_config(cfg), **(values or {})))
+        return Task(name, output, DetectionAccumulator(detection, **(values or {})))
     return Task(name, output, None)
 
 
