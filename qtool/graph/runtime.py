@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import onnx
 import onnxruntime as ort
 
@@ -20,12 +22,24 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.intra_op_num_threads = threads  # 0: onnxruntime's default (one per core)
+    options.intra_op_num_threads = threads or allowed_cores()
     options.inter_op_num_threads = 1
     options.log_severity_level = log_level
     if optimized_path is not None:
         options.optimized_model_filepath = optimized_path
     return options
+
+
+def allowed_cores() -> int:
+    """0 (onnxruntime's default: one thread per core, pinned to the cores) when the process may
+    run on every core, else the number of cores it may run on. onnxruntime's default ignores
+    the process's CPU affinity (taskset, a cpuset): under `taskset -c 0` it still starts a
+    thread per core and pins them, so a run meant for one core used two."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS, Windows)
+        return 0
+    return 0 if allowed >= (os.cpu_count() or allowed) else allowed
 
 
 class SharedWeights:
