@@ -60,8 +60,12 @@ class LatencyChoice:
 
 def enabled(options) -> bool:
     """`auto` is on for target ort-cpu only: the measurement is onnxruntime CPU's; other runtimes
-    fuse and schedule differently."""
-    return options.latency_aware == "on" or (options.latency_aware == "auto" and options.target == "ort-cpu")
+    fuse and schedule differently. QTOOL_LATENCY_AWARE=off|on in the environment decides `auto`
+    where a command line cannot be changed (a CI script, a test suite that needs timing-free output)."""
+    setting = options.latency_aware
+    if setting == "auto":
+        setting = os.environ.get("QTOOL_LATENCY_AWARE", "auto")
+    return setting == "on" or (setting == "auto" and options.target == "ort-cpu")
 
 
 def latency_cache_dir() -> Path:
