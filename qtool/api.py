@@ -144,7 +144,8 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
             graph, outcome = _search(model, specs, table, cfg, search, calib_data, log or (lambda message: None),
                                      engine)
         else:
-            graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data)
+            graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data,
+                                   latency=True)
     plan = graph.plan
     return QuantizeResult(graph.model, table, tuple(graph.notes), len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),

@@ -32,6 +32,7 @@ EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUT
 EMBEDDING_AUTO_BYTES = 1 << 20
 # auto: dynamic for transformer graphs (qtool.plan.dynamic), static otherwise
 MATMUL_STRATEGIES = ("auto", "static", "dynamic")
+LATENCY_AWARE = ("auto", "on", "off")  # auto: on for target ort-cpu (qtool.plan.latency)
 ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 
 
@@ -126,6 +127,8 @@ class QuantizeConfig:
     # MatMul/Gemm with a constant weight: static (Q/DQ from calibrated ranges) or dynamic (int8 weight,
     # activation quantized at run time, every other node float); auto: dynamic for transformers
     matmul: str = "auto"
+    # Op types whose int8 form onnxruntime runs slower than float on this CPU stay float (measured, cached)
+    latency_aware: str = "auto"
 
     def __post_init__(self):
         _one_of("target", self.target, tuple(TARGETS))
@@ -142,6 +145,7 @@ class QuantizeConfig:
         _one_of("weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
         _one_of("embeddings", self.embeddings, EMBEDDINGS)
         _one_of("matmul", self.matmul, MATMUL_STRATEGIES)
+        _one_of("latency_aware", self.latency_aware, LATENCY_AWARE)
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
 

@@ -71,19 +71,24 @@ def weight_qmax(reduce_range: bool) -> int:
     return 63 if reduce_range else 127
 
 
-def cpu_has_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[bool]:
-    """True/False on x86 Linux; None where it cannot be told (other OS or architecture)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
-        return None
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[frozenset[str]]:
+    """The first CPU's flags on Linux (x86 `flags`, ARM `Features`); None where they cannot be read."""
     try:
         text = Path(cpuinfo).read_text(errors="replace")
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_vnni", "avx_vnni"})
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
     return None
+
+
+def cpu_has_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[bool]:
+    """True/False on x86 Linux; None where it cannot be told (other OS or architecture)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return None
+    flags = cpu_flags(cpuinfo)
+    return None if flags is None else bool(flags & {"avx512_vnni", "avx_vnni"})
 
 
 def vnni_warning(options, has_vnni: Optional[bool]) -> Optional[str]:

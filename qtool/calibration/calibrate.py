@@ -42,8 +42,9 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 def _quantize_settings(options: QuantizeConfig) -> dict:
     """The quantization options; keep_opset, `embeddings` (it never changes the table: embedding
     tables are weights) and `matmul` only where they differ from the default, so tables of default
-    settings keep their bytes."""
+    settings keep their bytes. `latency_aware` never: it is chosen when quantizing, from the table's ranges."""
     settings = asdict(options)
+    del settings["latency_aware"]
     if not options.keep_opset:
         del settings["keep_opset"]
     if options.embeddings == QuantizeConfig.embeddings:

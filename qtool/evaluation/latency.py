@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
-
 from qtool.config import EvaluateConfig
 from qtool.data.dataset import Batch
 from qtool.evaluation.metrics import percentile_ms
-from qtool.graph.runtime import create_session
-
-
-def time_models(paths: dict[str, str], feeds: dict[str, np.ndarray], threads: int, warmup: int,
-                runs: int) -> dict[str, list[float]]:
-    """Seconds per run of each model: warm-up, then the models take turns run by run, so a
-    slowdown from a noisy neighbour hits all of them alike. Same session options for all."""
-    sessions = {name: create_session(path, threads, path) for name, path in paths.items()}
-    times: dict[str, list[float]] = {name: [] for name in sessions}
-    for _ in range(warmup):
-        for session in sessions.values():
-            session.run(None, feeds)
-    for _ in range(runs):
-        for name, session in sessions.items():
-            start = time.perf_counter()
-            session.run(None, feeds)
-            times[name].append(time.perf_counter() - start)
-    return times
+from qtool.graph.runtime import time_models
 
 
 def measure_latency(fp32_path: str, int8_path: str, batch: Batch, cfg: EvaluateConfig) -> dict:

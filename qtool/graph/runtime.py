@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
@@ -119,3 +121,28 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
         raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
+
+
+def time_models(models: dict[str, "str | onnx.ModelProto"], feeds: dict[str, np.ndarray], threads: int, warmup: int,
+                runs: int) -> dict[str, list[float]]:
+    """Seconds per run of each model (a path or a proto), timed by time_sessions. Same session
+    options for all."""
+    sessions = {name: create_session(model, threads, model if isinstance(model, str) else name)
+                for name, model in models.items()}
+    return time_sessions(sessions, feeds, warmup, runs)
+
+
+def time_sessions(sessions: dict[str, ort.InferenceSession], feeds: dict[str, np.ndarray], warmup: int,
+                  runs: int) -> dict[str, list[float]]:
+    """Seconds per run of each session: warm-up, then the sessions take turns run by run, so a
+    slowdown from a noisy neighbour hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(warmup):
+        for session in sessions.values():
+            session.run(None, feeds)
+    for _ in range(runs):
+        for name, session in sessions.items():
+            start = time.perf_counter()
+            session.run(None, feeds)
+            times[name].append(time.perf_counter() - start)
+    return times

@@ -19,6 +19,8 @@ from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
 from qtool.graph.index import node_label
 from qtool.graph.modelio import check_model, input_specs, sha256_file
+from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
+from qtool.plan.latency import enabled as latency_enabled
 from qtool.plan.planner import QuantPlan, build_plan, prepared_model
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_graph
@@ -65,8 +67,10 @@ def _optional(setting: str, what: str, notes: list[str], step: Callable):
 
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                    table_path: object = None, allow_missing: bool = False,
-                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizedGraph:
+                   data: Optional[Callable[[int], Iterable[Batch]]] = None, latency: bool = False) -> QuantizedGraph:
     """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them).
+    `latency`: run the latency-aware float fallback where the options enable it (qtool.plan.latency);
+    the quantize job does, internal re-quantizations (search candidates) do not.
 
     The model is run once in onnxruntime before it is returned (qtool.quantization.run_check);
     a node whose int8 form onnxruntime cannot run is kept float with a note, and a model that
@@ -104,12 +108,37 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         fixes.append(f"'{found}' ({_op_type(model, found)}) kept in float"
                      + (f" (and with it {', '.join(along)})" if along else "")
                      + f", because onnxruntime cannot run the model with it in int8: {failure.reason}")
+    if latency and latency_enabled(options):
+        choice = _latency_choice(model, plan, kept, steps, ref, options)
+        if choice.labels:
+            kept += choice.labels
+            notes_before = plan.notes
+            plan = build_plan(model, options, keep_float=kept)
+            plan.notes = notes_before
+            qmodel, notes = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
+            failure = run_check.check(qmodel, ref)
+            if failure is not None:
+                raise InternalError(f"the model with the latency-aware float nodes does not pass onnxruntime's "
+                                    f"run check: {failure.reason}")
+        fixes += choice.notes
+        if choice.notes and choice.cache_file is not None:
+            fixes.append(f"latency-aware choice {'read from' if choice.cached else 'saved to'} {choice.cache_file} "
+                         f"(delete it to measure again; --no-latency-aware quantizes every node)")
     if ref.skipped:
         notes.append(f"the int8 model was only loaded, not run: {ref.skipped}")
     return QuantizedGraph(qmodel, plan, fixes + notes, model)
 
 
 MAX_KEPT_FLOAT = 3  # nodes kept float by the run check before a model that still fails is a bug
+
+
+def _latency_choice(model: onnx.ModelProto, plan: QuantPlan, kept: list[str], steps: "_Steps",
+                    ref: run_check.Reference, options: QuantizeConfig) -> LatencyChoice:
+    """The op types onnxruntime runs faster float on this CPU, timed on the run check's batch."""
+    quantized = {label: _op_type(model, label) for label in plan.quantized_nodes}
+    key = cache_key(model, quantized, ref.feeds, options)
+    return choose(model, quantized, lambda labels: steps.structure(
+        model, build_plan(model, options, keep_float=[*kept, *labels])), key, timer(ref.feeds), latency_cache_dir())
 
 
 def _op_type(model: onnx.ModelProto, label: str) -> str:

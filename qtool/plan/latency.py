@@ -1,0 +1,206 @@
+"""Latency-aware float fallback: op types whose int8 form onnxruntime runs slower than float stay float.
+
+An int8 layer is fast only where onnxruntime has an integer kernel that outweighs the
+QuantizeLinear/DequantizeLinear around it. On small layers (a 48x192 text-line classifier's
+convs, a GRU encoder's one Gemm) or where a float activation sits between the int8 ops
+(HardSwish between DequantizeLinear and QuantizeLinear), the int8 model can run slower than
+fp32. Which it is depends on the CPU (VNNI or not), onnxruntime's version and the shapes,
+so it is measured, not guessed: the whole model is timed on the run check's batch (1 thread,
+the candidates taking turns run by run, median), once with every quantized node and once per
+op type with that type's nodes kept float (the planner then drops the Q/DQ pairs that only
+served them). A type goes float when that is faster by more than MARGIN (noise on a shared
+machine must not flip a choice), greedily, cheap elementwise types before weighted ones; if
+what is left still runs slower than the fp32 graph, every node stays float. The choice is
+cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
+the prepared graph, its quantized nodes, the batch's shapes, the options, onnxruntime's
+version and the CPU's flags, so the same inputs give the same model; delete the folder to
+measure again, or quantize with --no-latency-aware (config quantization.latency_aware: off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from qtool.atomic import write_text
+from qtool.plan.ops import rule_for
+from qtool.graph.runtime import create_session, time_sessions
+from qtool.targets import cpu_flags
+
+MARGIN = 0.05  # a float candidate must be this much faster than the int8 model it replaces, twice
+BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
+MIN_RUNS, MAX_RUNS = 7, 200
+WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
+VERSION = 1  # of the decision procedure; part of the cache key
+
+# {name: model} -> median seconds per run of each per feed set (batch 1, then the batch), timed together
+Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
+
+
+@dataclass(frozen=True)
+class LatencyChoice:
+    float_op_types: tuple[str, ...]  # op types whose quantized nodes stay float, in the order chosen
+    all_float: bool  # the int8 model stayed slower than fp32: every node float
+    labels: tuple[str, ...]  # the nodes kept float
+    notes: tuple[str, ...]  # one per choice
+    cache_file: Optional[Path]
+    cached: bool  # read from the cache, nothing measured
+
+
+def enabled(options) -> bool:
+    """`auto` is on for target ort-cpu only: the measurement is onnxruntime CPU's; other runtimes
+    fuse and schedule differently. QTOOL_LATENCY_AWARE=off|on in the environment decides `auto`
+    where a command line cannot be changed (a CI script, a test suite that needs timing-free output)."""
+    setting = options.latency_aware
+    if setting == "auto":
+        setting = os.environ.get("QTOOL_LATENCY_AWARE", "auto")
+    return setting == "on" or (setting == "auto" and options.target == "ort-cpu")
+
+
+def latency_cache_dir() -> Path:
+    root = os.environ.get("QTOOL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qtool")
+    return Path(root) / "latency"
+
+
+def cache_key(model: onnx.ModelProto, quantized: Mapping[str, str], feeds: Mapping[str, np.ndarray],
+              options: object) -> str:
+    digest = hashlib.sha256()
+    digest.update(model.SerializeToString(deterministic=True))
+    for part in (sorted(quantized.items()), sorted((k, v.shape, str(v.dtype)) for k, v in feeds.items()),
+                 repr(options), ort.__version__, platform.machine(), sorted(cpu_flags() or ()), VERSION):
+        digest.update(repr(part).encode())
+    return digest.hexdigest()
+
+
+def feed_sets(feeds: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """The batch, and its first sample alone when every input is batched along axis 0: a choice
+    must hold at batch 1 and at the batch the model is fed with."""
+    leading = {v.shape[0] for v in feeds.values() if v.ndim}
+    if len(leading) == 1 and leading.pop() > 1 and all(v.ndim for v in feeds.values()):
+        return [{k: v[:1] for k, v in feeds.items()}, dict(feeds)]
+    return [dict(feeds)]
+
+
+def timer(feeds: Mapping[str, np.ndarray], threads: int = 1) -> Measure:
+    """Per feed set (feed_sets), median seconds per run, the models taking turns; enough runs for
+    about BUDGET_S per feed set."""
+    def measure(models: Mapping[str, onnx.ModelProto]) -> dict[str, list[float]]:
+        sessions = {name: create_session(model, threads, name) for name, model in models.items()}
+        medians: dict[str, list[float]] = {name: [] for name in models}
+        for batch in feed_sets(feeds):
+            probe = time_sessions(sessions, batch, warmup=1, runs=1)
+            runs = int(min(MAX_RUNS, max(MIN_RUNS, BUDGET_S / max(sum(t[0] for t in probe.values()), 1e-6))))
+            for name, values in time_sessions(sessions, batch, warmup=1, runs=runs).items():
+                medians[name].append(statistics.median(values))
+        return medians
+    return measure
+
+
+def _ratio(times: dict[str, list[float]], new: str, old: str) -> float:
+    """Geometric mean over the feed sets of new's time over old's."""
+    return math.prod(n / o for n, o in zip(times[new], times[old])) ** (1 / len(times[new]))
+
+
+def _ms(values: list[float]) -> str:
+    return " / ".join(f"{v * 1e3:.2f}" for v in values) + " ms"
+
+
+def choose(fp32: onnx.ModelProto, quantized: Mapping[str, str], build: Callable[[list[str]], onnx.ModelProto],
+           key: str, measure: Measure, cache_dir: Optional[Path] = None) -> LatencyChoice:
+    """quantized: node label -> op type of the nodes the plan quantizes; build(labels): the int8
+    model with those nodes kept float; key: cache_key(...); cache_dir None: no cache."""
+    by_type: dict[str, list[str]] = {}
+    for label, op_type in quantized.items():
+        by_type.setdefault(op_type, []).append(label)
+    path = cache_dir / f"{key}.json" if cache_dir is not None else None
+    decision = _read(path)
+    cached = decision is not None and set(decision["float_op_types"]) <= set(by_type)
+    if not cached:
+        decision = _decide(fp32, by_type, build, measure)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_text(path, json.dumps(decision, indent=1))
+            except OSError:
+                path = None  # a read-only home still quantizes; the choice is only not remembered
+    labels = tuple(quantized) if decision["all_float"] else \
+        tuple(label for t in decision["float_op_types"] for label in by_type[t])
+    return LatencyChoice(tuple(decision["float_op_types"]), decision["all_float"], labels,
+                         tuple(decision["notes"]), path, cached)
+
+
+def _read(path: Optional[Path]) -> Optional[dict]:
+    if path is None or not path.is_file():
+        return None
+    try:
+        decision = json.loads(path.read_text())
+        return decision if {"float_op_types", "all_float", "notes"} <= set(decision) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _decide(fp32: onnx.ModelProto, by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],
+            measure: Measure) -> dict:
+    """Greedy over op types; every choice is confirmed by a second, independent measurement (new
+    sessions: two sessions of one model can differ by a few percent, and a neighbour's load comes
+    and goes), so noise alone rarely makes one."""
+    kept: list[str] = []
+    float_types: list[str] = []
+    notes: list[str] = []
+    current = build([])
+    # Movement ops (Reshape, Flatten...) follow their producer into float on their own: not tried.
+    for op_type in sorted((t for t in by_type if not _movement(t)), key=lambda t: (t in WEIGHTED, t)):
+        try:
+            candidate = build(kept + by_type[op_type])
+            faster = _twice(measure, {"int8": current, "float": candidate},
+                            lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
+        except Exception:  # a candidate onnxruntime cannot build or run is simply not taken
+            continue
+        if faster:
+            kept += by_type[op_type]
+            float_types.append(op_type)
+            current = candidate
+            count = len(by_type[op_type])
+            notes.append(f"{count} {op_type} node{'s' if count > 1 else ''} kept float (latency-aware): onnxruntime "
+                         f"ran the model in {_ms(faster['float'])} with them float against {_ms(faster['int8'])} "
+                         f"with them int8 on this CPU ({_BATCHES[len(faster['int8'])]}; 1 thread, median)")
+    all_float = False
+    if len(kept) < sum(map(len, by_type.values())):
+        slower = _twice(measure, {"int8": current, "fp32": fp32},
+                        lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+        if slower:
+            all_float = True
+            notes.append(f"every node kept float (latency-aware): onnxruntime ran the int8 model in "
+                         f"{_ms(slower['int8'])} against {_ms(slower['fp32'])} for fp32 on this CPU "
+                         f"({_BATCHES[len(slower['int8'])]}; 1 thread, median)")
+    return {"float_op_types": float_types, "all_float": all_float, "notes": notes}
+
+
+def _movement(op_type: str) -> bool:
+    rule = rule_for(op_type, "")
+    return rule is not None and rule.output == "tie"
+
+
+def _twice(measure: Measure, models: Mapping[str, onnx.ModelProto],
+           holds: Callable[[dict[str, list[float]]], bool]) -> Optional[dict[str, list[float]]]:
+    """The second measurement if `holds` is true of two in a row, else None."""
+    times = measure(models)
+    if not holds(times):
+        return None
+    times = measure(models)
+    return times if holds(times) else None
+
+
+_BATCHES = {1: "the first calibration batch", 2: "batch 1 / the calibration batch"}

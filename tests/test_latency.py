@@ -1,0 +1,116 @@
+"""The latency-aware float fallback (qtool.plan.latency) on a real small graph, with the
+measurement replaced by a latency table (no timing is asserted): the op type the table makes
+slower in int8 stays float with its Q/DQ gone, the decision is cached and reused, and a model
+whose int8 form stays slower than fp32 keeps every node float."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from qtool.calibration.calibrate import calibrate
+from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.plan import latency
+from qtool.quantization import quantize as quantize_module
+
+from tests import graphs
+
+# The final Sigmoid stays float, so the pool's output is quantized for the pool alone.
+ON = QuantizeConfig(latency_aware="on", exclude_op_types=("Sigmoid",))
+
+
+def _cost(model: onnx.ModelProto, table: dict[str, tuple[float, float]]) -> float:
+    """Milliseconds of a model by the table: op -> (int8, float) cost; a node is int8 when its weight
+    comes from a DequantizeLinear or a QuantizeLinear reads its output. Q/DQ nodes cost a little each."""
+    dq = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    quantized = {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    total = 0.0
+    for node in model.graph.node:
+        if node.op_type in table:
+            int8 = node.output[0] in quantized or (len(node.input) > 1 and node.input[1] in dq)
+            total += table[node.op_type][0 if int8 else 1]
+        elif node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            total += 0.01
+    return total
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.onnx"
+    onnx.save(graphs.conv_model(np.random.default_rng(0), activation="Relu", pool="GlobalAveragePool"), path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=4), ON, progress=False)
+    calls: list[int] = []
+
+    def run(costs: dict[str, tuple[float, float]], options: QuantizeConfig = ON):
+        def measure(models):
+            calls.append(len(models))
+            return {name: [_cost(m, costs)] for name, m in models.items()}
+        monkeypatch.setattr(quantize_module, "timer", lambda feeds: measure)
+        return quantize_module.quantize_model(path, table, options, latency=True)
+    return run, calls, tmp_path / "cache" / "latency"
+
+
+def test_slow_int8_op_type_stays_float_and_loses_its_qdq(setup):
+    run, calls, cache = setup
+    costs = {"Conv": (1.0, 3.0), "GlobalAveragePool": (5.0, 1.0)}
+    result = run(costs)
+    assert "conv" in result.plan.quantized_nodes and "pool" not in result.plan.quantized_nodes
+    assert "pool" not in result.plan.activations  # the pool's own output Q/DQ is gone
+    readers = {i for n in result.model.graph.node if n.op_type == "QuantizeLinear" for i in n.input}
+    assert "pool" not in readers
+    assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)  # the Conv stays int8
+    assert any("1 GlobalAveragePool node kept float (latency-aware)" in note for note in result.notes)
+    assert calls and len(list(cache.glob("*.json"))) == 1
+
+    # Same model, same options, same batch: the cached choice, nothing measured again.
+    measured = len(calls)
+    again = run({"Conv": (9.0, 1.0), "GlobalAveragePool": (9.0, 1.0)})  # a table that would choose otherwise
+    assert len(calls) == measured
+    assert again.plan.quantized_nodes == result.plan.quantized_nodes
+    assert again.model.SerializeToString() == result.model.SerializeToString()
+    assert any("read from" in note for note in again.notes)
+
+    # The cache file is what decides: edited, it is obeyed.
+    (file,) = cache.glob("*.json")
+    file.write_text(json.dumps({"float_op_types": [], "all_float": False, "notes": []}))
+    assert "pool" in run(costs).plan.quantized_nodes and len(calls) == measured
+
+
+def test_int8_slower_than_fp32_keeps_every_node_float(setup):
+    run, calls, _ = setup
+    result = run({"Conv": (3.0, 1.0), "GlobalAveragePool": (1.0, 1.0)})
+    assert result.plan.quantized_nodes == []
+    assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in result.model.graph.node)
+    assert any(note.startswith("every node kept float (latency-aware)") for note in result.notes)
+
+
+def test_int8_faster_everywhere_changes_nothing(setup):
+    run, calls, cache = setup
+    result = run({"Conv": (1.0, 3.0), "GlobalAveragePool": (1.0, 1.0)})
+    plain = run({}, QuantizeConfig(latency_aware="off", exclude_op_types=("Sigmoid",)))
+    assert result.plan.quantized_nodes == plain.plan.quantized_nodes
+    assert {"conv", "pool"} <= set(result.plan.quantized_nodes)
+    assert result.model.SerializeToString() == plain.model.SerializeToString()
+    assert not any("latency-aware" in note for note in result.notes)
+
+
+def test_enabled_by_target_option_and_environment(monkeypatch):
+    monkeypatch.delenv("QTOOL_LATENCY_AWARE", raising=False)
+    assert latency.enabled(QuantizeConfig())
+    assert not latency.enabled(QuantizeConfig(target="tensorrt"))
+    assert latency.enabled(QuantizeConfig(target="tensorrt", latency_aware="on"))
+    assert not latency.enabled(QuantizeConfig(latency_aware="off"))
+    monkeypatch.setenv("QTOOL_LATENCY_AWARE", "off")
+    assert not latency.enabled(QuantizeConfig()) and latency.enabled(ON)
+
+
+def test_batch_one_is_measured_beside_the_batch():
+    x = np.zeros((4, 3), np.float32)
+    sets = latency.feed_sets({"x": x, "m": np.ones((4, 2), np.int64)})
+    assert [s["x"].shape for s in sets] == [(1, 3), (4, 3)]
+    assert len(latency.feed_sets({"x": x, "sr": np.array(16000)})) == 1  # a scalar input: not batched
