@@ -42,8 +42,8 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class MixedPrecisionSearch:
     """Keep the fewest layers in float so that the int8 model meets a target on evaluation
-    data (quantize --target-agreement/--target-top1-drop/--target-sqnr; the search is
-    described in qtool.evaluation.mixed_precision). Set at least one target."""
+    data (quantize --target-agreement/--target-top1-drop/--target-sqnr/--target-cosine; the
+    search is described in qtool.evaluation.mixed_precision). Set at least one target."""
 
     data: DataLike  # evaluation data, batched by the config's evaluation section
     agreement: Optional[float] = None  # percent of samples whose top-1 matches fp32
@@ -52,18 +52,23 @@ class MixedPrecisionSearch:
     labels: Optional[str] = None  # label file, or "folders" (folder data only)
     max_float_layers: int = 10  # fail (ThresholdError) when the target needs more
     min_int8_macs: float = 0.0  # percent of the MACs that must stay int8
+    cosine: Optional[float] = None  # mean over samples of the worst output's cosine to fp32
 
 
 @dataclass(frozen=True)
 class SearchOutcome:
-    """The model the search chose: its float layers and the figures it was verified with."""
+    """The model the search chose: its float layers, the MatMul/Gemm it made dynamic int8, and
+    the figures it was verified with."""
 
     float_layers: tuple[str, ...]
     int8_mac_fraction: float
-    figures: dict  # agreement, mean_kl, sqnr_db (and top1, top1_fp32 with labels)
+    figures: dict  # agreement, mean_kl, sqnr_db, cosine (and top1, top1_fp32 with labels)
+    dynamic_layers: tuple[str, ...] = ()
 
     def describe(self) -> str:
         layers = f": {', '.join(self.float_layers)}" if self.float_layers else ""
+        layers += f"; {len(self.dynamic_layers)} dynamic int8: {', '.join(self.dynamic_layers)}" \
+            if self.dynamic_layers else ""
         return (f"target met with {len(self.float_layers)} layer(s) in float{layers}; "
                 f"{100 * self.int8_mac_fraction:.1f}% of MACs in int8; {describe_figures(self.figures)}")
 
@@ -176,9 +181,9 @@ def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) ->
 def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, cfg: Config,
             search: MixedPrecisionSearch, calib_data: Optional[Callable[[int], Iterable[Batch]]],
             log: Log, engine: Optional[Engine]) -> tuple[QuantizedGraph, SearchOutcome]:
-    target = Target(search.agreement, search.top1_drop, search.sqnr)
+    target = Target(search.agreement, search.top1_drop, search.sqnr, search.cosine)
     if not target.given():
-        raise QtoolError("a mixed-precision search needs a target: agreement, top1_drop or sqnr")
+        raise QtoolError("a mixed-precision search needs a target: agreement, top1_drop, sqnr or cosine")
     source = open_data(search.data, specs, cfg.preprocess)
     label_map = labels_for(source, search.labels) if search.labels else None
     eval_batches = list(batches(source, cfg.evaluation.batch_size, cfg.evaluation.num_samples))
@@ -188,4 +193,5 @@ def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, 
     found = run_search(model, table, cfg.quantization, target, eval_batches, label_map, search.max_float_layers,
                        calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log, engine=engine)
     chosen = found.chosen
-    return chosen.result, SearchOutcome(tuple(chosen.float_layers), chosen.int8_mac_fraction, chosen.figures)
+    return chosen.result, SearchOutcome(tuple(chosen.float_layers), chosen.int8_mac_fraction, chosen.figures,
+                                        tuple(chosen.dynamic_layers))

@@ -239,6 +239,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--target-top1-drop", type=click.FloatRange(min=0),
               help="... so top-1 drops by at most this many points (needs --labels).")
 @click.option("--target-sqnr", type=float, help="... so every output's SQNR reaches this many dB.")
+@click.option("--target-cosine", type=click.FloatRange(-1, 1),
+              help="... so the mean over samples of the worst output's cosine to fp32 reaches this "
+                   "(models without labels or classes).")
 @click.option("--max-float-layers", type=click.IntRange(min=0), default=10, show_default=True,
               help="Layer budget of the --target-* search; exit 1 when the target needs more.")
 @click.option("--min-int8-macs", type=click.FloatRange(0, 100), default=0.0, show_default=True,
@@ -247,8 +250,8 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
              save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
-             embeddings, latency_aware, eval_data, labels, target_agreement, target_top1_drop, target_sqnr, max_float_layers,
-             min_int8_macs):
+             embeddings, latency_aware, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
+             target_cosine, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
     from qtool.graph.executor import open_engine
@@ -266,11 +269,12 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "
                                "bias correction or adaptive rounding)")
     search = None
-    if any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr)):
+    if any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr, target_cosine)):
         if eval_data is None:
-            raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr need --eval-data")
+            raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr/--target-cosine "
+                                   "need --eval-data")
         search = api.MixedPrecisionSearch(eval_data, target_agreement, target_top1_drop, target_sqnr, labels,
-                                          max_float_layers, min_int8_macs)
+                                          max_float_layers, min_int8_macs, target_cosine)
     check_output_path(output, model, table_path)
     if save_table:
         check_output_path(save_table, model, output)

@@ -30,6 +30,17 @@ def sqnr_db(signal_power: float, noise_power: float) -> float:
     return 10.0 * math.log10(signal_power / noise_power)
 
 
+def sample_cosines(ref: np.ndarray, test: np.ndarray) -> np.ndarray:
+    """The cosine of every sample (row of axis 0) of `test` to `ref`; a scalar is one sample."""
+    n = ref.shape[0] if ref.ndim > 0 else 1
+    r = ref.astype(np.float64).reshape(n, -1)
+    t = test.astype(np.float64).reshape(n, -1)
+    norms = np.linalg.norm(r, axis=1) * np.linalg.norm(t, axis=1)
+    dots = np.sum(r * t, axis=1)
+    # two all-zero vectors are identical: cosine 1
+    return np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(np.all(r == t, axis=1), 1.0, 0.0))
+
+
 @dataclass
 class FidelityAccumulator:
     """Reference vs test tensor: SQNR over everything, mean per-sample cosine, abs errors."""
@@ -50,15 +61,9 @@ class FidelityAccumulator:
         self.abs_sum += float(np.sum(np.abs(diff)))
         self.abs_max = max(self.abs_max, float(np.max(np.abs(diff))) if diff.size else 0.0)
         self.values += diff.size
-        n = ref.shape[0] if ref.ndim > 0 else 1
-        r = ref.reshape(n, -1)
-        t = test.astype(np.float64).reshape(n, -1)
-        norms = np.linalg.norm(r, axis=1) * np.linalg.norm(t, axis=1)
-        dots = np.sum(r * t, axis=1)
-        # two all-zero vectors are identical: cosine 1
-        cos = np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(np.all(r == t, axis=1), 1.0, 0.0))
+        cos = sample_cosines(ref, test)
         self.cosine_sum += float(np.sum(cos))
-        self.samples += n
+        self.samples += len(cos)
 
     def merge(self, other: "FidelityAccumulator") -> None:
         """Add another batch's (or shard's) sums: merging each batch in order gives the very floats

@@ -3,12 +3,16 @@
 1. The model is quantized once, all int8, with every data-driven step asked for (bias
    correction, adaptive rounding), and evaluated on the evaluation data; if it meets the
    target, nothing stays float.
-2. Otherwise layers go back to float one at a time, greedily. Each step measures, for
-   every layer still in int8, the model with that layer (and those already chosen) in
-   float: the one-layer-at-a-time sensitivity in the direction mixed precision uses it
-   (evaluate --sensitivity measures the other direction, one layer alone in int8). The
-   layer whose return to float helps most is kept float, the model is evaluated on the
-   whole evaluation data, and the search stops as soon as the target holds, or fails
+2. Otherwise layers change precision one at a time, greedily. A layer is int8 static, int8
+   dynamic (a MatMul/Gemm with a constant weight: activations quantized at run time, which
+   counts as int8 MACs) or float, and float is real: the layer goes float as a block with the
+   non-weighted ops its output alone feeds, and the activation Q/DQ pairs between float nodes
+   go (qtool.quantization.float_fallback.mixed_model). Each step measures every possible move
+   (a layer still int8 to float, a static MatMul/Gemm to dynamic) from the layers already
+   chosen: the one-layer-at-a-time sensitivity in the direction mixed precision uses it
+   (evaluate --sensitivity measures the other direction, one layer alone in int8). The move
+   that helps most (ties: the one losing fewer int8 MACs) is kept, the model is evaluated on
+   the whole evaluation data, and the search stops as soon as the target holds, or fails
    (ThresholdError) when --max-float-layers or the MAC budget (--min-int8-macs) runs out.
 3. What a step measures: for an agreement or top-1 target, the evaluation samples at
    stake (`focus_samples` of them): those whose fp32 top-1 wins by the smallest logit
@@ -17,12 +21,14 @@
    probability margins below 0.5%), which is why the output SQNR of one layer alone in
    int8 did not rank the layers that matter (measured: 8 layers kept float by that
    ranking left agreement at 99.2%). The score is (top-1 flips among them, mean shortfall
-   of the int8 margin below half the fp32 margin). For an SQNR target: the worst output
-   SQNR on the first `focus_samples` samples.
+   of the int8 margin below half the fp32 margin). For an SQNR or cosine target: the worst
+   output SQNR, or the mean over samples of the worst output's cosine, on the first
+   `focus_samples` samples.
 
-Layers go back to float inside the finished int8 model (qtool.float_fallback), so each
-candidate costs one onnxruntime session and a run over the focus samples, and the model
-that is verified on the evaluation data and written is exactly the one that was measured.
+Precisions change inside the finished int8 model (qtool.float_fallback), so each candidate
+costs one onnxruntime session and a run over the focus samples, bias correction and adaptive
+rounding of the int8 layers stay as they were measured, and the model that is verified on the
+evaluation data and written is exactly the one that was measured.
 """
 
 from __future__ import annotations
@@ -40,15 +46,17 @@ from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
 from qtool.errors import ThresholdError
 from qtool.graph.executor import Engine, resolve, run_in_order, shared
-from qtool.quantization.float_fallback import Restorable, restorable_layers, restore_float
+from qtool.quantization.float_fallback import (Precisions, blocks, dynamic_candidates, float_nodes, mixed_model,
+                                               restorable_layers)
 from qtool.data.labels import Labels
 from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
 from qtool.graph.index import node_label
-from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
+from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator, sample_cosines
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
 from qtool.graph.runtime import create_session
 from qtool.table.table import CalibrationTable
+from qtool.targets import weight_qmax
 
 
 @dataclass(frozen=True)
@@ -56,9 +64,13 @@ class Target:
     agreement: Optional[float] = None  # percent of samples whose top-1 matches fp32
     top1_drop: Optional[float] = None  # points of top-1 accuracy lost at most (needs labels)
     sqnr: Optional[float] = None  # dB, worst model output
+    cosine: Optional[float] = None  # mean over samples of the worst output's cosine to fp32
 
     def given(self) -> bool:
-        return any(v is not None for v in (self.agreement, self.top1_drop, self.sqnr))
+        return any(v is not None for v in (self.agreement, self.top1_drop, self.sqnr, self.cosine))
+
+    def classifies(self) -> bool:
+        return self.agreement is not None or self.top1_drop is not None
 
     def met(self, figures: dict) -> bool:
         if self.agreement is not None and not 100.0 * figures["agreement"] >= self.agreement:
@@ -66,6 +78,8 @@ class Target:
         if self.top1_drop is not None and not 100.0 * figures["top1_drop"] <= self.top1_drop:
             return False
         if self.sqnr is not None and not figures["sqnr_db"] >= self.sqnr:
+            return False
+        if self.cosine is not None and not figures["cosine"] >= self.cosine:
             return False
         return True
 
@@ -77,6 +91,8 @@ class Target:
             parts.append(f"top-1 drop <= {self.top1_drop:g} points")
         if self.sqnr is not None:
             parts.append(f"SQNR >= {self.sqnr:g} dB")
+        if self.cosine is not None:
+            parts.append(f"mean cosine >= {self.cosine:g}")
         return ", ".join(parts)
 
 
@@ -86,21 +102,27 @@ class Candidate:
     figures: dict
     result: QuantizedGraph
     int8_mac_fraction: float
+    dynamic_layers: list[str] = field(default_factory=list)  # static MatMul/Gemm made dynamic int8
 
 
 @dataclass
 class MixedPrecisionResult:
     chosen: Candidate
     tried: list[dict] = field(default_factory=list)  # every candidate's k and figures
-    ranking: list[str] = field(default_factory=list)  # the first step's order: most helpful in float first
+    ranking: list[str] = field(default_factory=list)  # the first step's moves, most helpful first
 
 
 def describe_figures(figures: dict) -> str:
     text = f"agreement {100 * figures['agreement']:.1f}%, mean KL {figures['mean_kl']:.4f}, " \
-           f"SQNR {figures['sqnr_db']:.1f} dB"
+           f"SQNR {figures['sqnr_db']:.1f} dB, mean cosine {figures['cosine']:.5f}"
     if "top1" in figures:
         text += f", top-1 {100 * figures['top1']:.1f} (fp32 {100 * figures['top1_fp32']:.1f})"
     return text
+
+
+def _worst_cosines(reference: list[np.ndarray], test: list[np.ndarray]) -> np.ndarray:
+    """Per sample of a batch: the smallest cosine to fp32 over the outputs."""
+    return np.minimum.reduce([sample_cosines(r, t) for r, t in zip(reference, test)])
 
 
 class _Evaluator:
@@ -117,34 +139,54 @@ class _Evaluator:
         session = create_session(qmodel, self.threads, "candidate")
         fidelity = [FidelityAccumulator() for _ in self.outputs]
         classes = ClassificationAccumulator()
-        first = []
+        first, cosines = [], []
         for batch, ref in zip(self.data, self.reference):
             test = session.run(self.outputs, batch.feeds)
             first.append(test[0])
             for acc, r, t in zip(fidelity, ref, test):
                 acc.update(r, t)
+            cosines.append(_worst_cosines(ref, test))
             labels = [self.labels.get(k) if self.labels else None for k in batch.keys]
             classes.update(ref[0], test[0], labels)
         result = classes.result()
         figures = {"agreement": result["agreement"], "mean_kl": result["mean_kl"],
-                   "sqnr_db": min(acc.result()["sqnr_db"] for acc in fidelity), "samples": result["samples"]}
+                   "sqnr_db": min(acc.result()["sqnr_db"] for acc in fidelity),
+                   "cosine": float(np.mean(np.concatenate(cosines))), "samples": result["samples"]}
         if "top1" in result:
             figures.update(top1=result["top1"]["int8"], top1_fp32=result["top1"]["fp32"],
                            top1_drop=result["top1_drop"])
         return figures, first
 
 
-def _plan_with_float(plan: QuantPlan, layers: list[Restorable], prepared: onnx.ModelProto) -> QuantPlan:
-    """The plan as it holds for the model with `layers` back in float (what the CLI reports)."""
-    if not layers:
-        return plan
-    names = {layer.node for layer in layers}
-    restored = {name for layer in layers for _, name in layer.slots}
-    ops = {node_label(n): n.op_type for n in prepared.graph.node}
-    return replace(plan, quantized_nodes=[n for n in plan.quantized_nodes if n not in names],
-                   float_nodes=plan.float_nodes + [f"{n} ({ops.get(n, '?')})" for n in sorted(names)],
-                   weights={k: v for k, v in plan.weights.items() if k not in restored},
-                   biases={k: v for k, v in plan.biases.items() if k not in restored})
+@dataclass(frozen=True)
+class _Mixer:
+    """The all-int8 model and what `mixed_model` needs to change its precisions."""
+
+    qmodel: onnx.ModelProto
+    prepared: onnx.ModelProto
+    plan: QuantPlan
+    chains: dict
+    weight_qmax: int
+
+    def __call__(self, precisions: Precisions) -> onnx.ModelProto:
+        return mixed_model(self.qmodel, self.prepared, self.plan, self.chains, precisions, self.weight_qmax)
+
+    def plan_for(self, precisions: Precisions, model: onnx.ModelProto) -> QuantPlan:
+        """The plan as it holds for `model`, the mixed model (what the CLI reports)."""
+        if not precisions.floats and not precisions.dynamic:
+            return self.plan
+        plan, floats = self.plan, float_nodes(self.prepared, self.plan, self.chains, precisions)
+        gone = {name for layer in precisions.floats for _, name in layer.slots}
+        gone |= {name for label in precisions.dynamic for name, w in plan.weights.items() if w.node == label}
+        gone |= {name for label in precisions.dynamic for name, b in plan.biases.items() if b.node == label}
+        ops = {node_label(n): n.op_type for n in self.prepared.graph.node}
+        quantized = {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+        return replace(plan, quantized_nodes=[n for n in plan.quantized_nodes if n not in floats],
+                       float_nodes=plan.float_nodes + [f"{n} ({ops.get(n, '?')})" for n in sorted(floats)],
+                       activations=[a for a in plan.activations if a in quantized],
+                       weights={k: v for k, v in plan.weights.items() if k not in gone},
+                       biases={k: v for k, v in plan.biases.items() if k not in gone},
+                       dynamic_matmuls=plan.dynamic_matmuls + list(precisions.dynamic))
 
 
 class _Focus:
@@ -152,9 +194,9 @@ class _Focus:
 
     def __init__(self, evaluate: _Evaluator, target: Target, count: int, int8_first: list[np.ndarray]):
         """`int8_first`: the all-int8 model's first output per evaluation batch."""
-        self.classify = target.agreement is not None or target.top1_drop is not None
         first = [ref[0].reshape(len(batch), -1) for batch, ref in zip(evaluate.data, evaluate.reference)]
-        self.classify = self.classify and first[0].shape[1] > 1
+        self.classify = target.classifies() and first[0].shape[1] > 1
+        self.cosine = target.cosine is not None
         if self.classify:
             # at stake: a small fp32 margin (a near-tie), or a small or negative margin of the fp32
             # class in the int8 model (flipped, or about to), wherever the sample is
@@ -175,34 +217,36 @@ class _Focus:
         self.outputs, self.threads = evaluate.outputs, evaluate.threads
 
     @contextlib.contextmanager
-    def on_workers(self, engine: Optional[Engine], qmodel: onnx.ModelProto, prepared: onnx.ModelProto):
-        """The handle `scores` needs on an engine (None without one): the int8 model, the prepared
-        model and the focus samples, sent once per worker for the whole search (executor.shared)."""
+    def on_workers(self, engine: Optional[Engine], mixer: _Mixer):
+        """The handle `scores` needs on an engine (None without one): the mixer and the focus
+        samples, sent once per worker for the whole search (executor.shared)."""
         if engine is None:
             yield None
             return
         focus = copy.copy(self)
         focus.threads = engine.threads
-        with shared(engine, (focus, qmodel, prepared)) as common:
+        with shared(engine, (focus, mixer)) as common:
             yield common
 
-    def scores(self, qmodel: onnx.ModelProto, prepared: onnx.ModelProto, chosen: list[Restorable],
-               layers: list[Restorable], engine: Optional[Engine], common: object) -> list[tuple]:
-        """The score of `qmodel` with `chosen` and each of `layers` in float; on an engine, on its
-        workers (one layer list per task, `common` from on_workers): the same scores as here."""
+    def scores(self, mixer: _Mixer, moves: list[Precisions], engine: Optional[Engine], common: object) -> list[tuple]:
+        """The score of each of `moves`; on an engine, on its workers (one move per task, `common`
+        from on_workers): the same scores as here."""
         if engine is None:
-            return [self.score(restore_float(qmodel, prepared, chosen + [layer])) for layer in layers]
-        jobs = [tuple(chosen) + (layer,) for layer in layers]
-        return list(run_in_order(engine, _score, jobs, "candidates", common=common))
+            return [self.score(mixer(move)) for move in moves]
+        return list(run_in_order(engine, _score, moves, "candidates", common=common))
 
     def score(self, qmodel: onnx.ModelProto) -> tuple:
         session = create_session(qmodel, self.threads, "candidate")
         if not self.classify:
             fidelity = [FidelityAccumulator() for _ in self.outputs]
+            cosines = []
             for batch, ref in zip(self.batches, self.reference):
-                for acc, r, t in zip(fidelity, ref, session.run(self.outputs, batch.feeds)):
+                test = session.run(self.outputs, batch.feeds)
+                for acc, r, t in zip(fidelity, ref, test):
                     acc.update(r, t)
-            return (-min(acc.result()["sqnr_db"] for acc in fidelity),)
+                cosines.append(_worst_cosines(ref, test))
+            sqnr = -min(acc.result()["sqnr_db"] for acc in fidelity)
+            return (-float(np.mean(np.concatenate(cosines))), sqnr) if self.cosine else (sqnr,)
         flips, shortfall = 0, 0.0
         for batch, ref in zip(self.batches, self.reference):
             logits = ref[0].reshape(len(batch), -1)
@@ -214,10 +258,10 @@ class _Focus:
         return flips, shortfall / max(1, sum(len(b) for b in self.batches))
 
 
-def _score(layers: tuple[Restorable, ...], common: object) -> tuple:
-    """On a worker: the score of the shared int8 model with `layers` in float."""
-    focus, qmodel, prepared = resolve(common)
-    return focus.score(restore_float(qmodel, prepared, list(layers)))
+def _score(move: Precisions, common: object) -> tuple:
+    """On a worker: the score of the shared int8 model with `move`'s precisions."""
+    focus, mixer = resolve(common)
+    return focus.score(mixer(move))
 
 
 def _margins(logits: np.ndarray, classes: np.ndarray) -> np.ndarray:
@@ -228,6 +272,20 @@ def _margins(logits: np.ndarray, classes: np.ndarray) -> np.ndarray:
     others = logits.copy()
     others[rows, classes] = -np.inf
     return own - others.max(axis=1)
+
+
+def _moves(state: Precisions, pool: dict, dynamic_pool: list[str], floats_left: bool) -> list[tuple[str, Precisions]]:
+    """Every one-layer change from `state`: (what it is, the precisions after it)."""
+    moves = []
+    float_names = {layer.node for layer in state.floats}
+    if floats_left:
+        for name, layer in pool.items():
+            if name not in float_names:
+                moves.append((name, Precisions(state.floats + (layer,), tuple(d for d in state.dynamic if d != name))))
+    for name in dynamic_pool:
+        if name not in float_names and name not in state.dynamic:
+            moves.append((f"{name} (dynamic)", Precisions(state.floats, state.dynamic + (name,))))
+    return moves
 
 
 def search(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig, target: Target,
@@ -247,57 +305,74 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
     shapes = sample_shapes(eval_data[0].feeds)
     base = quantize_model(model_path, table, options, allow_missing=True, data=calib_data)
     prepared = base.source
+    pool = restorable_layers(base.model, prepared)
+    mixer = _Mixer(base.model, prepared, base.plan, blocks(prepared, base.plan, pool),
+                   weight_qmax(options.reduce_range))
     tried: list[dict] = []
 
-    def candidate(layers: list[Restorable]) -> tuple[Candidate, list[np.ndarray]]:
-        """The model with `layers` float, evaluated; and its first output per evaluation batch."""
-        qmodel = restore_float(base.model, prepared, layers)
+    def candidate(state: Precisions) -> tuple[Candidate, list[np.ndarray]]:
+        """The model with `state`'s precisions, evaluated; and its first output per evaluation batch."""
+        qmodel = mixer(state)
         figures, first = evaluate(qmodel)
         fraction = int8_macs(qmodel, shapes).fraction
-        names = [layer.node for layer in layers]
+        names, dynamic = [layer.node for layer in state.floats], list(state.dynamic)
         met = target.met(figures)
-        tried.append({"float_layers": len(layers), "layers": names, "int8_mac_fraction": fraction, **figures,
-                      "met": met})
-        log(f"  {len(layers)} layer(s) float{': ' + ', '.join(names) if names else ''}: "
+        tried.append({"float_layers": len(names), "layers": names, "dynamic_layers": dynamic,
+                      "int8_mac_fraction": fraction, **figures, "met": met})
+        what = f": {', '.join(names)}" if names else ""
+        what += f"; dynamic int8: {', '.join(dynamic)}" if dynamic else ""
+        log(f"  {len(names)} layer(s) float{what}: "
             f"{describe_figures(figures)}, {100 * fraction:.1f}% of MACs int8{' -> meets the target' if met else ''}")
-        notes = base.notes + ([f"kept in float to meet {target.describe()}: {', '.join(names)}"] if names else [])
-        result = QuantizedGraph(qmodel, _plan_with_float(base.plan, layers, prepared), notes, prepared)
-        return Candidate(names, figures, result, fraction), first
+        notes = list(base.notes)
+        if names:
+            notes.append(f"kept in float to meet {target.describe()}: {', '.join(names)}")
+        if dynamic:
+            notes.append(f"run as dynamic int8 MatMuls to meet {target.describe()}: {', '.join(dynamic)}")
+        result = QuantizedGraph(qmodel, mixer.plan_for(state, qmodel), notes, prepared)
+        return Candidate(names, figures, result, fraction, dynamic), first
 
-    current, int8_first = candidate([])
+    state = Precisions()
+    current, int8_first = candidate(state)
     if target.met(current.figures):
         return MixedPrecisionResult(current, tried, [])
-    pool = restorable_layers(base.model, prepared)
-    # a layer's MACs are the same in float and in int8: the budget is exact before any candidate is built
-    macs = node_macs(base.model, shapes)
+    dynamic_pool = dynamic_candidates(base.model, prepared)
+    # a layer's MACs in int8 and in float (a rewritten stem's differ): the budget is exact before
+    # any candidate is built
+    macs, fp32_macs = node_macs(base.model, shapes), node_macs(prepared, shapes)
     summary = int8_macs(base.model, shapes)
     total, int8_now = summary.total or 1, summary.int8
     focus = _Focus(evaluate, target, focus_samples, int8_first)
-    log(f"keeping layers in float one at a time, measured on the {sum(len(b) for b in focus.batches)} "
-        f"evaluation samples{' whose top-1 is most at stake' if focus.classify else ''} ...")
-    chosen: list[Restorable] = []
+    log(f"changing layers to float (or dynamic int8) one at a time, measured on the "
+        f"{sum(len(b) for b in focus.batches)} evaluation samples"
+        f"{' whose top-1 is most at stake' if focus.classify else ''} ...")
     ranking: list[str] = []
-    budget = min(max_float_layers, len(pool))
-    with focus.on_workers(engine, base.model, prepared) as common:
-        while len(chosen) < budget:
-            spent = sum(macs.get(layer.node, 0) for layer in chosen)
-            options_left = [layer for name, layer in pool.items() if layer not in chosen
-                            and (int8_now - spent - macs.get(name, 0)) / total >= min_int8_macs]
-            if not options_left:
+
+    def lost(move: Precisions) -> int:
+        return sum(macs.get(layer.node, 0) for layer in move.floats)
+
+    def int8_share(move: Precisions) -> float:
+        return (int8_now - lost(move)) / (total - lost(move) + sum(fp32_macs.get(layer.node, 0)
+                                                                  for layer in move.floats))
+
+    with focus.on_workers(engine, mixer) as common:
+        while True:
+            moves = [(name, move) for name, move in _moves(state, pool, dynamic_pool,
+                                                             len(state.floats) < max_float_layers)
+                     if int8_share(move) >= min_int8_macs]
+            if not moves:
                 break
-            scores = focus.scores(base.model, prepared, chosen, options_left, engine, common)
-            scored = sorted(((score, i, layer) for i, (score, layer) in enumerate(zip(scores, options_left))),
-                            key=lambda s: (s[0], s[1]))
+            scores = focus.scores(mixer, [move for _, move in moves], engine, common)
+            scored = sorted(((score, lost(move), i) for i, (score, (_, move)) in enumerate(zip(scores, moves))))
             if not ranking:
-                ranking = [layer.node for _, _, layer in scored]
-            chosen.append(scored[0][2])
-            current, _ = candidate(list(chosen))
+                ranking = [moves[i][0] for _, _, i in scored]
+            state = moves[scored[0][2]][1]
+            current, _ = candidate(state)
             if target.met(current.figures):
                 return MixedPrecisionResult(current, tried, ranking)
-    sqnr_only = target.agreement is None and target.top1_drop is None
-    best = max(tried, key=lambda t: (t["sqnr_db"],) if sqnr_only else (t["agreement"], t["sqnr_db"]))
+    figure = (lambda t: (t["cosine"], t["sqnr_db"])) if target.cosine is not None else (lambda t: (t["sqnr_db"],))
+    best = max(tried, key=(lambda t: (t["agreement"],) + figure(t)) if target.classifies() else figure)
     limit = f"--max-float-layers {max_float_layers}"
     if min_int8_macs > 0:
         limit += f", --min-int8-macs {100 * min_int8_macs:g}"
-    raise ThresholdError(f"target ({target.describe()}) not met with up to {len(chosen)} layer(s) in float "
+    raise ThresholdError(f"target ({target.describe()}) not met with up to {len(state.floats)} layer(s) in float "
                          f"({limit}); best: {best['float_layers']} float, {describe_figures(best)}")

