@@ -181,3 +181,17 @@ def test_every_kit_model_quantizes_with_each_preset_and_runs(name, target, tmp_p
     batch = next(batches(open_data(data, input_specs(quantized), preprocess), 1, 1))
     outputs = create_session(quantized, threads=1).run(None, batch.feeds)
     assert all(np.all(np.isfinite(o)) for o in outputs if o.dtype.kind == "f")
+
+
+def test_minilm_static_keeps_transformer_blocks_float(tmp_path):
+    """`--matmul static` on MiniLM: the block rules keep LayerNorm inputs (the residual stream), GELU,
+    attention scores and the float32-min mask float. Measured on these 8/16 samples: embedding cosine
+    0.910, token states 0.879 (without the rules: 0.80 / 0.72 on the kit's 32 eval samples)."""
+    model = kit_path("models", "minilm_l6_v2_sentence.onnx")
+    calib, held_out = _split(model.stem, tmp_path)
+    int8, report_path = tmp_path / "int8.onnx", tmp_path / "report.json"
+    _invoke("quantize", model, "--data", calib, "--matmul", "static", "-o", int8)
+    _invoke("evaluate", model, int8, "--data", held_out, "--runs", 1, "--json", report_path)
+    outputs = json.loads(report_path.read_text())["outputs"]
+    assert outputs["sentence_embedding"]["cosine"] >= 0.87
+    assert outputs["last_hidden_state"]["cosine"] >= 0.83

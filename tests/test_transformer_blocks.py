@@ -203,3 +203,23 @@ def test_mask_tensors_are_never_quantized_even_without_attention():
 def test_cnn_without_transformer_blocks_matches_nothing():
     m = graphs.conv_model(np.random.default_rng(0), activation="Relu", pool="MaxPool")
     assert float_blocks(GraphIndex(m)).counts == {}
+
+
+@pytest.mark.parametrize("name, found", [
+    # PP-OCRv4 recognizer, SVTR neck (Paddle export): 5 decomposed LayerNorms, 2 attention heads' score
+    # paths (an opset-12 Softmax the version converter turns into Shape/Flatten/Softmax/Reshape), 4 residuals
+    ("rapidocr_v4_rec.onnx", {"LayerNorm chain": 5, "attention scores": 2, "residual Add": 4}),
+    # BERT (classic exporter): LayerNormalization ops, Erf GELU, (1 - mask) * float32 min, 6 layers
+    ("minilm_l6_v2_sentence.onnx", {"GELU": 6, "attention scores": 6, "mask": 1, "residual Add": 13}),
+    ("efficientnet_lite0_dyn.onnx", {}),
+    ("nudenet_yolov8n_320.onnx", {}),  # its DFL Softmax follows a Conv, not an attention MatMul
+])
+def test_kit_transformer_blocks_are_recognised(name, found):
+    from qtool.plan.planner import prepared_model
+    from tests.conftest import kit_path
+
+    model, plan = prepared_model(kit_path("models", name), STATIC)
+    assert float_blocks(GraphIndex(model)).counts == found
+    if name == "minilm_l6_v2_sentence.onnx":  # no range anywhere near float32 min
+        masked = float_blocks(GraphIndex(model)).tensors
+        assert masked and not masked & set(plan.activations)
