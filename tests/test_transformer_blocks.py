@@ -124,7 +124,8 @@ def _quantize(tmp_path, m: onnx.ModelProto) -> tuple[onnx.ModelProto, float]:
     x = np.concatenate([np.load(f) for f in sorted(data.iterdir())])
     ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = ort.InferenceSession(qmodel.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    return qmodel, sqnr_db(float(np.sum(ref.astype(np.float64) ** 2)), float(np.sum((ref - got).astype(np.float64) ** 2)))
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    return qmodel, sqnr_db(float(np.sum(ref ** 2)), float(np.sum((ref - got) ** 2)))
 
 
 def _float(plan) -> set[str]:
@@ -134,7 +135,8 @@ def _float(plan) -> set[str]:
 def _quantize_scales(qmodel: onnx.ModelProto) -> dict[str, float]:
     """Input tensor of every QuantizeLinear -> the width of its range (255 codes)."""
     inits = {t.name: numpy_helper.to_array(t) for t in qmodel.graph.initializer}
-    return {n.input[0]: float(np.max(inits[n.input[1]])) * 255 for n in qmodel.graph.node if n.op_type == "QuantizeLinear"}
+    return {n.input[0]: float(np.max(inits[n.input[1]])) * 255
+            for n in qmodel.graph.node if n.op_type == "QuantizeLinear"}
 
 
 def test_decomposed_layer_norm_chain_and_residual_add_stay_float(tmp_path):
