@@ -202,6 +202,31 @@ def test_mask_tensors_are_never_quantized_even_without_attention():
     assert {"mask_add", "relu"} <= _float(plan)
 
 
+def test_magnitude_sqrt_of_squares_stays_float(tmp_path):
+    """sqrt(a^2 + b^2 + eps) between two int8 MatMuls: the squares get no range."""
+    c = graphs.init
+    nodes = [helper.make_node("MatMul", ["x", "wa"], ["a"], name="re"),
+             helper.make_node("MatMul", ["x", "wb"], ["b"], name="im"),
+             helper.make_node("Pow", ["a", "two"], ["a2"], name="pow_a"),
+             helper.make_node("Pow", ["b", "two"], ["b2"], name="pow_b"),
+             helper.make_node("Add", ["a2", "b2"], ["s"], name="sum"),
+             helper.make_node("Add", ["s", "eps"], ["se"], name="eps"),
+             helper.make_node("Sqrt", ["se"], ["mag"], name="sqrt"),
+             helper.make_node("MatMul", ["mag", "wo"], ["y"], name="out")]
+    rng = np.random.default_rng(0)
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
+                     [_weight(rng, "wa", D, D), _weight(rng, "wb", D, D), _weight(rng, "wo", D, D),
+                      c("two", np.float32(2.0)), c("eps", np.float32(1e-6))])
+    assert float_blocks(GraphIndex(m)).counts == {"magnitude": 1}
+    plan = build_plan(m, STATIC)
+    assert {"pow_a", "pow_b", "sum", "eps", "sqrt"} <= _float(plan)
+    assert not {"a2", "b2", "s", "se"} & set(plan.activations) and "mag" in plan.activations
+    _, sqnr = _quantize(tmp_path, m)
+    assert sqnr > 25
+    m.graph.node[2].input[1] = "eps"  # a ** 1e-6 is no square: no magnitude
+    assert "magnitude" not in float_blocks(GraphIndex(m)).counts
+
+
 def test_cnn_without_transformer_blocks_matches_nothing():
     m = graphs.conv_model(np.random.default_rng(0), activation="Relu", pool="MaxPool")
     assert float_blocks(GraphIndex(m)).counts == {}
@@ -213,6 +238,7 @@ def test_cnn_without_transformer_blocks_matches_nothing():
     ("rapidocr_v4_rec.onnx", {"LayerNorm chain": 5, "attention scores": 2, "residual Add": 4}),
     # BERT (classic exporter): LayerNormalization ops, Erf GELU, (1 - mask) * float32 min, 6 layers
     ("minilm_l6_v2_sentence.onnx", {"GELU": 6, "attention scores": 6, "mask": 1, "residual Add": 13}),
+    ("silero_vad_16k_op15.onnx", {"magnitude": 1}),  # its STFT front end: sqrt(re^2 + im^2)
     ("efficientnet_lite0_dyn.onnx", {}),
     ("nudenet_yolov8n_320.onnx", {}),  # its DFL Softmax follows a Conv, not an attention MatMul
 ])

@@ -10,6 +10,8 @@ the MatMul that reads it), so the int8 MatMuls and Convs around the block keep t
 - LayerNorm, decomposed as PyTorch/Paddle exports it: ReduceMean -> Sub -> Pow 2 -> ReduceMean ->
   Add eps -> Sqrt -> Div, with the affine Mul gamma / Add beta after it: all float, like the
   LayerNormalization op (which has no rule: it is float already).
+- Magnitudes, sqrt(a^2 + b^2) (an STFT's, silero's front end) or sqrt(sum x^2): the squares span
+  twice the decades of their inputs, so the Pows, the sum and the Sqrt stay float.
 - GELU, x * 0.5 * (1 + erf(x / sqrt 2)) and 0.5 * x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
   float from the op after x to the last Mul. The Gelu op has no rule: float already.
 - Attention scores: a MatMul of two activations (Q K^T) and what leads from it to the Softmax
@@ -197,8 +199,31 @@ def _masks(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
         yield nodes
 
 
+def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """sqrt(a^2 + b^2 [+ eps]) and sqrt(ReduceSum/ReduceMean(x^2)): every path into the Sqrt through
+    Add/ReduceSum/ReduceMean ends in a Pow 2 (outside a LayerNorm chain, which has its own rule)."""
+    in_norms = {node_label(chain[5]) for chain in _layer_norms(ctx)}
+    for sqrt in (n for n in ctx.graph.node if n.op_type == "Sqrt" and node_label(n) not in in_norms):
+        chain, pending, squares = [sqrt], [sqrt.input[0]], 0
+        while pending and len(chain) < 8:
+            node = ctx.producer.get(pending.pop())
+            if node is None or (node.op_type == "Pow" and _scalar(ctx, node.input[1]) != 2.0) or (
+                    node.op_type not in ("Pow", "Add", "ReduceSum", "ReduceMean")):
+                break
+            chain.append(node)
+            if node.op_type == "Pow":
+                squares += 1
+            else:
+                pending += [i for i in node.input[:1 if node.op_type.startswith("Reduce") else 2]
+                            if not ctx.is_constant(i)]
+        else:
+            if squares and not pending:
+                yield chain
+
+
 register_block(
     BlockRule("LayerNorm chain", _layer_norms),
+    BlockRule("magnitude", _magnitudes),
     BlockRule("GELU", _gelus),
     BlockRule("attention scores", _attention_scores),
     BlockRule("mask", _masks, never_quantized=lambda ctx: mask_tensors(ctx)[0]),
