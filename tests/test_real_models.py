@@ -67,11 +67,12 @@ SPECS = {
         "agreement >= 13/16": lambda r: _cls("agreement")(r) >= 0.8125}),
     # measured cosine 0.9967 (onnxruntime 0.9968) over boxes and class scores
     "nudenet_yolov8n_320.onnx": Spec({"cosine >= 0.99": lambda r: _out("output0", "cosine")(r) >= 0.99}),
-    # speech probability per 32 ms chunk: measured mean abs error 0.017 (onnxruntime 0.27);
-    # recurrent state cosine 0.95 (onnxruntime 0.35). The LSTM inside the If stays float.
+    # speech probability per 32 ms chunk: measured mean abs error 0.0055 (onnxruntime 0.27);
+    # recurrent state cosine 0.980 (onnxruntime 0.35). The LSTM inside the If stays float, and so does the
+    # STFT magnitude sqrt(re^2 + im^2) (the magnitude block rule; without it: 0.017 and 0.952).
     "silero_vad_16k_op15.onnx": Spec({
-        "speech probability mean abs error <= 0.05": lambda r: _out("output", "mean_abs_error")(r) <= 0.05,
-        "state cosine >= 0.90": lambda r: _out("stateN", "cosine")(r) >= 0.90}),
+        "speech probability mean abs error <= 0.012": lambda r: _out("output", "mean_abs_error")(r) <= 0.012,
+        "state cosine >= 0.965": lambda r: _out("stateN", "cosine")(r) >= 0.965}),
     # GRU decoder step (unrolled cells, attention): `auto` quantizes its Gemms dynamically (attention, no
     # Conv): measured agreement 16/16, KL 0.00004, hidden cosine 0.99999 (static: KL 0.00054, 0.9999)
     "arabic_name_romanizer_decoder.onnx": Spec({
