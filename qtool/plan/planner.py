@@ -105,7 +105,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     blocks = float_blocks(ctx)
     if blocks.counts:
         found = ", ".join(f"{count} {name}" for name, count in blocks.counts.items())
-        plan.notes.append(f"transformer blocks kept float ({len(blocks.nodes)} nodes): {found}")
+        plan.notes.append(f"blocks kept float ({len(blocks.nodes)} nodes): {found}")
     rules: dict[int, OpRule] = {}
     for index, node in enumerate(model.graph.node):
         rule = rule_for(node.op_type, node.domain)

@@ -26,7 +26,7 @@ A block rule (`BlockRule`) recognises a chain of nodes that together compute one
 op (a LayerNorm written as ReduceMean-Sub-Pow-..., a GELU, attention scores): its nodes stay
 float whatever their own op rules say, and the tensors it names are never quantized (a mask
 of -1e4), because rounding inside the chain costs more than the int8 kernels save
-(qtool.plan.ops.transformer).
+(qtool.plan.ops.blocks).
 """
 
 from __future__ import annotations
@@ -131,5 +131,5 @@ def rule_for(op_type: str, domain: str = "") -> Optional[OpRule]:
 
 
 # Importing the rule modules fills RULES.
-from qtool.plan.ops import (activations, conv, elementwise, gemm, matmul, pad, pooling, recurrent,  # noqa: E402,F401
-                       resize, shape_ops, softmax, transformer)
+from qtool.plan.ops import (activations, blocks, conv, elementwise, gemm, matmul, pad, pooling,  # noqa: E402,F401
+                       recurrent, resize, shape_ops, softmax)

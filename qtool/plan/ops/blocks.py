@@ -1,4 +1,5 @@
-"""Transformer blocks that exporters write as chains of primitive ops, recognised as a whole.
+"""Blocks that exporters write as chains of primitive ops (transformer layers, an STFT magnitude),
+recognised as a whole.
 
 Each op of these chains has (or lacks) its own rule, but quantizing the chain op by op puts an
 int8 range on tensors that one range cannot hold: a LayerNorm's squared deviations span several
