@@ -21,7 +21,7 @@ from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs, load_model
 from qtool.graph.index import GraphIndex, attribute, body_reads, node_label
 from qtool.plan.dynamic import matmul_strategy, weighted_matmul
-from qtool.plan.ops import OpRule, rule_for
+from qtool.plan.ops import OpRule, float_blocks, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.targets import TARGETS
 from qtool.prepare.equalize import equalize
@@ -102,12 +102,16 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
         return _dynamic_plan(model, ctx, options, only, keep_float)
     plan = QuantPlan()
     per_channel = per_channel_possible(model)  # an opset < 13 the converter could not (or may not) lift
+    blocks = float_blocks(ctx)
+    if blocks.counts:
+        found = ", ".join(f"{count} {name}" for name, count in blocks.counts.items())
+        plan.notes.append(f"blocks kept float ({len(blocks.nodes)} nodes): {found}")
     rules: dict[int, OpRule] = {}
     for index, node in enumerate(model.graph.node):
         rule = rule_for(node.op_type, node.domain)
         label = node_label(node)
         if (rule is None or _excluded(node, options) or (only is not None and label not in only)
-                or label in keep_float):
+                or label in keep_float or label in blocks.nodes):
             plan.float_nodes.append(f"{label} ({node.op_type})")
             continue
         note = _float_note(node, rule, ctx, options.target)
@@ -153,7 +157,8 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     ordered: list[str] = []
 
     def want(name: str) -> None:
-        if name and name not in quantized and ctx.is_float(name) and not ctx.is_constant(name) and name not in fused:
+        if (name and name not in quantized and ctx.is_float(name) and not ctx.is_constant(name) and name not in fused
+                and name not in blocks.tensors):
             quantized.add(name)
             ordered.append(name)
 

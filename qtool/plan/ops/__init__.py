@@ -21,14 +21,22 @@ note that says so (a rule with no target at all only records why an op is never 
 
 An op type that has no rule stays in float; the planner puts DequantizeLinear /
 QuantizeLinear at its boundary only where its neighbours are quantized.
+
+A block rule (`BlockRule`) recognises a chain of nodes that together compute one higher-level
+op (a LayerNorm written as ReduceMean-Sub-Pow-..., a GELU, attention scores): its nodes stay
+float whatever their own op rules say, and the tensors it names are never quantized (a mask
+of -1e4), because rounding inside the chain costs more than the int8 kernels save
+(qtool.plan.ops.blocks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import onnx
+
+from qtool.graph.index import node_label
 
 # (scale, zero point) of a fixed-range output, by activation dtype.
 FixedParams = Callable[[str], tuple[float, int]]
@@ -72,6 +80,45 @@ class OpRule:
 RULES: dict[str, OpRule] = {}
 
 
+@dataclass(frozen=True)
+class BlockRule:
+    name: str
+    # Every occurrence in the graph: the nodes kept float.
+    match: Callable[["object"], Iterable[list[onnx.NodeProto]]]
+    # Tensors no quantized op may give a range to (a mask's -1e4), whoever reads them.
+    never_quantized: Optional[Callable[["object"], set[str]]] = None
+
+
+BLOCKS: list[BlockRule] = []
+
+
+@dataclass(frozen=True)
+class FloatBlocks:
+    """What the block rules found in one graph."""
+    nodes: dict[str, str]  # node label -> the block that keeps it float
+    tensors: frozenset[str]  # never quantized
+    counts: dict[str, int]  # block name -> occurrences
+
+
+def register_block(*rules: BlockRule) -> None:
+    BLOCKS.extend(rules)
+
+
+def float_blocks(ctx) -> FloatBlocks:
+    """Run every block rule over the graph (a GraphIndex)."""
+    nodes: dict[str, str] = {}
+    tensors: set[str] = set()
+    counts: dict[str, int] = {}
+    for rule in BLOCKS:
+        for chain in rule.match(ctx):
+            counts[rule.name] = counts.get(rule.name, 0) + 1
+            for node in chain:
+                nodes.setdefault(node_label(node), rule.name)
+        if rule.never_quantized is not None:
+            tensors |= rule.never_quantized(ctx)
+    return FloatBlocks(nodes, frozenset(tensors), counts)
+
+
 def register(*rules: OpRule) -> None:
     for rule in rules:
         RULES[rule.op_type] = rule
@@ -84,5 +131,5 @@ def rule_for(op_type: str, domain: str = "") -> Optional[OpRule]:
 
 
 # Importing the rule modules fills RULES.
-from qtool.plan.ops import (activations, conv, elementwise, gemm, matmul, pad, pooling, recurrent,  # noqa: E402,F401
-                       resize, shape_ops, softmax)
+from qtool.plan.ops import (activations, blocks, conv, elementwise, gemm, matmul, pad, pooling,  # noqa: E402,F401
+                       recurrent, resize, shape_ops, softmax)

@@ -1,0 +1,232 @@
+"""Blocks that exporters write as chains of primitive ops (transformer layers, an STFT magnitude),
+recognised as a whole.
+
+Each op of these chains has (or lacks) its own rule, but quantizing the chain op by op puts an
+int8 range on tensors that one range cannot hold: a LayerNorm's squared deviations span several
+decades, an attention score map is exponentiated by the Softmax after it, an additive mask holds
+-1e4 or -inf beside values near 0. Each block rule says which of its nodes stay float; the
+tensors at its boundary are quantized by the neighbouring ops as usual (a LayerNorm's output by
+the MatMul that reads it), so the int8 MatMuls and Convs around the block keep their kernels.
+
+- LayerNorm, decomposed as PyTorch/Paddle exports it: ReduceMean -> Sub -> Pow 2 -> ReduceMean ->
+  Add eps -> Sqrt -> Div, with the affine Mul gamma / Add beta after it: all float, like the
+  LayerNormalization op (which has no rule: it is float already).
+- Magnitudes, sqrt(a^2 + b^2) (an STFT's, silero's front end) or sqrt(sum x^2): the squares span
+  twice the decades of their inputs, so the Pows, the sum and the Sqrt stay float.
+- GELU, x * 0.5 * (1 + erf(x / sqrt 2)) and 0.5 * x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
+  float from the op after x to the last Mul. The Gelu op has no rule: float already.
+- Attention scores: a MatMul of two activations (Q K^T) and what leads from it to the Softmax
+  (scale Mul/Div, mask Add or Where, Reshape/Transpose) stay float with the Softmax; the
+  probabilities get their own calibrated range where the P V MatMul reads them, and that MatMul
+  is int8 like the weighted ones.
+- Masks: a tensor computed from a constant of -1e4 or less (-inf, float32 min: BERT's
+  (1 - mask) * min, a Where filling -inf) is never quantized, nor anything computed from it up to
+  the Softmax or LogSoftmax that consumes it: an int8 range holding -1e4 leaves every real score
+  in one code.
+- Residual streams: an Add of two activations that feeds a LayerNorm (op or chain) stays float:
+  the stream carries the few outlier channels that one static range cannot hold together with
+  the rest (qtool.plan.dynamic); its readers quantize the normalized values instead.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import numpy as np
+import onnx
+
+from qtool.graph.index import GraphIndex, node_label
+from qtool.plan.ops import BlockRule, register_block
+
+MASK_LIMIT = -1e4  # a constant at or below this is a mask's "minus infinity"
+_MOVERS = ("Reshape", "Flatten", "Transpose", "Unsqueeze", "Squeeze", "Cast", "Expand", "Identity")
+_SCORE_OPS = ("Mul", "Div", "Add", "Sub", "Where", *_MOVERS)
+_SOFTMAX = ("Softmax", "LogSoftmax")
+
+
+def _scalar(ctx: GraphIndex, name: str) -> Optional[float]:
+    value = ctx.const(name)
+    return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+
+def _other_input(node: onnx.NodeProto, name: str) -> str:
+    return next((i for i in node.input if i != name), name)
+
+
+def _next(ctx: GraphIndex, node: onnx.NodeProto, *op_types: str) -> Optional[onnx.NodeProto]:
+    """The one node reading `node`'s output (a Shape beside it reads no values: onnx's version converter
+    writes Shape -> Flatten -> Softmax -> Reshape for an opset < 13 Softmax), if of one of `op_types`."""
+    if not node.output or node.output[0] in ctx.outputs:
+        return None
+    users = [u for u in ctx.consumers.get(node.output[0], []) if u.op_type != "Shape"]
+    return users[0] if len(users) == 1 and users[0].op_type in op_types else None
+
+
+def _layer_norms(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """From each Pow(d, 2) where d = x - ReduceMean(x): the chain to the Div and its affine tail."""
+    for pow_node in (n for n in ctx.graph.node if n.op_type == "Pow"):
+        if len(pow_node.input) < 2 or _scalar(ctx, pow_node.input[1]) != 2.0:
+            continue
+        sub = ctx.producer.get(pow_node.input[0])
+        mean = ctx.producer.get(sub.input[1]) if sub is not None and sub.op_type == "Sub" else None
+        if mean is None or mean.op_type != "ReduceMean" or mean.input[0] != sub.input[0]:
+            continue
+        var = _next(ctx, pow_node, "ReduceMean")
+        eps = _next(ctx, var, "Add") if var else None
+        sqrt = _next(ctx, eps, "Sqrt") if eps else None
+        div = _next(ctx, sqrt, "Div") if sqrt else None
+        if div is None or div.input[0] != sub.output[0]:
+            continue
+        chain = [mean, sub, pow_node, var, eps, sqrt, div]
+        for op_type in ("Mul", "Add"):  # gamma, beta
+            tail = _next(ctx, chain[-1], op_type)
+            if tail is None or not ctx.is_constant(_other_input(tail, chain[-1].output[0])):
+                break
+            chain.append(tail)
+        yield chain
+
+
+def _gelu_tail(ctx: GraphIndex, start: onnx.NodeProto, x: str) -> Optional[list[onnx.NodeProto]]:
+    """erf/tanh -> Add 1 -> Mul (x or 0.5 x) [-> Mul 0.5]: the nodes after the nonlinearity."""
+    plus_one = _next(ctx, start, "Add")
+    if plus_one is None or _scalar(ctx, _other_input(plus_one, start.output[0])) != 1.0:
+        return None
+    tail, node = [plus_one], plus_one
+    while len(tail) < 3:
+        mul = _next(ctx, node, "Mul")
+        if mul is None:
+            break
+        other = _other_input(mul, node.output[0])
+        half = ctx.producer.get(other)
+        if half is not None and half.op_type == "Mul" and x in half.input:  # (0.5 x) * (1 + erf)
+            tail.append(half)
+        elif other != x and _scalar(ctx, other) is None:
+            break
+        tail.append(mul)
+        node = mul
+    return tail if len(tail) > 1 else None
+
+
+def _gelus(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    for node in ctx.graph.node:
+        if node.op_type == "Erf":
+            scale = ctx.producer.get(node.input[0])  # x / sqrt 2 or x * (1 / sqrt 2)
+            if scale is None or scale.op_type not in ("Div", "Mul") or _scalar(ctx, scale.input[1]) is None:
+                continue
+            head, x = [scale], scale.input[0]
+        elif node.op_type == "Tanh":
+            head = _tanh_gelu_head(ctx, node)
+            if head is None:
+                continue
+            x = head[0].input[0]
+        else:
+            continue
+        tail = _gelu_tail(ctx, node, x)
+        if tail is not None:
+            yield head + [node] + tail
+
+
+def _tanh_gelu_head(ctx: GraphIndex, tanh: onnx.NodeProto) -> Optional[list[onnx.NodeProto]]:
+    """Pow(x, 3) -> Mul 0.044715 -> Add x -> Mul sqrt(2/pi) -> Tanh: the nodes before the Tanh."""
+    scale = ctx.producer.get(tanh.input[0])
+    if scale is None or scale.op_type != "Mul":
+        return None
+    inner = next((ctx.producer.get(i) for i in scale.input if not ctx.is_constant(i)), None)
+    if inner is None or inner.op_type != "Add":
+        return None
+    for cubic_input in inner.input:
+        coeff = ctx.producer.get(cubic_input)
+        if coeff is None or coeff.op_type != "Mul":
+            continue
+        cube = next((ctx.producer.get(i) for i in coeff.input if not ctx.is_constant(i)), None)
+        if cube is not None and cube.op_type == "Pow" and _scalar(ctx, cube.input[1]) == 3.0 \
+                and _other_input(inner, cubic_input) == cube.input[0]:
+            return [cube, coeff, inner, scale]
+    return None
+
+
+def _attention_scores(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """A MatMul of two activations whose output reaches a Softmax through scale, mask and moves."""
+    for node in ctx.graph.node:
+        if node.op_type != "MatMul" or any(ctx.is_constant(i) for i in node.input):
+            continue
+        chain, current = [node], node
+        while current is not None and current.op_type not in _SOFTMAX and len(chain) < 8:
+            current = _next(ctx, current, *_SCORE_OPS, *_SOFTMAX)
+            if current is not None:
+                chain.append(current)
+        if current is not None and current.op_type in _SOFTMAX:
+            yield chain
+
+
+def _residuals(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """An Add of two activations read by a LayerNormalization op or by a decomposed chain's first ReduceMean."""
+    starts = {node_label(chain[0]) for chain in _layer_norms(ctx)}
+    for node in ctx.graph.node:
+        if node.op_type != "Add" or any(ctx.is_constant(i) for i in node.input) or not node.output:
+            continue
+        readers = ctx.consumers.get(node.output[0], [])
+        if any(r.op_type == "LayerNormalization" or node_label(r) in starts for r in readers):
+            yield [node]
+
+
+def _mask_origin(ctx: GraphIndex, node: onnx.NodeProto) -> bool:
+    if node.op_type not in ("Add", "Sub", "Mul", "Where", "Concat", *_MOVERS):
+        return False
+    for name in node.input:
+        value = ctx.const(name) if name else None
+        if value is not None and value.dtype.kind == "f" and value.size and float(np.min(value)) <= MASK_LIMIT:
+            return True
+    return False
+
+
+def mask_tensors(ctx: GraphIndex) -> tuple[set[str], list[onnx.NodeProto]]:
+    """Tensors holding a mask's large negative values (never quantized) and the nodes computing them,
+    from the constant to the Softmax that consumes them, in graph order."""
+    masked: set[str] = set()
+    nodes = []
+    for node in ctx.graph.node:
+        if node.op_type in _SOFTMAX:
+            continue
+        if _mask_origin(ctx, node) or any(name in masked for name in node.input):
+            masked.update(o for o in node.output if o and ctx.is_float(o))
+            nodes.append(node)
+    return masked, nodes
+
+
+def _masks(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    nodes = mask_tensors(ctx)[1]
+    if nodes:
+        yield nodes
+
+
+def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """sqrt(a^2 + b^2 [+ eps]) and sqrt(ReduceSum/ReduceMean(x^2)): every path into the Sqrt through
+    Add/ReduceSum/ReduceMean ends in a Pow 2 (outside a LayerNorm chain, which has its own rule)."""
+    in_norms = {node_label(chain[5]) for chain in _layer_norms(ctx)}
+    for sqrt in (n for n in ctx.graph.node if n.op_type == "Sqrt" and node_label(n) not in in_norms):
+        chain, pending, squares = [sqrt], [sqrt.input[0]], 0
+        while pending and len(chain) < 8:
+            node = ctx.producer.get(pending.pop())
+            if node is None or (node.op_type == "Pow" and _scalar(ctx, node.input[1]) != 2.0) or (
+                    node.op_type not in ("Pow", "Add", "ReduceSum", "ReduceMean")):
+                break
+            chain.append(node)
+            if node.op_type == "Pow":
+                squares += 1
+            else:
+                pending += [i for i in node.input[:1 if node.op_type.startswith("Reduce") else 2]
+                            if not ctx.is_constant(i)]
+        else:
+            if squares and not pending:
+                yield chain
+
+
+register_block(
+    BlockRule("LayerNorm chain", _layer_norms),
+    BlockRule("magnitude", _magnitudes),
+    BlockRule("GELU", _gelus),
+    BlockRule("attention scores", _attention_scores),
+    BlockRule("mask", _masks, never_quantized=lambda ctx: mask_tensors(ctx)[0]),
+    BlockRule("residual Add", _residuals),
+)

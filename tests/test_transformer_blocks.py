@@ -1,0 +1,253 @@
+"""Block rules on small transformer graphs: the decomposed LayerNorm chain, GELU (Erf and tanh forms),
+attention scores with an additive mask (-1e4, float32 min, or -inf through Where), residual Adds."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from qtool.calibration.calibrate import calibrate
+from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.evaluation.metrics import sqnr_db
+from qtool.graph.index import GraphIndex
+from qtool.plan.ops import float_blocks
+from qtool.plan.planner import build_plan
+from qtool.quantization.quantize import quantize_model
+
+from tests import graphs
+
+S, D = 6, 16
+STATIC = QuantizeConfig(matmul="static")
+LN_NODES = ["mean", "sub", "pow", "var", "eps", "sqrt", "div", "gamma", "beta"]
+
+
+def _weight(rng, name, rows, cols):
+    return graphs.init(name, rng.normal(0, 0.3, (rows, cols)).astype(np.float32))
+
+
+def _layer_norm(x: str, out: str) -> tuple[list, list]:
+    c = graphs.init
+    nodes = [
+        helper.make_node("ReduceMean", [x], ["mu"], name="mean", axes=[-1]),
+        helper.make_node("Sub", [x, "mu"], ["d"], name="sub"),
+        helper.make_node("Pow", ["d", "two"], ["d2"], name="pow"),
+        helper.make_node("ReduceMean", ["d2"], ["v"], name="var", axes=[-1]),
+        helper.make_node("Add", ["v", "epsilon"], ["ve"], name="eps"),
+        helper.make_node("Sqrt", ["ve"], ["sd"], name="sqrt"),
+        helper.make_node("Div", ["d", "sd"], ["n"], name="div"),
+        helper.make_node("Mul", ["n", "g"], ["ng"], name="gamma"),
+        helper.make_node("Add", ["ng", "b"], [out], name="beta"),
+    ]
+    inits = [c("two", np.float32(2.0)), c("epsilon", np.float32(1e-5)), c("g", np.full(D, 1.5, np.float32)),
+             c("b", np.full(D, 0.1, np.float32))]
+    return nodes, inits
+
+
+def _ln_model(rng) -> onnx.ModelProto:
+    """x -> MatMul -> Add(x) residual -> decomposed LayerNorm -> MatMul -> y"""
+    ln, inits = _layer_norm("res", "ln")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "x"], ["res"], name="residual"),
+             *ln,
+             helper.make_node("MatMul", ["ln", "w2"], ["y"], name="mm2")]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
+                        [_weight(rng, "w1", D, D), _weight(rng, "w2", D, D), *inits])
+
+
+def _gelu_model(rng, form: str) -> onnx.ModelProto:
+    c = graphs.init
+    if form == "erf":
+        gelu = [helper.make_node("Div", ["h", "sqrt2"], ["hs"], name="g_scale"),
+                helper.make_node("Erf", ["hs"], ["e"], name="g_erf"),
+                helper.make_node("Add", ["e", "one"], ["e1"], name="g_plus1"),
+                helper.make_node("Mul", ["h", "e1"], ["he"], name="g_mul"),
+                helper.make_node("Mul", ["he", "half"], ["g"], name="g_half")]
+        inits = [c("sqrt2", np.float32(np.sqrt(2.0)))]
+    else:
+        gelu = [helper.make_node("Pow", ["h", "three"], ["h3"], name="g_cube"),
+                helper.make_node("Mul", ["h3", "k"], ["h3k"], name="g_coeff"),
+                helper.make_node("Add", ["h", "h3k"], ["inner"], name="g_inner"),
+                helper.make_node("Mul", ["inner", "s2pi"], ["arg"], name="g_scale"),
+                helper.make_node("Tanh", ["arg"], ["t"], name="g_tanh"),
+                helper.make_node("Add", ["t", "one"], ["e1"], name="g_plus1"),
+                helper.make_node("Mul", ["h", "half"], ["hh"], name="g_halfx"),
+                helper.make_node("Mul", ["hh", "e1"], ["g"], name="g_mul")]
+        inits = [c("three", np.float32(3.0)), c("k", np.float32(0.044715)),
+                 c("s2pi", np.float32(np.sqrt(2 / np.pi)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"), *gelu,
+             helper.make_node("MatMul", ["g", "w2"], ["y"], name="mm2")]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
+                        [_weight(rng, "w1", D, D), _weight(rng, "w2", D, D), c("one", np.float32(1.0)),
+                         c("half", np.float32(0.5)), *inits])
+
+
+def _attention_model(rng, mask: str) -> onnx.ModelProto:
+    """Single-head attention with the last two key positions masked out: a constant additive
+    mask of -1e4, BERT's (1 - m) * float32 min on a mask input, or a Where filling -inf."""
+    c = graphs.init
+    keep = np.ones((S, S), np.float32)
+    keep[:, -2:] = 0
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="q"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="k"),
+             helper.make_node("MatMul", ["x", "wv"], ["v"], name="v"),
+             helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+             helper.make_node("Mul", ["s", "scale"], ["ss"], name="scale")]
+    inits = [_weight(rng, n, D, D) for n in ("wq", "wk", "wv")] + [c("scale", np.float32(D ** -0.5))]
+    if mask == "constant":
+        nodes.append(helper.make_node("Add", ["ss", "mask"], ["sm"], name="mask_add"))
+        inits.append(c("mask", (1 - keep) * np.float32(-1e4)))
+    elif mask == "bert":
+        nodes += [helper.make_node("Sub", ["one", "keep"], ["inv"], name="inv"),
+                  helper.make_node("Mul", ["inv", "fmin"], ["bias"], name="mask_mul"),
+                  helper.make_node("Add", ["ss", "bias"], ["sm"], name="mask_add")]
+        inits += [c("one", np.float32(1.0)), c("keep", keep), c("fmin", np.float32(np.finfo(np.float32).min))]
+    else:
+        nodes += [helper.make_node("Where", ["cond", "ss", "ninf"], ["sm"], name="mask_where")]
+        inits += [c("cond", keep.astype(bool)), c("ninf", np.float32(-np.inf))]
+    nodes += [helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)], inits)
+
+
+def _quantize(tmp_path, m: onnx.ModelProto) -> tuple[onnx.ModelProto, float]:
+    """The int8 model of `m` calibrated on 16 random samples, and its output SQNR on them."""
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (S, D), count=16)
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=8), STATIC, progress=False)
+    qmodel = quantize_model(path, table, STATIC).model
+    onnx.checker.check_model(qmodel, full_check=True)
+    x = np.concatenate([np.load(f) for f in sorted(data.iterdir())])
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(qmodel.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    return qmodel, sqnr_db(float(np.sum(ref ** 2)), float(np.sum((ref - got) ** 2)))
+
+
+def _float(plan) -> set[str]:
+    return {entry.split(" (")[0] for entry in plan.float_nodes}
+
+
+def _quantize_scales(qmodel: onnx.ModelProto) -> dict[str, float]:
+    """Input tensor of every QuantizeLinear -> the width of its range (255 codes)."""
+    inits = {t.name: numpy_helper.to_array(t) for t in qmodel.graph.initializer}
+    return {n.input[0]: float(np.max(inits[n.input[1]])) * 255
+            for n in qmodel.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def test_decomposed_layer_norm_chain_and_residual_add_stay_float(tmp_path):
+    m = _ln_model(np.random.default_rng(0))
+    blocks = float_blocks(GraphIndex(m))
+    assert blocks.counts == {"LayerNorm chain": 1, "residual Add": 1}
+    plan = build_plan(m, STATIC)
+    assert set(LN_NODES) | {"residual"} <= _float(plan)
+    assert {"mm1", "mm2"} <= set(plan.quantized_nodes)
+    # the squared deviations and the variance get no range; the LayerNorm output does (mm2 reads it)
+    assert not {"d", "d2", "v", "ve", "n", "res"} & set(plan.activations)
+    assert "ln" in plan.activations
+    qmodel, sqnr = _quantize(tmp_path, m)
+    assert sqnr > 25
+
+
+def test_a_broken_chain_is_not_a_layer_norm():
+    m = _ln_model(np.random.default_rng(0))
+    pow_node = next(n for n in m.graph.node if n.op_type == "Pow")
+    pow_node.input[1] = "epsilon"  # d ** 1e-5 is no variance
+    assert "LayerNorm chain" not in float_blocks(GraphIndex(m)).counts
+
+
+@pytest.mark.parametrize("form, nodes", [("erf", ["g_scale", "g_erf", "g_plus1", "g_mul", "g_half"]),
+                                         ("tanh", ["g_cube", "g_coeff", "g_inner", "g_scale", "g_tanh",
+                                                   "g_plus1", "g_halfx", "g_mul"])])
+def test_gelu_chain_stays_float_between_int8_matmuls(tmp_path, form, nodes):
+    m = _gelu_model(np.random.default_rng(0), form)
+    assert float_blocks(GraphIndex(m)).counts == {"GELU": 1}
+    plan = build_plan(m, STATIC)
+    assert set(nodes) <= _float(plan)
+    assert {"mm1", "mm2"} <= set(plan.quantized_nodes)
+    assert "g" in plan.activations  # the GELU output is quantized where mm2 reads it
+    _, sqnr = _quantize(tmp_path, m)
+    assert sqnr > 25
+
+
+@pytest.mark.parametrize("mask", ["constant", "bert", "where"])
+def test_mask_never_gets_an_int8_range(tmp_path, mask):
+    m = _attention_model(np.random.default_rng(0), mask)
+    plan = build_plan(m, STATIC)
+    assert {"qk", "scale", "softmax"} <= _float(plan)
+    assert {"q", "k", "v", "pv"} <= set(plan.quantized_nodes)
+    assert not {"s", "ss", "sm", "bias"} & set(plan.activations)
+    qmodel, sqnr = _quantize(tmp_path, m)
+    widths = _quantize_scales(qmodel)
+    assert "p" in widths and max(widths.values()) < 1e3  # no range reaches -1e4
+    assert sqnr > 20
+
+
+def test_mask_tensors_are_never_quantized_even_without_attention():
+    """A mask added to an activation that no Softmax follows: the rule still keeps its range out."""
+    c = graphs.init
+    nodes = [helper.make_node("Add", ["x", "mask"], ["xm"], name="mask_add"),
+             helper.make_node("Relu", ["xm"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w"], ["y"], name="mm")]
+    mask = np.zeros((S, D), np.float32)
+    mask[0] = -1e9
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
+                     [c("mask", mask), _weight(np.random.default_rng(0), "w", D, D)])
+    plan = build_plan(m, STATIC)
+    assert "xm" not in plan.activations and "r" not in plan.activations and "mask" not in plan.constants
+    assert {"mask_add", "relu"} <= _float(plan)
+
+
+def test_magnitude_sqrt_of_squares_stays_float(tmp_path):
+    """sqrt(a^2 + b^2 + eps) between two int8 MatMuls: the squares get no range."""
+    c = graphs.init
+    nodes = [helper.make_node("MatMul", ["x", "wa"], ["a"], name="re"),
+             helper.make_node("MatMul", ["x", "wb"], ["b"], name="im"),
+             helper.make_node("Pow", ["a", "two"], ["a2"], name="pow_a"),
+             helper.make_node("Pow", ["b", "two"], ["b2"], name="pow_b"),
+             helper.make_node("Add", ["a2", "b2"], ["s"], name="sum"),
+             helper.make_node("Add", ["s", "eps"], ["se"], name="eps"),
+             helper.make_node("Sqrt", ["se"], ["mag"], name="sqrt"),
+             helper.make_node("MatMul", ["mag", "wo"], ["y"], name="out")]
+    rng = np.random.default_rng(0)
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
+                     [_weight(rng, "wa", D, D), _weight(rng, "wb", D, D), _weight(rng, "wo", D, D),
+                      c("two", np.float32(2.0)), c("eps", np.float32(1e-6))])
+    assert float_blocks(GraphIndex(m)).counts == {"magnitude": 1}
+    plan = build_plan(m, STATIC)
+    assert {"pow_a", "pow_b", "sum", "eps", "sqrt"} <= _float(plan)
+    assert not {"a2", "b2", "s", "se"} & set(plan.activations) and "mag" in plan.activations
+    _, sqnr = _quantize(tmp_path, m)
+    assert sqnr > 25
+    m.graph.node[2].input[1] = "eps"  # a ** 1e-6 is no square: no magnitude
+    assert "magnitude" not in float_blocks(GraphIndex(m)).counts
+
+
+def test_cnn_without_transformer_blocks_matches_nothing():
+    m = graphs.conv_model(np.random.default_rng(0), activation="Relu", pool="MaxPool")
+    assert float_blocks(GraphIndex(m)).counts == {}
+
+
+@pytest.mark.parametrize("name, found", [
+    # PP-OCRv4 recognizer, SVTR neck (Paddle export): 5 decomposed LayerNorms, 2 attention heads' score
+    # paths (an opset-12 Softmax the version converter turns into Shape/Flatten/Softmax/Reshape), 4 residuals
+    ("rapidocr_v4_rec.onnx", {"LayerNorm chain": 5, "attention scores": 2, "residual Add": 4}),
+    # BERT (classic exporter): LayerNormalization ops, Erf GELU, (1 - mask) * float32 min, 6 layers
+    ("minilm_l6_v2_sentence.onnx", {"GELU": 6, "attention scores": 6, "mask": 1, "residual Add": 13}),
+    ("silero_vad_16k_op15.onnx", {"magnitude": 1}),  # its STFT front end: sqrt(re^2 + im^2)
+    ("efficientnet_lite0_dyn.onnx", {}),
+    ("nudenet_yolov8n_320.onnx", {}),  # its DFL Softmax follows a Conv, not an attention MatMul
+])
+def test_kit_transformer_blocks_are_recognised(name, found):
+    from qtool.plan.planner import prepared_model
+    from tests.conftest import kit_path
+
+    model, plan = prepared_model(kit_path("models", name), STATIC)
+    assert float_blocks(GraphIndex(model)).counts == found
+    if name == "minilm_l6_v2_sentence.onnx":  # no range anywhere near float32 min
+        masked = float_blocks(GraphIndex(model)).tensors
+        assert masked and not masked & set(plan.activations)
