@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Collection, Optional
+from typing import Callable, Collection, Optional
 
 import onnx
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs, load_model
-from qtool.graph.index import GraphIndex, attribute, bodies, body_reads, node_label
+from qtool.graph.index import GraphIndex, attribute, bodies, body_reads, node_label, scoped_nodes
 from qtool.plan.dynamic import matmul_strategy, weighted_matmul
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
@@ -226,6 +226,37 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
     for node in graph.node:
         for _, body in bodies(node):
             _plan_graph(body, GraphIndex(body, outer=ctx), plan, scope)
+
+
+def unreached_bodies(graph: onnx.GraphProto, activations: Collection[str], reached: Callable[[str], bool]
+                     ) -> tuple[list[str], list[str]]:
+    """(labels of the nodes to keep float, notes naming each body): the If branches and Loop/Scan
+    bodies the calibration data never ran. A body ran if one of the planned activations it
+    computes (or a body inside it computes) was seen; it has no range otherwise, so it stays float.
+    A body with no planned activation needs no range (a weight-only LSTM) and is not judged."""
+    planned = set(activations)
+    kept: list[str] = []
+    notes: list[str] = []
+
+    def ran(body: onnx.GraphProto) -> Optional[bool]:
+        """Whether `body` ran; None when neither it nor a body inside it computes a planned activation."""
+        own = [t for t in [*(i.name for i in body.input), *(o for n in body.node for o in n.output)] if t in planned]
+        inner = [v for node in body.node for _, b in bodies(node) if (v := ran(b)) is not None]
+        return any(reached(t) for t in own) or any(inner) if own or inner else None
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            for attr, body in bodies(node):
+                if ran(body) is False:
+                    labels = [node_label(n) for n in scoped_nodes(body)]
+                    kept.extend(labels)
+                    notes.append(f"{node.op_type} node '{node_label(node)}': its {attr} never ran on the "
+                                 f"calibration data, so its {len(labels)} node(s) have no ranges and stay float")
+                else:
+                    visit(body)
+
+    visit(graph)
+    return kept, notes
 
 
 def _dynamic_plan(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig,
