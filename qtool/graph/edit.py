@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import attribute, bodies, scoped_nodes, set_attribute
+from qtool.graph.index import attribute, bodies, made_in, scoped_nodes, set_attribute
 
 
 def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
@@ -64,8 +64,7 @@ def _route(graph: onnx.GraphProto, wanted: set[str], types: dict[str, int], fres
     edits the bodies and nodes to carry them."""
     routes: dict[str, str] = {}
     for node in graph.node:
-        inner = {attr: {**{t: t for t in [*(i.name for i in body.input), *(o for n in body.node for o in n.output)]
-                           if t in wanted},
+        inner = {attr: {**{t: t for t in made_in(body) if t in wanted},
                         **_route(body, wanted, types, fresh)}
                  for attr, body in bodies(node)}
         tensors = list(dict.fromkeys(t for carried in inner.values() for t in carried))

@@ -110,6 +110,12 @@ def scoped_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
             yield from scoped_nodes(body)
 
 
+def made_in(graph: onnx.GraphProto) -> list[str]:
+    """The tensors a graph makes, in order: its inputs (a Loop's or Scan's body has some) and its
+    nodes' outputs; what it reads from enclosing graphs is not among them."""
+    return [*(i.name for i in graph.input), *(o for node in graph.node for o in node.output if o)]
+
+
 def scoped_initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     """The initializers of `graph` and of its bodies at any depth (names are unique over a model)."""
     return {t.name: t for g in [graph, *(body for node in scoped_nodes(graph) for _, body in bodies(node))]

@@ -19,7 +19,7 @@ from pathlib import Path
 from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs, load_model
-from qtool.graph.index import GraphIndex, attribute, bodies, body_reads, node_label, scoped_nodes
+from qtool.graph.index import GraphIndex, attribute, bodies, body_reads, made_in, node_label, scoped_nodes
 from qtool.plan.dynamic import matmul_strategy, weighted_matmul
 from qtool.plan.ops import OpRule, rule_for
 from qtool.plan.ops.pad import pad_value
@@ -240,7 +240,7 @@ def unreached_bodies(graph: onnx.GraphProto, activations: Collection[str], reach
 
     def ran(body: onnx.GraphProto) -> Optional[bool]:
         """Whether `body` ran; None when neither it nor a body inside it computes a planned activation."""
-        own = [t for t in [*(i.name for i in body.input), *(o for n in body.node for o in n.output)] if t in planned]
+        own = [t for t in made_in(body) if t in planned]
         inner = [v for node in body.node for _, b in bodies(node) if (v := ran(b)) is not None]
         return any(reached(t) for t in own) or any(inner) if own or inner else None
 

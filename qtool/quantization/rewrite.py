@@ -9,16 +9,17 @@ about 4x smaller and the runtime never quantizes constants at load time.
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from qtool.table import qparams as qp
-from qtool.graph.index import bodies, names_read, node_label, scoped_initializers
+from qtool.graph.index import bodies, made_in, names_read, node_label, scoped_initializers
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.weight_only import KERNELS, stored_once, use_kernel_domain
@@ -37,10 +38,23 @@ _NP_DTYPE = {"uint8": np.uint8, "int8": np.int8}
 
 
 class _Builder:
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, scope: str = ""):
         self.model = model
         self.initializers: list[onnx.TensorProto] = []
         self.head: list[onnx.NodeProto] = []  # DQ nodes of constants, graph-input Q/DQ
+        self.scope = scope  # a body's: names its copies of outer-scope values
+        self.outer: dict[str, str] = {}  # outer-scope activation -> its DequantizeLinear output here
+
+    def outer_activation(self, name: str) -> str:
+        """A body's own DequantizeLinear of an activation quantized in an enclosing graph: onnxruntime
+        fuses DequantizeLinear -> op -> QuantizeLinear within one graph only, so a layer in a body
+        reading the outer DequantizeLinear output would run in float."""
+        if name not in self.outer:
+            self.outer[name] = f"{name}{DQ_SUFFIX}{self.scope}"
+            self.head.append(helper.make_node("DequantizeLinear", [name + Q_SUFFIX, name + SCALE_SUFFIX,
+                                                                   name + ZP_SUFFIX],
+                                              [self.outer[name]], name=f"{name}_DequantizeLinear{self.scope}"))
+        return self.outer[name]
 
     def add_init(self, array: np.ndarray, name: str) -> str:
         self.initializers.append(numpy_helper.from_array(array, name))
@@ -229,11 +243,13 @@ class _NodeRewrite:
     row_scales: dict[str, str]
     dynamic_matmuls: DynamicMatMuls
     store_kernel_weights: Callable
+    scopes: Iterator[int] = field(default_factory=itertools.count)  # numbers the bodies
 
     def nodes(self, graph: onnx.GraphProto, builder: _Builder, constants: _Constants) -> list[onnx.NodeProto]:
         """The graph's new nodes (builder.head not included: the caller placed the graph inputs' Q/DQ pairs)."""
         params, act_set, quantized_nodes, dynamic = self.params, self.act_set, self.quantized_nodes, self.dynamic
         graph_inputs = {i.name for i in graph.input}
+        local = set(made_in(graph))
         dynamic_matmuls = set(self.plan.dynamic_matmuls)
         new_nodes: list[onnx.NodeProto] = []
         for node in graph.node:
@@ -253,7 +269,7 @@ class _NodeRewrite:
             # producer whose output went both to Q and elsewhere could not be fused.
             for i, name in enumerate(node.input):
                 if name in act_set:
-                    node.input[i] = name + DQ_SUFFIX
+                    node.input[i] = name + DQ_SUFFIX if name in local else builder.outer_activation(name)
                 elif node_label(node) in quantized_nodes and _constant_slot(node, i):
                     node.input[i] = constants.dequantized(name) or name
             if _needs_float_guard(node, quantized_nodes, act_set, self.float_inits):
@@ -272,7 +288,7 @@ class _NodeRewrite:
     def _body(self, body: onnx.GraphProto, outer: _Builder, constants: _Constants) -> None:
         """Rewrite a body in place: its inputs' Q/DQ pairs and its constants' DequantizeLinear first,
         then its nodes; the initializers it no longer reads go (an int8 copy replaced them)."""
-        builder = _Builder(outer.model)
+        builder = _Builder(outer.model, f"_body{next(self.scopes)}")
         for name in [i.name for i in body.input if i.name in self.act_set]:
             builder.head.extend(builder.qdq_pair(name, self.params[name]))
         new_nodes = self.nodes(body, builder, constants.inner(builder))
