@@ -289,3 +289,56 @@ def test_silero_lstms_inside_if_branches_become_int8(tmp_path):
     got = np.array([_run(result.model, feeds)[0] for feeds in held_out]).ravel()
     sqnr = 10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / np.sum((ref - got).astype(np.float64) ** 2))
     assert sqnr > 40 and np.abs(ref - got).max() < 0.02, (sqnr, np.abs(ref - got).max())
+
+
+def test_if_inside_a_loop_is_observed_on_the_iterations_that_take_each_branch(tmp_path):
+    """A Loop whose body chooses per iteration: h = Relu(h @ W) when sum(h) > 0, else Tanh(h @ W)
+    (the then-branch MatMul output is fused into its Relu, the else-branch's is observed)."""
+    w = np.random.default_rng(11).normal(0, 0.5, (WIDTH, WIDTH)).astype(np.float32)
+    vector = [1, WIDTH]
+
+    def branch(name, activation, out):
+        return helper.make_graph([helper.make_node("MatMul", ["h_in", "W"], [f"{name}_mm"], name=f"{name}_mm"),
+                                  helper.make_node(activation, [f"{name}_mm"], [out], name=f"{name}_act")],
+                                 name, [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, vector)])
+
+    body = helper.make_graph([
+        helper.make_node("ReduceSum", ["h_in"], ["total"], name="total", keepdims=0),
+        helper.make_node("Greater", ["total", "zero"], ["positive"], name="positive"),
+        helper.make_node("If", ["positive"], ["h_out"], name="choose", then_branch=branch("up", "Relu", "r"),
+                         else_branch=branch("down", "Tanh", "t")),
+        helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep_going")], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_in", TensorProto.FLOAT, vector)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_out", TensorProto.FLOAT, vector)])
+    model = _model(helper.make_graph(
+        [helper.make_node("Loop", ["M", "", "x"], ["h"], name="loop", body=body)], "nested",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, vector)],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, vector)],
+        [numpy_helper.from_array(np.array(4, np.int64), "M"), numpy_helper.from_array(w, "W"),
+         numpy_helper.from_array(np.array(0, np.float32), "zero")]))
+    onnx.save(model, tmp_path / "nested.onnx")
+    rng = np.random.default_rng(12)
+    data = [{"x": rng.normal(0, 1, vector).astype(np.float32)} for _ in range(8)]
+    table = api.calibrate(tmp_path / "nested.onnx", data, progress=False)
+    values: dict[str, list[np.ndarray]] = {"h_in": [], "down_mm": []}
+    branches = set()
+    for feeds in data:
+        h = feeds["x"].astype(np.float64)
+        for _ in range(4):
+            values["h_in"].append(h)
+            branches.add(h.sum() > 0)
+            if h.sum() > 0:
+                h = np.maximum(h @ w, 0)
+            else:
+                values["down_mm"].append(h @ w)
+                h = np.tanh(h @ w)
+    assert branches == {True, False}  # the iterations take both branches
+    _check_ranges(table, _extremes(values))
+    result = api.quantize(tmp_path / "nested.onnx", table=table, progress=False)
+    assert not result.notes
+    ops = _body_ops(result.model)["body"]
+    assert ops.count("MatMul") == 2 and ops.count("QuantizeLinear") == 2, ops  # h_in, down_mm
+    _close(model, result.model, data[0], 0.05)

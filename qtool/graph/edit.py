@@ -39,9 +39,12 @@ def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     A body's tensor cannot be a graph output: it leaves through its node. An If's branch that
     computes it outputs it, the other branch outputs an empty tensor of its type in its place (If
     outputs may differ in shape between branches), so an empty value means "this branch did not
-    run". A Loop or Scan outputs it as an extra scan output: its values stacked over the
-    iterations, all of them at once (empty when the body never ran). Nested bodies route it out
-    level by level."""
+    run". A Loop carries the values of every iteration out, flattened and concatenated (a loop-
+    carried value may grow; an iteration that skips the tensor, in an If inside the body, adds
+    nothing), empty when the body never ran. A Scan outputs it as an extra scan output, stacked
+    over the iterations (its state cannot change shape, and scan outputs must keep theirs, so only
+    the Scan body's own tensors leave it: the bodies nested in it are not observed). Nested bodies
+    route it out level by level."""
     wanted = set(names)
     if not any(bodies(node) for node in model.graph.node):
         return model, {}
@@ -61,25 +64,26 @@ def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
 
 def _route(graph: onnx.GraphProto, wanted: set[str], types: dict[str, int], fresh) -> dict[str, str]:
     """{wanted tensor computed in a body of a node of `graph`: the name carrying it in `graph`};
-    edits the bodies and nodes to carry them."""
+    edits the bodies and nodes (and adds `graph` initializers) to carry them."""
     routes: dict[str, str] = {}
     for node in graph.node:
+        if node.op_type not in ("If", "Loop", "Scan") or node.domain not in ("", "ai.onnx"):
+            continue
         inner = {attr: {**{t: t for t in made_in(body) if t in wanted},
-                        **_route(body, wanted, types, fresh)}
+                        **(_route(body, wanted, types, fresh) if node.op_type != "Scan" else {})}
                  for attr, body in bodies(node)}
         tensors = list(dict.fromkeys(t for carried in inner.values() for t in carried))
-        if not tensors or node.op_type not in ("If", "Loop", "Scan") or node.domain not in ("", "ai.onnx"):
+        if node.op_type == "Loop" and tensors:
+            routes.update(_accumulate(graph, node, inner["body"], types, fresh))
             continue
         for tensor in tensors:
             elem = types.get(tensor, onnx.TensorProto.FLOAT)
             for attr, body in bodies(node):
+                out = f"{ROUTE_PREFIX}_{next(fresh)}"  # a name of its own: the tensor may be an output already
                 carried = inner[attr].get(tensor)
                 if carried is None:  # the other If branch: an empty tensor of the same type
-                    out = f"{ROUTE_PREFIX}_{next(fresh)}"
-                    empty = numpy_helper.from_array(np.zeros(0, helper.tensor_dtype_to_np_dtype(elem)), out)
-                    body.node.append(helper.make_node("Constant", [], [out], name=out, value=empty))
+                    body.node.append(helper.make_node("Constant", [], [out], name=out, value=_empty(out, elem)))
                 else:
-                    out = f"{ROUTE_PREFIX}_{next(fresh)}"  # a name of its own: the tensor may be an output already
                     body.node.append(helper.make_node("Identity", [carried], [out], name=out))
                 body.output.append(helper.make_tensor_value_info(out, elem, None))
             if node.op_type == "Scan":  # the new scan outputs stack along axis 0, forwards
@@ -89,6 +93,40 @@ def _route(graph: onnx.GraphProto, wanted: set[str], types: dict[str, int], fres
             routes[tensor] = f"{ROUTE_PREFIX}_{next(fresh)}"
             node.output.append(routes[tensor])
     return routes
+
+
+def _accumulate(graph: onnx.GraphProto, loop: onnx.NodeProto, carried: dict[str, str], types: dict[str, int],
+                fresh) -> dict[str, str]:
+    """Extra loop-carried values of `loop`, one per tensor: empty at first, then at each iteration
+    Concat(previous, Reshape(tensor, [-1])); {tensor: the Loop output holding them all}."""
+    body = dict(bodies(loop))["body"]
+    state = len(loop.input) - 2  # the carried values so far: body inputs 2.., outputs 1.., node outputs 0..
+    flat = f"{ROUTE_PREFIX}_{next(fresh)}"
+    body.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), flat))
+    inputs, outputs, node_outputs = list(body.input), list(body.output), list(loop.output)
+    added_in, added_out, added_node_out = [], [], []
+    routes = {}
+    for tensor, name in carried.items():
+        elem = types.get(tensor, onnx.TensorProto.FLOAT)
+        start, before, values, after = (f"{ROUTE_PREFIX}_{next(fresh)}" for _ in range(4))
+        graph.initializer.append(_empty(start, elem))
+        loop.input.append(start)
+        body.node.extend([helper.make_node("Reshape", [name, flat], [values], name=values),
+                          helper.make_node("Concat", [before, values], [after], name=after, axis=0)])
+        added_in.append(helper.make_tensor_value_info(before, elem, None))
+        added_out.append(helper.make_tensor_value_info(after, elem, None))
+        routes[tensor] = f"{ROUTE_PREFIX}_{next(fresh)}"
+        added_node_out.append(routes[tensor])
+    splices = ((body.input, inputs, added_in, 2 + state), (body.output, outputs, added_out, 1 + state),
+               (loop.output, node_outputs, added_node_out, state))
+    for field, items, extra, at in splices:  # after the carried values, before the scan outputs
+        del field[:]
+        field.extend(items[:at] + extra + items[at:])
+    return routes
+
+
+def _empty(name: str, elem: int) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.zeros(0, helper.tensor_dtype_to_np_dtype(elem)), name)
 
 
 def array_input(name: str, array: np.ndarray) -> onnx.ValueInfoProto:
