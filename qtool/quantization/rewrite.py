@@ -221,7 +221,7 @@ class _Constants:
         """The DequantizeLinear output standing for float constant `name` here; None if it stays float."""
         found = self._found(name)
         if found is None and name in self.forms:
-            base = name if name not in self.taken else f"{name}_{len(self.taken)}"
+            base = name if name not in self.taken else name + self.builder.scope
             self.taken.add(base)
             found = self.made[name] = self.builder.dequantized_constant(base, *self.forms[name])
         return found
