@@ -18,7 +18,7 @@ from qtool.data.dataset import DataLike
 from qtool.errors import QtoolError
 from qtool.graph.executor import Engine
 from qtool.graph.modelio import sha256_file
-from qtool.plan.planner import QuantPlan, prepared_model
+from qtool.plan.planner import QuantPlan, prepared_model, unreached_bodies
 from qtool.table.resolve import resolve_qparams
 from qtool.table.table import CalibrationTable, TableEntry
 
@@ -30,8 +30,9 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     final, params = resolve_qparams(plan, ranges, options)
     settings = {"batch_size": calib.batch_size, **_range_settings(calib), **_quantize_settings(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+    unreached = unreached_bodies(model.graph, plan.activations, lambda t: stats[t].seen)[1] if model is not None else []
     table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples,
-                             notes=tuple(plan.notes))
+                             notes=tuple(plan.notes + unreached))
     for name in plan.activations:
         s = stats[name]
         qp = params[name]

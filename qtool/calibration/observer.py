@@ -46,7 +46,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibration import saturation
 from qtool.data.dataset import Batch
-from qtool.graph.edit import with_outputs
+from qtool.graph.edit import with_body_outputs, with_outputs
 from qtool.graph.runtime import SharedWeights, create_session
 from qtool.graph.shapes import elem_types, inferred_shapes
 from qtool.calibration.statistics import SAMPLE_LIMIT, TensorStats
@@ -204,10 +204,12 @@ class Observer:
 
     def __init__(self, model: onnx.ModelProto, tensors: list[str], histogram_for: Collection[str] = (),
                  threads: int = 0, sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()):
+        # tensors inside If/Loop/Scan bodies are observed through the graph outputs that carry them out
+        model, self.routes = with_body_outputs(model, tensors)
         self.model, self.tensors, self.threads, self.sample_limit = model, tensors, threads, sample_limit
-        self.histogram_for = set(histogram_for)
+        self.histogram_for = {self.routes.get(t, t) for t in histogram_for}
         inputs = {i.name for i in model.graph.input}
-        self.fetched = [t for t in tensors if t not in inputs]
+        self.fetched = [self.routes.get(t, t) for t in tensors if t not in inputs]
         self.from_feeds = [t for t in tensors if t in inputs]  # graph inputs are read from the feeds
         self.shapes = inferred_shapes(model, self.fetched)
         self.bounded = {t: b for t, b in saturation.bounds(model).items()
@@ -240,7 +242,8 @@ class Observer:
         known: list[str] = []  # saturated histogram tensors: sampled and counted only
         session, outputs, names = self._session(active, known)
         rebuilds = 0
-        stats = {t: TensorStats.with_histogram() if t in self.histogram_for else TensorStats() for t in self.tensors}
+        stats = {t: TensorStats.with_histogram() if t in self.histogram_for else TensorStats()
+                 for t in [*self.fetched, *self.from_feeds]}
         for s in stats.values():
             s.sample_limit = self.sample_limit  # the same stride for graph inputs, sampled in numpy
         for batch in batches:
@@ -289,7 +292,7 @@ class Observer:
                 on_batch(batch)
         for s in stats.values():
             s.flush()
-        return stats
+        return {t: stats[self.routes.get(t, t)] for t in self.tensors}
 
 
 def _observing_session(weights: SharedWeights, names: list[str], histogram_for: Collection[str],

@@ -1,14 +1,19 @@
-"""Models derived from a model: extra outputs to read intermediate tensors, or a sub-model of some
-of its nodes. Every stage that runs part of a graph (calibration, bias correction, adaptive
-rounding, per-layer error, sensitivity, verify-int) builds it here."""
+"""Models derived from a model: extra outputs to read intermediate tensors (those inside If/Loop/
+Scan bodies too), or a sub-model of some of its nodes. Every stage that runs part of a graph
+(calibration, bias correction, adaptive rounding, per-layer error, sensitivity, verify-int) builds
+it here."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
+import itertools
+
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
+
+from qtool.graph.index import attribute, bodies, made_in, scoped_nodes, set_attribute
 
 
 def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
@@ -22,6 +27,106 @@ def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProt
             exposed.graph.output.append(
                 onnx.helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None))
     return exposed
+
+
+ROUTE_PREFIX = "qtool_route"
+
+
+def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """`model` with the named tensors that If/Loop/Scan bodies compute routed out to graph outputs,
+    and {body tensor: the graph output carrying it}; `model` itself when none of them is in a body.
+
+    A body's tensor cannot be a graph output: it leaves through its node. An If's branch that
+    computes it outputs it, the other branch outputs an empty tensor of its type in its place (If
+    outputs may differ in shape between branches), so an empty value means "this branch did not
+    run". A Loop carries the values of every iteration out, flattened and concatenated (a loop-
+    carried value may grow; an iteration that skips the tensor, in an If inside the body, adds
+    nothing), empty when the body never ran. A Scan outputs it as an extra scan output, stacked
+    over the iterations (its state cannot change shape, and scan outputs must keep theirs, so only
+    the Scan body's own tensors leave it: the bodies nested in it are not observed). Nested bodies
+    route it out level by level."""
+    wanted = set(names)
+    if not any(bodies(node) for node in model.graph.node):
+        return model, {}
+    routed = onnx.ModelProto()
+    routed.CopyFrom(model)
+    types = {v.name: v.type.tensor_type.elem_type for node in scoped_nodes(routed.graph)
+             for _, body in bodies(node) for v in [*body.value_info, *body.output]
+             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+    routes = _route(routed.graph, wanted, types, itertools.count())
+    if not routes:
+        return model, {}
+    for tensor, name in routes.items():
+        routed.graph.output.append(helper.make_tensor_value_info(name, types.get(tensor, onnx.TensorProto.FLOAT),
+                                                                 None))
+    return routed, routes
+
+
+def _route(graph: onnx.GraphProto, wanted: set[str], types: dict[str, int], fresh) -> dict[str, str]:
+    """{wanted tensor computed in a body of a node of `graph`: the name carrying it in `graph`};
+    edits the bodies and nodes (and adds `graph` initializers) to carry them."""
+    routes: dict[str, str] = {}
+    for node in graph.node:
+        if node.op_type not in ("If", "Loop", "Scan") or node.domain not in ("", "ai.onnx"):
+            continue
+        inner = {attr: {**{t: t for t in made_in(body) if t in wanted},
+                        **(_route(body, wanted, types, fresh) if node.op_type != "Scan" else {})}
+                 for attr, body in bodies(node)}
+        tensors = list(dict.fromkeys(t for carried in inner.values() for t in carried))
+        if node.op_type == "Loop" and tensors:
+            routes.update(_accumulate(graph, node, inner["body"], types, fresh))
+            continue
+        for tensor in tensors:
+            elem = types.get(tensor, onnx.TensorProto.FLOAT)
+            for attr, body in bodies(node):
+                out = f"{ROUTE_PREFIX}_{next(fresh)}"  # a name of its own: the tensor may be an output already
+                carried = inner[attr].get(tensor)
+                if carried is None:  # the other If branch: an empty tensor of the same type
+                    body.node.append(helper.make_node("Constant", [], [out], name=out, value=_empty(out, elem)))
+                else:
+                    body.node.append(helper.make_node("Identity", [carried], [out], name=out))
+                body.output.append(helper.make_tensor_value_info(out, elem, None))
+            if node.op_type == "Scan":  # the new scan outputs stack along axis 0, forwards
+                for name in ("scan_output_axes", "scan_output_directions"):
+                    if attribute(node, name) is not None:
+                        set_attribute(node, name, [*attribute(node, name), 0])
+            routes[tensor] = f"{ROUTE_PREFIX}_{next(fresh)}"
+            node.output.append(routes[tensor])
+    return routes
+
+
+def _accumulate(graph: onnx.GraphProto, loop: onnx.NodeProto, carried: dict[str, str], types: dict[str, int],
+                fresh) -> dict[str, str]:
+    """Extra loop-carried values of `loop`, one per tensor: empty at first, then at each iteration
+    Concat(previous, Reshape(tensor, [-1])); {tensor: the Loop output holding them all}."""
+    body = dict(bodies(loop))["body"]
+    state = len(loop.input) - 2  # the carried values so far: body inputs 2.., outputs 1.., node outputs 0..
+    flat = f"{ROUTE_PREFIX}_{next(fresh)}"
+    body.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), flat))
+    inputs, outputs, node_outputs = list(body.input), list(body.output), list(loop.output)
+    added_in, added_out, added_node_out = [], [], []
+    routes = {}
+    for tensor, name in carried.items():
+        elem = types.get(tensor, onnx.TensorProto.FLOAT)
+        start, before, values, after = (f"{ROUTE_PREFIX}_{next(fresh)}" for _ in range(4))
+        graph.initializer.append(_empty(start, elem))
+        loop.input.append(start)
+        body.node.extend([helper.make_node("Reshape", [name, flat], [values], name=values),
+                          helper.make_node("Concat", [before, values], [after], name=after, axis=0)])
+        added_in.append(helper.make_tensor_value_info(before, elem, None))
+        added_out.append(helper.make_tensor_value_info(after, elem, None))
+        routes[tensor] = f"{ROUTE_PREFIX}_{next(fresh)}"
+        added_node_out.append(routes[tensor])
+    splices = ((body.input, inputs, added_in, 2 + state), (body.output, outputs, added_out, 1 + state),
+               (loop.output, node_outputs, added_node_out, state))
+    for field, items, extra, at in splices:  # after the carried values, before the scan outputs
+        del field[:]
+        field.extend(items[:at] + extra + items[at:])
+    return routes
+
+
+def _empty(name: str, elem: int) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.zeros(0, helper.tensor_dtype_to_np_dtype(elem)), name)
 
 
 def array_input(name: str, array: np.ndarray) -> onnx.ValueInfoProto:

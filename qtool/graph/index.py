@@ -7,7 +7,7 @@ one scan; it is a snapshot, so a pass that edits the graph builds a new one afte
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import onnx
@@ -15,9 +15,14 @@ from onnx import helper, numpy_helper
 
 
 class GraphIndex:
-    """Producer, consumers, initializers, outputs, element types and shapes of one graph."""
+    """Producer, consumers, initializers, outputs, element types and shapes of one graph.
 
-    def __init__(self, model: onnx.ModelProto | onnx.GraphProto):
+    `outer`: the index of the graph enclosing this one, when it is an If/Loop/Scan body. A body
+    reads the outer scopes' tensors by name (a Conv in a branch often takes its weight from the
+    main graph's initializers), so their initializers, types and shapes are seen here too; the
+    producers, consumers and outputs stay this graph's own."""
+
+    def __init__(self, model: onnx.ModelProto | onnx.GraphProto, outer: Optional["GraphIndex"] = None):
         graph = model.graph if isinstance(model, onnx.ModelProto) else model
         self.graph = graph
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
@@ -40,6 +45,10 @@ class GraphIndex:
                                                     for d in value.type.tensor_type.shape.dim)
         for init in graph.initializer:
             self.elem_type[init.name] = init.data_type
+        if outer is not None:
+            self.initializers = {**outer.initializers, **self.initializers}
+            self.elem_type = {**outer.elem_type, **self.elem_type}
+            self.shapes = {**outer.shapes, **self.shapes}
 
     def is_constant(self, name: str) -> bool:
         return name in self.initializers
@@ -87,13 +96,38 @@ def set_attribute(node: onnx.NodeProto, name: str, value) -> None:
     node.attribute.append(made)
 
 
+def bodies(node: onnx.NodeProto) -> list[tuple[str, onnx.GraphProto]]:
+    """A node's subgraphs by attribute name: If's then_branch and else_branch, Loop's and Scan's body."""
+    return [(attr.name, graph) for attr in node.attribute
+            for graph in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs))]
+
+
+def scoped_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of `graph` and of its nodes' bodies, at any depth (a node before its bodies' nodes)."""
+    for node in graph.node:
+        yield node
+        for _, body in bodies(node):
+            yield from scoped_nodes(body)
+
+
+def made_in(graph: onnx.GraphProto) -> list[str]:
+    """The tensors a graph makes, in order: its inputs (a Loop's or Scan's body has some) and its
+    nodes' outputs; what it reads from enclosing graphs is not among them."""
+    return [*(i.name for i in graph.input), *(o for node in graph.node for o in node.output if o)]
+
+
+def scoped_initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """The initializers of `graph` and of its bodies at any depth (names are unique over a model)."""
+    return {t.name: t for g in [graph, *(body for node in scoped_nodes(graph) for _, body in bodies(node))]
+            for t in g.initializer}
+
+
 def body_reads(node: onnx.NodeProto) -> set[str]:
     """Names read inside a node's If/Loop/Scan bodies (outer-scope references among them)."""
     names: set[str] = set()
-    for attr in node.attribute:
-        for graph in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            for inner in graph.node:
-                names |= names_read(inner)
+    for _, graph in bodies(node):
+        for inner in graph.node:
+            names |= names_read(inner)
     return names
 
 

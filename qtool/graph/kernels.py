@@ -4,7 +4,8 @@ A QDQ model is fast only if onnxruntime's graph optimizer turns each DQ -> Conv 
 into one integer kernel (QLinearConv); a Q/DQ pair in the wrong place leaves the Conv in
 float between a dequantize and a quantize, which is slower than plain fp32. The optimizer's
 output (SessionOptions.optimized_model_filepath, at the level where the QDQ fusions run,
-before hardware-specific layout changes) tells which happened.
+before hardware-specific layout changes) tells which happened; If/Loop/Scan bodies are counted
+with the main graph.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
+from qtool.graph.index import scoped_nodes
 from qtool.graph.runtime import create_session
 
 INTEGER_CONV = ("QLinearConv", "ConvInteger")
@@ -44,13 +46,13 @@ def optimized_ops(model: onnx.ModelProto | str | Path,
         optimized = os.path.join(tmp, "optimized.onnx")
         source, label = (model, "model") if isinstance(model, onnx.ModelProto) else (str(model), str(model))
         create_session(source, 1, label, level=level, optimized_path=optimized)
-        return Counter(n.op_type for n in onnx.load(optimized, load_external_data=False).graph.node)
+        return Counter(n.op_type for n in scoped_nodes(onnx.load(optimized, load_external_data=False).graph))
 
 
 def count_kernels(model_path: str | Path) -> KernelCounts:
     model = onnx.load(str(model_path), load_external_data=False)
-    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
-    quantized = sum(1 for n in model.graph.node
+    dq_outputs = {n.output[0] for n in scoped_nodes(model.graph) if n.op_type == "DequantizeLinear"}
+    quantized = sum(1 for n in scoped_nodes(model.graph)
                     if n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in dq_outputs)
     ops = optimized_ops(model_path)
     return KernelCounts(quantized, sum(ops[o] for o in INTEGER_CONV), ops["Conv"] + ops["FusedConv"], dict(ops))

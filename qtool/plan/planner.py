@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Collection, Optional
+from typing import Callable, Collection, Optional
 
 import onnx
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs, load_model
-from qtool.graph.index import GraphIndex, attribute, body_reads, node_label
+from qtool.graph.index import GraphIndex, attribute, bodies, body_reads, made_in, node_label, scoped_nodes
 from qtool.plan.dynamic import matmul_strategy, weighted_matmul
 from qtool.plan.ops import OpRule, float_blocks, rule_for
 from qtool.plan.ops.pad import pad_value
@@ -102,12 +102,40 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
         return _dynamic_plan(model, ctx, options, only, keep_float)
     plan = QuantPlan()
     per_channel = per_channel_possible(model)  # an opset < 13 the converter could not (or may not) lift
+    scope = _Scope(per_channel, options, only, keep_float)
+    _plan_graph(model.graph, ctx, plan, scope)
+    plan.fused = sorted(scope.fused)
+    plan.activations = scope.ordered
+    plan.tie_groups = _merge_groups(scope.ties)
+    plan.embeddings = _embedding_tables(model, ctx, options, only)
+    return plan
+
+
+@dataclass
+class _Scope:
+    """What planning the main graph and its If/Loop/Scan bodies shares: the options, and the
+    tensors planned so far (a body may read the main graph's tensors)."""
+
+    per_channel: bool
+    options: QuantizeConfig
+    only: Optional[Collection[str]]
+    keep_float: Collection[str]
+    quantized: set[str] = field(default_factory=set)
+    ordered: list[str] = field(default_factory=list)
+    fused: set[str] = field(default_factory=set)
+    ties: list[list[str]] = field(default_factory=list)
+
+
+def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope: _Scope) -> None:
+    """Plan one graph's nodes, then its nodes' bodies in turn (the same rules: a body's node is
+    quantized in place, its outer-scope inputs through `ctx`, which sees the enclosing scopes)."""
+    options, only, keep_float, per_channel = scope.options, scope.only, scope.keep_float, scope.per_channel
     blocks = float_blocks(ctx)
     if blocks.counts:
         found = ", ".join(f"{count} {name}" for name, count in blocks.counts.items())
         plan.notes.append(f"blocks kept float ({len(blocks.nodes)} nodes): {found}")
     rules: dict[int, OpRule] = {}
-    for index, node in enumerate(model.graph.node):
+    for index, node in enumerate(graph.node):
         rule = rule_for(node.op_type, node.domain)
         label = node_label(node)
         if (rule is None or _excluded(node, options) or (only is not None and label not in only)
@@ -123,7 +151,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
 
     # A Relu/Clip after a float op (no rule, excluded, weight-only) runs in float with it: quantizing
     # its input would only add a Q/DQ pair that no kernel absorbs (onnxruntime leaves DQ -> Q behind).
-    nodes_list = list(model.graph.node)
+    nodes_list = list(graph.node)
     for index in [i for i, r in rules.items() if r.fusable_activation]:
         producer = ctx.producer.get(nodes_list[index].input[0])
         if producer is not None and not _int8_output(nodes_list.index(producer), rules):
@@ -132,8 +160,8 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
-    fused: set[str] = set()
-    nodes = list(model.graph.node)
+    fused: set[str] = scope.fused  # the enclosing scopes' too: a body never quantizes a fused tensor
+    nodes = list(graph.node)
     for index, rule in rules.items():
         node = nodes[index]
         if not rule.absorbs_activation or not node.output:
@@ -151,10 +179,8 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
             # TensorRT fuses a weighted layer into the residual Add after it (Conv+Add+Relu):
             # the layer's output gets no Q/DQ, the Add's other input does.
             fused.add(out)
-    plan.fused = sorted(fused)
 
-    quantized: set[str] = set()
-    ordered: list[str] = []
+    quantized, ordered = scope.quantized, scope.ordered
 
     def want(name: str) -> None:
         if (name and name not in quantized and ctx.is_float(name) and not ctx.is_constant(name) and name not in fused
@@ -162,7 +188,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
             quantized.add(name)
             ordered.append(name)
 
-    ties: list[list[str]] = []
+    ties = scope.ties
     # Movement ops ("tie") are quantized only where their data input already is, so a
     # Reshape on a float path does not pull Q/DQ into it. Graph order makes chains work.
     for index, node in enumerate(nodes):
@@ -202,10 +228,40 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
                     plan.include_values[tied_outputs[0]] = value
         plan.quantized_nodes.append(node_label(node))
 
-    plan.activations = ordered
-    plan.tie_groups = _merge_groups(ties)
-    plan.embeddings = _embedding_tables(model, ctx, options, only)
-    return plan
+    for node in graph.node:
+        for _, body in bodies(node):
+            _plan_graph(body, GraphIndex(body, outer=ctx), plan, scope)
+
+
+def unreached_bodies(graph: onnx.GraphProto, activations: Collection[str], reached: Callable[[str], bool]
+                     ) -> tuple[list[str], list[str]]:
+    """(labels of the nodes to keep float, notes naming each body): the If branches and Loop/Scan
+    bodies the calibration data never ran. A body ran if one of the planned activations it
+    computes (or a body inside it computes) was seen; it has no range otherwise, so it stays float.
+    A body with no planned activation needs no range (a weight-only LSTM) and is not judged."""
+    planned = set(activations)
+    kept: list[str] = []
+    notes: list[str] = []
+
+    def ran(body: onnx.GraphProto) -> Optional[bool]:
+        """Whether `body` ran; None when neither it nor a body inside it computes a planned activation."""
+        own = [t for t in made_in(body) if t in planned]
+        inner = [v for node in body.node for _, b in bodies(node) if (v := ran(b)) is not None]
+        return any(reached(t) for t in own) or any(inner) if own or inner else None
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            for attr, body in bodies(node):
+                if ran(body) is False:
+                    labels = [node_label(n) for n in scoped_nodes(body)]
+                    kept.extend(labels)
+                    notes.append(f"{node.op_type} node '{node_label(node)}': its {attr} never ran on the "
+                                 f"calibration data, so its {len(labels)} node(s) have no ranges and stay float")
+                else:
+                    visit(body)
+
+    visit(graph)
+    return kept, notes
 
 
 def _dynamic_plan(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig,

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, version_converter
 
-from qtool.graph.index import attribute, body_reads, names_read
+from qtool.graph.index import attribute, bodies, body_reads, names_read
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_batchnorm
 from qtool.errors import QtoolError
@@ -64,10 +64,11 @@ def per_channel_possible(model: onnx.ModelProto) -> bool:
     return default_opset(model) >= MIN_PER_CHANNEL_OPSET
 
 
-def constants_to_initializers(model: onnx.ModelProto) -> None:
+def constants_to_initializers(model: onnx.ModelProto | onnx.GraphProto) -> None:
     """Constant nodes holding tensors become initializers (Paddle exports keep weights there)."""
+    graph = model.graph if isinstance(model, onnx.ModelProto) else model
     keep = []
-    for node in model.graph.node:
+    for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1:
             attr = node.attribute[0]
             value = None
@@ -77,11 +78,63 @@ def constants_to_initializers(model: onnx.ModelProto) -> None:
                 value = attribute(node, attr.name)
                 value = np.asarray(value, dtype=np.float32 if "float" in attr.name else np.int64)
             if value is not None:
-                model.graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+                graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
                 continue
         keep.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(keep)
+    del graph.node[:]
+    graph.node.extend(keep)
+
+
+# ops that only move or retype constant values: folded inside bodies
+_MOVEMENT_OPS = ("Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Transpose", "Cast", "Gather", "Identity")
+
+
+def fold_body_constants(model: onnx.ModelProto) -> None:
+    """Inside If/Loop/Scan bodies, Constant nodes become the body's initializers and movement ops
+    on constants alone are computed once. A layer's weights in a body are often built that way
+    (torch's LSTM export slices the gates of its outer-scope weights and concatenates them again
+    in each branch); folded, the planner sees them constant, as the main graph's are after export."""
+    from onnx.reference import ReferenceEvaluator  # here: its import takes 0.1 s, and only bodies need it
+
+    opsets = list(model.opset_import)
+
+    def fold(graph: onnx.GraphProto, outer: dict[str, onnx.TensorProto]) -> None:
+        constants_to_initializers(graph)
+        known = {**outer, **{t.name: t for t in graph.initializer}}
+        outputs = {o.name for o in graph.output}
+        keep = []
+        for node in graph.node:
+            inputs = [name for name in node.input if name]
+            if (node.op_type in _MOVEMENT_OPS and node.domain in ("", "ai.onnx") and inputs
+                    and all(name in known for name in inputs) and not any(o in outputs for o in node.output)):
+                part = onnx.helper.make_model(onnx.helper.make_graph(
+                    [node], "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in node.output],
+                    [known[name] for name in dict.fromkeys(inputs)]), opset_imports=opsets)
+                for name, value in zip(node.output, ReferenceEvaluator(part).run(None, {})):
+                    known[name] = numpy_helper.from_array(np.asarray(value), name)
+                    graph.initializer.append(known[name])
+                continue
+            keep.append(node)
+            for _, body in bodies(node):
+                fold(body, known)
+        del graph.node[:]
+        graph.node.extend(keep)
+        read = {name for node in graph.node for name in names_read(node)} | outputs
+        used = [t for t in graph.initializer if t.name in read]
+        del graph.initializer[:]
+        graph.initializer.extend(used)
+
+    top = {t.name: t for t in model.graph.initializer}
+    in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
+    for node in model.graph.node:
+        for _, body in bodies(node):
+            fold(body, top)
+    # an outer initializer only the folded ops read is read by nothing now: it goes
+    read = {name for node in model.graph.node for name in names_read(node)} | {o.name for o in model.graph.output}
+    kept = [t for t in model.graph.initializer if t.name not in in_bodies or t.name in read]
+    if len(kept) < len(model.graph.initializer):
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
 
 
 def remove_identities(model: onnx.ModelProto) -> None:
@@ -153,6 +206,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     prepared.CopyFrom(model)
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
     constants_to_initializers(prepared)
+    fold_body_constants(prepared)
     remove_identities(prepared)
     fold_batchnorm(prepared)
     if divisions:

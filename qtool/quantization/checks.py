@@ -9,6 +9,7 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.errors import QtoolError
+from qtool.graph.index import scoped_initializers
 from qtool.plan.planner import QuantPlan
 from qtool.prepare.graph_prep import per_channel_possible
 from qtool.quantization.rewrite import SCALE_SUFFIX
@@ -17,7 +18,7 @@ from qtool.targets import weight_qmax
 
 def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
     """NaN/Inf in a weight, bias or embedding table has no int8 representation: the model itself is broken."""
-    initializers = {t.name: t for t in model.graph.initializer}
+    initializers = scoped_initializers(model.graph)
     for name in [*plan.weights, *plan.biases, *plan.embeddings, *(w for d in plan.dynamic.values() for w in d.weights)]:
         values = numpy_helper.to_array(initializers[name])
         bad = int(values.size - np.count_nonzero(np.isfinite(values)))

@@ -17,11 +17,11 @@ from qtool.quantization.channel_pad import pad_input_channels
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
-from qtool.graph.index import node_label
+from qtool.graph.index import node_label, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
 from qtool.plan.latency import enabled as latency_enabled
-from qtool.plan.planner import QuantPlan, build_plan, prepared_model
+from qtool.plan.planner import QuantPlan, build_plan, prepared_model, unreached_bodies
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_graph
 from qtool.quantization.stem_s2d import space_to_depth_stems
@@ -79,6 +79,12 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
     model, plan = prepared_model(model_path, options)  # the graph calibration saw, equalized if asked
+    # If branches and loop bodies the calibration data never ran have no ranges: they stay float
+    unreached, unreached_notes = unreached_bodies(model.graph, plan.activations, _seen(table))
+    if unreached:
+        notes_before = plan.notes
+        plan = build_plan(model, options, keep_float=unreached)
+        plan.notes = notes_before + unreached_notes
     check_finite_constants(model, plan, model_path)
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
@@ -95,13 +101,14 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         if len(kept) < MAX_KEPT_FLOAT:
             candidates = [(label, _op_type(model, label)) for label in plan.quantized_nodes]
             found = run_check.locate(failure, candidates, lambda labels: run_check.check(
-                steps.structure(model, build_plan(model, options, keep_float=[*kept, *labels])), ref) is None)
+                steps.structure(model, build_plan(model, options, keep_float=[*unreached, *kept, *labels])),
+                ref) is None)
         if found is None:
             raise InternalError(f"the quantized model does not pass onnxruntime's run check: {failure.reason}"
                                 + (f" (after keeping {', '.join(kept)} in float)" if kept else ""))
         kept.append(found)
         before, notes_before = plan.quantized_nodes, plan.notes
-        plan = build_plan(model, options, keep_float=kept)
+        plan = build_plan(model, options, keep_float=[*unreached, *kept])
         plan.notes = notes_before  # what preparing the graph did, and the float notes: unchanged by keep_float
         along = [f"'{label}' ({_op_type(model, label)})" for label in before
                  if label != found and label not in plan.quantized_nodes]
@@ -109,11 +116,11 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
                      + (f" (and with it {', '.join(along)})" if along else "")
                      + f", because onnxruntime cannot run the model with it in int8: {failure.reason}")
     if latency and latency_enabled(options):
-        choice = _latency_choice(model, plan, kept, steps, ref, options)
+        choice = _latency_choice(model, plan, [*unreached, *kept], steps, ref, options)
         if choice.labels:
             kept += choice.labels
             notes_before = plan.notes
-            plan = build_plan(model, options, keep_float=kept)
+            plan = build_plan(model, options, keep_float=[*unreached, *kept])
             plan.notes = notes_before
             qmodel, notes = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
             failure = run_check.check(qmodel, ref)
@@ -129,6 +136,14 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     return QuantizedGraph(qmodel, plan, fixes + notes, model)
 
 
+def _seen(table: CalibrationTable) -> Callable[[str], bool]:
+    """Whether calibration saw a value of a tensor: an unseen one has no extremes in the table (its
+    range is no evidence: a Sigmoid's is fixed). A table imported from a format without extremes
+    has none anywhere; its entries are taken as seen."""
+    extremes = any(entry.min is not None for entry in table.tensors.values())
+    return lambda name: name in table.tensors and (table.tensors[name].min is not None or not extremes)
+
+
 MAX_KEPT_FLOAT = 3  # nodes kept float by the run check before a model that still fails is a bug
 
 
@@ -142,7 +157,7 @@ def _latency_choice(model: onnx.ModelProto, plan: QuantPlan, kept: list[str], st
 
 
 def _op_type(model: onnx.ModelProto, label: str) -> str:
-    return next(n.op_type for n in model.graph.node if node_label(n) == label)
+    return next(n.op_type for n in scoped_nodes(model.graph) if node_label(n) == label)
 
 
 def _reference(model: onnx.ModelProto, samples: list[Batch], data: Optional[Callable[[int], Iterable[Batch]]],

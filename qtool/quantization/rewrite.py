@@ -9,15 +9,17 @@ about 4x smaller and the runtime never quantizes constants at load time.
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from qtool.table import qparams as qp
-from qtool.graph.index import names_read, node_label
+from qtool.graph.index import bodies, made_in, names_read, node_label, scoped_initializers
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.weight_only import KERNELS, stored_once, use_kernel_domain
@@ -36,10 +38,23 @@ _NP_DTYPE = {"uint8": np.uint8, "int8": np.int8}
 
 
 class _Builder:
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, scope: str = ""):
         self.model = model
         self.initializers: list[onnx.TensorProto] = []
         self.head: list[onnx.NodeProto] = []  # DQ nodes of constants, graph-input Q/DQ
+        self.scope = scope  # a body's: names its copies of outer-scope values
+        self.outer: dict[str, str] = {}  # outer-scope activation -> its DequantizeLinear output here
+
+    def outer_activation(self, name: str) -> str:
+        """A body's own DequantizeLinear of an activation quantized in an enclosing graph: onnxruntime
+        fuses DequantizeLinear -> op -> QuantizeLinear within one graph only, so a layer in a body
+        reading the outer DequantizeLinear output would run in float."""
+        if name not in self.outer:
+            self.outer[name] = f"{name}{DQ_SUFFIX}{self.scope}"
+            self.head.append(helper.make_node("DequantizeLinear", [name + Q_SUFFIX, name + SCALE_SUFFIX,
+                                                                   name + ZP_SUFFIX],
+                                              [self.outer[name]], name=f"{name}_DequantizeLinear{self.scope}"))
+        return self.outer[name]
 
     def add_init(self, array: np.ndarray, name: str) -> str:
         self.initializers.append(numpy_helper.from_array(array, name))
@@ -82,7 +97,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     graph = out.graph
     builder = _Builder(out)
     notes: list[str] = []
-    float_inits = {t.name: t for t in graph.initializer}
+    float_inits = scoped_initializers(graph)  # a layer in a body may own its weight
 
     # Weights: int8 per output channel (or per tensor), symmetric, zero point 0.
     weight_scales: dict[str, np.ndarray] = {}
@@ -126,14 +141,13 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         notes.append(f"int32 bias would overflow in near-zero weight channels; widened the weight scale of those "
                      f"channels in {len(widened)} layer(s): {', '.join(widened)}")
 
-    replace: dict[str, str] = {}  # float constant -> its DequantizeLinear output
+    forms: dict[str, tuple] = {}  # float constant -> (int values, scale, zero point, axis) of its DequantizeLinear
     for name, weight in weight_data.items():
         axis = plan.weights[name].axis if per_channel else None
         scales = weight_scales[name]
         q = rounding(name, weight, scales, axis) if rounding else None
         q = qp.quantize_weight(weight, scales, axis, weight_qmax) if q is None else q
-        replace[name] = builder.dequantized_constant(name, q, scales, np.zeros(scales.shape, np.int8),
-                                                     axis if scales.ndim else None)
+        forms[name] = (q, scales, np.zeros(scales.shape, np.int8), axis if scales.ndim else None)
     for name in plan.constants:
         # a constant operand: quantized per tensor like an activation, over its own exact range
         values = numpy_helper.to_array(float_inits[name]).astype(np.float32)
@@ -143,15 +157,20 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                                    symmetric_qmax)
         qmin, qmax = qp.INT_RANGES[activation_dtype]
         q = np.clip(np.rint(values.astype(np.float64) / cp.scale) + cp.zero_point, qmin, qmax)
-        replace[name] = builder.dequantized_constant(name, q.astype(_NP_DTYPE[activation_dtype]),
-                                                     np.array(cp.scale, np.float32),
-                                                     np.array(cp.zero_point, _NP_DTYPE[activation_dtype]), None)
+        forms[name] = (q.astype(_NP_DTYPE[activation_dtype]), np.array(cp.scale, np.float32),
+                       np.array(cp.zero_point, _NP_DTYPE[activation_dtype]), None)
     for name, (q, scale) in bias_arrays.items():
-        replace[name] = builder.dequantized_constant(name, q, scale, np.zeros(scale.shape, np.int32),
-                                                     0 if scale.ndim else None)
+        forms[name] = (q, scale, np.zeros(scale.shape, np.int32), 0 if scale.ndim else None)
+    # the main graph's layers' constants are dequantized at its head; a body's inside the body (below)
+    owner = {**{n: w.node for n, w in plan.weights.items()}, **plan.constants,
+             **{n: b.node for n, b in plan.biases.items()}}
+    top = {node_label(node) for node in graph.node}
+    constants = _Constants(forms, builder)
+    for name in forms:
+        if owner[name] in top:
+            constants.dequantized(name)
 
     activations = [a for a in plan.activations if a in params]
-    act_set = set(activations)
     graph_inputs = {i.name for i in graph.input}
     for name in activations:
         if name in graph_inputs:
@@ -162,37 +181,10 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
 
     quantized_nodes = set(plan.quantized_nodes)
     dynamic = {label: p for label, p in plan.dynamic.items() if label in quantized_nodes}
-    store_kernel_weights = stored_once(builder.quantized_constant)
-    dynamic_matmuls, dynamic_nodes = DynamicMatMuls(builder.add_init, weight_qmax), set(plan.dynamic_matmuls)
-    new_nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        if node_label(node) in dynamic_nodes:
-            new_nodes.extend(dynamic_matmuls.rewrite(node, numpy_helper.to_array(float_inits[node.input[1]])))
-            continue
-        if node.op_type == "Gather" and node.input[0] in row_scales:
-            new_nodes.extend(_gather_int8_rows(node, row_scales[node.input[0]]))
-            for output in node.output:
-                if output in act_set:
-                    new_nodes.extend(builder.qdq_pair(output, params[output]))
-            continue
-        # Every consumer of a quantized activation reads its DequantizeLinear output: a
-        # producer whose output went both to Q and elsewhere could not be fused.
-        for i, name in enumerate(node.input):
-            if name in act_set:
-                node.input[i] = name + DQ_SUFFIX
-            elif name in replace and node_label(node) in quantized_nodes and _constant_slot(node, i):
-                node.input[i] = replace[name]
-        if _needs_float_guard(node, quantized_nodes, act_set, float_inits):
-            new_nodes.append(float_guard(node, builder.add_init))
-        if node_label(node) in dynamic:
-            weights = {name: numpy_helper.to_array(float_inits[name]) for name in dynamic[node_label(node)].weights}
-            node = KERNELS[dynamic[node_label(node)].kernel](node, weights, per_channel, weight_qmax,
-                                                             store_kernel_weights)
-        new_nodes.append(node)
-        for output in node.output:
-            if output in act_set and output not in graph_inputs:
-                new_nodes.extend(builder.qdq_pair(output, params[output]))
-
+    rewrite = _NodeRewrite(plan, params, set(activations), quantized_nodes, dynamic, float_inits, per_channel,
+                           weight_qmax, row_scales, DynamicMatMuls(builder.add_init, weight_qmax),
+                           stored_once(builder.quantized_constant))
+    new_nodes = rewrite.nodes(graph, builder, constants)
     if dynamic:
         use_kernel_domain(out)
         kernels = sorted({p.kernel for p in dynamic.values()})
@@ -205,6 +197,107 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     del graph.node[:]
     graph.node.extend(builder.head + new_nodes)
     return out, notes
+
+
+class _Constants:
+    """Where each quantized constant's DequantizeLinear output is, per scope: a graph reads those it
+    or an enclosing graph made, and makes the others (a body makes its layers' own, so the runtime
+    finds DequantizeLinear -> op in one graph and fuses them). A constant dequantized in several
+    bodies gets one copy per body, each under a name of its own."""
+
+    def __init__(self, forms: dict[str, tuple], builder: _Builder, outer: Optional["_Constants"] = None,
+                 taken: Optional[set[str]] = None):
+        self.forms, self.builder, self.outer = forms, builder, outer
+        self.taken = set() if taken is None else taken  # base names used, over the whole model
+        self.made: dict[str, str] = {}
+
+    def inner(self, builder: _Builder) -> "_Constants":
+        return _Constants(self.forms, builder, self, self.taken)
+
+    def _found(self, name: str) -> Optional[str]:
+        return self.made.get(name) or (self.outer._found(name) if self.outer else None)
+
+    def dequantized(self, name: str) -> Optional[str]:
+        """The DequantizeLinear output standing for float constant `name` here; None if it stays float."""
+        found = self._found(name)
+        if found is None and name in self.forms:
+            base = name if name not in self.taken else name + self.builder.scope
+            self.taken.add(base)
+            found = self.made[name] = self.builder.dequantized_constant(base, *self.forms[name])
+        return found
+
+
+@dataclass(frozen=True)
+class _NodeRewrite:
+    """The rewrite of one graph's nodes, applied to the main graph and to each If/Loop/Scan body
+    inside it (with the body's own builder: its Q/DQ pairs, scales and int8 weights live in it)."""
+
+    plan: QuantPlan
+    params: dict[str, qp.QParams]
+    act_set: set[str]
+    quantized_nodes: set[str]
+    dynamic: dict
+    float_inits: dict[str, onnx.TensorProto]
+    per_channel: bool
+    weight_qmax: int
+    row_scales: dict[str, str]
+    dynamic_matmuls: DynamicMatMuls
+    store_kernel_weights: Callable
+    scopes: Iterator[int] = field(default_factory=itertools.count)  # numbers the bodies
+
+    def nodes(self, graph: onnx.GraphProto, builder: _Builder, constants: _Constants) -> list[onnx.NodeProto]:
+        """The graph's new nodes (builder.head not included: the caller placed the graph inputs' Q/DQ pairs)."""
+        params, act_set, quantized_nodes, dynamic = self.params, self.act_set, self.quantized_nodes, self.dynamic
+        graph_inputs = {i.name for i in graph.input}
+        local = set(made_in(graph))
+        dynamic_matmuls = set(self.plan.dynamic_matmuls)
+        new_nodes: list[onnx.NodeProto] = []
+        for node in graph.node:
+            for _, body in bodies(node):
+                self._body(body, builder, constants)
+            if node_label(node) in dynamic_matmuls:
+                new_nodes.extend(self.dynamic_matmuls.rewrite(node, numpy_helper.to_array(
+                    self.float_inits[node.input[1]])))
+                continue
+            if node.op_type == "Gather" and node.input[0] in self.row_scales:
+                new_nodes.extend(_gather_int8_rows(node, self.row_scales[node.input[0]]))
+                for output in node.output:
+                    if output in act_set:
+                        new_nodes.extend(builder.qdq_pair(output, params[output]))
+                continue
+            # Every consumer of a quantized activation reads its DequantizeLinear output: a
+            # producer whose output went both to Q and elsewhere could not be fused.
+            for i, name in enumerate(node.input):
+                if name in act_set:
+                    node.input[i] = name + DQ_SUFFIX if name in local else builder.outer_activation(name)
+                elif node_label(node) in quantized_nodes and _constant_slot(node, i):
+                    node.input[i] = constants.dequantized(name) or name
+            if _needs_float_guard(node, quantized_nodes, act_set, self.float_inits):
+                new_nodes.append(float_guard(node, builder.add_init))
+            if node_label(node) in dynamic:
+                weights = {name: numpy_helper.to_array(self.float_inits[name])
+                           for name in dynamic[node_label(node)].weights}
+                node = KERNELS[dynamic[node_label(node)].kernel](node, weights, self.per_channel, self.weight_qmax,
+                                                                 self.store_kernel_weights)
+            new_nodes.append(node)
+            for output in node.output:
+                if output in act_set and output not in graph_inputs:
+                    new_nodes.extend(builder.qdq_pair(output, params[output]))
+        return new_nodes
+
+    def _body(self, body: onnx.GraphProto, outer: _Builder, constants: _Constants) -> None:
+        """Rewrite a body in place: its inputs' Q/DQ pairs and its constants' DequantizeLinear first,
+        then its nodes; the initializers it no longer reads go (an int8 copy replaced them)."""
+        builder = _Builder(outer.model, f"_body{next(self.scopes)}")
+        for name in [i.name for i in body.input if i.name in self.act_set]:
+            builder.head.extend(builder.qdq_pair(name, self.params[name]))
+        new_nodes = self.nodes(body, builder, constants.inner(builder))
+        used = {name for node in new_nodes + builder.head for name in names_read(node)}
+        keep_inits = [t for t in body.initializer if t.name in used]
+        del body.initializer[:]
+        body.initializer.extend(keep_inits + builder.initializers)
+        del body.node[:]
+        body.node.extend(builder.head + new_nodes)
 
 
 def _int8_rows(name: str, table: np.ndarray, builder: _Builder) -> str:
