@@ -41,11 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import qtool  # noqa: E402
-from qtool.evaluation.evaluate import time_models  # noqa: E402
 from qtool.evaluation.metrics import percentile_ms, sqnr_db  # noqa: E402
 from qtool.graph.edit import with_outputs  # noqa: E402
 from qtool.graph.index import GraphIndex, names_read  # noqa: E402
-from qtool.graph.runtime import create_session  # noqa: E402
+from qtool.graph.runtime import create_session, time_models  # noqa: E402
 
 KIT = ROOT.parent / "shared" / "bench"
 SILERO = KIT / "models" / "silero_vad_16k_op15.onnx"
