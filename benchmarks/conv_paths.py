@@ -1,5 +1,5 @@
 """Which onnxruntime int8 convolution path is fastest, and could qtool's QDQ choices pick a faster
-one? The evidence behind the README's "Depthwise convs: what was tried" paragraph (issue 4 item 7).
+one? The evidence behind benchmarks/README.md's measurements of onnxruntime's int8 convolution paths.
 
 Three measurements, each interleaved in one process (medians, 1 thread, batch 8):
 
@@ -11,14 +11,16 @@ Three measurements, each interleaved in one process (medians, 1 thread, batch 8)
    - "u8s8 wzp": the same with a non-zero weight zero point -> MlasConvDepthwise / MlasGemm + requantize;
    - "s8s8": int8 activations (litert/tensorrt presets) -> no ConvSym on x86.
    plus, for depthwise 3x3 at 112x112, a channel sweep (the per-output-pixel cost).
-3. stem: qtool's space-to-depth stem (qtool/stem_s2d.py) against the 4-channel padded stem it
-   replaced (qtool/channel_pad.py), whole model, outputs compared bit for bit.
+3. stem: qtool's space-to-depth stem (qtool/quantization/stem_s2d.py) against a 4-channel padded
+   stem (qtool/quantization/channel_pad.py), whole model, outputs compared bit for bit.
 
     python benchmarks/conv_paths.py            # about 3 minutes
+    python benchmarks/conv_paths.py --runs 50  # more runs per measurement
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -137,7 +139,9 @@ def kernels(runs: int) -> None:
 
 
 def main() -> None:
-    runs = int(os.environ.get("RUNS", "20"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="timed runs per measurement (median)")
+    runs = parser.parse_args().runs
     print(f"onnxruntime {ort.__version__}, load average {os.getloadavg()}")
     cfg = load_config(ROOT / "configs" / "efficientnet_lite0.yaml")
     options = QuantizeConfig(target="ort-cpu")
