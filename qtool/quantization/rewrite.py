@@ -190,13 +190,19 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         kernels = sorted({p.kernel for p in dynamic.values()})
         notes.append(f"{len(dynamic)} recurrent layer(s) with int8 weights ({', '.join(kernels)}: weights int8 per "
                      f"{'gate column' if per_channel else 'direction'}, activations quantized at run time)")
+    _install(graph, builder, new_nodes)
+    return out, notes
+
+
+def _install(graph: onnx.GraphProto, builder: "_Builder", new_nodes: list[onnx.NodeProto]) -> None:
+    """The rewritten nodes in place of the graph's (the builder's head first); the initializers no
+    node reads any more go (an int8 copy replaced them), the builder's new ones join."""
     used = {name for node in new_nodes + builder.head for name in names_read(node)}
     keep_inits = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep_inits + builder.initializers)
     del graph.node[:]
     graph.node.extend(builder.head + new_nodes)
-    return out, notes
 
 
 class _Constants:
@@ -291,13 +297,7 @@ class _NodeRewrite:
         builder = _Builder(outer.model, f"_body{next(self.scopes)}")
         for name in [i.name for i in body.input if i.name in self.act_set]:
             builder.head.extend(builder.qdq_pair(name, self.params[name]))
-        new_nodes = self.nodes(body, builder, constants.inner(builder))
-        used = {name for node in new_nodes + builder.head for name in names_read(node)}
-        keep_inits = [t for t in body.initializer if t.name in used]
-        del body.initializer[:]
-        body.initializer.extend(keep_inits + builder.initializers)
-        del body.node[:]
-        body.node.extend(builder.head + new_nodes)
+        _install(body, builder, self.nodes(body, builder, constants.inner(builder)))
 
 
 def _int8_rows(name: str, table: np.ndarray, builder: _Builder) -> str:
