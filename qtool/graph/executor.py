@@ -87,6 +87,14 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
             raise QtoolError(INSTALL_HINT) from None
         with contextlib.ExitStack() as stack:
             if address is None:
+                import dask
+
+                # Dask starts its workers with MALLOC_TRIM_THRESHOLD_=65536, which also turns off glibc's
+                # adaptive mmap threshold: every batch-sized array is then mmapped and unmapped, and a worker
+                # spent 40% more time per sample than the same code in a plain process (measured: 2.8 s of
+                # system time in a 7 s calibration of 1,024 images; 0.9 s without it).
+                stack.enter_context(dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_":
+                                                     None}))
                 cluster = stack.enter_context(LocalCluster(n_workers=count, threads_per_worker=1, processes=True,
                                                            dashboard_address=":0", silence_logs=logging.ERROR))
                 client = stack.enter_context(Client(cluster))
