@@ -9,8 +9,10 @@ so it is measured, not guessed: the whole model is timed on the run check's batc
 the candidates taking turns run by run, median), once with every quantized node and once per
 op type with that type's nodes kept float (the planner then drops the Q/DQ pairs that only
 served them). A type goes float when that is faster by more than MARGIN (noise on a shared
-machine must not flip a choice), greedily, cheap elementwise types before weighted ones; if
-what is left still runs slower than the fp32 graph, every node stays float. The choice is
+machine must not flip a choice), greedily, cheap elementwise types before weighted ones. The
+last weighted layers (Conv, Gemm, MatMul, LSTM) are never all sent back: `quantize` writes an
+int8 model, whose size is a goal of its own; if what is left still runs slower than the fp32
+graph, a note says so with the times (keep the fp32 model where speed matters). The choice is
 cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
 the prepared graph, its quantized nodes, the batch's shapes, the options, onnxruntime's
 version and the CPU's flags, so the same inputs give the same model; delete the folder to
@@ -42,7 +44,7 @@ MARGIN = 0.05  # a float candidate must be this much faster than the int8 model 
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
-VERSION = 1  # of the decision procedure; part of the cache key
+VERSION = 2  # of the decision procedure; part of the cache key
 
 # {name: model} -> median seconds per run of each per feed set (batch 1, then the batch), timed together
 Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
@@ -51,7 +53,6 @@ Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
 @dataclass(frozen=True)
 class LatencyChoice:
     float_op_types: tuple[str, ...]  # op types whose quantized nodes stay float, in the order chosen
-    all_float: bool  # the int8 model stayed slower than fp32: every node float
     labels: tuple[str, ...]  # the nodes kept float
     notes: tuple[str, ...]  # one per choice
     cache_file: Optional[Path]
@@ -135,9 +136,8 @@ def choose(fp32: onnx.ModelProto, quantized: Mapping[str, str], build: Callable[
                 write_text(path, json.dumps(decision, indent=1))
             except OSError:
                 path = None  # a read-only home still quantizes; the choice is only not remembered
-    labels = tuple(quantized) if decision["all_float"] else \
-        tuple(label for t in decision["float_op_types"] for label in by_type[t])
-    return LatencyChoice(tuple(decision["float_op_types"]), decision["all_float"], labels,
+    labels = tuple(label for t in decision["float_op_types"] for label in by_type[t])
+    return LatencyChoice(tuple(decision["float_op_types"]), labels,
                          tuple(decision["notes"]), path, cached)
 
 
@@ -146,7 +146,7 @@ def _read(path: Optional[Path]) -> Optional[dict]:
         return None
     try:
         decision = json.loads(path.read_text())
-        return decision if {"float_op_types", "all_float", "notes"} <= set(decision) else None
+        return decision if {"float_op_types", "notes"} <= set(decision) else None
     except (OSError, ValueError):
         return None
 
@@ -161,7 +161,10 @@ def _decide(fp32: onnx.ModelProto, by_type: dict[str, list[str]], build: Callabl
     notes: list[str] = []
     current = build([])
     # Movement ops (Reshape, Flatten...) follow their producer into float on their own: not tried.
+    weighted = {t for t in by_type if t in WEIGHTED}
     for op_type in sorted((t for t in by_type if not _movement(t)), key=lambda t: (t in WEIGHTED, t)):
+        if weighted and weighted <= {*float_types, op_type}:
+            continue  # the last weighted layers stay int8: the model must still be an int8 model
         try:
             candidate = build(kept + by_type[op_type])
             faster = _twice(measure, {"int8": current, "float": candidate},
@@ -176,16 +179,13 @@ def _decide(fp32: onnx.ModelProto, by_type: dict[str, list[str]], build: Callabl
             notes.append(f"{count} {op_type} node{'s' if count > 1 else ''} kept float (latency-aware): onnxruntime "
                          f"ran the model in {_ms(faster['float'])} with them float against {_ms(faster['int8'])} "
                          f"with them int8 on this CPU ({_BATCHES[len(faster['int8'])]}; 1 thread, median)")
-    all_float = False
-    if len(kept) < sum(map(len, by_type.values())):
-        slower = _twice(measure, {"int8": current, "fp32": fp32},
-                        lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
-        if slower:
-            all_float = True
-            notes.append(f"every node kept float (latency-aware): onnxruntime ran the int8 model in "
-                         f"{_ms(slower['int8'])} against {_ms(slower['fp32'])} for fp32 on this CPU "
-                         f"({_BATCHES[len(slower['int8'])]}; 1 thread, median)")
-    return {"float_op_types": float_types, "all_float": all_float, "notes": notes}
+    slower = _twice(measure, {"int8": current, "fp32": fp32},
+                    lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+    if slower:
+        notes.append(f"onnxruntime runs this int8 model slower than fp32 on this CPU: {_ms(slower['int8'])} "
+                     f"against {_ms(slower['fp32'])} ({_BATCHES[len(slower['int8'])]}; 1 thread, median); it "
+                     f"is written for its size, keep the fp32 model where speed matters")
+    return {"float_op_types": float_types, "notes": notes}
 
 
 def _movement(op_type: str) -> bool:
