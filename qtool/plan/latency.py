@@ -10,9 +10,10 @@ the candidates taking turns run by run, median), once with every quantized node 
 op type with that type's nodes kept float (the planner then drops the Q/DQ pairs that only
 served them). A type goes float when that is faster by more than MARGIN (noise on a shared
 machine must not flip a choice), greedily, cheap elementwise types before weighted ones. The
-last weighted layers (Conv, Gemm, MatMul, LSTM) are never all sent back: `quantize` writes an
-int8 model, whose size is a goal of its own; if what is left still runs slower than the fp32
-graph, a note says so with the times (keep the fp32 model where speed matters). The choice is
+greedy pass runs again while it makes a choice (once a weighted type is float, the elementwise
+ops around it are worth another try). The last weighted op type (Conv, Gemm, MatMul, LSTM) is
+never sent back: `quantize` writes an int8 model; if what is left still runs slower than the
+fp32 graph, a note says so with the times (keep the fp32 model where speed matters). The choice is
 cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
 the prepared graph, its quantized nodes, the batch's shapes, the options, onnxruntime's
 version and the CPU's flags, so the same inputs give the same model; delete the folder to
@@ -44,7 +45,7 @@ MARGIN = 0.05  # a float candidate must be this much faster than the int8 model 
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
-VERSION = 2  # of the decision procedure; part of the cache key
+VERSION = 3  # of the decision procedure; part of the cache key
 
 # {name: model} -> median seconds per run of each per feed set (batch 1, then the batch), timed together
 Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
@@ -162,29 +163,36 @@ def _decide(fp32: onnx.ModelProto, by_type: dict[str, list[str]], build: Callabl
     current = build([])
     # Movement ops (Reshape, Flatten...) follow their producer into float on their own: not tried.
     weighted = {t for t in by_type if t in WEIGHTED}
-    for op_type in sorted((t for t in by_type if not _movement(t)), key=lambda t: (t in WEIGHTED, t)):
-        if weighted and weighted <= {*float_types, op_type}:
-            continue  # the last weighted layers stay int8: the model must still be an int8 model
-        try:
-            candidate = build(kept + by_type[op_type])
-            faster = _twice(measure, {"int8": current, "float": candidate},
-                            lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
-        except Exception:  # a candidate onnxruntime cannot build or run is simply not taken
-            continue
-        if faster:
-            kept += by_type[op_type]
-            float_types.append(op_type)
-            current = candidate
-            count = len(by_type[op_type])
-            notes.append(f"{count} {op_type} node{'s' if count > 1 else ''} kept float (latency-aware): onnxruntime "
-                         f"ran the model in {_ms(faster['float'])} with them float against {_ms(faster['int8'])} "
-                         f"with them int8 on this CPU ({_BATCHES[len(faster['int8'])]}; 1 thread, median)")
+    tried: set[tuple[str, int]] = set()  # (op type, float types chosen when it was tried)
+    changed = True
+    while changed:  # once a weighted type is float, the elementwise ops around it are worth another try
+        changed = False
+        for op_type in sorted((t for t in by_type if not _movement(t) and t not in float_types),
+                              key=lambda t: (t in WEIGHTED, t)):
+            if (weighted and weighted <= {*float_types, op_type}) or (op_type, len(float_types)) in tried:
+                continue  # the last weighted layers stay int8: the model must still be an int8 model
+            tried.add((op_type, len(float_types)))
+            try:
+                candidate = build(kept + by_type[op_type])
+                faster = _twice(measure, {"int8": current, "float": candidate},
+                                lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
+            except Exception:  # a candidate onnxruntime cannot build or run is simply not taken
+                continue
+            if faster:
+                kept += by_type[op_type]
+                float_types.append(op_type)
+                current, changed = candidate, True
+                count = len(by_type[op_type])
+                notes.append(f"{count} {op_type} node{'s' if count > 1 else ''} kept float (latency-aware): "
+                             f"onnxruntime ran the model in {_ms(faster['float'])} with them float against "
+                             f"{_ms(faster['int8'])} with them int8 on this CPU ({_BATCHES[len(faster['int8'])]}; "
+                             f"1 thread, median)")
     slower = _twice(measure, {"int8": current, "fp32": fp32},
                     lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
     if slower:
         notes.append(f"onnxruntime runs this int8 model slower than fp32 on this CPU: {_ms(slower['int8'])} "
-                     f"against {_ms(slower['fp32'])} ({_BATCHES[len(slower['int8'])]}; 1 thread, median); it "
-                     f"is written for its size, keep the fp32 model where speed matters")
+                     f"against {_ms(slower['fp32'])} ({_BATCHES[len(slower['int8'])]}; 1 thread, median): keep the "
+                     f"fp32 model where speed matters")
     return {"float_op_types": float_types, "notes": notes}
 
 
