@@ -76,6 +76,17 @@ def as_engine(executor: concurrent.futures.Executor) -> Engine:
 
 
 @contextlib.contextmanager
+def _without_env(name: str) -> Iterator[None]:
+    """`name` out of this process's environment for the block, back as it was after."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+@contextlib.contextmanager
 def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Optional[Engine]]:
     """The engine of --dask (a LocalCluster of single-threaded worker processes, or a running
     scheduler) or of --workers N > 1 (a local process pool); None: run in this process."""
@@ -95,6 +106,9 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
                 # system time in a 7 s calibration of 1,024 images; 0.9 s without it).
                 stack.enter_context(dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_":
                                                      None}))
+                # A LocalCluster's nannies run in this process and set the variable here before spawning
+                # (an earlier cluster of this process left it behind): workers inherit this environment.
+                stack.enter_context(_without_env("MALLOC_TRIM_THRESHOLD_"))
                 cluster = stack.enter_context(LocalCluster(n_workers=count, threads_per_worker=1, processes=True,
                                                            dashboard_address=":0", silence_logs=logging.ERROR))
                 client = stack.enter_context(Client(cluster))
