@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
@@ -33,7 +33,7 @@ from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
 from qtool.table.formats import read_table
-from qtool.table.table import CalibrationTable
+from qtool.table.table import CalibrationTable, smoothed_options
 
 ConfigLike = Union[str, Path, dict, Config, None]
 Log = Callable[[str], None]
@@ -142,6 +142,7 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
         elif not isinstance(table, CalibrationTable):
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
+        cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
         specs = input_specs(load_model(model)) if data is not None or search is not None else None
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         outcome = None

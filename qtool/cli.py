@@ -127,6 +127,10 @@ def _target_options(func):
                      help="MatMul/Gemm with a constant weight: static int8 (calibrated Q/DQ), or dynamic (int8 "
                           "weights, activations quantized at run time, every other node float); auto, the default: "
                           "dynamic for graphs with LayerNormalization or attention and no Conv, with target ort-cpu."),
+        click.option("--smooth-quant", "smooth_quant", type=click.FloatRange(0, 1), metavar="ALPHA",
+                     help="SmoothQuant: move per-channel activation ranges of LayerNorm/linear outputs into the "
+                          "MatMul/Gemm weights reading them, measured on the calibration data (exact in fp32; "
+                          "0.5 is usual; default off). Give the same ALPHA to calibrate and quantize."),
     ]):
         func = option(func)
     return func
@@ -134,14 +138,15 @@ def _target_options(func):
 
 def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
                    workers=None, dask=None, target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=(),
-                   matmul=None):
+                   matmul=None, smooth_quant=None):
     """The config file with the calibration and quantization flags applied over it."""
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
                      workers=workers, dask=dask)
     quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset,
                      upgrade_opset=upgrade_opset, target=target, reduce_range=reduce_range,
-                     exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes), matmul=matmul)
+                     exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes), matmul=matmul,
+                     smooth_quant=smooth_quant)
     return replace(cfg, calibration=calib, quantization=quant)
 
 
@@ -160,8 +165,8 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def calibrate(model, data, config_path, num_samples, batch_size, method, workers, dask, activation_dtype, keep_opset,
-              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul, output, table_format, shard,
-              merge, stats_files):
+              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant, output,
+              table_format, shard, merge, stats_files):
     """Run calibration data through MODEL and write a calibration table.
 
     \b
@@ -182,7 +187,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
         raise click.UsageError("--data is required")
     check_output_path(output, model)
     cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul)
+                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant)
     calib, quant = cfg.calibration, cfg.quantization
     start = time.perf_counter()
     if shard:
@@ -197,6 +202,8 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
         table = merge_tables(model, list(stats_files), calib, quant)
     else:
         table = api.calibrate(model, data, cfg)
+    if table.smoothing and table_format != "qtool":
+        raise click.UsageError("a SmoothQuant table holds its smoothing scales: write it in the qtool format")
     write_table(table, output, table_format, model, quant)
     for note in table.notes:
         click.echo(f"note: {note}", err=True)
@@ -249,7 +256,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @_command
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
-             save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
+             smooth_quant, save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
              embeddings, latency_aware, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
              target_cosine, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
@@ -260,7 +267,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
     cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul)
+                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
                      weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings,
                      latency_aware=None if latency_aware is None else ("on" if latency_aware else "off"))

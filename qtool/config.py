@@ -129,6 +129,12 @@ class QuantizeConfig:
     matmul: str = "auto"
     # Op types whose int8 form onnxruntime runs slower than float on this CPU stay float (measured, cached)
     latency_aware: str = "auto"
+    # SmoothQuant alpha in [0, 1]: per-channel activation ranges of the tensors a LayerNorm or a linear
+    # layer feeds to MatMul/Gemm layers move into their weights before calibration; None: off
+    smooth_quant: Optional[float] = None
+    # The smoothing scales (tensor, per-channel factors): measured on the calibration data by calibrate,
+    # read from the table by quantize; not a setting of the user's
+    smooth_scales: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def __post_init__(self):
         _one_of("target", self.target, tuple(TARGETS))
@@ -148,6 +154,8 @@ class QuantizeConfig:
         _one_of("latency_aware", self.latency_aware, LATENCY_AWARE)
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
+        if self.smooth_quant is not None and not 0.0 <= self.smooth_quant <= 1.0:
+            raise ValueError(f"smooth_quant (the SmoothQuant alpha) must be in [0, 1], got {self.smooth_quant}")
 
 
 TASKS = ("auto", "classification", "detection", "generic")

@@ -11,6 +11,7 @@ import onnx
 from qtool.calibration.collect import collect_statistics, warn_nonfinite
 from qtool.calibration.method_rules import methods_for
 from qtool.calibration.ranges import check_method, choose_range
+from qtool.calibration.smoothing import with_smoothing
 from qtool.calibration.shards import collect_parallel, merge_files, save_stats
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
@@ -32,7 +33,7 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     unreached = unreached_bodies(model.graph, plan.activations, lambda t: stats[t].seen)[1] if model is not None else []
     table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples,
-                             notes=tuple(plan.notes + unreached))
+                             notes=tuple(plan.notes + unreached), smoothing=dict(options.smooth_scales))
     for name in plan.activations:
         s = stats[name]
         qp = params[name]
@@ -43,9 +44,12 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 def _quantize_settings(options: QuantizeConfig) -> dict:
     """The quantization options; keep_opset, `embeddings` (it never changes the table: embedding
     tables are weights) and `matmul` only where they differ from the default, so tables of default
-    settings keep their bytes. `latency_aware` never: it is chosen when quantizing, from the table's ranges."""
+    settings keep their bytes; `smooth_quant` where on. `latency_aware` never: it is chosen when quantizing, from the table's ranges."""
     settings = asdict(options)
     del settings["latency_aware"]
+    del settings["smooth_scales"]  # the table's "smoothing"
+    if options.smooth_quant is None:
+        del settings["smooth_quant"]
     if not options.keep_opset:
         del settings["keep_opset"]
     if options.embeddings == QuantizeConfig.embeddings:
@@ -68,6 +72,7 @@ def _range_settings(calib: CalibrationConfig) -> dict:
 def calibrate(model_path: str | Path, data: DataLike, preprocess: PreprocessConfig, calib: CalibrationConfig,
               options: QuantizeConfig, progress: bool = True, engine: Optional[Engine] = None) -> CalibrationTable:
     """The table of `data`; with an engine, its shards are collected on the engine's workers."""
+    options = with_smoothing(model_path, data, preprocess, calib, options)
     model, plan = prepared_model(model_path, options)
     if engine is not None:
         stats, seen = collect_parallel(engine, model_path, data, preprocess, calib, options, progress=progress)
@@ -81,6 +86,7 @@ def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: Calib
                     engine: Optional[Engine] = None) -> tuple[int, int]:
     """Collect one shard's statistics (with histograms for every tensor) and write them to `output`."""
     check_method(calib.method)  # the shard file serves any method, but a typo should fail now
+    _no_smoothing(options, "--shard")
     if engine is not None:
         stats, seen = collect_parallel(engine, model_path, data, preprocess, calib, options, shard,
                                        force_histograms=True)
@@ -93,8 +99,16 @@ def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: Calib
     return len(stats), seen
 
 
+def _no_smoothing(options: QuantizeConfig, what: str) -> None:
+    """Shards would each measure their own SmoothQuant scales: the union of their ranges would fit none."""
+    if options.smooth_quant is not None:
+        raise QtoolError(f"SmoothQuant (smooth_quant) is not supported with {what}: calibrate in one run "
+                         "(--workers and --dask still share the work)")
+
+
 def merge_tables(model_path, paths: list[Path], calib: CalibrationConfig, options: QuantizeConfig):
     """The calibration table of the union of the shards' data."""
+    _no_smoothing(options, "--merge")
     model, plan = prepared_model(model_path, options)
     stats, seen = merge_files(paths, sha256_file(model_path))
     missing = [t for t in plan.activations if t not in stats]

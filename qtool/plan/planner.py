@@ -24,6 +24,7 @@ from qtool.plan.dynamic import matmul_strategy, weighted_matmul
 from qtool.plan.ops import OpRule, float_blocks, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.targets import TARGETS
+from qtool.plan.smooth_quant import smooth
 from qtool.prepare.equalize import equalize
 from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare
 
@@ -400,8 +401,13 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
         divisions_to_multiplications(model)
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
+    if options.smooth_scales:  # measured by calibration on this graph, so calibration and quantization agree
+        smooth(model, dict(options.smooth_scales))
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
+    if options.smooth_scales:
+        plan.notes.append(f"SmoothQuant (alpha {options.smooth_quant}): the activation ranges of "
+                          f"{len(options.smooth_scales)} MatMul/Gemm inputs moved into their weights")
     if chosen:
         plan.notes.append(chosen)
     _check_something_to_quantize(model, plan, model_path)

@@ -7,18 +7,20 @@ that diffs well in review:
     {"format": "qtool-calibration", "version": 1,
      "model": {"file": ..., "sha256": ...},
      "method": "minmax", "settings": {...}, "num_samples": 256,
-     "tensors": {"name": {"min", "max", "range": [lo, hi], "dtype", "scale", "zero_point"}}}
+     "tensors": {"name": {"min", "max", "range": [lo, hi], "dtype", "scale", "zero_point"}},
+     "smoothing": {"name": [s_0, s_1, ...]}}   (only with SmoothQuant: qtool.plan.smooth_quant)
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from qtool import atomic
+from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.table.qparams import QParams
 
@@ -48,6 +50,9 @@ class CalibrationTable:
     num_samples: int
     tensors: dict[str, TableEntry] = field(default_factory=dict)
     notes: tuple[str, ...] = field(default=(), compare=False)  # how it was made, for the user (not saved)
+    # SmoothQuant's per-channel scales of each smoothed tensor: the ranges above are those of the
+    # smoothed graph, so quantization must fold the same scales
+    smoothing: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def to_json_text(self) -> str:
         document = {
@@ -59,10 +64,26 @@ class CalibrationTable:
             "num_samples": self.num_samples,
             "tensors": {name: entry.to_json() for name, entry in self.tensors.items()},
         }
+        if self.smoothing:
+            document["smoothing"] = {name: list(values) for name, values in self.smoothing.items()}
         return json.dumps(document, indent=1, allow_nan=False) + "\n"
 
     def save(self, path: str | Path) -> None:
         atomic.write_text(path, self.to_json_text())
+
+
+def smoothed_options(options: QuantizeConfig, table: CalibrationTable) -> QuantizeConfig:
+    """`options` with the table's SmoothQuant scales, so quantization folds what calibration measured.
+    SmoothQuant on one side only would quantize a graph with ranges of another: an error."""
+    if options.smooth_quant is None:
+        if table.smoothing:
+            raise QtoolError("the calibration table was made with SmoothQuant: quantize with the same "
+                             f"--smooth-quant (quantization.smooth_quant: {table.settings.get('smooth_quant')})")
+        return options
+    if not table.smoothing:
+        raise QtoolError("SmoothQuant needs a qtool calibration table calibrated with it (its scales are in "
+                         "the table's \"smoothing\"): calibrate with --smooth-quant")
+    return replace(options, smooth_scales=tuple(table.smoothing.items()))
 
 
 def _num(value: Optional[float]):
@@ -100,7 +121,10 @@ def table_from_document(document: Any, path: Path) -> CalibrationTable:
             lo, hi = item["range"]
             tensors[name] = TableEntry(item.get("min"), item.get("max"), (float(lo), float(hi)), qp)
         model = document["model"]
+        smoothing = {str(name): tuple(float(v) for v in values)
+                     for name, values in document.get("smoothing", {}).items()}
         return CalibrationTable(str(model.get("file", "")), str(model["sha256"]), str(document["method"]),
-                                dict(document.get("settings", {})), int(document["num_samples"]), tensors)
+                                dict(document.get("settings", {})), int(document["num_samples"]), tensors,
+                                smoothing=smoothing)
     except (KeyError, TypeError, ValueError) as exc:
         raise QtoolError(f"malformed calibration table: {type(exc).__name__} {exc}", path) from None

@@ -62,7 +62,7 @@ def _next(ctx: GraphIndex, node: onnx.NodeProto, *op_types: str) -> Optional[onn
     return users[0] if len(users) == 1 and users[0].op_type in op_types else None
 
 
-def _layer_norms(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+def layer_norm_chains(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """From each Pow(d, 2) where d = x - ReduceMean(x): the chain to the Div and its affine tail."""
     for pow_node in (n for n in ctx.graph.node if n.op_type == "Pow"):
         if len(pow_node.input) < 2 or _scalar(ctx, pow_node.input[1]) != 2.0:
@@ -161,7 +161,7 @@ def _attention_scores(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 
 def _residuals(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """An Add of two activations read by a LayerNormalization op or by a decomposed chain's first ReduceMean."""
-    starts = {node_label(chain[0]) for chain in _layer_norms(ctx)}
+    starts = {node_label(chain[0]) for chain in layer_norm_chains(ctx)}
     for node in ctx.graph.node:
         if node.op_type != "Add" or any(ctx.is_constant(i) for i in node.input) or not node.output:
             continue
@@ -203,7 +203,7 @@ def _masks(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """sqrt(a^2 + b^2 [+ eps]) and sqrt(ReduceSum/ReduceMean(x^2)): every path into the Sqrt through
     Add/ReduceSum/ReduceMean ends in a Pow 2 (outside a LayerNorm chain, which has its own rule)."""
-    in_norms = {node_label(chain[5]) for chain in _layer_norms(ctx)}
+    in_norms = {node_label(chain[5]) for chain in layer_norm_chains(ctx)}
     for sqrt in (n for n in ctx.graph.node if n.op_type == "Sqrt" and node_label(n) not in in_norms):
         chain, pending, squares = [sqrt], [sqrt.input[0]], 0
         while pending and len(chain) < 8:
@@ -223,7 +223,7 @@ def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 
 
 register_block(
-    BlockRule("LayerNorm chain", _layer_norms),
+    BlockRule("LayerNorm chain", layer_norm_chains),
     BlockRule("magnitude", _magnitudes),
     BlockRule("GELU", _gelus),
     BlockRule("attention scores", _attention_scores),

@@ -1,0 +1,187 @@
+"""SmoothQuant (Xiao et al. 2023): migrate activation outliers into the following weights.
+
+A transformer's LayerNorm output has a few channels whose values are 10-100x the others; one
+per-tensor int8 scale for that activation rounds the other channels to a handful of levels.
+For a tensor X read only by MatMul/Gemm layers X @ W, dividing input channel j of X by s_j and
+multiplying row j of every W by s_j leaves X @ W unchanged. The division is folded exactly
+into the op that makes X: a LayerNorm's gamma and beta (the LayerNormalization op, or the
+decomposed chain qtool.plan.ops.blocks recognises) or a linear layer's weight columns and
+bias. With a = alpha, s_j = max|X_j|^a / max|W_j|^(1-a) balances the two ranges: alpha 0.5
+splits the difficulty evenly, a larger alpha moves more of it into the weights (which are
+per-channel int8, so their rows absorb it well).
+
+The maxima come from the calibration data (qtool.calibration.smoothing); this module only
+finds the tensors that can be smoothed and folds given scales, so calibration and
+quantization apply the same scales to the same graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.errors import QtoolError
+from qtool.graph.index import GraphIndex, attribute
+from qtool.plan.ops.blocks import layer_norm_chains
+
+SCALE_LIMITS = (1e-4, 1e4)  # keeps weights well inside float32 even for near-empty channels
+
+
+@dataclass(frozen=True)
+class Site:
+    """A tensor that can be smoothed: `divide` are the (initializer, axis) pairs its producer
+    divides by s along `axis`, `multiply` those of its consumers' weights multiplied by s."""
+
+    tensor: str
+    channels: int
+    divide: tuple[tuple[str, int], ...]
+    multiply: tuple[tuple[str, int], ...]
+
+
+def _own(index: GraphIndex, name: str) -> bool:
+    """A float initializer read by one node only (rescaling it changes nothing else)."""
+    init = index.initializers.get(name)
+    return (init is not None and init.data_type == onnx.TensorProto.FLOAT
+            and len(index.consumers.get(name, [])) == 1)
+
+
+def _consumer_rows(index: GraphIndex, tensor: str) -> list[tuple[str, int]]:
+    """(weight, axis of the input channels) of every reader of `tensor`; empty unless every
+    reader is a MatMul/Gemm that multiplies `tensor` by a 2-D weight of its own (or a Shape,
+    which reads no values: PaddlePaddle's exports take the attention's reshape target so)."""
+    rows = []
+    for node in index.consumers.get(tensor, []):
+        if node.op_type == "Shape":
+            continue
+        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or node.input[0] != tensor:
+            return []
+        weight = node.input[1]
+        if not _own(index, weight) or len(index.initializers[weight].dims) != 2:
+            return []
+        if node.op_type == "Gemm" and attribute(node, "transA", 0):
+            return []
+        rows.append((weight, 1 if node.op_type == "Gemm" and attribute(node, "transB", 0) else 0))
+    return rows
+
+
+def _channels(index: GraphIndex, constants: list[tuple[str, int]]) -> set[int]:
+    return {index.initializers[name].dims[axis] for name, axis in constants}
+
+
+def _per_channel(index: GraphIndex, name: str, channels: int) -> bool:
+    """A gamma/beta that holds one value per channel of the last axis."""
+    dims = list(index.initializers[name].dims)
+    return bool(dims) and dims[-1] == channels and int(np.prod(dims)) == channels
+
+
+def _producer_columns(index: GraphIndex, node: onnx.NodeProto, channels: int) -> list[tuple[str, int]] | None:
+    """The constants to divide so that `node`'s output is divided by s, or None when it cannot be folded."""
+    if node.op_type == "LayerNormalization":
+        names = [n for n in node.input[1:3] if n]
+        axis = attribute(node, "axis", -1)
+        rank = len(index.shapes.get(node.input[0], ())) or None
+        if axis != -1 and (rank is None or axis != rank - 1):
+            return None
+        if not all(_own(index, n) and _per_channel(index, n, channels) for n in names):
+            return None
+        return [(n, len(index.initializers[n].dims) - 1) for n in names]
+    if node.op_type == "Gemm" and not attribute(node, "transA", 0) and len(node.input) >= 2:
+        weight = node.input[1]
+        bias = [node.input[2]] if len(node.input) > 2 and node.input[2] else []
+        if not _own(index, weight) or not all(_own(index, b) and _per_channel(index, b, channels) for b in bias):
+            return None
+        return [(weight, 0 if attribute(node, "transB", 0) else 1)] + [(b, 0) for b in bias]
+    return None
+
+
+def _linear_with_bias(index: GraphIndex, add: onnx.NodeProto, channels: int) -> list[tuple[str, int]] | None:
+    """MatMul(x, W) + b: W's columns and b."""
+    for position, bias in enumerate(add.input[:2]):
+        matmul = index.producer.get(add.input[1 - position])
+        if (matmul is None or matmul.op_type != "MatMul" or len(index.consumers.get(matmul.output[0], [])) != 1
+                or not _own(index, bias) or not _per_channel(index, bias, channels)):
+            continue
+        weight = matmul.input[1]
+        if _own(index, weight) and len(index.initializers[weight].dims) == 2:
+            return [(weight, 1), (bias, 0)]
+    return None
+
+
+def find_sites(model: onnx.ModelProto) -> list[Site]:
+    """The tensors of `model`'s main graph that can be smoothed, in graph order."""
+    index = GraphIndex(model)
+    chain_tails = {}
+    for chain in layer_norm_chains(index):
+        tails = chain[7:]  # the Mul (gamma) and Add (beta) after the normalizing Div
+        if tails and tails[0].op_type == "Mul":
+            chain_tails[tails[-1].output[0]] = tails
+    sites = []
+    for node in model.graph.node:
+        if not node.output or node.output[0] in index.outputs:
+            continue
+        tensor = node.output[0]
+        rows = _consumer_rows(index, tensor)
+        channels = _channels(index, rows)
+        if not rows or len(channels) != 1:
+            continue
+        (count,) = channels
+        if tensor in chain_tails:
+            divide = []
+            for tail in chain_tails[tensor]:
+                constant = next(i for i in tail.input if index.is_constant(i))
+                if not _own(index, constant) or not _per_channel(index, constant, count):
+                    divide = None
+                    break
+                divide.append((constant, len(index.initializers[constant].dims) - 1))
+        elif node.op_type == "Add":
+            divide = _linear_with_bias(index, node, count)
+        else:
+            divide = _producer_columns(index, node, count)
+        if divide:
+            sites.append(Site(tensor, count, tuple(divide), tuple(rows)))
+    return sites
+
+
+def weight_maxima(model: onnx.ModelProto, site: Site) -> np.ndarray:
+    """max over the consumers' weights of |W| per input channel."""
+    inits = {t.name: t for t in model.graph.initializer}
+    ranges = [np.abs(np.moveaxis(numpy_helper.to_array(inits[name]), axis, 0)).max(axis=1)
+              for name, axis in site.multiply]
+    return np.max(ranges, axis=0)
+
+
+def smoothing_scales(activation_max: np.ndarray, weight_max: np.ndarray, alpha: float) -> np.ndarray:
+    """s_j = max|X_j|^alpha / max|W_j|^(1-alpha); 1 where either range is empty."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        s = np.power(activation_max.astype(np.float64), alpha) / np.power(weight_max.astype(np.float64), 1 - alpha)
+    s = np.where(np.isfinite(s) & (s > 0), s, 1.0)
+    return np.clip(s, *SCALE_LIMITS)
+
+
+def smooth(model: onnx.ModelProto, scales: Mapping[str, tuple[float, ...]]) -> int:
+    """Fold the scales of each named tensor into `model` in place; the number of tensors smoothed.
+    A tensor that is no longer a site (the table was made for another graph) is an error."""
+    sites = {site.tensor: site for site in find_sites(model)}
+    inits = {t.name: t for t in model.graph.initializer}
+    for tensor, values in scales.items():
+        site = sites.get(tensor)
+        if site is None or site.channels != len(values):
+            raise QtoolError(f"the calibration table smooths tensor '{tensor}', which this graph cannot smooth "
+                             "(the table was made for another model or other options)")
+        s = np.asarray(values, dtype=np.float64)
+        for name, axis in site.divide:
+            _scale(inits[name], 1.0 / s, axis)
+        for name, axis in site.multiply:
+            _scale(inits[name], s, axis)
+    return len(scales)
+
+
+def _scale(tensor: onnx.TensorProto, factors: np.ndarray, axis: int) -> None:
+    values = numpy_helper.to_array(tensor).astype(np.float64)
+    shape = [1] * values.ndim
+    shape[axis] = -1
+    tensor.CopyFrom(numpy_helper.from_array((values * factors.reshape(shape)).astype(np.float32), tensor.name))
