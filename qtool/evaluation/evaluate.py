@@ -38,7 +38,7 @@ from qtool.quantization.rewrite import DQ_SUFFIX
 from qtool.graph.runtime import create_session
 from qtool.evaluation.report import EvaluationReport
 from qtool.evaluation.sensitivity import layer_sensitivity
-from qtool.table.table import load_table
+from qtool.table.table import load_table, smoothed_options
 from qtool.evaluation.thresholds import check_thresholds
 
 
@@ -212,6 +212,8 @@ def _sensitivity(inputs: EvaluateInputs, quantization: QuantizeConfig, subset: l
                  engine: Optional[Engine], source, batch_size: int) -> dict:
     start = time.perf_counter()
     table = load_table(inputs.table)
+    # the table's SmoothQuant scales, with its alpha: evaluate has no --smooth-quant of its own
+    quantization = smoothed_options(replace(quantization, smooth_quant=table.settings.get("smooth_quant")), table)
     if engine is not None:
         ranking = shards.sensitivity_on(engine, inputs.fp32, table, quantization, source, subset, batch_size,
                                         progress)

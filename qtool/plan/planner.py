@@ -408,6 +408,9 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     if options.smooth_scales:
         plan.notes.append(f"SmoothQuant (alpha {options.smooth_quant}): the activation ranges of "
                           f"{len(options.smooth_scales)} MatMul/Gemm inputs moved into their weights")
+    elif options.smooth_quant is not None:
+        plan.notes.append("SmoothQuant smoothed nothing: no LayerNorm or linear layer output is read by "
+                          "MatMul/Gemm layers only (a residual Add beside them keeps its range)")
     if chosen:
         plan.notes.append(chosen)
     _check_something_to_quantize(model, plan, model_path)

@@ -74,15 +74,15 @@ class CalibrationTable:
 
 def smoothed_options(options: QuantizeConfig, table: CalibrationTable) -> QuantizeConfig:
     """`options` with the table's SmoothQuant scales, so quantization folds what calibration measured.
-    SmoothQuant on one side only would quantize a graph with ranges of another: an error."""
-    if options.smooth_quant is None:
-        if table.smoothing:
-            raise QtoolError("the calibration table was made with SmoothQuant: quantize with the same "
-                             f"--smooth-quant (quantization.smooth_quant: {table.settings.get('smooth_quant')})")
-        return options
-    if not table.smoothing:
-        raise QtoolError("SmoothQuant needs a qtool calibration table calibrated with it (its scales are in "
-                         "the table's \"smoothing\"): calibrate with --smooth-quant")
+    SmoothQuant on one side only (or with another alpha) would quantize a graph with the ranges of
+    another: an error."""
+    made_with = table.settings.get("smooth_quant")
+    if made_with != options.smooth_quant:
+        if made_with is None:
+            raise QtoolError("SmoothQuant needs a qtool calibration table calibrated with it (its scales are in "
+                             "the table's \"smoothing\"): calibrate with --smooth-quant")
+        raise QtoolError(f"the calibration table was made with SmoothQuant alpha {made_with}: quantize with "
+                         f"--smooth-quant {made_with} (quantization.smooth_quant)")
     return replace(options, smooth_scales=tuple(table.smoothing.items()))
 
 
