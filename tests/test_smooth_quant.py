@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -78,7 +79,7 @@ def _outputs(graph: onnx.ModelProto, feeds_list) -> list[np.ndarray]:
 
 def _assert_same_fp32(path, data, alpha=0.5, options=QuantizeConfig(), samples=8) -> QuantizeConfig:
     """The smoothed prepared graph computes what the plain one does; the options with the scales."""
-    options = QuantizeConfig(**{**{f: getattr(options, f) for f in ("matmul",)}, "smooth_quant": alpha})
+    options = replace(options, smooth_quant=alpha)
     plain, _ = prepared_model(path, options)
     smoothed_options = with_smoothing(path, data, PreprocessConfig(), CalibrationConfig(num_samples=16), options)
     smoothed, _ = prepared_model(path, smoothed_options)
