@@ -134,7 +134,7 @@ class QuantizeConfig:
     smooth_quant: Optional[float] = None
     # The smoothing scales (tensor, per-channel factors): measured on the calibration data by calibrate,
     # read from the table by quantize; not a setting of the user's
-    smooth_scales: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    smooth_scales: tuple[tuple[str, tuple[float, ...]], ...] = field(default=(), metadata={"internal": True})
 
     def __post_init__(self):
         _one_of("target", self.target, tuple(TARGETS))
@@ -277,7 +277,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
 def build_section(cls: type, data: dict, where: str = ""):
     """Build dataclass `cls` from a mapping, refusing unknown keys; raises ValueError."""
     hints = typing.get_type_hints(cls)
-    allowed = [f.name for f in dataclasses.fields(cls)]
+    allowed = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]  # internal: not the user's
     kwargs = {}
     for key, value in data.items():
         if key not in allowed:

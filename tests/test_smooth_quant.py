@@ -168,3 +168,14 @@ def test_nothing_to_smooth_still_flows(tmp_path):
     assert table.smoothing == {} and table.settings["smooth_quant"] == 0.8
     result = api.quantize(path, table=table, config=config)
     assert any("smoothed nothing" in note for note in result.notes)
+
+
+def test_the_measured_scales_are_not_a_config_key():
+    """The scales travel with the options from the table to every prepared graph, but a user's
+    config cannot set them: only calibration measures them."""
+    from qtool.config import load_config
+    from qtool.errors import QtoolError
+
+    with pytest.raises(QtoolError, match="unknown key .quantization.smooth_scales"):
+        load_config({"quantization": {"smooth_scales": [["x", [1.0]]]}})
+    assert load_config({"quantization": {"smooth_quant": 0.5}}).quantization.smooth_quant == 0.5
