@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from qtool.calibration.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, load_config  # noqa: E402
 from qtool.data.dataset import Batch, batches, open_data  # noqa: E402
-from qtool.evaluation.latency import time_models  # noqa: E402
+from qtool.graph.runtime import time_models  # noqa: E402
 from qtool.data.labels import read_label_file  # noqa: E402
 from qtool.evaluation.metrics import ClassificationAccumulator, percentile_ms  # noqa: E402
 from qtool.graph.modelio import input_specs, load_model, save_model  # noqa: E402

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from qtool.calibration.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, QuantizeConfig, load_config  # noqa: E402
-from qtool.evaluation.latency import time_models  # noqa: E402
+from qtool.graph.runtime import time_models  # noqa: E402
 from qtool.graph.modelio import save_model  # noqa: E402
 import qtool.quantization.quantize as quantize_module  # noqa: E402
 from speed import kernel_events  # noqa: E402  (benchmarks/speed.py, same folder)

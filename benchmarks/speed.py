@@ -5,7 +5,7 @@ Models (bench kit): EfficientNet-Lite0 (depthwise), YOLOv8n (nudenet, dense), PP
 text detector (rapidocr_v4_det, depthwise + Resize/Concat; opset 12 upgraded to 13 first).
 Calibration on real inputs: the kit's calibration photos through configs/efficientnet_lite0.yaml
 for EfficientNet, the kit's ready-made .npz samples for the others. Every variant of a model
-is timed in ONE process, taking turns run by run (see qtool.evaluation.latency.time_models), at batch 1
+is timed in ONE process, taking turns run by run (see qtool.graph.runtime.time_models), at batch 1
 and 8 and 1 and 2 intra-op threads; the figures are medians.
 
 onnxruntime's variant: quantize_static, QDQ format, per-channel QInt8 weights, QUInt8
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from qtool.calibration.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, QuantizeConfig, load_config  # noqa: E402
 from qtool.data.dataset import batches, open_data  # noqa: E402
-from qtool.evaluation.latency import time_models  # noqa: E402
+from qtool.graph.runtime import time_models  # noqa: E402
 from qtool.prepare.graph_prep import prepare  # noqa: E402
 from qtool.evaluation.metrics import percentile_ms  # noqa: E402
 from qtool.graph.modelio import input_specs, load_model, save_model  # noqa: E402

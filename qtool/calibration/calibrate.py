@@ -18,20 +18,20 @@ from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataLike
 from qtool.errors import QtoolError
 from qtool.graph.executor import Engine
-from qtool.graph.modelio import sha256_file
+from qtool.graph.modelio import load_model, sha256_file
 from qtool.plan.planner import QuantPlan, prepared_model, unreached_bodies
 from qtool.table.resolve import resolve_qparams
 from qtool.table.table import CalibrationTable, TableEntry
 
 
 def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: CalibrationConfig, options: QuantizeConfig,
-                model_path: str | Path, num_samples: int, model: onnx.ModelProto | None = None) -> CalibrationTable:
-    methods = methods_for(model, plan.activations, calib) if model is not None else {}
+                model_path: str | Path, num_samples: int, model: onnx.ModelProto) -> CalibrationTable:
+    methods = methods_for(model, plan.activations, calib)
     ranges = {name: choose_range(stats[name], methods.get(name, calib.method), calib) for name in plan.activations}
     final, params = resolve_qparams(plan, ranges, options)
     settings = {"batch_size": calib.batch_size, **_range_settings(calib), **_quantize_settings(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
-    unreached = unreached_bodies(model.graph, plan.activations, lambda t: stats[t].seen)[1] if model is not None else []
+    unreached = unreached_bodies(model.graph, plan.activations, lambda t: stats[t].seen)[1]
     table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples,
                              notes=tuple(plan.notes + unreached), smoothing=dict(options.smooth_scales))
     for name in plan.activations:
@@ -75,7 +75,7 @@ def calibrate(model_path: str | Path, data: DataLike, preprocess: PreprocessConf
     options = with_smoothing(model_path, data, preprocess, calib, options)
     model, plan = prepared_model(model_path, options)
     if engine is not None:
-        stats, seen = collect_parallel(engine, model_path, data, preprocess, calib, options, progress=progress)
+        stats, seen = collect_parallel(engine, model_path, model, data, preprocess, calib, options, progress=progress)
     else:
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
     return build_table(plan, stats, calib, options, model_path, seen, model)
@@ -88,8 +88,8 @@ def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: Calib
     check_method(calib.method)  # the shard file serves any method, but a typo should fail now
     _no_smoothing(options, "--shard")
     if engine is not None:
-        stats, seen = collect_parallel(engine, model_path, data, preprocess, calib, options, shard,
-                                       force_histograms=True)
+        stats, seen = collect_parallel(engine, model_path, load_model(model_path), data, preprocess, calib, options,
+                                       shard, force_histograms=True)
     else:
         model, plan = prepared_model(model_path, options)
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, shard=shard, all_histograms=True)

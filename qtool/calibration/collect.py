@@ -20,7 +20,7 @@ from qtool.plan.planner import QuantPlan
 
 def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, preprocess: PreprocessConfig,
                        calib: CalibrationConfig, progress: bool = True, shard: tuple[int, int] = (0, 1),
-                       threads: int = 0, warn: bool = True,
+                       warn: bool = True,
                        all_histograms: bool = False,
                        observer: Optional[Observer] = None) -> tuple[dict[str, TensorStats], int]:
     """One streaming pass over shard `shard` = (k, n) of the data (the whole data for (0, 1));
@@ -31,7 +31,7 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, 
         folder_only(data, "sharding")
     limit = select_shard(source, calib, *shard)
     total = count_samples(source, limit)
-    observer = observer or make_observer(model, plan, calib, threads, all_histograms)
+    observer = observer or make_observer(model, plan, calib, all_histograms=all_histograms)
     seen = 0
     with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
         def advance(batch):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from qtool import atomic
 from qtool.calibration.collect import collect_statistics, make_observer, warn_nonfinite
@@ -33,7 +34,7 @@ from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataSource, MemorySource, check_shippable, open_data, split_shard
 from qtool.errors import QtoolError
 from qtool.graph.executor import TASKS_PER_WORKER, Engine, model_cache, run_in_order
-from qtool.graph.modelio import input_specs, load_model, sha256_file
+from qtool.graph.modelio import input_specs, sha256_file
 from qtool.plan.planner import prepared_model
 
 FORMAT = "qtool-statistics"
@@ -73,16 +74,16 @@ def _collect(job: _CollectJob) -> tuple[dict[str, TensorStats], int]:
     observer = model_cache(job.model_path, job.model_sha256,
                            ("observer", job.options, job.calib, job.threads, job.all_histograms),
                            lambda: make_observer(model, plan, job.calib, job.threads, job.all_histograms))
-    return collect_statistics(model, plan, job.source, job.preprocess, job.calib, progress=False,
-                              threads=job.threads, warn=False, all_histograms=job.all_histograms, observer=observer)
+    return collect_statistics(model, plan, job.source, job.preprocess, job.calib, progress=False, warn=False,
+                              observer=observer)
 
 
-def collect_parallel(engine: Engine, model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,
-                     options: QuantizeConfig, shard: tuple[int, int] = (0, 1), force_histograms: bool = False,
-                     progress: bool = True) -> tuple[dict[str, TensorStats], int]:
+def collect_parallel(engine: Engine, model_path, model: onnx.ModelProto, data, preprocess: PreprocessConfig,
+                     calib: CalibrationConfig, options: QuantizeConfig, shard: tuple[int, int] = (0, 1),
+                     force_histograms: bool = False, progress: bool = True) -> tuple[dict[str, TensorStats], int]:
     """Shard `shard` of the data cut into a few runs of whole batches per worker of `engine`, each
-    collected on a worker with its own onnxruntime session; merged in shard order as they come in."""
-    model = load_model(model_path)
+    collected on a worker with its own onnxruntime session; merged in shard order as they come in.
+    `model`: the model at `model_path` as the caller holds it (its inputs read the data)."""
     source = open_data(data, input_specs(model), preprocess)
     check_shippable(source, "sharding over workers (--workers, --dask, executor=)")
     parts = split_shard(source, calib.batch_size, calib.num_samples, *shard, parts=engine.width * TASKS_PER_WORKER)

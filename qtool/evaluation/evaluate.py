@@ -77,11 +77,9 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     labels = labels_for(source, inputs.labels) if inputs.labels else None
     if engine is None:
         run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
-    else:
-        run = _compare_on(engine, inputs, source, labels, outputs, cfg, detection, progress)
-    if engine is None:
         latency = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
     else:
+        run = _compare_on(engine, inputs, source, labels, outputs, cfg, detection, progress)
         latency = shards.latency_on(engine, inputs.fp32, inputs.int8, source, run.first_batch, cfg)
     per_layer = _per_layer(inputs, fp32_model, int8_model, run.subset, engine, source, cfg.batch_size, progress) \
         if cfg.per_layer else None

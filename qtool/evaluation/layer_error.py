@@ -73,7 +73,7 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
 def layer_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable[Batch],
                  threads: int = 0) -> list[LayerError]:
     """SQNR, cosine and absolute errors of every quantized activation, in graph order."""
-    return summarize(fp32, int8, batch_fidelity(fp32, int8, batches, threads))
+    return summarize(twins(fp32, int8), batch_fidelity(fp32, int8, batches, threads))
 
 
 def batch_fidelity(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterable[Batch],
@@ -99,10 +99,8 @@ def batch_fidelity(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterab
         yield fidelity
 
 
-def summarize(fp32: onnx.ModelProto, int8: onnx.ModelProto,
-              per_batch: Iterable[dict[str, FidelityAccumulator]]) -> list[LayerError]:
-    """The layer errors of batch_fidelity's accumulators, merged in batch order."""
-    pairs = twins(fp32, int8)
+def summarize(pairs: list[TensorPair], per_batch: Iterable[dict[str, FidelityAccumulator]]) -> list[LayerError]:
+    """The layer errors of batch_fidelity's accumulators for the twin tensors `pairs`, merged in batch order."""
     total = {p.tensor: FidelityAccumulator() for p in pairs}
     for fidelity in per_batch:
         for name, acc in total.items():

@@ -53,7 +53,8 @@ class FidelityAccumulator:
     abs_max: float = 0.0
     values: int = 0
 
-    def update(self, ref: np.ndarray, test: np.ndarray) -> None:
+    def update(self, ref: np.ndarray, test: np.ndarray) -> np.ndarray:
+        """Add one batch; returns its per-sample cosines."""
         ref = ref.astype(np.float64)
         diff = test.astype(np.float64) - ref
         self.signal += float(np.sum(ref * ref))
@@ -64,6 +65,7 @@ class FidelityAccumulator:
         cos = sample_cosines(ref, test)
         self.cosine_sum += float(np.sum(cos))
         self.samples += len(cos)
+        return cos
 
     def merge(self, other: "FidelityAccumulator") -> None:
         """Add another batch's (or shard's) sums: merging each batch in order gives the very floats

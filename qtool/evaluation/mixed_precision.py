@@ -51,7 +51,7 @@ from qtool.quantization.float_fallback import (Precisions, blocks, dynamic_candi
 from qtool.data.labels import Labels
 from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
 from qtool.graph.index import node_label
-from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator, sample_cosines
+from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
 from qtool.graph.runtime import create_session
@@ -120,9 +120,10 @@ def describe_figures(figures: dict) -> str:
     return text
 
 
-def _worst_cosines(reference: list[np.ndarray], test: list[np.ndarray]) -> np.ndarray:
-    """Per sample of a batch: the smallest cosine to fp32 over the outputs."""
-    return np.minimum.reduce([sample_cosines(r, t) for r, t in zip(reference, test)])
+def _worst_cosines(fidelity: list[FidelityAccumulator], reference: list[np.ndarray], test: list[np.ndarray]
+                   ) -> np.ndarray:
+    """Adds one batch to each output's accumulator; per sample, the smallest cosine to fp32 over the outputs."""
+    return np.minimum.reduce([acc.update(r, t) for acc, r, t in zip(fidelity, reference, test)])
 
 
 class _Evaluator:
@@ -143,9 +144,7 @@ class _Evaluator:
         for batch, ref in zip(self.data, self.reference):
             test = session.run(self.outputs, batch.feeds)
             first.append(test[0])
-            for acc, r, t in zip(fidelity, ref, test):
-                acc.update(r, t)
-            cosines.append(_worst_cosines(ref, test))
+            cosines.append(_worst_cosines(fidelity, ref, test))
             labels = [self.labels.get(k) if self.labels else None for k in batch.keys]
             classes.update(ref[0], test[0], labels)
         result = classes.result()
@@ -242,9 +241,7 @@ class _Focus:
             cosines = []
             for batch, ref in zip(self.batches, self.reference):
                 test = session.run(self.outputs, batch.feeds)
-                for acc, r, t in zip(fidelity, ref, test):
-                    acc.update(r, t)
-                cosines.append(_worst_cosines(ref, test))
+                cosines.append(_worst_cosines(fidelity, ref, test))
             sqnr = -min(acc.result()["sqnr_db"] for acc in fidelity)
             return (-float(np.mean(np.concatenate(cosines))), sqnr) if self.cosine else (sqnr,)
         flips, shortfall = 0, 0.0

@@ -36,10 +36,9 @@ from qtool.graph.edit import array_input, sub_model, with_outputs
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan, build_plan, prepared_model
 from qtool.table.resolve import params_from_table
-from qtool.quantization.rewrite import quantize_graph
+from qtool.quantization.rewrite import quantize_with
 from qtool.graph.runtime import create_session
 from qtool.table.table import CalibrationTable
-from qtool.targets import TARGETS, weight_qmax
 
 CACHE_BUDGET_BYTES = 256 * 2**20  # fp32 tensors kept at once to start the layers' runs mid-graph
 
@@ -200,9 +199,7 @@ def _measure(model: onnx.ModelProto, job: _Job, table: CalibrationTable, options
     """Run the layer's quantized model from its first changed node; outputs it does not
     reach (made before that node) equal the reference."""
     params = params_from_table(job.plan, table, options, allow_missing=True)
-    qmodel, _ = quantize_graph(model, job.plan, params, options.per_channel, weight_qmax(options.reduce_range),
-                               options.activation_dtype, options.symmetric_activations,
-                               symmetric_qmax=TARGETS[options.target].symmetric_qmax)
+    qmodel, _ = quantize_with(model, job.plan, params, options)
     suffix = _suffix(qmodel, job.before, cache[0])
     produced = [o.name for o in suffix.graph.output]
     session = create_session(suffix, threads, job.layer.node) if produced else None

@@ -23,7 +23,7 @@ from qtool.config import DetectionConfig, EvaluateConfig, QuantizeConfig
 from qtool.data.dataset import Batch, DataSource, MemorySource, batches, first_samples, split_shard
 from qtool.data.labels import Labels
 from qtool.evaluation.latency import measure_latency
-from qtool.evaluation.layer_error import LayerError, batch_fidelity, summarize
+from qtool.evaluation.layer_error import LayerError, batch_fidelity, summarize, twins
 from qtool.evaluation.metrics import FidelityAccumulator
 from qtool.evaluation.task import Task, compare_batch, resolve_task
 from qtool.graph.executor import TASKS_PER_WORKER, Engine, model_cache, run_in_order
@@ -161,7 +161,7 @@ def per_layer_on(engine: Engine, fp32_path, int8_path, fp32: onnx.ModelProto, in
     parts = split_shard(head, batch_size, None, 0, 1, engine.width)
     refs = ModelRef.of(fp32_path), ModelRef.of(int8_path)
     jobs = [_PerLayerJob(*refs, part, batch_size, engine.threads) for part in parts]
-    return summarize(fp32, int8, (fidelity for found in run_in_order(engine, _per_layer, jobs, "per layer", progress)
+    return summarize(twins(fp32, int8), (fidelity for found in run_in_order(engine, _per_layer, jobs, "per layer", progress)
                                   for fidelity in found))
 
 

@@ -25,7 +25,7 @@ import os
 import pickle
 import tempfile
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 from qtool.errors import QtoolError
@@ -117,8 +117,7 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
                     client = stack.enter_context(Client(address, timeout="30s"))
                 except (OSError, TimeoutError) as exc:
                     raise QtoolError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
-            engine = as_engine(client.get_executor())
-            yield Engine(engine.executor, engine.width, 1, f"Dask {address or f'local:{count}'}", client)
+            yield replace(as_engine(client.get_executor()), name=f"Dask {address or f'local:{count}'}")
         return
     if workers > 1:
         context = multiprocessing.get_context("spawn")  # no fork of a process that may hold onnxruntime threads

@@ -53,7 +53,6 @@ Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
 
 @dataclass(frozen=True)
 class LatencyChoice:
-    float_op_types: tuple[str, ...]  # op types whose quantized nodes stay float, in the order chosen
     labels: tuple[str, ...]  # the nodes kept float
     notes: tuple[str, ...]  # one per choice
     cache_file: Optional[Path]
@@ -95,11 +94,11 @@ def feed_sets(feeds: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     return [dict(feeds)]
 
 
-def timer(feeds: Mapping[str, np.ndarray], threads: int = 1) -> Measure:
+def timer(feeds: Mapping[str, np.ndarray]) -> Measure:
     """Per feed set (feed_sets), median seconds per run, the models taking turns; enough runs for
     about BUDGET_S per feed set."""
     def measure(models: Mapping[str, onnx.ModelProto]) -> dict[str, list[float]]:
-        sessions = {name: create_session(model, threads, name) for name, model in models.items()}
+        sessions = {name: create_session(model, 1, name) for name, model in models.items()}
         medians: dict[str, list[float]] = {name: [] for name in models}
         for batch in feed_sets(feeds):
             probe = time_sessions(sessions, batch, warmup=1, runs=1)
@@ -138,7 +137,7 @@ def choose(fp32: onnx.ModelProto, quantized: Mapping[str, str], build: Callable[
             except OSError:
                 path = None  # a read-only home still quantizes; the choice is only not remembered
     labels = tuple(label for t in decision["float_op_types"] for label in by_type[t])
-    return LatencyChoice(tuple(decision["float_op_types"]), labels,
+    return LatencyChoice(labels,
                          tuple(decision["notes"]), path, cached)
 
 

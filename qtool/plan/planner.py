@@ -152,17 +152,16 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
 
     # A Relu/Clip after a float op (no rule, excluded, weight-only) runs in float with it: quantizing
     # its input would only add a Q/DQ pair that no kernel absorbs (onnxruntime leaves DQ -> Q behind).
-    nodes_list = list(graph.node)
+    nodes = list(graph.node)
     for index in [i for i, r in rules.items() if r.fusable_activation]:
-        producer = ctx.producer.get(nodes_list[index].input[0])
-        if producer is not None and not _int8_output(nodes_list.index(producer), rules):
-            node = nodes_list[index]
+        producer = ctx.producer.get(nodes[index].input[0])
+        if producer is not None and not _int8_output(nodes.index(producer), rules):
+            node = nodes[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
     fused: set[str] = scope.fused  # the enclosing scopes' too: a body never quantizes a fused tensor
-    nodes = list(graph.node)
     for index, rule in rules.items():
         node = nodes[index]
         if not rule.absorbs_activation or not node.output:

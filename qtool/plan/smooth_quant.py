@@ -162,8 +162,8 @@ def smoothing_scales(activation_max: np.ndarray, weight_max: np.ndarray, alpha: 
     return np.clip(s, *SCALE_LIMITS)
 
 
-def smooth(model: onnx.ModelProto, scales: Mapping[str, tuple[float, ...]]) -> int:
-    """Fold the scales of each named tensor into `model` in place; the number of tensors smoothed.
+def smooth(model: onnx.ModelProto, scales: Mapping[str, tuple[float, ...]]) -> None:
+    """Fold the scales of each named tensor into `model` in place.
     A tensor that is no longer a site (the table was made for another graph) is an error."""
     sites = {site.tensor: site for site in find_sites(model)}
     inits = {t.name: t for t in model.graph.initializer}
@@ -177,7 +177,6 @@ def smooth(model: onnx.ModelProto, scales: Mapping[str, tuple[float, ...]]) -> i
             _scale(inits[name], 1.0 / s, axis)
         for name, axis in site.multiply:
             _scale(inits[name], s, axis)
-    return len(scales)
 
 
 def _scale(tensor: onnx.TensorProto, factors: np.ndarray, axis: int) -> None:

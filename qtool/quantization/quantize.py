@@ -23,10 +23,9 @@ from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_d
 from qtool.plan.latency import enabled as latency_enabled
 from qtool.plan.planner import QuantPlan, build_plan, prepared_model, unreached_bodies
 from qtool.table.resolve import params_from_table
-from qtool.quantization.rewrite import quantize_graph
+from qtool.quantization.rewrite import quantize_with
 from qtool.quantization.stem_s2d import space_to_depth_stems
 from qtool.table.table import CalibrationTable
-from qtool.targets import TARGETS, weight_qmax
 
 
 @dataclass
@@ -79,12 +78,12 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
     model, plan = prepared_model(model_path, options)  # the graph calibration saw, equalized if asked
+    op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
     # If branches and loop bodies the calibration data never ran have no ranges: they stay float
     unreached, unreached_notes = unreached_bodies(model.graph, plan.activations, _seen(table))
     if unreached:
-        notes_before = plan.notes
-        plan = build_plan(model, options, keep_float=unreached)
-        plan.notes = notes_before + unreached_notes
+        plan = _replan(model, options, plan, unreached)
+        plan.notes += unreached_notes
     check_finite_constants(model, plan, model_path)
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
@@ -99,7 +98,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
             break
         found = None
         if len(kept) < MAX_KEPT_FLOAT:
-            candidates = [(label, _op_type(model, label)) for label in plan.quantized_nodes]
+            candidates = [(label, op_type[label]) for label in plan.quantized_nodes]
             found = run_check.locate(failure, candidates, lambda labels: run_check.check(
                 steps.structure(model, build_plan(model, options, keep_float=[*unreached, *kept, *labels])),
                 ref) is None)
@@ -107,21 +106,18 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
             raise InternalError(f"the quantized model does not pass onnxruntime's run check: {failure.reason}"
                                 + (f" (after keeping {', '.join(kept)} in float)" if kept else ""))
         kept.append(found)
-        before, notes_before = plan.quantized_nodes, plan.notes
-        plan = build_plan(model, options, keep_float=[*unreached, *kept])
-        plan.notes = notes_before  # what preparing the graph did, and the float notes: unchanged by keep_float
-        along = [f"'{label}' ({_op_type(model, label)})" for label in before
+        before = plan.quantized_nodes
+        plan = _replan(model, options, plan, [*unreached, *kept])
+        along = [f"'{label}' ({op_type[label]})" for label in before
                  if label != found and label not in plan.quantized_nodes]
-        fixes.append(f"'{found}' ({_op_type(model, found)}) kept in float"
+        fixes.append(f"'{found}' ({op_type[found]}) kept in float"
                      + (f" (and with it {', '.join(along)})" if along else "")
                      + f", because onnxruntime cannot run the model with it in int8: {failure.reason}")
     if latency and latency_enabled(options):
-        choice = _latency_choice(model, plan, [*unreached, *kept], steps, ref, options)
+        choice = _latency_choice(model, plan, op_type, [*unreached, *kept], steps, ref, options)
         if choice.labels:
             kept += choice.labels
-            notes_before = plan.notes
-            plan = build_plan(model, options, keep_float=[*unreached, *kept])
-            plan.notes = notes_before
+            plan = _replan(model, options, plan, [*unreached, *kept])
             qmodel, notes = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
             failure = run_check.check(qmodel, ref)
             if failure is not None:
@@ -147,17 +143,20 @@ def _seen(table: CalibrationTable) -> Callable[[str], bool]:
 MAX_KEPT_FLOAT = 3  # nodes kept float by the run check before a model that still fails is a bug
 
 
-def _latency_choice(model: onnx.ModelProto, plan: QuantPlan, kept: list[str], steps: "_Steps",
-                    ref: run_check.Reference, options: QuantizeConfig) -> LatencyChoice:
+def _replan(model: onnx.ModelProto, options: QuantizeConfig, plan: QuantPlan, keep_float: list[str]) -> QuantPlan:
+    """The plan with `keep_float` float; its notes (what preparing the graph did, the float notes) kept."""
+    replanned = build_plan(model, options, keep_float=keep_float)
+    replanned.notes = list(plan.notes)
+    return replanned
+
+
+def _latency_choice(model: onnx.ModelProto, plan: QuantPlan, op_type: dict[str, str], kept: list[str],
+                    steps: "_Steps", ref: run_check.Reference, options: QuantizeConfig) -> LatencyChoice:
     """The op types onnxruntime runs faster float on this CPU, timed on the run check's batch."""
-    quantized = {label: _op_type(model, label) for label in plan.quantized_nodes}
+    quantized = {label: op_type[label] for label in plan.quantized_nodes}
     key = cache_key(model, quantized, ref.feeds, options)
     return choose(model, quantized, lambda labels: steps.structure(
         model, build_plan(model, options, keep_float=[*kept, *labels])), key, timer(ref.feeds), latency_cache_dir())
-
-
-def _op_type(model: onnx.ModelProto, label: str) -> str:
-    return next(n.op_type for n in scoped_nodes(model.graph) if node_label(n) == label)
 
 
 def _reference(model: onnx.ModelProto, samples: list[Batch], data: Optional[Callable[[int], Iterable[Batch]]],
@@ -185,24 +184,18 @@ class _Steps:
                  rounding_mode: str) -> tuple[onnx.ModelProto, list[str]]:
         options = self.options
         params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
-        qmax = weight_qmax(options.reduce_range)
-        symmetric_qmax = TARGETS[options.target].symmetric_qmax
         notes: list[str] = []
         rounding = None
         if rounding_mode == "adaptive":
             rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
                                  lambda: adaptive_rounding(model, plan, params, samples, options))
         try:
-            qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
-                                                 options.activation_dtype, options.symmetric_activations, rounding,
-                                                 symmetric_qmax)
+            qmodel, graph_notes = quantize_with(model, plan, params, options, rounding)
         except Exception as exc:
             if rounding is None or options.weight_rounding != "auto":
                 raise
             notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
-            qmodel, graph_notes = quantize_graph(model, plan, params, options.per_channel, qmax,
-                                                 options.activation_dtype, options.symmetric_activations,
-                                                 symmetric_qmax=symmetric_qmax)
+            qmodel, graph_notes = quantize_with(model, plan, params, options)
         notes = plan.notes + graph_notes + notes
         if bias_correction == "fast":
             corrected = onnx.ModelProto()
@@ -229,9 +222,7 @@ class _Steps:
     def structure(self, model: onnx.ModelProto, plan: QuantPlan) -> onnx.ModelProto:
         options = self.options
         params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
-        qmodel, _ = quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
-                                   options.activation_dtype, options.symmetric_activations,
-                                   symmetric_qmax=TARGETS[options.target].symmetric_qmax)
+        qmodel, _ = quantize_with(model, plan, params, options)
         _target_rewrites(qmodel, options)
         return qmodel
 

@@ -24,7 +24,8 @@ from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.weight_only import KERNELS, stored_once, use_kernel_domain
 from qtool.quantization.dynamic_matmul import DynamicMatMuls
-from qtool.targets import SYMMETRIC_HALF_GRID
+from qtool.config import QuantizeConfig
+from qtool.targets import SYMMETRIC_HALF_GRID, TARGETS, weight_qmax
 
 # Names of the tensors the rewrite adds. evaluate's per-layer matching relies on them:
 # the DequantizeLinear output `<name>` + DQ_SUFFIX stands for fp32 tensor `<name>`.
@@ -81,6 +82,14 @@ class _Builder:
         self.head.append(helper.make_node("DequantizeLinear", [qname, sname, zname], [name + DQ_SUFFIX],
                                           name=name + "_DequantizeLinear", **attrs))
         return name + DQ_SUFFIX
+
+
+def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams], options: QuantizeConfig,
+                  rounding: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
+    """quantize_graph with the grid arguments the options and their target give."""
+    return quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
+                          options.activation_dtype, options.symmetric_activations, rounding,
+                          TARGETS[options.target].symmetric_qmax)
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
