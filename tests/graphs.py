@@ -110,3 +110,15 @@ def write_samples(folder: Path, rng, shape, count=16, name="x", scale=1.0) -> Pa
     for i in range(count):
         np.save(folder / f"s{i:03d}.npy", (rng.normal(0, scale, (1, *shape))).astype(np.float32))
     return folder
+
+
+def calibrated(folder: Path, rng, built: onnx.ModelProto, options, shape=(3, 8, 8), count=8):
+    """`built` saved in `folder`, 8 random samples of `shape` beside it and its calibration table
+    under `options`: (model path, table)."""
+    from qtool.calibration.calibrate import calibrate
+    from qtool.config import CalibrationConfig, PreprocessConfig
+
+    path = folder / "m.onnx"
+    onnx.save(built, path)
+    data = write_samples(folder / "data", rng, shape, count=count)
+    return path, calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)

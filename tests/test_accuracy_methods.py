@@ -205,11 +205,8 @@ def _crushed_model(rng) -> onnx.ModelProto:
 def crushed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mixed")
     rng = np.random.default_rng(0)
-    path = tmp / "m.onnx"
-    onnx.save(_crushed_model(rng), path)
-    data = graphs.write_samples(tmp / "data", rng, (3, 8, 8), count=8)
     options = QuantizeConfig(per_channel=False)
-    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
+    path, table = graphs.calibrated(tmp, rng, _crushed_model(rng), options)
     x = np.random.default_rng(1).normal(0, 1, (32, 3, 8, 8)).astype(np.float32)
     evals = [Batch([f"s{i}" for i in range(j, j + 8)], {"x": x[j:j + 8]}) for j in range(0, 32, 8)]
     return path, table, options, evals

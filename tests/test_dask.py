@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import qtool
 from qtool.calibration.calibrate import calibrate as calibrate_table
 from qtool.cli import main
-from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.config import CalibrationConfig, QuantizeConfig
 from qtool.data.dataset import Batch
 from qtool.errors import QtoolError, ThresholdError
 from qtool.evaluation.mixed_precision import Target, search
@@ -226,11 +226,8 @@ def _crushed_search(tmp_path, **kwargs):
     from tests.test_accuracy_methods import _crushed_model
 
     rng = np.random.default_rng(0)
-    path = tmp_path / "m.onnx"
-    onnx.save(_crushed_model(rng), path)
     options = QuantizeConfig(per_channel=False)
-    table = calibrate_table(path, graphs.write_samples(tmp_path / "data", rng, (3, 8, 8), count=8),
-                            PreprocessConfig(), CalibrationConfig(), options, progress=False)
+    path, table = graphs.calibrated(tmp_path, rng, _crushed_model(rng), options)
     x = np.random.default_rng(1).normal(0, 1, (32, 3, 8, 8)).astype(np.float32)
     evals = [Batch([f"s{i}" for i in range(j, j + 8)], {"x": x[j:j + 8]}) for j in range(0, 32, 8)]
     base = search(path, table, options, Target(sqnr=-100.0), evals, None, 3).chosen.figures["sqnr_db"]

@@ -12,7 +12,7 @@ import pytest
 from onnx import helper
 
 from qtool.calibration.calibrate import calibrate
-from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig, load_config
+from qtool.config import CalibrationConfig, QuantizeConfig, load_config
 from qtool.data.dataset import Batch, batches, open_data
 from qtool.errors import ThresholdError
 from qtool.evaluation.mixed_precision import Target, search
@@ -46,10 +46,7 @@ def _model(rng) -> onnx.ModelProto:
 def quantized(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mixed")
     rng = np.random.default_rng(0)
-    path = tmp / "m.onnx"
-    onnx.save(_model(rng), path)
-    data = graphs.write_samples(tmp / "data", rng, (3, 8, 8), count=8)
-    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), OPTIONS, progress=False)
+    path, table = graphs.calibrated(tmp, rng, _model(rng), OPTIONS)
     base = quantize_model(path, table, OPTIONS)
     prepared, _ = prepared_model(path, OPTIONS)
     pool = restorable_layers(base.model, prepared)

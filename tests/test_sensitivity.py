@@ -31,10 +31,7 @@ def _two_conv_model(rng) -> onnx.ModelProto:
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sensitivity")
     rng = np.random.default_rng(0)
-    path = tmp / "m.onnx"
-    onnx.save(_two_conv_model(rng), path)
-    data = graphs.write_samples(tmp / "data", rng, (3, 8, 8), count=8)
-    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), OPTIONS, progress=False)
+    path, table = graphs.calibrated(tmp, rng, _two_conv_model(rng), OPTIONS)
     x = np.random.default_rng(1).normal(0, 1, (4, 3, 8, 8)).astype(np.float32)
     batches = [Batch(["a", "b"], {"x": x[:2]}), Batch(["c", "d"], {"x": x[2:]})]
     return path, table, batches
