@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 import onnx
 
-from qtool.calibration.calibrate import calibrate as run_calibration
+from qtool.calibration.calibrate import calibrate as run_calibration, calibrate_methods
 from qtool.config import Config, load_config
 from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
 from qtool.data.labels import labels_for
@@ -53,6 +53,9 @@ class MixedPrecisionSearch:
     max_float_layers: int = 10  # fail (ThresholdError) when the target needs more
     min_int8_macs: float = 0.0  # percent of the MACs that must stay int8
     cosine: Optional[float] = None  # mean over samples of the worst output's cosine to fp32
+    # With calibration data: when the all-int8 model misses the target, these range methods are
+    # measured too (one more calibration pass) and the search starts from the closest
+    range_methods: tuple[str, ...] = ("percentile", "mse")
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,15 @@ class SearchOutcome:
     int8_mac_fraction: float
     figures: dict  # agreement, mean_kl, sqnr_db, cosine (and top1, top1_fp32 with labels)
     dynamic_layers: tuple[str, ...] = ()
+    method: str = "minmax"  # the range method of the chosen model's table
 
     def describe(self) -> str:
         layers = f": {', '.join(self.float_layers)}" if self.float_layers else ""
         layers += f"; {len(self.dynamic_layers)} dynamic int8: {', '.join(self.dynamic_layers)}" \
             if self.dynamic_layers else ""
         return (f"target met with {len(self.float_layers)} layer(s) in float{layers}; "
-                f"{100 * self.int8_mac_fraction:.1f}% of MACs in int8; {describe_figures(self.figures)}")
+                f"{100 * self.int8_mac_fraction:.1f}% of MACs in int8, {self.method} ranges; "
+                f"{describe_figures(self.figures)}")
 
 
 @dataclass(frozen=True)
@@ -147,8 +152,8 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         outcome = None
         if search is not None:
-            graph, outcome = _search(model, specs, table, cfg, search, calib_data, log or (lambda message: None),
-                                     engine)
+            graph, outcome, table = _search(model, specs, table, data, cfg, search, calib_data,
+                                            log or (lambda message: None), engine, progress)
         else:
             graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data,
                                    latency=True)
@@ -179,9 +184,10 @@ def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) ->
                                  min(limit, calib.num_samples or limit))
 
 
-def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, cfg: Config,
+def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, data: Optional[DataLike], cfg: Config,
             search: MixedPrecisionSearch, calib_data: Optional[Callable[[int], Iterable[Batch]]],
-            log: Log, engine: Optional[Engine]) -> tuple[QuantizedGraph, SearchOutcome]:
+            log: Log, engine: Optional[Engine], progress: bool
+            ) -> tuple[QuantizedGraph, SearchOutcome, CalibrationTable]:
     target = Target(search.agreement, search.top1_drop, search.sqnr, search.cosine)
     if not target.given():
         raise QtoolError("a mixed-precision search needs a target: agreement, top1_drop, sqnr or cosine")
@@ -190,9 +196,19 @@ def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, 
     eval_batches = list(batches(source, cfg.evaluation.batch_size, cfg.evaluation.num_samples))
     count = count_samples(source, None)
     count = sum(len(b) for b in eval_batches) if count is None else count
+    methods = [m for m in dict.fromkeys(search.range_methods) if m != table.method]
+
+    def alternatives() -> list[CalibrationTable]:
+        if data is None or not methods:
+            return []
+        log(f"measuring {', '.join(methods)} ranges too (one calibration pass) ...")
+        return calibrate_methods(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, methods, progress,
+                                 engine)
+
     log(f"searching the fewest float layers for {target.describe()} on {count} evaluation samples:")
     found = run_search(model, table, cfg.quantization, target, eval_batches, label_map, search.max_float_layers,
-                       calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log, engine=engine)
+                       calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log, engine=engine,
+                       alternatives=alternatives)
     chosen = found.chosen
     return chosen.result, SearchOutcome(tuple(chosen.float_layers), chosen.int8_mac_fraction, chosen.figures,
-                                        tuple(chosen.dynamic_layers))
+                                        tuple(chosen.dynamic_layers), found.table.method), found.table

