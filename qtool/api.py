@@ -22,12 +22,14 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import onnx
 
 from qtool.calibration.calibrate import calibrate as run_calibration, calibrate_methods
+from qtool.calibration.ranges import AUTO
 from qtool.config import Config, load_config
 from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
 from qtool.data.labels import labels_for
 from qtool.errors import QtoolError
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
+from qtool.evaluation.range_choice import choose_ranges
 from qtool.evaluation.report import EvaluationReport
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
@@ -108,7 +110,16 @@ def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
     `calibration.workers` say where they run (default: here)."""
     cfg = load_config(config)
     with _engine(executor, cfg.calibration.dask, cfg.calibration.workers) as engine:
-        return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine)
+        return _calibrated(model, data, cfg, progress, engine)
+
+
+def _calibrated(model: str | Path, data: DataLike, cfg: Config, progress: bool,
+                engine: Optional[Engine]) -> CalibrationTable:
+    """The table of `data`; with method `auto`, of the range method measured best
+    (qtool.evaluation.range_choice), unless the data can be read only once (a generator: minmax)."""
+    if cfg.calibration.method == AUTO and not isinstance(data, Iterator):
+        return choose_ranges(model, data, cfg, progress, engine)
+    return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine)
 
 
 @contextlib.contextmanager
@@ -142,8 +153,7 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
             else contextlib.nullcontext() as engine:
         table_path = None
         if table is None:
-            table = run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress,
-                                    engine)
+            table = _calibrated(model, data, cfg, progress, engine)
         elif not isinstance(table, CalibrationTable):
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
@@ -158,7 +168,9 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
             graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data,
                                    latency=True)
     plan = graph.plan
-    return QuantizeResult(graph.model, table, tuple(graph.notes), len(plan.quantized_nodes), plan.int8_weights(),
+    # how the table was made (the range method `auto` chose) before what quantizing it did
+    notes = tuple(n for n in table.notes if n not in graph.notes) + tuple(graph.notes)
+    return QuantizeResult(graph.model, table, notes, len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
                           outcome)
 

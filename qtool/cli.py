@@ -92,7 +92,9 @@ def _calibration_options(func):
     for option in reversed([
         click.option("--num-samples", type=click.IntRange(min=1), help="Use at most this many samples."),
         click.option("--batch-size", type=click.IntRange(min=1), help="Samples per batch (dynamic-batch models)."),
-        click.option("--method", type=str, help="Range method: minmax, percentile, entropy, mse, aciq."),
+        click.option("--method", type=str, help="Range method: auto (the default: minmax, mse and percentile "
+                                                "measured on the data, the closest to fp32 kept), minmax, "
+                                                "percentile, entropy, mse, aciq."),
         click.option("--workers", type=click.IntRange(min=1),
                      help="onnxruntime sessions in separate processes over shards of the data."),
         dask_option,
@@ -208,7 +210,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     for note in table.notes:
         click.echo(f"note: {note}", err=True)
     click.echo(f"calibrated {len(table.tensors)} tensors on {table.num_samples} samples "
-               f"({calib.method}) in {time.perf_counter() - start:.1f} s -> {output} ({table_format})")
+               f"({table.method}) in {time.perf_counter() - start:.1f} s -> {output} ({table_format})")
 
 
 @main.command()

@@ -75,7 +75,9 @@ class PreprocessConfig:
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    method: str = "minmax"  # the only method that keeps every kit model's floor (README, "Calibration engine")
+    # auto: minmax, mse and percentile measured on the calibration data when quantizing or calibrating
+    # a model, the closest to fp32 kept (qtool.evaluation.range_choice); minmax where nothing measures
+    method: str = "auto"
     num_samples: Optional[int] = None  # None: every sample in the data folder
     batch_size: int = 8
     percentile: float = 99.99  # percentile method: kept fraction of |x| (symmetric) or of each tail

@@ -10,7 +10,7 @@ import onnx
 
 from qtool.calibration.collect import collect_statistics, warn_nonfinite
 from qtool.calibration.method_rules import methods_for
-from qtool.calibration.ranges import check_method, choose_range
+from qtool.calibration.ranges import check_method, choose_range, resolve_method
 from qtool.calibration.smoothing import with_smoothing
 from qtool.calibration.shards import collect_parallel, merge_files, save_stats
 from qtool.calibration.statistics import TensorStats
@@ -27,12 +27,13 @@ from qtool.table.table import CalibrationTable, TableEntry
 def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: CalibrationConfig, options: QuantizeConfig,
                 model_path: str | Path, num_samples: int, model: onnx.ModelProto) -> CalibrationTable:
     methods = methods_for(model, plan.activations, calib)
-    ranges = {name: choose_range(stats[name], methods.get(name, calib.method), calib) for name in plan.activations}
+    method = resolve_method(calib.method)
+    ranges = {name: choose_range(stats[name], methods.get(name, method), calib) for name in plan.activations}
     final, params = resolve_qparams(plan, ranges, options)
     settings = {"batch_size": calib.batch_size, **_range_settings(calib), **_quantize_settings(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     unreached = unreached_bodies(model.graph, plan.activations, lambda t: stats[t].seen)[1]
-    table = CalibrationTable(Path(model_path).name, sha256_file(model_path), calib.method, settings, num_samples,
+    table = CalibrationTable(Path(model_path).name, sha256_file(model_path), method, settings, num_samples,
                              notes=tuple(plan.notes + unreached), smoothing=dict(options.smooth_scales))
     for name in plan.activations:
         s = stats[name]
@@ -103,7 +104,7 @@ def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: Calib
                     options: QuantizeConfig, shard: tuple[int, int], output: Path,
                     engine: Optional[Engine] = None) -> tuple[int, int]:
     """Collect one shard's statistics (with histograms for every tensor) and write them to `output`."""
-    check_method(calib.method)  # the shard file serves any method, but a typo should fail now
+    resolve_method(calib.method)  # the shard file serves any method, but a typo should fail now
     _no_smoothing(options, "--shard")
     if engine is not None:
         stats, seen = collect_parallel(engine, model_path, load_model(model_path), data, preprocess, calib, options,

@@ -13,20 +13,20 @@ import fnmatch
 import onnx
 
 from qtool.config import CalibrationConfig
-from qtool.calibration.ranges import HISTOGRAM_METHODS, check_method
+from qtool.calibration.ranges import HISTOGRAM_METHODS, check_method, resolve_method
 
 
 def methods_for(model: onnx.ModelProto, tensors: list[str], calib: CalibrationConfig) -> dict[str, str]:
     for _, method in (*calib.method_by_op_type, *calib.method_by_tensor):
         check_method(method)
-    check_method(calib.method)
+    default = resolve_method(calib.method)
     consumed_by: dict[str, set[str]] = {}
     for node in model.graph.node:
         for name in node.input:
             consumed_by.setdefault(name, set()).add(node.op_type)
     chosen = {}
     for name in tensors:
-        method = calib.method
+        method = default
         for op_type, m in calib.method_by_op_type:
             if op_type in consumed_by.get(name, ()):
                 method = m

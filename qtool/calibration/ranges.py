@@ -313,10 +313,18 @@ METHODS: dict[str, RangeMethod] = {"minmax": minmax, "percentile": percentile, "
 HISTOGRAM_METHODS = frozenset(METHODS) - {"minmax"}
 
 
+AUTO = "auto"  # chosen by measurement where a model can be quantized (qtool.evaluation.range_choice), else minmax
+
+
 def check_method(method: str) -> str:
     if method not in METHODS:
         raise QtoolError(f"unknown calibration method '{method}'; known: {', '.join(METHODS)}")
     return method
+
+
+def resolve_method(method: str) -> str:
+    """`method` as a table is built with it: `auto` where nothing measures the candidates is minmax."""
+    return "minmax" if method == AUTO else check_method(method)
 
 
 def choose_range(stats: TensorStats, method: str, calib: Optional[CalibrationConfig] = None) -> tuple[float, float]:

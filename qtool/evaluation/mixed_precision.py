@@ -130,7 +130,7 @@ def _worst_cosines(fidelity: list[FidelityAccumulator], reference: list[np.ndarr
     return np.minimum.reduce([c if len(c) == samples else np.full(samples, np.mean(c)) for c in cosines])
 
 
-class _Evaluator:
+class Evaluator:
     """fp32 outputs computed once; each candidate's outputs compared with them."""
 
     def __init__(self, model_path: Path, data: list[Batch], labels: Optional[Labels], threads: int):
@@ -195,7 +195,7 @@ class _Mixer:
 class _Focus:
     """The evaluation samples a search step measures, and how it scores a candidate (lower is better)."""
 
-    def __init__(self, evaluate: _Evaluator, target: Target, count: int, int8_first: list[np.ndarray]):
+    def __init__(self, evaluate: Evaluator, target: Target, count: int, int8_first: list[np.ndarray]):
         """`int8_first`: the all-int8 model's first output per evaluation batch."""
         first = [ref[0].reshape(len(batch), -1) for batch, ref in zip(evaluate.data, evaluate.reference)]
         self.classify = target.classifies() and first[0].shape[1] > 1
@@ -326,7 +326,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
     model_path = Path(model_path)
     if target.top1_drop is not None and labels is None:
         raise ThresholdError("--target-top1-drop needs --labels for the evaluation data")
-    evaluate = _Evaluator(model_path, eval_data, labels, threads)
+    evaluate = Evaluator(model_path, eval_data, labels, threads)
     shapes = sample_shapes(eval_data[0].feeds)
     rank = _rank(target)
     tried: list[dict] = []
