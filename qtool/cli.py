@@ -236,6 +236,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--embeddings", type=click.Choice(["auto", "int8", "float"]),
               help="Embedding tables read by Gather: int8 per row, weight-only (auto, the default: tables of "
                    "1 MiB or more with target ort-cpu), or float.")
+@click.option("--int16-activations", multiple=True, metavar="NAMES",
+              help="Quantize these activation tensors (names or glob patterns; comma-separated or repeated) to "
+                   "16 bits over their calibrated ranges; onnxruntime runs their readers and writers in float.")
 @click.option("--latency-aware/--no-latency-aware", "latency_aware", default=None,
               help="Keep float the op types onnxruntime runs slower in int8 than in float on this CPU, measured "
                    "and cached (default: on with target ort-cpu; config quantization.latency_aware).")
@@ -257,7 +260,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
              smooth_quant, save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
-             embeddings, latency_aware, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
+             embeddings, int16_activations, latency_aware, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
              target_cosine, max_float_layers, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
@@ -270,6 +273,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
                          workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
                      weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings,
+                     int16_activations=_names(int16_activations),
                      latency_aware=None if latency_aware is None else ("on" if latency_aware else "off"))
     cfg = replace(cfg, quantization=quant)
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):

@@ -17,7 +17,9 @@ import numpy as np
 
 from qtool.targets import SYMMETRIC_HALF_GRID
 
-INT_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
+INT_RANGES = {"uint8": (0, 255), "int8": (-128, 127), "uint16": (0, 65535), "int16": (-32768, 32767)}
+SIXTEEN_BITS = {"uint8": "uint16", "int8": "int16"}  # an 8-bit activation type's 16-bit counterpart
+INT16_QMAX = 32767
 WEIGHT_QMAX = 127
 INT32_MAX = 2**31 - 1
 
@@ -35,7 +37,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 class QParams:
     scale: float  # a float32 value, kept as a Python float
     zero_point: int
-    dtype: str  # "uint8" | "int8"
+    dtype: str  # "uint8" | "int8", or "uint16" | "int16" (qparams.sixteen_bit)
 
     @property
     def range(self) -> tuple[float, float]:
@@ -68,6 +70,20 @@ def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False
     if zero_point is None:
         zero_point = int(np.clip(np.rint(qmin - lo / float(scale32)), qmin, qmax))
     return QParams(float(scale32), zero_point, dtype)
+
+
+def sixteen_bit(params: QParams) -> QParams:
+    """The 16-bit form of 8-bit activation parameters: the same calibrated range on a finer grid.
+    Symmetric (int8, zero point 0): int16, zero point 0, the int8 grid's top (127 steps) at 32767.
+    Otherwise the 16-bit type of the same signedness covering exactly the 8-bit range with steps
+    257 times finer (65535 = 257 * 255), every 8-bit code being a 16-bit one: 16 bits are never
+    coarser than 8 over any part of the range."""
+    wide = SIXTEEN_BITS[params.dtype]
+    if params.dtype == "int8" and params.zero_point == 0:
+        return QParams(float(np.float32(params.scale) * np.float32(127 / INT16_QMAX)), 0, wide)
+    steps = (INT_RANGES[wide][1] - INT_RANGES[wide][0]) // (INT_RANGES[params.dtype][1] - INT_RANGES[params.dtype][0])
+    zero_point = INT_RANGES[wide][0] + steps * (params.zero_point - INT_RANGES[params.dtype][0])
+    return QParams(float(np.float32(params.scale) / np.float32(steps)), zero_point, wide)
 
 
 def weight_scales(weight: np.ndarray, axis: Optional[int], qmax: int = WEIGHT_QMAX) -> np.ndarray:
