@@ -53,6 +53,7 @@ class MixedPrecisionSearch:
     max_float_layers: int = 10  # fail (ThresholdError) when the target needs more
     min_int8_macs: float = 0.0  # percent of the MACs that must stay int8
     cosine: Optional[float] = None  # mean over samples of the worst output's cosine to fp32
+    int16: bool = False  # also offer a layer's activations in 16 bits (weights int8) as a move
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,14 @@ class SearchOutcome:
     int8_mac_fraction: float
     figures: dict  # agreement, mean_kl, sqnr_db, cosine (and top1, top1_fp32 with labels)
     dynamic_layers: tuple[str, ...] = ()
+    int16_layers: tuple[str, ...] = ()  # int8 weights, 16-bit activations
 
     def describe(self) -> str:
         layers = f": {', '.join(self.float_layers)}" if self.float_layers else ""
         layers += f"; {len(self.dynamic_layers)} dynamic int8: {', '.join(self.dynamic_layers)}" \
             if self.dynamic_layers else ""
+        layers += f"; {len(self.int16_layers)} with 16-bit activations: {', '.join(self.int16_layers)}" \
+            if self.int16_layers else ""
         return (f"target met with {len(self.float_layers)} layer(s) in float{layers}; "
                 f"{100 * self.int8_mac_fraction:.1f}% of MACs in int8; {describe_figures(self.figures)}")
 
@@ -192,7 +196,8 @@ def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, 
     count = sum(len(b) for b in eval_batches) if count is None else count
     log(f"searching the fewest float layers for {target.describe()} on {count} evaluation samples:")
     found = run_search(model, table, cfg.quantization, target, eval_batches, label_map, search.max_float_layers,
-                       calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log, engine=engine)
+                       calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log, engine=engine,
+                       int16=search.int16)
     chosen = found.chosen
     return chosen.result, SearchOutcome(tuple(chosen.float_layers), chosen.int8_mac_fraction, chosen.figures,
-                                        tuple(chosen.dynamic_layers))
+                                        tuple(chosen.dynamic_layers), tuple(chosen.int16_layers))

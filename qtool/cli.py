@@ -254,6 +254,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
                    "(models without labels or classes).")
 @click.option("--max-float-layers", type=click.IntRange(min=0), default=10, show_default=True,
               help="Layer budget of the --target-* search; exit 1 when the target needs more.")
+@click.option("--search-int16", is_flag=True,
+              help="Let the --target-* search also put a layer's activations in 16 bits (weights int8); off by "
+                   "default: onnxruntime's CPU provider runs such layers in float, slower than float alone.")
 @click.option("--min-int8-macs", type=click.FloatRange(0, 100), default=0.0, show_default=True,
               help="MAC budget of the --target-* search: at least this percent of the MACs stays int8.")
 @_command
@@ -261,7 +264,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
              smooth_quant, save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
              embeddings, int16_activations, latency_aware, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
-             target_cosine, max_float_layers, min_int8_macs):
+             target_cosine, max_float_layers, search_int16, min_int8_macs):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
     from qtool.graph.executor import open_engine
@@ -285,7 +288,9 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
             raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr/--target-cosine "
                                    "need --eval-data")
         search = api.MixedPrecisionSearch(eval_data, target_agreement, target_top1_drop, target_sqnr, labels,
-                                          max_float_layers, min_int8_macs, target_cosine)
+                                          max_float_layers, min_int8_macs, target_cosine, search_int16)
+    if search_int16 and search is None:
+        raise click.UsageError("--search-int16 goes with a --target-* search")
     check_output_path(output, model, table_path)
     if save_table:
         check_output_path(save_table, model, output)

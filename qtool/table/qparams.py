@@ -59,7 +59,7 @@ def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False
     if symmetric:
         amax = max(-lo, hi)
         scale = amax / symmetric_qmax
-        zero_point = 0 if dtype == "int8" else 128
+        zero_point = 0 if dtype in ("int8", "int16") else (qmax + 1) // 2
     else:
         scale = (hi - lo) / (qmax - qmin)
         zero_point = None
@@ -73,17 +73,17 @@ def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False
 
 
 def sixteen_bit(params: QParams) -> QParams:
-    """The 16-bit form of 8-bit activation parameters: the same calibrated range on a finer grid.
-    Symmetric (int8, zero point 0): int16, zero point 0, the int8 grid's top (127 steps) at 32767.
-    Otherwise the 16-bit type of the same signedness covering exactly the 8-bit range with steps
-    257 times finer (65535 = 257 * 255), every 8-bit code being a 16-bit one: 16 bits are never
-    coarser than 8 over any part of the range."""
+    """The 16-bit form of 8-bit activation parameters: the same calibrated range on a grid about
+    256 times finer. The 8-bit range, widened by half an 8-bit step at each end (where rounding
+    the zero point may have moved it from the calibrated range: a calibrated maximum can lie up
+    to half a step outside it), on the 16-bit type of the same signedness; symmetric (int8 with
+    zero point 0) stays symmetric: int16, zero point 0, scale max|range| / 32767."""
+    lo, hi = params.range
+    half = 0.5 * params.scale
     wide = SIXTEEN_BITS[params.dtype]
     if params.dtype == "int8" and params.zero_point == 0:
-        return QParams(float(np.float32(params.scale) * np.float32(127 / INT16_QMAX)), 0, wide)
-    steps = (INT_RANGES[wide][1] - INT_RANGES[wide][0]) // (INT_RANGES[params.dtype][1] - INT_RANGES[params.dtype][0])
-    zero_point = INT_RANGES[wide][0] + steps * (params.zero_point - INT_RANGES[params.dtype][0])
-    return QParams(float(np.float32(params.scale) / np.float32(steps)), zero_point, wide)
+        return activation_qparams(lo - half, hi + half, wide, symmetric=True, symmetric_qmax=INT16_QMAX)
+    return activation_qparams(lo - half, hi + half, wide)
 
 
 def weight_scales(weight: np.ndarray, axis: Optional[int], qmax: int = WEIGHT_QMAX) -> np.ndarray:
