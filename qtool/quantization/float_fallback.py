@@ -282,10 +282,9 @@ def _sixteen_bit(model: onnx.ModelProto, tensors: set[str]) -> None:
                                          str(zero_point.dtype)))
         replaced[scale.name] = numpy_helper.from_array(np.array(wide.scale, np.float32), scale.name)
         replaced[zero.name] = numpy_helper.from_array(np.array(wide.zero_point, wide.dtype), zero.name)
-        domain = qdq_domain(model, wide.dtype)
-        for node in (q, *dqs):
-            node.domain = domain
-        if domain == MS_DOMAIN:
+        if qdq_domain(model, wide.dtype) == MS_DOMAIN:
+            for node in (q, *dqs):
+                node.domain = MS_DOMAIN
             use_kernel_domain(model)
     for i, tensor in enumerate(graph.initializer):
         if tensor.name in replaced:

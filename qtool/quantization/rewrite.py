@@ -67,7 +67,7 @@ class _Builder:
             self.head.append(helper.make_node("DequantizeLinear", [name + Q_SUFFIX, name + SCALE_SUFFIX,
                                                                    name + ZP_SUFFIX],
                                               [self.outer[name]], name=f"{name}_DequantizeLinear{self.scope}",
-                                              domain=qdq_domain(self.model, params.dtype)))
+                                              domain=qdq_domain(self.model, params.dtype) or None))
         return self.outer[name]
 
     def add_init(self, array: np.ndarray, name: str) -> str:
@@ -77,7 +77,7 @@ class _Builder:
     def qdq_pair(self, name: str, params: qp.QParams) -> list[onnx.NodeProto]:
         scale = self.add_init(np.array(params.scale, dtype=np.float32), name + SCALE_SUFFIX)
         zero = self.add_init(np.array(params.zero_point, dtype=_NP_DTYPE[params.dtype]), name + ZP_SUFFIX)
-        domain = qdq_domain(self.model, params.dtype)
+        domain = qdq_domain(self.model, params.dtype) or None  # None: no domain field, as before 16 bits
         return [
             helper.make_node("QuantizeLinear", [name, scale, zero], [name + Q_SUFFIX], name=name + "_QuantizeLinear",
                              domain=domain),
