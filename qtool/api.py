@@ -58,6 +58,7 @@ class MixedPrecisionSearch:
     # With calibration data: when the all-int8 model misses the target, these range methods are
     # measured too (one more calibration pass) and the search starts from the closest
     range_methods: tuple[str, ...] = ("percentile", "mse")
+    int16: bool = False  # also offer a layer's activations in 16 bits (weights int8) as a move
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,14 @@ class SearchOutcome:
     figures: dict  # agreement, mean_kl, sqnr_db, cosine (and top1, top1_fp32 with labels)
     dynamic_layers: tuple[str, ...] = ()
     method: str = "minmax"  # the range method of the chosen model's table
+    int16_layers: tuple[str, ...] = ()  # int8 weights, 16-bit activations
 
     def describe(self) -> str:
         layers = f": {', '.join(self.float_layers)}" if self.float_layers else ""
         layers += f"; {len(self.dynamic_layers)} dynamic int8: {', '.join(self.dynamic_layers)}" \
             if self.dynamic_layers else ""
+        layers += f"; {len(self.int16_layers)} with 16-bit activations: {', '.join(self.int16_layers)}" \
+            if self.int16_layers else ""
         return (f"target met with {len(self.float_layers)} layer(s) in float{layers}; "
                 f"{100 * self.int8_mac_fraction:.1f}% of MACs in int8, {self.method} ranges; "
                 f"{describe_figures(self.figures)}")
@@ -220,7 +224,8 @@ def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, 
     log(f"searching the fewest float layers for {target.describe()} on {count} evaluation samples:")
     found = run_search(model, table, cfg.quantization, target, eval_batches, label_map, search.max_float_layers,
                        calib_data, min_int8_macs=search.min_int8_macs / 100.0, log=log, engine=engine,
-                       alternatives=alternatives)
+                       alternatives=alternatives, int16=search.int16)
     chosen = found.chosen
     return chosen.result, SearchOutcome(tuple(chosen.float_layers), chosen.int8_mac_fraction, chosen.figures,
-                                        tuple(chosen.dynamic_layers), found.table.method), found.table
+                                        tuple(chosen.dynamic_layers), found.table.method,
+                                        tuple(chosen.int16_layers)), found.table

@@ -238,6 +238,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--embeddings", type=click.Choice(["auto", "int8", "float"]),
               help="Embedding tables read by Gather: int8 per row, weight-only (auto, the default: tables of "
                    "1 MiB or more with target ort-cpu), or float.")
+@click.option("--int16-activations", multiple=True, metavar="NAMES",
+              help="Quantize these activation tensors (names or glob patterns; comma-separated or repeated) to "
+                   "16 bits over their calibrated ranges; onnxruntime runs their readers and writers in float.")
 @click.option("--latency-aware/--no-latency-aware", "latency_aware", default=None,
               help="Keep float the op types onnxruntime runs slower in int8 than in float on this CPU, measured "
                    "and cached (default: on with target ort-cpu; config quantization.latency_aware).")
@@ -253,6 +256,9 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
                    "(models without labels or classes).")
 @click.option("--max-float-layers", type=click.IntRange(min=0), default=10, show_default=True,
               help="Layer budget of the --target-* search; exit 1 when the target needs more.")
+@click.option("--search-int16", is_flag=True,
+              help="Let the --target-* search also put a layer's activations in 16 bits (weights int8); off by "
+                   "default: onnxruntime's CPU provider runs such layers in float, slower than float alone.")
 @click.option("--min-int8-macs", type=click.FloatRange(0, 100), default=0.0, show_default=True,
               help="MAC budget of the --target-* search: at least this percent of the MACs stays int8.")
 @click.option("--search-ranges", default="percentile,mse", show_default=True, metavar="METHODS",
@@ -262,8 +268,8 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
              smooth_quant, save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
-             embeddings, latency_aware, eval_data, labels, target_agreement, target_top1_drop, target_sqnr,
-             target_cosine, max_float_layers, min_int8_macs, search_ranges):
+             embeddings, int16_activations, latency_aware, eval_data, labels, target_agreement, target_top1_drop,
+             target_sqnr, target_cosine, max_float_layers, search_int16, min_int8_macs, search_ranges):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
     from qtool.graph.executor import open_engine
@@ -275,6 +281,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
                          workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
                      weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings,
+                     int16_activations=_names(int16_activations),
                      latency_aware=None if latency_aware is None else ("on" if latency_aware else "off"))
     cfg = replace(cfg, quantization=quant)
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):
@@ -293,7 +300,9 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
                 raise click.UsageError(f"--search-ranges: unknown range method '{name}' "
                                        f"(choose from {', '.join(METHODS)}, or none)")
         search = api.MixedPrecisionSearch(eval_data, target_agreement, target_top1_drop, target_sqnr, labels,
-                                          max_float_layers, min_int8_macs, target_cosine, methods)
+                                          max_float_layers, min_int8_macs, target_cosine, methods, search_int16)
+    if search_int16 and search is None:
+        raise click.UsageError("--search-int16 goes with a --target-* search")
     check_output_path(output, model, table_path)
     if save_table:
         check_output_path(save_table, model, output)

@@ -114,6 +114,8 @@ class QuantizeConfig:
     per_channel: Optional[bool] = None
     exclude_op_types: tuple[str, ...] = ()
     exclude_nodes: tuple[str, ...] = ()  # node names or glob patterns
+    # activation tensors (names or glob patterns) quantized to 16 bits over their calibrated ranges
+    int16_activations: tuple[str, ...] = ()
     keep_opset: bool = False  # never convert an opset < 13 model (per-tensor weights, or an error below 10)
     upgrade_opset: bool = False  # deprecated, no effect: conversion is the default; kept so old configs load
     target: str = "ort-cpu"  # ort-cpu | tensorrt | litert

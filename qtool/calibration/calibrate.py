@@ -45,9 +45,11 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 def _quantize_settings(options: QuantizeConfig) -> dict:
     """The quantization options; keep_opset, `embeddings` (it never changes the table: embedding
     tables are weights) and `matmul` only where they differ from the default, so tables of default
-    settings keep their bytes; `smooth_quant` where on. `latency_aware` never: it is chosen when quantizing, from the table's ranges."""
+    settings keep their bytes; `smooth_quant` where on. `latency_aware` never: it is chosen when quantizing, from the table's ranges;
+    nor `int16_activations`: 16-bit activations take the table's ranges as they are."""
     settings = asdict(options)
     del settings["latency_aware"]
+    del settings["int16_activations"]
     del settings["smooth_scales"]  # the table's "smoothing"
     if options.smooth_quant is None:
         del settings["smooth_quant"]

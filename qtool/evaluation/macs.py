@@ -31,6 +31,7 @@ class MacSummary:
     int8: int
     int8_nodes: int  # counted nodes that run in int8
     counted_nodes: int
+    int16: int = 0  # of the nodes reading or writing a 16-bit activation (onnxruntime runs them in float)
 
     @property
     def fraction(self) -> float:
@@ -91,30 +92,54 @@ def node_macs(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequen
             or (n.op_type == INT8_RECURRENT and n.domain == "com.microsoft")}
 
 
-def _runs_int8(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> bool:
-    """Activation (input 0) and weight (input 1) both come out of DequantizeLinear nodes:
+def _runs_int8(node: onnx.NodeProto, index: GraphIndex) -> bool:
+    """Activation (input 0) and weight (input 1) both come out of 8-bit DequantizeLinear nodes:
     the pattern onnxruntime and TensorRT fuse into an integer kernel. DynamicQuantizeLSTM and
     MatMulInteger (a dynamic int8 MatMul) are int8 themselves."""
     if node.op_type in (INT8_RECURRENT, "MatMulInteger"):
         return True
     if len(node.input) < 2:
         return False
-    return all(producers.get(name) is not None and producers[name].op_type == "DequantizeLinear"
-               for name in node.input[:2])
+    return all(_dequantized(name, index, _EIGHT_BITS) for name in node.input[:2])
+
+
+_EIGHT_BITS = (onnx.TensorProto.UINT8, onnx.TensorProto.INT8)
+_SIXTEEN_BITS = (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)
+
+
+def _dequantized(name: str, index: GraphIndex, types: tuple[int, ...]) -> bool:
+    """Whether `name` comes out of a DequantizeLinear of one of these integer `types` (by its
+    zero point; none means uint8)."""
+    dq = index.producer.get(name)
+    if dq is None or dq.op_type != "DequantizeLinear":
+        return False
+    zero = index.initializers.get(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
+    return (zero.data_type if zero is not None else onnx.TensorProto.UINT8) in types
+
+
+def _sixteen_bit_io(node: onnx.NodeProto, index: GraphIndex) -> bool:
+    """Whether the node reads a 16-bit activation or a 16-bit QuantizeLinear reads its output."""
+    if node.input and _dequantized(node.input[0], index, _SIXTEEN_BITS):
+        return True
+    return any(_dequantized(dq.output[0], index, _SIXTEEN_BITS)
+               for output in node.output[:1] for q in index.consumers.get(output, []) if q.op_type == "QuantizeLinear"
+               for dq in index.consumers.get(q.output[0], []))
 
 
 def int8_macs(qdq_model: onnx.ModelProto,
               input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> MacSummary:
     """Total MACs of a QDQ model and those of the nodes whose inputs are dequantized int8."""
     macs = node_macs(qdq_model, input_shapes)
-    producers = GraphIndex(qdq_model).producer
-    total = int8 = nodes = 0
+    index = GraphIndex(qdq_model)
+    total = int8 = int16 = nodes = 0
     for node in qdq_model.graph.node:
         label = node_label(node)
         if label not in macs:
             continue
         total += macs[label]
-        if _runs_int8(node, producers):
+        if _sixteen_bit_io(node, index):
+            int16 += macs[label]
+        elif _runs_int8(node, index):
             int8 += macs[label]
             nodes += 1
-    return MacSummary(total=total, int8=int8, int8_nodes=nodes, counted_nodes=len(macs))
+    return MacSummary(total=total, int8=int8, int8_nodes=nodes, counted_nodes=len(macs), int16=int16)

@@ -14,6 +14,12 @@
    that helps most (ties: the one losing fewer int8 MACs) is kept, the model is evaluated on
    the whole evaluation data, and the search stops as soon as the target holds, or fails
    (ThresholdError) when --max-float-layers or the MAC budget (--min-int8-macs) runs out.
+   Asked for (`int16`, quantize --search-int16), a layer can also keep int8 weights with its
+   input and output activations in 16 bits (qtool.quantization.float_fallback), a step between
+   int8 and float. It is not offered by default: onnxruntime's CPU provider has no 16-bit
+   kernels and runs the nodes around a 16-bit Q/DQ pair in float, with the Q/DQ on top
+   (docs/accuracy.md: slower than float). Layers with 16-bit activations, and their neighbours
+   that read or write the same tensors, do not count as int8 MACs; the log gives their share.
 3. What a step measures: for an agreement or top-1 target, the evaluation samples at
    stake (`focus_samples` of them): those whose fp32 top-1 wins by the smallest logit
    margin, or whose fp32 class has the smallest (or a negative) margin in the all-int8
@@ -46,11 +52,11 @@ from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
 from qtool.errors import ThresholdError
 from qtool.graph.executor import Engine, resolve, run_in_order, shared
-from qtool.quantization.float_fallback import (Precisions, blocks, dynamic_candidates, float_nodes, mixed_model,
-                                               restorable_layers)
+from qtool.quantization.float_fallback import (Precisions, blocks, dynamic_candidates, float_nodes, int16_tensors,
+                                               mixed_model, restorable_layers)
 from qtool.data.labels import Labels
 from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
-from qtool.graph.index import node_label
+from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
@@ -103,6 +109,7 @@ class Candidate:
     result: QuantizedGraph
     int8_mac_fraction: float
     dynamic_layers: list[str] = field(default_factory=list)  # static MatMul/Gemm made dynamic int8
+    int16_layers: list[str] = field(default_factory=list)  # int8 weights, 16-bit activations
 
 
 @dataclass
@@ -177,7 +184,7 @@ class _Mixer:
     def plan_for(self, precisions: Precisions, model: onnx.ModelProto) -> QuantPlan:
         """The plan as it holds for `model`, the mixed model (what the CLI reports)."""
         if not precisions.floats and not precisions.dynamic:
-            return self.plan
+            return self.plan  # 16-bit activations change no part of the plan: their tensors stay quantized
         plan, floats = self.plan, float_nodes(self.prepared, self.plan, self.chains, precisions)
         gone = {name for layer in precisions.floats for _, name in layer.slots}
         gone |= {name for label in precisions.dynamic for name, w in plan.weights.items() if w.node == label}
@@ -268,6 +275,18 @@ def _score(move: Precisions, common: object) -> tuple:
     return focus.score(mixer(move))
 
 
+def _neighbours(prepared: onnx.ModelProto, plan: QuantPlan, chains: dict, layers: list[str]) -> dict[str, set[str]]:
+    """Per layer, the nodes that read or write the activations its 16-bit move widens (they lose
+    their int8 kernels with it)."""
+    index = GraphIndex(prepared)
+    found = {}
+    for layer in layers:
+        tensors = int16_tensors(prepared, plan, chains, (layer,))
+        found[layer] = {node_label(n) for name in tensors for n in index.consumers.get(name, [])}
+        found[layer] |= {node_label(index.producer[name]) for name in tensors if name in index.producer}
+    return found
+
+
 def _margins(logits: np.ndarray, classes: np.ndarray) -> np.ndarray:
     """Per row: the logit of `classes` minus the largest other logit (negative when another class wins)."""
     logits = logits.astype(np.float64)
@@ -278,17 +297,27 @@ def _margins(logits: np.ndarray, classes: np.ndarray) -> np.ndarray:
     return own - others.max(axis=1)
 
 
-def _moves(state: Precisions, pool: dict, dynamic_pool: list[str], floats_left: bool) -> list[tuple[str, Precisions]]:
+def _moves(state: Precisions, pool: dict, dynamic_pool: list[str], floats_left: bool,
+           int16_pool: list[str] = ()) -> list[tuple[str, Precisions]]:
     """Every one-layer change from `state`: (what it is, the precisions after it)."""
     moves = []
     float_names = {layer.node for layer in state.floats}
+
+    def without(names: tuple[str, ...], name: str) -> tuple[str, ...]:
+        return tuple(n for n in names if n != name)
+
     if floats_left:
         for name, layer in pool.items():
             if name not in float_names:
-                moves.append((name, Precisions(state.floats + (layer,), tuple(d for d in state.dynamic if d != name))))
+                moves.append((name, Precisions(state.floats + (layer,), without(state.dynamic, name),
+                                               without(state.int16, name))))
     for name in dynamic_pool:
-        if name not in float_names and name not in state.dynamic:
-            moves.append((f"{name} (dynamic)", Precisions(state.floats, state.dynamic + (name,))))
+        if name not in float_names and name not in state.dynamic and name not in state.int16:
+            moves.append((f"{name} (dynamic)", Precisions(state.floats, state.dynamic + (name,), state.int16)))
+    for name in int16_pool:
+        if name not in float_names and name not in state.int16:
+            moves.append((f"{name} (int16)", Precisions(state.floats, without(state.dynamic, name),
+                                                        state.int16 + (name,))))
     return moves
 
 
@@ -314,11 +343,11 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
            threads: int = 0, min_int8_macs: float = 0.0,
            log: Callable[[str], None] = lambda message: None,
            engine: Optional[Engine] = None,
-           alternatives: Callable[[], Sequence[CalibrationTable]] = tuple) -> MixedPrecisionResult:
+           alternatives: Callable[[], Sequence[CalibrationTable]] = tuple, int16: bool = False) -> MixedPrecisionResult:
     """The verified model with the fewest layers in float found by the greedy search (module
     doc); ThresholdError if none within `max_float_layers` and `min_int8_macs` (a fraction of
     the MACs that must stay int8) meets `target`. With an engine, each step's candidates are
-    scored on its workers (`_Focus.scores`).
+    scored on its workers (`_Focus.scores`). `int16`: offer 16-bit activations as a layer's move.
 
     `alternatives`: tables of the same data by other range methods, asked for only when the
     all-int8 model of `table` misses the target; the search starts from the all-int8 model,
@@ -342,15 +371,22 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
         """The model with `state`'s precisions, evaluated; and its first output per evaluation batch."""
         qmodel = start.mixer(state)
         figures, first = evaluate(qmodel)
-        fraction = int8_macs(qmodel, shapes).fraction
-        names, dynamic = [layer.node for layer in state.floats], list(state.dynamic)
+        summary = int8_macs(qmodel, shapes)
+        fraction = summary.fraction
+        names, dynamic, wide = [layer.node for layer in state.floats], list(state.dynamic), list(state.int16)
         met = target.met(figures)
-        tried.append({"method": start.table.method, "float_layers": len(names), "layers": names,
-                      "dynamic_layers": dynamic, "int8_mac_fraction": fraction, **figures, "met": met})
+        record = {"method": start.table.method, "float_layers": len(names), "layers": names,
+                  "dynamic_layers": dynamic, "int8_mac_fraction": fraction, **figures, "met": met}
+        if int16:
+            record.update(int16_layers=wide, int16_mac_fraction=summary.int16 / (summary.total or 1))
+        tried.append(record)
         what = f": {', '.join(names)}" if names else ""
         what += f"; dynamic int8: {', '.join(dynamic)}" if dynamic else ""
+        what += f"; 16-bit activations: {', '.join(wide)}" if wide else ""
+        macs_now = f"{100 * fraction:.1f}% of MACs int8"
+        macs_now += f", {100 * summary.int16 / (summary.total or 1):.1f}% by 16-bit activations" if wide else ""
         log(f"  {len(names)} layer(s) float{what}: "
-            f"{describe_figures(figures)}, {100 * fraction:.1f}% of MACs int8{' -> meets the target' if met else ''}")
+            f"{describe_figures(figures)}, {macs_now}{' -> meets the target' if met else ''}")
         notes = list(start.graph.notes)
         if start.table is not table:
             notes.append(f"ranges by {start.table.method} instead of {table.method}: its all-int8 model came "
@@ -359,8 +395,10 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
             notes.append(f"kept in float to meet {target.describe()}: {', '.join(names)}")
         if dynamic:
             notes.append(f"run as dynamic int8 MatMuls to meet {target.describe()}: {', '.join(dynamic)}")
+        if wide:
+            notes.append(f"activations in 16 bits (weights int8) to meet {target.describe()}: {', '.join(wide)}")
         result = QuantizedGraph(qmodel, start.mixer.plan_for(state, qmodel), notes, start.graph.source)
-        return Candidate(names, figures, result, fraction, dynamic), first
+        return Candidate(names, figures, result, fraction, dynamic, wide), first
 
     state = Precisions()
     start = begin(table)
@@ -377,6 +415,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
             start, current, int8_first = other_start, found, found_first
     pool, mixer, base = start.pool, start.mixer, start.graph
     dynamic_pool = dynamic_candidates(base.model, base.source)
+    int16_pool = sorted(pool) if int16 else []
     # a layer's MACs in int8 and in float (a rewritten stem's differ): the budget is exact before
     # any candidate is built
     macs, fp32_macs = node_macs(base.model, shapes), node_macs(base.source, shapes)
@@ -384,21 +423,26 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
     total, int8_now = summary.total or 1, summary.int8
     focus = _Focus(evaluate, target, focus_samples, int8_first)
     origin = f" from the {start.table.method} ranges" if start.table is not table else ""
-    log(f"changing layers to float (or dynamic int8) one at a time{origin}, measured on the {sum(len(b) for b in focus.batches)} evaluation samples"
+    log(f"changing layers to float (or dynamic int8) one at a time{origin}, measured on the "
+        f"{sum(len(b) for b in focus.batches)} evaluation samples"
         f"{' whose top-1 is most at stake' if focus.classify else ''} ...")
     ranking: list[str] = []
 
+    around = _neighbours(base.source, base.plan, mixer.chains, int16_pool)
+
     def lost(move: Precisions) -> int:
-        return sum(macs.get(layer.node, 0) for layer in move.floats)
+        floats = {layer.node for layer in move.floats}
+        sixteen = {label for name in move.int16 for label in around[name]} - floats
+        return sum(macs.get(label, 0) for label in floats | sixteen)
 
     def int8_share(move: Precisions) -> float:
-        return (int8_now - lost(move)) / (total - lost(move) + sum(fp32_macs.get(layer.node, 0)
-                                                                  for layer in move.floats))
+        return (int8_now - lost(move)) / (total - sum(macs.get(layer.node, 0) for layer in move.floats)
+                                          + sum(fp32_macs.get(layer.node, 0) for layer in move.floats))
 
     with focus.on_workers(engine, mixer) as common:
         while True:
             moves = [(name, move) for name, move in _moves(state, pool, dynamic_pool,
-                                                             len(state.floats) < max_float_layers)
+                                                             len(state.floats) < max_float_layers, int16_pool)
                      if int8_share(move) >= min_int8_macs]
             if not moves:
                 break

@@ -24,7 +24,10 @@ makes a layer float for real: a layer goes float as a block, with the non-weight
 output alone feeds (Conv -> HardSwish, HardSigmoid -> Mul of an SE block), and an activation
 QuantizeLinear/DequantizeLinear pair stays only where an int8 node writes or reads the tensor
 (a float reader of a float-made tensor reads it unquantized). A static MatMul/Gemm can also
-become a dynamic int8 one (qtool.quantization.dynamic_matmul). Everything else (the int8
+become a dynamic int8 one (qtool.quantization.dynamic_matmul), and a layer's activations can go to
+16 bits: the Q/DQ pairs of the activations its block reads and writes take the 16-bit form of
+their parameters (qtool.table.qparams.sixteen_bit, as quantize --int16-activations writes them),
+weights staying int8. Everything else (the int8
 weights' rounding, bias correction) stays as in the int8 model, for the reason above.
 """
 
@@ -42,7 +45,9 @@ from qtool.plan.ops import rule_for
 from qtool.plan.dynamic import weighted_matmul
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.dynamic_matmul import DynamicMatMuls, inner_tensors
-from qtool.quantization.rewrite import DQ_SUFFIX, float_guard
+from qtool.quantization.rewrite import DQ_SUFFIX, float_guard, qdq_domain
+from qtool.quantization.weight_only import MS_DOMAIN, use_kernel_domain
+from qtool.table import qparams as qp
 
 FLOAT_SUFFIX = "_fp32"
 
@@ -198,10 +203,12 @@ def _weighted(node: onnx.NodeProto) -> bool:
 
 @dataclass(frozen=True)
 class Precisions:
-    """What changes from the all-int8 model: layers float (as blocks) and MatMul/Gemm made dynamic int8."""
+    """What changes from the all-int8 model: layers float (as blocks), MatMul/Gemm made dynamic int8,
+    layers whose activations go to 16 bits."""
 
     floats: tuple[Restorable, ...] = ()
     dynamic: tuple[str, ...] = ()  # static MatMul/Gemm labels run as dynamic int8 MatMuls
+    int16: tuple[str, ...] = ()  # layers whose block's input and output activations are 16-bit
 
 
 def float_nodes(prepared: onnx.ModelProto, plan: QuantPlan, chains: dict[str, tuple[str, ...]],
@@ -238,8 +245,50 @@ def mixed_model(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, plan: QuantP
     out = restore_float(out, prepared, list(precisions.floats))
     if precisions.dynamic:
         _make_dynamic(out.graph, prepared, set(precisions.dynamic), weight_qmax)
+    if precisions.int16:
+        _sixteen_bit(out, int16_tensors(prepared, plan, chains, precisions.int16))
     _prune(out.graph)
     return out
+
+
+def int16_tensors(prepared: onnx.ModelProto, plan: QuantPlan, chains: dict[str, tuple[str, ...]],
+                  layers: Collection[str]) -> set[str]:
+    """The quantized activations the blocks of `layers` read or write."""
+    index = GraphIndex(prepared)
+    by_label = {node_label(n): n for n in prepared.graph.node}
+    activations = set(plan.activations)
+    found = set()
+    for layer in layers:
+        members = chains.get(layer, (layer,))
+        found |= {name for name in by_label[members[0]].input if name in activations}
+        found |= {name for m in members for name in by_label[m].output if name in activations}
+    return found - set(index.initializers)
+
+
+def _sixteen_bit(model: onnx.ModelProto, tensors: set[str]) -> None:
+    """The Q/DQ pairs of `tensors` still in the graph take the 16-bit form of their parameters."""
+    graph = model.graph
+    index = GraphIndex(graph)
+    replaced = {}
+    for q in graph.node:
+        if q.op_type != "QuantizeLinear" or q.input[0] not in tensors or len(q.input) < 3:
+            continue
+        dqs = index.consumers.get(q.output[0], [])
+        if not dqs or any(d.op_type != "DequantizeLinear" for d in dqs):
+            continue  # rearranged after its QuantizeLinear (SpaceToDepth stem, padded channels): stays 8-bit
+        scale, zero = (index.initializers[name] for name in q.input[1:3])
+        zero_point = numpy_helper.to_array(zero)
+        wide = qp.sixteen_bit(qp.QParams(float(numpy_helper.to_array(scale)), int(zero_point),
+                                         str(zero_point.dtype)))
+        replaced[scale.name] = numpy_helper.from_array(np.array(wide.scale, np.float32), scale.name)
+        replaced[zero.name] = numpy_helper.from_array(np.array(wide.zero_point, wide.dtype), zero.name)
+        if qdq_domain(model, wide.dtype) == MS_DOMAIN:
+            for node in (q, *dqs):
+                node.domain = MS_DOMAIN
+            use_kernel_domain(model)
+    for i, tensor in enumerate(graph.initializer):
+        if tensor.name in replaced:
+            graph.initializer[i].CopyFrom(replaced[tensor.name])
 
 
 def _drop_float_qdq(graph: onnx.GraphProto, int8: set[str]) -> None:

@@ -9,6 +9,7 @@ about 4x smaller and the runtime never quantizes constants at load time.
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from qtool.table import qparams as qp
 from qtool.graph.index import bodies, made_in, names_read, node_label, scoped_initializers
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
-from qtool.quantization.weight_only import KERNELS, stored_once, use_kernel_domain
+from qtool.quantization.weight_only import KERNELS, MS_DOMAIN, stored_once, use_kernel_domain
 from qtool.quantization.dynamic_matmul import DynamicMatMuls
 from qtool.config import QuantizeConfig
 from qtool.targets import SYMMETRIC_HALF_GRID, TARGETS, weight_qmax
@@ -35,7 +36,18 @@ SCALE_SUFFIX = "_scale"
 ZP_SUFFIX = "_zero_point"
 WEIGHT_SUFFIX = "_quantized"
 
-_NP_DTYPE = {"uint8": np.uint8, "int8": np.int8}
+_NP_DTYPE = {"uint8": np.uint8, "int8": np.int8, "uint16": np.uint16, "int16": np.int16}
+# Standard QuantizeLinear/DequantizeLinear take 16-bit types from this opset; before it,
+# onnxruntime's com.microsoft ones do (it runs both, at any opset of the model)
+SIXTEEN_BIT_OPSET = 21
+
+
+def qdq_domain(model: onnx.ModelProto, dtype: str) -> str:
+    """The domain of a QuantizeLinear/DequantizeLinear pair of integer type `dtype` in `model`."""
+    if np.dtype(_NP_DTYPE[dtype]).itemsize == 1:
+        return ""
+    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 0)
+    return "" if opset >= SIXTEEN_BIT_OPSET else MS_DOMAIN
 
 
 class _Builder:
@@ -46,7 +58,7 @@ class _Builder:
         self.scope = scope  # a body's: names its copies of outer-scope values
         self.outer: dict[str, str] = {}  # outer-scope activation -> its DequantizeLinear output here
 
-    def outer_activation(self, name: str) -> str:
+    def outer_activation(self, name: str, params: qp.QParams) -> str:
         """A body's own DequantizeLinear of an activation quantized in an enclosing graph: onnxruntime
         fuses DequantizeLinear -> op -> QuantizeLinear within one graph only, so a layer in a body
         reading the outer DequantizeLinear output would run in float."""
@@ -54,7 +66,8 @@ class _Builder:
             self.outer[name] = f"{name}{DQ_SUFFIX}{self.scope}"
             self.head.append(helper.make_node("DequantizeLinear", [name + Q_SUFFIX, name + SCALE_SUFFIX,
                                                                    name + ZP_SUFFIX],
-                                              [self.outer[name]], name=f"{name}_DequantizeLinear{self.scope}"))
+                                              [self.outer[name]], name=f"{name}_DequantizeLinear{self.scope}",
+                                              domain=qdq_domain(self.model, params.dtype) or None))
         return self.outer[name]
 
     def add_init(self, array: np.ndarray, name: str) -> str:
@@ -64,10 +77,12 @@ class _Builder:
     def qdq_pair(self, name: str, params: qp.QParams) -> list[onnx.NodeProto]:
         scale = self.add_init(np.array(params.scale, dtype=np.float32), name + SCALE_SUFFIX)
         zero = self.add_init(np.array(params.zero_point, dtype=_NP_DTYPE[params.dtype]), name + ZP_SUFFIX)
+        domain = qdq_domain(self.model, params.dtype) or None  # None: no domain field, as before 16 bits
         return [
-            helper.make_node("QuantizeLinear", [name, scale, zero], [name + Q_SUFFIX], name=name + "_QuantizeLinear"),
+            helper.make_node("QuantizeLinear", [name, scale, zero], [name + Q_SUFFIX], name=name + "_QuantizeLinear",
+                             domain=domain),
             helper.make_node("DequantizeLinear", [name + Q_SUFFIX, scale, zero], [name + DQ_SUFFIX],
-                             name=name + "_DequantizeLinear"),
+                             name=name + "_DequantizeLinear", domain=domain),
         ]
 
     def quantized_constant(self, name: str, q: np.ndarray, scale: np.ndarray,
@@ -86,10 +101,18 @@ class _Builder:
 
 def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams], options: QuantizeConfig,
                   rounding: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
-    """quantize_graph with the grid arguments the options and their target give."""
+    """quantize_graph with the grid arguments the options and their target give, and the
+    activations `options.int16_activations` names in 16 bits."""
+    wide = {name for name in params if int16_activation(name, options.int16_activations)}
+    params = {name: qp.sixteen_bit(p) if name in wide else p for name, p in params.items()}
     return quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
                           options.activation_dtype, options.symmetric_activations, rounding,
                           TARGETS[options.target].symmetric_qmax)
+
+
+def int16_activation(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether activation `name` is one of `patterns` (tensor names or glob patterns)."""
+    return any(name == pattern or fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
@@ -194,6 +217,14 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                            weight_qmax, row_scales, DynamicMatMuls(builder.add_init, weight_qmax),
                            stored_once(builder.quantized_constant))
     new_nodes = rewrite.nodes(graph, builder, constants)
+    wide = sorted(name for name in activations if params[name].dtype in qp.SIXTEEN_BITS.values())
+    if wide:
+        if qdq_domain(out, params[wide[0]].dtype) == MS_DOMAIN:
+            use_kernel_domain(out)
+        shown = ", ".join(wide[:10]) + (f" and {len(wide) - 10} more" if len(wide) > 10 else "")
+        notes.append(f"{len(wide)} activation(s) in 16 bits ({params[wide[0]].dtype}: the calibrated ranges on a "
+                     f"grid about 256 times finer; onnxruntime runs the nodes reading or writing them in "
+                     f"float): {shown}")
     if dynamic:
         use_kernel_domain(out)
         kernels = sorted({p.kernel for p in dynamic.values()})
@@ -284,7 +315,7 @@ class _NodeRewrite:
             # producer whose output went both to Q and elsewhere could not be fused.
             for i, name in enumerate(node.input):
                 if name in act_set:
-                    node.input[i] = name + DQ_SUFFIX if name in local else builder.outer_activation(name)
+                    node.input[i] = name + DQ_SUFFIX if name in local else builder.outer_activation(name, params[name])
                 elif node_label(node) in quantized_nodes and _constant_slot(node, i):
                     node.input[i] = constants.dequantized(name) or name
             if _needs_float_guard(node, quantized_nodes, act_set, self.float_inits):

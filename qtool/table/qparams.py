@@ -17,7 +17,9 @@ import numpy as np
 
 from qtool.targets import SYMMETRIC_HALF_GRID
 
-INT_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
+INT_RANGES = {"uint8": (0, 255), "int8": (-128, 127), "uint16": (0, 65535), "int16": (-32768, 32767)}
+SIXTEEN_BITS = {"uint8": "uint16", "int8": "int16"}  # an 8-bit activation type's 16-bit counterpart
+INT16_QMAX = 32767
 WEIGHT_QMAX = 127
 INT32_MAX = 2**31 - 1
 
@@ -35,7 +37,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 class QParams:
     scale: float  # a float32 value, kept as a Python float
     zero_point: int
-    dtype: str  # "uint8" | "int8"
+    dtype: str  # "uint8" | "int8", or "uint16" | "int16" (qparams.sixteen_bit)
 
     @property
     def range(self) -> tuple[float, float]:
@@ -57,7 +59,7 @@ def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False
     if symmetric:
         amax = max(-lo, hi)
         scale = amax / symmetric_qmax
-        zero_point = 0 if dtype == "int8" else 128
+        zero_point = 0 if dtype in ("int8", "int16") else (qmax + 1) // 2
     else:
         scale = (hi - lo) / (qmax - qmin)
         zero_point = None
@@ -68,6 +70,20 @@ def activation_qparams(lo: float, hi: float, dtype: str, symmetric: bool = False
     if zero_point is None:
         zero_point = int(np.clip(np.rint(qmin - lo / float(scale32)), qmin, qmax))
     return QParams(float(scale32), zero_point, dtype)
+
+
+def sixteen_bit(params: QParams) -> QParams:
+    """The 16-bit form of 8-bit activation parameters: the same calibrated range on a grid about
+    256 times finer. The 8-bit range, widened by half an 8-bit step at each end (where rounding
+    the zero point may have moved it from the calibrated range: a calibrated maximum can lie up
+    to half a step outside it), on the 16-bit type of the same signedness; symmetric (int8 with
+    zero point 0) stays symmetric: int16, zero point 0, scale max|range| / 32767."""
+    lo, hi = params.range
+    half = 0.5 * params.scale
+    wide = SIXTEEN_BITS[params.dtype]
+    if params.dtype == "int8" and params.zero_point == 0:
+        return activation_qparams(lo - half, hi + half, wide, symmetric=True, symmetric_qmax=INT16_QMAX)
+    return activation_qparams(lo - half, hi + half, wide)
 
 
 def weight_scales(weight: np.ndarray, axis: Optional[int], qmax: int = WEIGHT_QMAX) -> np.ndarray:
