@@ -1,0 +1,66 @@
+"""Calibration method auto: the range method whose int8 model measures closest to fp32 on the
+calibration samples, min-max unless another clearly wins."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+import qtool
+from qtool.calibration.calibrate import calibrate_methods
+from qtool.config import load_config
+
+from tests import graphs
+
+
+def _conv(path, rng) -> None:
+    """x -> Conv -> Relu -> Conv -> y: the input's range decides the first Conv's precision."""
+    w1 = rng.normal(0, 0.3, (6, 3, 3, 3)).astype(np.float32)
+    w2 = rng.normal(0, 0.3, (4, 6, 1, 1)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2")]
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)],
+                           [graphs.init("w1", w1), graphs.init("w2", w2)]), path)
+
+
+def _samples(rng, spike: float) -> list[dict]:
+    samples = [{"x": rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32)} for _ in range(24)]
+    samples[3]["x"][0, 1, 4, 4] = spike
+    return samples
+
+
+def test_a_spike_makes_auto_leave_min_max(tmp_path):
+    """One value 500x the data in one calibration sample: min-max ranges stretch to it and the
+    int8 model loses the rest; auto measures that and takes a clipping method, with a note."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "m.onnx"
+    _conv(path, rng)
+    data = _samples(rng, 500.0)
+    table = qtool.calibrate(path, data, progress=False)
+    assert table.method in ("mse", "percentile")
+    note = [n for n in table.notes if n.startswith(f"ranges by {table.method} (calibration method auto)")]
+    assert note and "minmax" in note[0]
+    # the same table as asking for that method, and what quantize --data writes from it
+    cfg = load_config(None)
+    alone = calibrate_methods(path, data, cfg.preprocess, cfg.calibration, cfg.quantization, [table.method],
+                              progress=False)[0]
+    assert alone.to_json_text() == table.to_json_text()
+    result = qtool.quantize(path, data=data)
+    assert result.table.to_json_text() == table.to_json_text() and result.notes[0] == note[0]
+
+
+def test_auto_keeps_min_max_where_it_is_good_or_cannot_measure(tmp_path):
+    rng = np.random.default_rng(1)
+    path = tmp_path / "m.onnx"
+    _conv(path, rng)
+    data = _samples(rng, 2.0)  # no spike: min-max is within the cosine at which it is kept
+    minmax = qtool.calibrate(path, data, config={"calibration": {"method": "minmax"}}, progress=False)
+    table = qtool.calibrate(path, data, progress=False)
+    assert table.method == "minmax" and not table.notes and table.to_json_text() == minmax.to_json_text()
+    # a generator can be read once: nothing measures, auto is min-max
+    spiked = _samples(np.random.default_rng(2), 500.0)
+    once = qtool.calibrate(path, (s for s in spiked), progress=False)
+    pinned = qtool.calibrate(path, spiked, config={"calibration": {"method": "minmax"}}, progress=False)
+    assert once.method == "minmax" and once.to_json_text() == pinned.to_json_text()
