@@ -1,4 +1,4 @@
-"""BatchNormalization folding, exclusions, target presets and onnxruntime's integer kernels."""
+"""BatchNormalization and affine folding, exclusions, target presets and onnxruntime's integer kernels."""
 
 from __future__ import annotations
 
@@ -62,6 +62,55 @@ def test_batchnorm_folds_into_the_layer_before_it_exactly(layer):
     assert prepared.graph.node[0].output[0] == "y"
     ref, got = _run(m, {"x": x})[0], _run(prepared, {"x": x})[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer", ["Conv", "Conv-nobias", "ConvTranspose-group2", "Gemm"])
+def test_per_channel_mul_and_add_fold_into_the_layer_before_them_exactly(layer):
+    """Conv -> Mul([1, C, 1, 1]) -> Add(scalar) -> Add([C, 1, 1]): a BN written as its affine map
+    and a learnable affine layer; all three go into the layer's weight and bias."""
+    rng = np.random.default_rng(1)
+    if layer == "Gemm":
+        nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["h"], name="layer", transB=1, beta=0.5)]
+        inits = [graphs.init("w", rng.normal(0, 0.3, (6, 10)).astype(np.float32)),
+                 graphs.init("c", rng.normal(0, 0.2, 6).astype(np.float32))]
+        x, inputs = rng.normal(0, 1, (4, 10)).astype(np.float32), [graphs.tensor("x", ["N", 10])]
+        shapes = [(1, 6), (), (6,)]
+    else:
+        transpose = layer.startswith("ConvTranspose")
+        w = rng.normal(0, 0.3, (4, 3, 3, 3) if transpose else (6, 4, 3, 3)).astype(np.float32)
+        nodes = [helper.make_node("ConvTranspose" if transpose else "Conv",
+                                  ["x", "w"] if layer == "Conv-nobias" else ["x", "w", "c"], ["h"], name="layer",
+                                  group=2 if transpose else 1)]
+        inits = [graphs.init("w", w), graphs.init("c", rng.normal(0, 0.2, 6).astype(np.float32))]
+        x, inputs = rng.normal(0, 1, (2, 4, 5, 5)).astype(np.float32), [graphs.tensor("x", ["N", 4, 5, 5])]
+        shapes = [(1, 6, 1, 1), (), (6, 1, 1)]
+    nodes += [helper.make_node("Mul", ["h", "a"], ["m"], name="mul"),
+              helper.make_node("Add", ["s", "m"], ["t"], name="add_scalar"),  # constant first
+              helper.make_node("Add", ["t", "d"], ["y"], name="add")]
+    inits += [graphs.init(name, rng.uniform(0.5, 2, shape).astype(np.float32))
+              for name, shape in zip(("a", "s", "d"), shapes)]
+    m = graphs.model(nodes, inputs, [graphs.tensor("y", None)],
+                     inits if layer != "Conv-nobias" else [i for i in inits if i.name != "c"])
+    prepared = prepare(m).model
+    assert [n.op_type for n in prepared.graph.node] == [nodes[0].op_type]
+    assert prepared.graph.node[0].output[0] == "y"
+    np.testing.assert_allclose(_run(prepared, {"x": x})[0], _run(m, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_mul_varying_along_space_or_after_a_shared_output_is_not_folded():
+    rng = np.random.default_rng(2)
+    w = graphs.init("w", rng.normal(0, 0.3, (6, 4, 1, 1)).astype(np.float32))
+    spatial = [helper.make_node("Conv", ["x", "w"], ["h"], name="conv"),
+               helper.make_node("Mul", ["h", "a"], ["y"], name="mul")]
+    m = graphs.model(spatial, [graphs.tensor("x", ["N", 4, 5, 5])], [graphs.tensor("y", None)],
+                     [w, graphs.init("a", rng.uniform(0.5, 2, (1, 1, 5, 5)).astype(np.float32))])
+    assert [n.op_type for n in prepare(m).model.graph.node] == ["Conv", "Mul"]
+    shared = [helper.make_node("Conv", ["x", "w"], ["h"], name="conv"),
+              helper.make_node("Mul", ["h", "a"], ["y"], name="mul"),
+              helper.make_node("Relu", ["h"], ["z"], name="relu")]
+    m = graphs.model(shared, [graphs.tensor("x", ["N", 4, 5, 5])], [graphs.tensor("y", None), graphs.tensor("z", None)],
+                     [w, graphs.init("a", rng.uniform(0.5, 2, (1, 6, 1, 1)).astype(np.float32))])
+    assert [n.op_type for n in prepare(m).model.graph.node] == ["Conv", "Mul", "Relu"]
 
 
 def test_batchnorm_after_a_shared_output_is_not_folded():

@@ -1,4 +1,5 @@
-"""Fold inference-mode BatchNormalization into the Conv/ConvTranspose/Gemm before it.
+"""Fold inference-mode BatchNormalization, and per-channel Mul/Add by constants, into the
+Conv/ConvTranspose/Gemm before them.
 
 y = gamma * (x - mean) / sqrt(var + eps) + beta is a per-channel affine map; after a
 linear op it merges into that op's weight and bias:
@@ -7,6 +8,12 @@ Unfolded, the BN would stay in float between a DequantizeLinear and a QuantizeLi
 (its own requantization, an extra rounding and a float kernel); folded, the whole layer
 is one integer Conv. The arithmetic is done in float64 and rounded once to float32, so
 the folded model's outputs match the original's to float32 rounding.
+
+Some exporters write the BN as its affine map instead (Paddle's PP-OCR models: Conv -> Mul by a
+[1, C, 1, 1] constant -> Add of another), and learnable affine layers look the same.
+`fold_affine` folds such a Mul (y = x * a: W' = W a, b' = b a) or Add (y = x + d: b' = b + d)
+of a constant that is a scalar or varies along the channel axis only, one op after another. On
+the PP-OCRv4 recognizer each block then quantizes one tensor where it quantized three.
 """
 
 from __future__ import annotations
@@ -123,3 +130,87 @@ def _unique(inits: dict, name: str) -> str:
         i += 1
         name = f"{base}_{i}"
     return name
+
+
+def fold_affine(model: onnx.ModelProto) -> int:
+    """Fold every Mul or Add of a per-channel (or scalar) constant that alone reads the output of
+    a Conv/ConvTranspose/Gemm with constant weight (and bias) into that layer, in place; returns
+    how many were folded (module doc)."""
+    graph = model.graph
+    folded = 0
+    while True:
+        index = GraphIndex(graph)
+        inits, producer = index.initializers, index.producer
+        done = None
+        for node in graph.node:
+            if node.op_type not in ("Mul", "Add") or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+                continue
+            constant = [i for i, name in enumerate(node.input) if name in inits]
+            if len(constant) != 1:
+                continue
+            data = node.input[1 - constant[0]]
+            prev = producer.get(data)
+            if (prev is None or prev.op_type not in _FOLDABLE or prev.domain not in ("", "ai.onnx")
+                    or len(prev.input) < 2 or index.only_consumer(data) is not node):
+                continue
+            weight = _array(inits, prev.input[1])
+            if weight is None:
+                continue
+            channels = _out_channels(prev, weight)
+            value = _per_channel(_array(inits, node.input[constant[0]]), weight.ndim, channels)
+            if channels is None or value is None:
+                continue
+            scale = value if node.op_type == "Mul" else np.ones(channels)
+            shift = value if node.op_type == "Add" else np.zeros(channels)
+            new_weight = _channel_scaled(prev, weight, scale)
+            bias = _folded_bias(prev, inits, scale, shift, np.zeros(channels))
+            if new_weight is None or bias is None:
+                continue
+            w_name = _unique(inits, prev.input[1] + "_affine")
+            b_name = _unique(inits, node.output[0] + "_affine_bias")
+            graph.initializer.extend([numpy_helper.from_array(new_weight.astype(np.float32), w_name),
+                                      numpy_helper.from_array(bias.astype(np.float32), b_name)])
+            prev.input[1] = w_name
+            if len(prev.input) > 2:
+                prev.input[2] = b_name
+            else:
+                prev.input.append(b_name)
+            if prev.op_type == "Gemm":
+                set_attribute(prev, "beta", 1.0)
+            prev.output[0] = node.output[0]
+            done = node
+            break
+        if done is None:
+            break
+        graph.node.remove(done)
+        folded += 1
+    if folded:
+        used = {name for node in graph.node for name in names_read(node)} | {o.name for o in graph.output}
+        kept = [t for t in graph.initializer if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return folded
+
+
+def _out_channels(node: onnx.NodeProto, weight: np.ndarray) -> Optional[int]:
+    """The layer's output channels (axis 1 of its output)."""
+    if node.op_type == "Conv":
+        return weight.shape[0]
+    if node.op_type == "ConvTranspose":
+        return weight.shape[1] * attribute(node, "group", 1)
+    if weight.ndim != 2:
+        return None
+    return weight.shape[0] if attribute(node, "transB", 0) else weight.shape[1]
+
+
+def _per_channel(value: Optional[np.ndarray], rank: int, channels: Optional[int]) -> Optional[np.ndarray]:
+    """`value` as one number per output channel (axis 1 of a rank-`rank` output), or None when it
+    varies along another axis or would broadcast the output to a larger shape."""
+    if value is None or channels is None or value.ndim > rank:
+        return None
+    if value.size == 1:
+        return np.full(channels, float(value.reshape(-1)[0]))
+    shape = (1,) * (rank - value.ndim) + value.shape
+    if shape[1] != channels or any(d != 1 for i, d in enumerate(shape) if i != 1):
+        return None
+    return value.reshape(-1)

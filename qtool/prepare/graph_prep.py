@@ -16,7 +16,7 @@ from onnx import numpy_helper, version_converter
 
 from qtool.graph.index import attribute, bodies, body_reads, names_read
 from qtool.graph.shapes import infer_shapes
-from qtool.prepare.bn_fold import fold_batchnorm
+from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.errors import QtoolError
 
 MIN_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist
@@ -209,6 +209,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     fold_body_constants(prepared)
     remove_identities(prepared)
     fold_batchnorm(prepared)
+    fold_affine(prepared)
     if divisions:
         divisions_to_multiplications(prepared)
     return Prepared(infer_shapes(prepared), (note,) if note else ())
