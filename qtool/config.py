@@ -162,7 +162,7 @@ class QuantizeConfig:
             raise ValueError(f"smooth_quant (the SmoothQuant alpha) must be in [0, 1], got {self.smooth_quant}")
 
 
-TASKS = ("auto", "classification", "detection", "generic")
+TASKS = ("auto", "classification", "detection", "ctc", "generic")
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class EvaluateConfig:
     warmup: int = 3
     runs: int = 20
     top_k: int = 5
-    task: str = "auto"  # auto: classification when the first output is [N, C], else generic
+    task: str = "auto"  # auto: classification when the first output is [N, C], else generic; ctc: only asked for
     task_config: Optional[str] = None  # YAML file of DetectionConfig keys (task detection)
     per_layer: bool = False  # error of every quantized tensor of the int8 model vs its fp32 twin
     sensitivity: bool = False  # one layer at a time in int8 (needs the calibration table)
@@ -182,6 +182,7 @@ class EvaluateConfig:
     # CI thresholds; None: not checked. Percentages for top-1 drop (points) and agreement.
     max_top1_drop: Optional[float] = None
     min_agreement: Optional[float] = None
+    min_texts_kept: Optional[float] = None  # percent of identical greedy-CTC texts (task ctc)
     min_cosine: Optional[float] = None  # every output
     min_sqnr: Optional[float] = None  # dB, every output
     min_speedup: Optional[float] = None
@@ -191,7 +192,7 @@ class EvaluateConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         _one_of("task", self.task, TASKS)
-        for name in ("max_top1_drop", "min_agreement"):
+        for name in ("max_top1_drop", "min_agreement", "min_texts_kept"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 100.0:
                 raise ValueError(f"{name} is in percent (0..100), got {value}")

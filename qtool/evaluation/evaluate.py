@@ -58,6 +58,8 @@ def _check_requests(inputs: EvaluateInputs, cfg: EvaluateConfig) -> None:
     if cfg.sensitivity and inputs.table is None:
         raise QtoolError("the sensitivity ranking (--sensitivity) re-quantizes one layer at a time and needs the "
                          "calibration table the int8 model was made from (--table)")
+    if cfg.min_texts_kept is not None and cfg.task != "ctc":
+        raise QtoolError(f"min_texts_kept (--min-texts-kept) is a figure of --task ctc, not {cfg.task}")
     if cfg.task_config and cfg.task != "detection":
         raise QtoolError(f"a task config (--task-config) is for --task detection, not {cfg.task}")
 

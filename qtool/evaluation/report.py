@@ -29,7 +29,7 @@ class EvaluationReport:
 
     qtool_version: str
     onnxruntime_version: str
-    task: str  # classification, detection or generic
+    task: str  # classification, detection, ctc or generic
     models: dict  # "fp32"/"int8" -> {"path", "size_bytes"}
     data: dict  # {"path" (None for in-memory data), "samples", "labels"}
     outputs: dict  # output name -> fidelity figures (cosine, sqnr_db, errors)
@@ -49,6 +49,10 @@ class EvaluationReport:
     @property
     def detection(self) -> Optional[dict]:
         return self.task_figures if self.task == "detection" else None
+
+    @property
+    def ctc(self) -> Optional[dict]:
+        return self.task_figures if self.task == "ctc" else None
 
     @property
     def data_name(self) -> str:
@@ -107,6 +111,11 @@ def summary_rows(report: EvaluationReport) -> list[tuple[str, str, str, str]]:
                      str(det["int8_boxes"]), f"recall {_pct(det['recall'])}, precision {_pct(det['precision'])}"))
         rows.append((f"matched (same class, IoU >= {det['settings']['match_iou']:g}): mean IoU", "", "",
                      fmt(det["mean_iou"], 3)))
+    ctc = report.ctc
+    if ctc:
+        rows.append(("texts kept (greedy CTC, identical)", "", "",
+                     f"{ctc['texts_kept']} of {ctc['samples']} ({_pct(ctc['texts_kept_fraction'])})"))
+        rows.append(("mean edit-distance ratio", "", "", fmt(ctc["mean_edit_ratio"], 4)))
     for name, out in report.outputs.items():
         rows.append((f"{name}: cosine", "", "", fmt(out["cosine"], 5)))
         rows.append((f"{name}: SQNR", "", "", f"{fmt(out['sqnr_db'], 2)} dB"))

@@ -28,6 +28,7 @@ from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig
 from qtool.data.dataset import Batch, batches, folder_only, open_data, split_shard
 from qtool.data.labels import labels_for
 from qtool.errors import QtoolError
+from qtool.evaluation.ctc import CtcAccumulator
 from qtool.evaluation.detection import DetectionAccumulator
 from qtool.evaluation.evaluate import EvaluateInputs, build_report, detection_config, open_models
 from qtool.evaluation.latency import measure_latency
@@ -114,6 +115,8 @@ def _task(header: dict, values: Optional[dict], cfg: EvaluateConfig, detection: 
         return Task(name, output, ClassificationAccumulator(**(values or {"top_k": cfg.top_k})))
     if name == "detection":
         return Task(name, output, DetectionAccumulator(detection, **(values or {})))
+    if name == "ctc":
+        return Task(name, output, CtcAccumulator(**(values or {})))
     return Task(name, output, None)
 
 

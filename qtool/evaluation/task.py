@@ -1,4 +1,4 @@
-"""The task an evaluation measures (classification, detection, generic) and one batch's comparison."""
+"""The task an evaluation measures (classification, detection, ctc, generic) and one batch's comparison."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from qtool.config import DetectionConfig, EvaluateConfig
 from qtool.data.dataset import Batch
 from qtool.data.labels import Labels
 from qtool.errors import QtoolError
+from qtool.evaluation.ctc import CtcAccumulator
 from qtool.evaluation.detection import DetectionAccumulator
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 
@@ -25,7 +26,7 @@ class Task:
 
     name: str
     output: str
-    accumulator: Optional[ClassificationAccumulator | DetectionAccumulator]
+    accumulator: Optional[ClassificationAccumulator | DetectionAccumulator | CtcAccumulator]
 
     def update(self, ref: dict[str, np.ndarray], test: dict[str, np.ndarray], labels: list) -> None:
         if isinstance(self.accumulator, ClassificationAccumulator):
@@ -38,7 +39,10 @@ class Task:
 
 
 def resolve_task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray, detection: DetectionConfig) -> Task:
-    """Resolve `auto` from the first batch's first output and set up the task's figures."""
+    """Resolve `auto` from the first batch's first output and set up the task's figures.
+
+    `auto` never picks ctc: an [N, T, C] distribution is also what token and frame classifiers
+    output, where collapsing repeats and dropping class 0 would report texts that do not exist."""
     name = cfg.task
     if name == "auto":
         name = "classification" if looks_like_classifier(first.shape) else "generic"
@@ -52,6 +56,8 @@ def resolve_task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray, det
             raise QtoolError(f"detection output '{output}' is not an output of the model ({', '.join(outputs)})",
                              cfg.task_config)
         return Task(name, output, DetectionAccumulator(detection))
+    if name == "ctc":
+        return Task(name, outputs[0], CtcAccumulator())
     return Task(name, outputs[0], None)
 
 

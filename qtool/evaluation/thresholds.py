@@ -33,6 +33,12 @@ def _classification(report: EvaluationReport, key: str) -> dict:
     return cls
 
 
+def _ctc(report: EvaluationReport) -> dict:
+    if not report.ctc:
+        raise QtoolError("this threshold needs the ctc task (--task ctc)")
+    return report.ctc
+
+
 def _worst_output(report: EvaluationReport, key: str) -> tuple[float, str]:
     name, figures = min(report.outputs.items(), key=lambda item: _ordered(item[1][key]))
     return figures[key], f"output '{name}'"
@@ -47,6 +53,8 @@ THRESHOLDS = (
               lambda r: (100.0 * _classification(r, "top1_drop")["top1_drop"], "")),
     Threshold("min_agreement", "top-1 agreement", "%", False,
               lambda r: (100.0 * _classification(r, "agreement")["agreement"], "")),
+    Threshold("min_texts_kept", "texts kept", "%", False,
+              lambda r: (100.0 * _ctc(r)["texts_kept_fraction"], "")),
     Threshold("min_cosine", "cosine", "", False, lambda r: _worst_output(r, "cosine")),
     Threshold("min_sqnr", "SQNR", "dB", False, lambda r: _worst_output(r, "sqnr_db")),
     Threshold("min_speedup", "speedup", "x", False, lambda r: (r.latency["speedup"], "")),
