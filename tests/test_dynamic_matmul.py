@@ -175,3 +175,19 @@ def test_float_fallback_restores_a_dynamic_matmul(tmp_path):
     partial = restore_float(result.model, prepared, [layers["k"]])  # h's DynamicQuantizeLinear stays for q
     ops = Counter(n.op_type for n in partial.graph.node)
     assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 2
+
+
+def test_float_fallback_restores_a_merged_projection(tmp_path):
+    """q and k merged in the prepared graph are one layer for the fallback, restored to one float MatMul."""
+    from qtool.plan.planner import prepared_model
+    from qtool.quantization.float_fallback import restorable_layers, restore_float
+
+    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
+    prepared, _ = prepared_model(path, QuantizeConfig(matmul="dynamic"))
+    layers = restorable_layers(result.model, prepared)
+    assert sorted(layers) == ["o", "q_merged"]
+    mixed = restore_float(result.model, prepared, [layers["q_merged"]])
+    onnx.checker.check_model(mixed, full_check=True)
+    ops = Counter(n.op_type for n in mixed.graph.node)
+    assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 1 and ops["MatMul"] == 3 and ops["Split"] == 1
+    assert _cosine_to_fp32(path, mixed, data) > 0.999
