@@ -23,9 +23,10 @@ WIDTHS = {"q": 8, "k": 8, "v": 6}
 
 
 def _projections(rng, bias=("left", "right", "right"), opset=graphs.OPSET, share_weight=False,
-                 output_of=None) -> onnx.ModelProto:
+                 output_of=None, body_reads=None) -> onnx.ModelProto:
     """x -> three MatMuls (q, k, v); each Add of its bias with the product on the side `bias` says
-    (None: no Add); `share_weight`: v reads q's weight; `output_of`: a product also a graph output."""
+    (None: no Add); `share_weight`: v reads q's weight; `output_of`: a product also a graph output;
+    `body_reads`: a tensor an If's branches read too."""
     nodes, inits = [], []
     outputs = []
     for (name, n), side in zip(WIDTHS.items(), bias):
@@ -42,7 +43,14 @@ def _projections(rng, bias=("left", "right", "right"), opset=graphs.OPSET, share
         outputs.append(name + "1")
     nodes.append(helper.make_node("Concat", outputs, ["y"], name="concat", axis=-1))
     declared = [graphs.tensor("y", None)] + ([graphs.tensor(output_of, None)] if output_of else [])
-    return graphs.model(nodes, [graphs.tensor("x", [1, T, K])], declared, inits, opset=opset)
+    inputs = [graphs.tensor("x", [1, T, K])]
+    if body_reads:
+        branch = helper.make_graph([helper.make_node("Identity", [body_reads], ["z"])], "branch", [],
+                                   [graphs.tensor("z", None)])
+        nodes.append(helper.make_node("If", ["cond"], ["picked"], name="if", then_branch=branch, else_branch=branch))
+        inputs.append(graphs.tensor("cond", [], onnx.TensorProto.BOOL))
+        declared.append(graphs.tensor("picked", None))
+    return graphs.model(nodes, inputs, declared, inits, opset=opset)
 
 
 def _outputs(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
@@ -85,11 +93,12 @@ def test_adds_stay_when_one_projection_has_no_bias():
     np.testing.assert_allclose(_outputs(merged, feeds)[0], _outputs(model, feeds)[0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["shared weight", "graph output", "kept", "opset 12"])
+@pytest.mark.parametrize("case", ["shared weight", "graph output", "read in a body", "kept", "opset 12"])
 def test_what_is_left_alone(case):
     rng = np.random.default_rng(0)
     model = {"shared weight": lambda: _projections(rng, ("left", "right", None), share_weight=True),
              "graph output": lambda: _projections(rng, output_of="k0"),
+             "read in a body": lambda: _projections(rng, body_reads="wk"),
              "kept": lambda: _projections(rng),
              "opset 12": lambda: _projections(rng, opset=12)}[case]()
     merged, count = _merged(model, keep={"k"} if case == "kept" else ())
@@ -97,7 +106,7 @@ def test_what_is_left_alone(case):
     if case in ("opset 12", "shared weight"):  # opset 12: Split's sizes are an attribute; q, v share a weight
         assert count == 0 and merged.SerializeToString() == model.SerializeToString()
         return
-    untouched = {"graph output": {"k"}, "kept": {"k"}}[case]
+    untouched = {"graph output": {"k"}, "read in a body": {"k"}, "kept": {"k"}}[case]
     assert count == 1 and untouched <= names  # the other two still merge
     assert Counter(n.op_type for n in merged.graph.node)["MatMul"] == 1 + len(untouched)
 

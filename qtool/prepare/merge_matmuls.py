@@ -9,8 +9,9 @@ MatMuls are quantized dynamically (qtool.plan.dynamic): the three already share 
 quantization, but onnxruntime pays a fixed cost per DynamicQuantizeMatMul call (the per-column
 weight scales' rescale among it), so one GEMM of N_q + N_k + N_v columns runs faster than three.
 The weights keep their per-column scales, so the quantized model computes the same numbers.
-Left alone: MatMuls whose weight another node reads too, whose output is a graph output, or
-that the caller names (nodes the user excluded keep their own node).
+Left alone: MatMuls whose weight another node (or an If/Loop/Scan body) reads too, whose output
+is a graph output or read by a body, or that the caller names (nodes the user excluded keep their
+own node).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import GraphIndex, node_label
+from qtool.graph.index import GraphIndex, body_reads, node_label
 from qtool.prepare.graph_prep import default_opset
 
 MERGED_SUFFIX = "_merged"
@@ -40,9 +41,10 @@ def merge_shared_input_matmuls(model: onnx.ModelProto, keep: Collection[str] = (
     """Merge in place every group of two or more mergeable MatMuls of the main graph reading the
     same tensor; `keep`: node labels never merged. Returns the number of groups merged."""
     ctx = GraphIndex(model)
+    in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
     groups: dict[str, list[_Member]] = {}
     for node in model.graph.node:
-        member = _member(node, ctx, keep)
+        member = _member(node, ctx, keep, in_bodies)
         if member is not None:
             groups.setdefault(node.input[0], []).append(member)
     merged = [g for g in groups.values() if len(g) > 1]
@@ -70,15 +72,17 @@ def merge_shared_input_matmuls(model: onnx.ModelProto, keep: Collection[str] = (
     return len(merged)
 
 
-def _member(node: onnx.NodeProto, ctx: GraphIndex, keep: Collection[str]) -> Optional[_Member]:
-    """`node` as a mergeable MatMul of a float activation by its own 2-D float weight, or None."""
+def _member(node: onnx.NodeProto, ctx: GraphIndex, keep: Collection[str],
+            in_bodies: set[str]) -> Optional[_Member]:
+    """`node` as a mergeable MatMul of a float activation by its own 2-D float weight, or None.
+    `in_bodies`: names If/Loop/Scan bodies read, which must keep their producers."""
     if (node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2
             or node_label(node) in keep):
         return None
     data, weight = node.input
     if (ctx.is_constant(data) or not ctx.is_float(data) or weight not in ctx.initializers
             or not ctx.is_float(weight) or ctx.rank(weight) != 2 or len(ctx.consumers.get(weight, [])) != 1
-            or node.output[0] in ctx.outputs):
+            or node.output[0] in ctx.outputs or {weight, node.output[0]} & in_bodies):
         return None
     add = ctx.only_consumer(node.output[0])
     if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2:
@@ -86,7 +90,7 @@ def _member(node: onnx.NodeProto, ctx: GraphIndex, keep: Collection[str]) -> Opt
     bias = add.input[1] if add.input[0] == node.output[0] else add.input[0]
     columns = ctx.initializers[weight].dims[1]
     if (bias in ctx.initializers and ctx.is_float(bias) and list(ctx.initializers[bias].dims) == [columns]
-            and len(ctx.consumers.get(bias, [])) == 1):
+            and len(ctx.consumers.get(bias, [])) == 1 and bias not in in_bodies):
         return _Member(node, add, bias)
     return _Member(node, None, "")
 
