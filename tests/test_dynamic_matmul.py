@@ -74,18 +74,20 @@ def _cosine_to_fp32(path, qmodel, data) -> float:
 def test_dynamic_quantizes_weighted_matmuls_and_keeps_the_rest_float(tmp_path):
     path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
     ops = Counter(n.op_type for n in result.model.graph.node)
-    assert ops["MatMulInteger"] == 3  # q, k, o
+    assert ops["MatMulInteger"] == 2  # q and k merged into one (qtool.prepare.merge_matmuls), o
+    assert ops["Split"] == 1  # the merged product back into q and k
     assert ops["MatMul"] == 2  # the attention MatMuls of two activations
     assert ops["DynamicQuantizeLinear"] == 2  # h is quantized once for q and k, context once for o
     assert ops["LayerNormalization"] == 1 and ops["Softmax"] == 1
     assert ops["QuantizeLinear"] == ops["DequantizeLinear"] == 0
     inits = {t.name: t for t in result.model.graph.initializer}
-    assert "wq" not in inits and inits["wq_quantized"].data_type == onnx.TensorProto.INT8
-    assert list(inits["wq_scale"].dims) == [D]  # per output column
-    assert result.int8_weights == 3 and result.activations == 0
+    assert "wq" not in inits and inits["wq_merged_quantized"].data_type == onnx.TensorProto.INT8
+    assert list(inits["wq_merged_scale"].dims) == [2 * D]  # per output column
+    assert list(inits["wo_scale"].dims) == [D]
+    assert result.int8_weights == 2 and result.activations == 0
     assert _cosine_to_fp32(path, result.model, data) > 0.999
     macs = int8_macs(result.model)  # the projections are int8, the attention MatMuls float
-    assert macs.int8_nodes == 3 and macs.counted_nodes == 5 and macs.int8 == 3 * T * D * D
+    assert macs.int8_nodes == 2 and macs.counted_nodes == 4 and macs.int8 == 3 * T * D * D
 
 
 def test_dynamic_beats_static_on_an_outlier_channel(tmp_path):
@@ -159,7 +161,9 @@ def test_float_fallback_restores_a_dynamic_matmul(tmp_path):
     from qtool.plan.planner import prepared_model
     from qtool.quantization.float_fallback import restorable_layers, restore_float
 
-    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
+    model = _block(np.random.default_rng(0))  # k's product a graph output too: q and k stay apart
+    model.graph.output.append(graphs.tensor("k0", [1, T, D]))
+    path, result, data = _quantize(tmp_path, model, matmul="dynamic")
     prepared, _ = prepared_model(path, QuantizeConfig(matmul="dynamic"))
     layers = restorable_layers(result.model, prepared)
     assert sorted(layers) == ["k", "o", "q"]
@@ -171,3 +175,19 @@ def test_float_fallback_restores_a_dynamic_matmul(tmp_path):
     partial = restore_float(result.model, prepared, [layers["k"]])  # h's DynamicQuantizeLinear stays for q
     ops = Counter(n.op_type for n in partial.graph.node)
     assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 2
+
+
+def test_float_fallback_restores_a_merged_projection(tmp_path):
+    """q and k merged in the prepared graph are one layer for the fallback, restored to one float MatMul."""
+    from qtool.plan.planner import prepared_model
+    from qtool.quantization.float_fallback import restorable_layers, restore_float
+
+    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
+    prepared, _ = prepared_model(path, QuantizeConfig(matmul="dynamic"))
+    layers = restorable_layers(result.model, prepared)
+    assert sorted(layers) == ["o", "q_merged"]
+    mixed = restore_float(result.model, prepared, [layers["q_merged"]])
+    onnx.checker.check_model(mixed, full_check=True)
+    ops = Counter(n.op_type for n in mixed.graph.node)
+    assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 1 and ops["MatMul"] == 3 and ops["Split"] == 1
+    assert _cosine_to_fp32(path, mixed, data) > 0.999

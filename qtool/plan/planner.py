@@ -24,9 +24,11 @@ from qtool.plan.dynamic import matmul_strategy, weighted_matmul
 from qtool.plan.ops import OpRule, float_blocks, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.targets import TARGETS
+from qtool.graph.shapes import infer_shapes
 from qtool.plan.smooth_quant import smooth
 from qtool.prepare.equalize import equalize
 from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare
+from qtool.prepare.merge_matmuls import merge_shared_input_matmuls
 
 
 @dataclass(frozen=True)
@@ -398,6 +400,8 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     strategy, chosen = matmul_strategy(model, GraphIndex(model), options)
     if strategy == "static":  # Mul has integer kernels, Div none; dynamic quantizes neither and keeps Gelu's Div
         divisions_to_multiplications(model)
+    elif merge_shared_input_matmuls(model, {node_label(n) for n in model.graph.node if _excluded(n, options)}):
+        model = infer_shapes(model)  # the merged tensors' shapes, for the planner
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
     if options.smooth_scales:  # measured by calibration on this graph, so calibration and quantization agree
