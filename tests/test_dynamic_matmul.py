@@ -160,11 +160,12 @@ def test_matmul_option_parses():
 def test_float_fallback_restores_a_dynamic_matmul(tmp_path):
     from qtool.plan.planner import prepared_model
     from qtool.quantization.float_fallback import restorable_layers, restore_float
+    from qtool.table.table import smoothed_options  # the graph the table's smoothing scales were made for
 
     model = _block(np.random.default_rng(0))  # k's product a graph output too: q and k stay apart
     model.graph.output.append(graphs.tensor("k0", [1, T, D]))
     path, result, data = _quantize(tmp_path, model, matmul="dynamic")
-    prepared, _ = prepared_model(path, QuantizeConfig(matmul="dynamic"))
+    prepared, _ = prepared_model(path, smoothed_options(QuantizeConfig(matmul="dynamic"), result.table))
     layers = restorable_layers(result.model, prepared)
     assert sorted(layers) == ["k", "o", "q"]
     mixed = restore_float(result.model, prepared, [layers["q"], layers["k"], layers["o"]])
@@ -181,9 +182,10 @@ def test_float_fallback_restores_a_merged_projection(tmp_path):
     """q and k merged in the prepared graph are one layer for the fallback, restored to one float MatMul."""
     from qtool.plan.planner import prepared_model
     from qtool.quantization.float_fallback import restorable_layers, restore_float
+    from qtool.table.table import smoothed_options  # the graph the table's smoothing scales were made for
 
     path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
-    prepared, _ = prepared_model(path, QuantizeConfig(matmul="dynamic"))
+    prepared, _ = prepared_model(path, smoothed_options(QuantizeConfig(matmul="dynamic"), result.table))
     layers = restorable_layers(result.model, prepared)
     assert sorted(layers) == ["o", "q_merged"]
     mixed = restore_float(result.model, prepared, [layers["q_merged"]])

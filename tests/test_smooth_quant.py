@@ -179,3 +179,54 @@ def test_the_measured_scales_are_not_a_config_key():
     with pytest.raises(QtoolError, match="unknown key .quantization.smooth_scales"):
         load_config({"quantization": {"smooth_scales": [["x", [1.0]]]}})
     assert load_config({"quantization": {"smooth_quant": 0.5}}).quantization.smooth_quant == 0.5
+
+
+def _fidelity(path, qmodel, data) -> float:
+    """The worst cosine over outputs and samples of `qmodel` against the fp32 model at `path`."""
+    plain, quantized = create_session(str(path)), create_session(qmodel)
+    worst = 1.0
+    for batch in batches(open_data(data, input_specs(onnx.load(path)), PreprocessConfig()), 1, None):
+        for a, b in zip(plain.run(None, batch.feeds), quantized.run(None, batch.feeds)):
+            if a.dtype.kind == "f":
+                a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+                worst = min(worst, float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+    return worst
+
+
+def test_dynamic_matmuls_read_an_outlier_input_through_an_inserted_mul(tmp_path):
+    """Post-LN: the LayerNorm output also feeds the residual Add, so nothing can fold the division;
+    the dynamic MatMuls read it through a Mul by 1/s (smooth_dynamic, on by default). Exact in
+    fp32 (the residual reads the tensor itself), and closer to fp32 once quantized."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "m.onnx"
+    onnx.save(layer_norm_model(rng, residual=True), path)
+    data = write_samples(tmp_path / "data", rng, [T, C], count=8)
+    options = QuantizeConfig(matmul="dynamic")
+    assert find_sites(onnx.load(path)) == [] and [s.tensor for s in find_sites(onnx.load(path), insert=True)] == ["h"]
+    smoothed_options = with_smoothing(path, data, PreprocessConfig(), CalibrationConfig(), options)
+    assert [name for name, _ in smoothed_options.smooth_scales] == ["h"]
+    plain, _ = prepared_model(path, options)
+    smoothed, _ = prepared_model(path, smoothed_options)
+    assert [n.op_type for n in smoothed.graph.node if n.output[0] == "h_smoothed"] == ["Mul"]
+    feeds = [b.feeds for b in batches(open_data(data, input_specs(plain), PreprocessConfig()), 1, None)]
+    for before, after in zip(_outputs(plain, feeds), _outputs(smoothed, feeds)):
+        if before.dtype.kind == "f":
+            assert np.abs(before.astype(np.float64) - after).max() <= 1e-5 * max(1.0, float(np.abs(before).max()))
+    on = api.quantize(path, data=data, config={"quantization": {"matmul": "dynamic"}}, progress=False)
+    off = api.quantize(path, data=data, config={"quantization": {"matmul": "dynamic", "smooth_dynamic": None}},
+                       progress=False)
+    assert any(n.startswith("SmoothQuant (alpha 0.8)") for n in on.notes) and on.table.smoothing
+    assert not off.table.smoothing
+    assert 1 - _fidelity(path, on.model, data) < 0.5 * (1 - _fidelity(path, off.model, data))
+
+
+def test_dynamic_smoothing_skips_inputs_without_outlier_channels(tmp_path):
+    rng = np.random.default_rng(1)
+    built = layer_norm_model(rng, residual=True)
+    gamma = next(t for t in built.graph.initializer if t.name == "gamma")
+    gamma.CopyFrom(init("gamma", rng.uniform(0.8, 1.2, C).astype(np.float32)))  # no channel stands out
+    path = tmp_path / "m.onnx"
+    onnx.save(built, path)
+    data = write_samples(tmp_path / "data", rng, [T, C], count=8)
+    options = QuantizeConfig(matmul="dynamic")
+    assert with_smoothing(path, data, PreprocessConfig(), CalibrationConfig(), options) == options

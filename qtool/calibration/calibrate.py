@@ -53,6 +53,8 @@ def _quantize_settings(options: QuantizeConfig) -> dict:
     del settings["smooth_scales"]  # the table's "smoothing"
     if options.smooth_quant is None:
         del settings["smooth_quant"]
+    if options.smooth_dynamic == QuantizeConfig.smooth_dynamic:
+        del settings["smooth_dynamic"]
     if not options.keep_opset:
         del settings["keep_opset"]
     if options.embeddings == QuantizeConfig.embeddings:
