@@ -17,7 +17,8 @@ it clips nothing, and the rare large values other methods clip can matter to a t
 to the cosine (the YOLOv8n detector: MSE lifts the output cosine from 0.9966 to 0.9997 while
 its recall of the fp32 boxes falls from over 0.7 to 0.67, because the box coordinates dwarf the
 class scores in the cosine). A model with no activation ranges (dynamic int8 transformers)
-keeps min-max; a note says when another method was chosen and what was measured.
+keeps min-max; a note says when another method was chosen and what was measured, and
+another when even the chosen one stays below `KEEP` (naming the search that can close the gap).
 """
 
 from __future__ import annotations
@@ -64,10 +65,14 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
     for i, cosine in enumerate(cosines[1:], 1):
         if cosine > cosines[best] + MARGIN:
             best = i
-    if best == 0:
-        return first
-    measured = ", ".join(f"{t.method} {c:.4f}" for t, c in zip(tables, cosines))
     count = sum(len(b) for b in samples)
-    note = (f"ranges by {tables[best].method} (calibration method auto): mean cosine to fp32 of the all-int8 "
-            f"model on {count} calibration samples: {measured}")
-    return replace(tables[best], notes=tables[best].notes + (note,))
+    notes = []
+    if best:
+        measured = ", ".join(f"{t.method} {c:.4f}" for t, c in zip(tables, cosines))
+        notes.append(f"ranges by {tables[best].method} (calibration method auto): mean cosine to fp32 of the "
+                     f"all-int8 model on {count} calibration samples: {measured}")
+    if cosines[best] < KEEP:
+        notes.append(f"the all-int8 model's mean cosine to fp32 on {count} calibration samples is "
+                     f"{cosines[best]:.4f}, below {KEEP}: quantize --eval-data DIR --target-cosine {KEEP} "
+                     f"keeps the layers that need it in float")
+    return replace(tables[best], notes=tables[best].notes + tuple(notes))
