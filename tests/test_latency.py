@@ -115,3 +115,40 @@ def test_batch_one_is_measured_beside_the_batch():
     sets = latency.feed_sets({"x": x, "m": np.ones((4, 2), np.int64)})
     assert [s["x"].shape for s in sets] == [(1, 3), (4, 3)]
     assert len(latency.feed_sets({"x": x, "sr": np.array(16000)})) == 1  # a scalar input: not batched
+
+
+def test_a_weighted_type_goes_float_with_the_elementwise_types_when_only_together_faster(tmp_path, monkeypatch):
+    """Conv -> Relu -> pool -> Gemm where the Q/DQ pairs (the cost here) go only when the Conv, the
+    Relu and the pool are all float: no single type measures faster, the group does; the Gemm, the
+    last weighted type, stays int8."""
+    from onnx import helper
+
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    built = graphs.conv_model(rng, activation="Relu", pool="GlobalAveragePool")
+    sigmoid = built.graph.node.pop()  # pool -> Flatten -> Gemm -> Sigmoid
+    built.graph.node.extend([helper.make_node("Flatten", ["pool"], ["flat"], name="flatten"),
+                             helper.make_node("Gemm", ["flat", "wg"], ["fc"], name="fc", transB=1)])
+    built.graph.initializer.append(graphs.init("wg", rng.normal(0, 0.3, (4, 16)).astype(np.float32)))
+    sigmoid.input[0] = "fc"
+    built.graph.node.append(sigmoid)
+    del built.graph.output[:], built.graph.value_info[:]
+    built.graph.output.append(graphs.tensor("y", ["N", 4]))
+    path = tmp_path / "m.onnx"
+    onnx.save(built, path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=4), ON, progress=False)
+
+    def measure(models):
+        def cost(model):
+            producers = {o: n.op_type for n in model.graph.node for o in n.output}
+            quantized = {producers.get(n.input[0]) for n in model.graph.node if n.op_type == "QuantizeLinear"}
+            return 10.0 if quantized & {"Conv", "Relu", "GlobalAveragePool"} else 1.0
+        return {name: [cost(m)] for name, m in models.items()}
+    monkeypatch.setattr(quantize_module, "timer", lambda feeds: measure)
+    result = quantize_module.quantize_model(path, table, ON, latency=True)
+    assert "fc" in result.plan.quantized_nodes
+    assert not {"conv", "relu", "pool"} & set(result.plan.quantized_nodes)
+    assert any("of types Relu, GlobalAveragePool, Conv kept float" in note or
+               "of types GlobalAveragePool, Relu, Conv kept float" in note for note in result.notes)
+    assert not any(note.startswith("onnxruntime runs this int8 model slower") for note in result.notes)

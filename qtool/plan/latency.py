@@ -11,7 +11,10 @@ op type with that type's nodes kept float (the planner then drops the Q/DQ pairs
 served them). A type goes float when that is faster by more than MARGIN (noise on a shared
 machine must not flip a choice), greedily, cheap elementwise types before weighted ones. The
 greedy pass runs again while it makes a choice (once a weighted type is float, the elementwise
-ops around it are worth another try). The last weighted op type (Conv, Gemm, MatMul, LSTM) is
+ops around it are worth another try). If the model is then still slower than fp32, each weighted
+type is tried once more together with every elementwise type: the Q/DQ pairs around a small
+classifier's Conv -> HardSigmoid -> Mul blocks go only when all of them are float, so no single
+type measures faster alone. The last weighted op type (Conv, Gemm, MatMul, LSTM) is
 never sent back: `quantize` writes an int8 model; if what is left still runs slower than the
 fp32 graph, a note says so with the times (keep the fp32 model where speed matters). The choice is
 cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
@@ -45,7 +48,7 @@ MARGIN = 0.05  # a float candidate must be this much faster than the int8 model 
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
-VERSION = 3  # of the decision procedure; part of the cache key
+VERSION = 4  # of the decision procedure; part of the cache key
 
 # {name: model} -> median seconds per run of each per feed set (batch 1, then the batch), timed together
 Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
@@ -188,6 +191,31 @@ def _decide(fp32: onnx.ModelProto, by_type: dict[str, list[str]], build: Callabl
                              f"1 thread, median)")
     slower = _twice(measure, {"int8": current, "fp32": fp32},
                     lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+    # still slower than fp32: one op type at a time can miss it when the Q/DQ pairs around a
+    # weighted type only go with the elementwise ops beside it (a small classifier's Conv ->
+    # HardSigmoid -> Mul blocks); try each weighted type together with every elementwise type
+    for op_type in sorted(weighted - set(float_types)) if slower else ():
+        if weighted <= {*float_types, op_type}:
+            continue
+        group = [t for t in by_type if t not in float_types and t not in weighted and not _movement(t)] + [op_type]
+        try:
+            candidate = build(kept + [label for t in group for label in by_type[t]])
+            faster = _twice(measure, {"int8": current, "float": candidate},
+                            lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
+        except Exception:
+            continue
+        if faster:
+            kept += [label for t in group for label in by_type[t]]
+            float_types += group
+            current = candidate
+            count = sum(len(by_type[t]) for t in group)
+            notes.append(f"{count} nodes of types {', '.join(group)} kept float (latency-aware): onnxruntime ran "
+                         f"the model in {_ms(faster['float'])} with them float against {_ms(faster['int8'])} with "
+                         f"them int8 on this CPU ({_BATCHES[len(faster['int8'])]}; 1 thread, median)")
+            slower = _twice(measure, {"int8": current, "fp32": fp32},
+                            lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+            if not slower:
+                break
     if slower:
         notes.append(f"onnxruntime runs this int8 model slower than fp32 on this CPU: {_ms(slower['int8'])} "
                      f"against {_ms(slower['fp32'])} ({_BATCHES[len(slower['int8'])]}; 1 thread, median): keep the "
