@@ -138,7 +138,7 @@ class QuantizeConfig:
     smooth_quant: Optional[float] = None
     # SmoothQuant alpha for the inputs of dynamic int8 MatMuls (matmul dynamic), through an inserted Mul
     # where their producer cannot take the division; None: off. Measured on MiniLM: embedding cosine
-    # 0.992 -> 0.998 (qtool.plan.smooth_quant)
+    # 0.992 -> 0.997 (qtool.plan.smooth_quant)
     smooth_dynamic: Optional[float] = 0.8
     # The smoothing scales (tensor, per-channel factors): measured on the calibration data by calibrate,
     # read from the table by quantize; not a setting of the user's

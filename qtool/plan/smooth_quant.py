@@ -15,7 +15,7 @@ LayerNorm output, which the residual stream reads too), the MatMul/Gemm readers 
 tensor through an inserted Mul by 1/s instead (`insert`): one elementwise op. The dynamic int8
 MatMuls of a transformer use that by default (QuantizeConfig.smooth_dynamic): they quantize
 each input with one range per run, which a few outlier channels stretch just as they stretch a
-calibrated range (MiniLM's sentence embedding: cosine 0.992 without, 0.998 with alpha 0.8).
+calibrated range (MiniLM's sentence embedding: cosine 0.992 without, 0.997 with alpha 0.8).
 
 The maxima come from the calibration data (qtool.calibration.smoothing); this module only
 finds the tensors that can be smoothed and folds given scales, so calibration and
