@@ -133,3 +133,38 @@ def test_locate_halves_down_to_the_one_node_that_passes_in_float():
     assert run_check.locate(run_check.RunFailure("no kernel"), candidates, passes) == "n9"
     assert len(tried) <= 2 * 4 + 1
     assert run_check.locate(run_check.RunFailure("no kernel"), candidates, lambda labels: False) is None
+
+
+def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
+    """quantize with a table and no data makes its run-check inputs up from the input specs; a
+    CNN whose height and width are open cannot run on 1x1 (a 3x3 conv without padding), so a
+    larger size is tried, and the latency-aware step times the model on those inputs (it
+    crashed onnxruntime on the 1x1 ones)."""
+    from onnx import helper
+
+    from qtool.calibration.calibrate import calibrate
+    from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+    from qtool.quantization import run_check
+    from qtool.quantization.quantize import quantize_model
+    from tests import graphs
+
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2")]
+    built = graphs.model(nodes, [graphs.tensor("x", ["N", 3, "H", "W"])], [graphs.tensor("y", None)],
+                         [graphs.init("w", rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32)),
+                          graphs.init("w2", rng.normal(0, 0.3, (4, 8, 3, 3)).astype(np.float32))])
+    path = tmp_path / "m.onnx"
+    onnx.save(built, path)
+    data = graphs.write_samples(tmp_path / "data", rng, (3, 16, 16), count=4)
+    options = QuantizeConfig(latency_aware="on")
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
+    sizes = []
+    made_up = run_check.made_up_feeds
+    monkeypatch.setattr(run_check, "made_up_feeds", lambda specs, size=1: sizes.append(size) or made_up(specs, size))
+    result = quantize_model(path, table, options, latency=True)
+    assert sizes == [1, 64]  # 1x1 fails the 3x3 convs, 64x64 runs
+    assert not any("does not run" in note for note in result.notes)
+    assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)

@@ -113,7 +113,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         fixes.append(f"'{found}' ({op_type[found]}) kept in float"
                      + (f" (and with it {', '.join(along)})" if along else "")
                      + f", because onnxruntime cannot run the model with it in int8: {failure.reason}")
-    if latency and latency_enabled(options):
+    if latency and latency_enabled(options) and ref.outputs is not None:  # timing needs inputs fp32 runs on
         choice = _latency_choice(model, plan, op_type, [*unreached, *kept], steps, ref, options)
         if choice.labels:
             kept += choice.labels
@@ -150,6 +150,9 @@ def _replan(model: onnx.ModelProto, options: QuantizeConfig, plan: QuantPlan, ke
     return replanned
 
 
+MADE_UP_SIZES = (1, 64, 224)  # tried in turn for the open dims of made-up inputs until fp32 runs
+
+
 def _latency_choice(model: onnx.ModelProto, plan: QuantPlan, op_type: dict[str, str], kept: list[str],
                     steps: "_Steps", ref: run_check.Reference, options: QuantizeConfig) -> LatencyChoice:
     """The op types onnxruntime runs faster float on this CPU, timed on the run check's batch."""
@@ -165,8 +168,13 @@ def _reference(model: onnx.ModelProto, samples: list[Batch], data: Optional[Call
     first = samples[0] if samples else (next(iter(data(options.correction_samples)), None) if data else None)
     if first is not None:
         return run_check.reference(model, first.feeds, "the first calibration batch")
-    return run_check.reference(model, run_check.made_up_feeds(input_specs(model)),
-                               "inputs made up from its input specs")
+    ref = None
+    for size in MADE_UP_SIZES:  # open dims of 1 suit a sequence, not a strided CNN's image
+        ref = run_check.reference(model, run_check.made_up_feeds(input_specs(model), size),
+                                  "inputs made up from its input specs")
+        if ref.outputs is not None:
+            break
+    return ref
 
 
 @dataclass(frozen=True)

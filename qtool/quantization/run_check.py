@@ -53,12 +53,13 @@ class Reference:
     skipped: Optional[str] = None  # why the outputs are not checked
 
 
-def made_up_feeds(specs: Sequence[InputSpec]) -> dict[str, np.ndarray]:
-    """One batch from the input specs alone (quantize with a table and no data)."""
+def made_up_feeds(specs: Sequence[InputSpec], size: int = 1) -> dict[str, np.ndarray]:
+    """One batch from the input specs alone (quantize with a table and no data): batch 1, `size`
+    for the other dims the specs leave open (an image's height and width)."""
     rng = np.random.default_rng(0)
     feeds = {}
     for spec in specs:
-        shape = tuple(1 if d is None else d for d in spec.shape)
+        shape = tuple((1 if i == 0 else size) if d is None else d for i, d in enumerate(spec.shape))
         if np.issubdtype(spec.dtype, np.floating):
             feeds[spec.name] = rng.normal(0.0, 1.0, shape).astype(spec.dtype)
         else:
