@@ -230,3 +230,12 @@ def test_dynamic_smoothing_skips_inputs_without_outlier_channels(tmp_path):
     data = write_samples(tmp_path / "data", rng, [T, C], count=8)
     options = QuantizeConfig(matmul="dynamic")
     assert with_smoothing(path, data, PreprocessConfig(), CalibrationConfig(), options) == options
+
+
+def test_a_linear_layer_whose_product_is_a_graph_output_is_not_divided():
+    """MatMul -> bias Add feeding a MatMul: dividing the first MatMul's columns would change its
+    product, which the graph also returns; the Add's output is then no site."""
+    built = decomposed_model(np.random.default_rng(0))
+    assert "y2" in {s.tensor for s in find_sites(built)}
+    built.graph.output.append(tensor("z", [T, C]))
+    assert "y2" not in {s.tensor for s in find_sites(built)}

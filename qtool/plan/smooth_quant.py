@@ -110,7 +110,7 @@ def _linear_with_bias(index: GraphIndex, add: onnx.NodeProto, channels: int) -> 
     """MatMul(x, W) + b: W's columns and b."""
     for position, bias in enumerate(add.input[:2]):
         matmul = index.producer.get(add.input[1 - position])
-        if (matmul is None or matmul.op_type != "MatMul" or len(index.consumers.get(matmul.output[0], [])) != 1
+        if (matmul is None or matmul.op_type != "MatMul" or index.only_consumer(matmul.output[0]) is not add
                 or not _own(index, bias) or not _per_channel(index, bias, channels)):
             continue
         weight = matmul.input[1]
