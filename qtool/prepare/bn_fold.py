@@ -83,19 +83,7 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
         bias = _folded_bias(prev, inits, s, beta, mean)
         if bias is None:
             continue
-        w_name, b_name = _unique(inits, prev.input[1] + "_bnfold"), _unique(inits, bn.output[0] + "_bnfold_bias")
-        for name, array in ((w_name, new_weight), (b_name, bias)):
-            tensor = numpy_helper.from_array(array.astype(np.float32), name)
-            graph.initializer.append(tensor)
-            inits[name] = tensor
-        prev.input[1] = w_name
-        if len(prev.input) > 2:
-            prev.input[2] = b_name
-        else:
-            prev.input.append(b_name)
-        if prev.op_type == "Gemm":
-            set_attribute(prev, "beta", 1.0)
-        prev.output[0] = bn.output[0]  # the layer keeps the BN's output name (it may be a graph output)
+        _install(graph, inits, prev, new_weight, bias, "_bnfold", bn.output[0])
         drop.add(id(bn))
     if drop:
         keep = [n for n in graph.node if id(n) not in drop]
@@ -106,6 +94,25 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
         del graph.initializer[:]
         graph.initializer.extend(kept)
     return len(drop)
+
+
+def _install(graph: onnx.GraphProto, inits: dict, layer: onnx.NodeProto, weight: np.ndarray, bias: np.ndarray,
+             suffix: str, output: str) -> None:
+    """`layer` takes the folded weight and bias (new initializers) and the output name of the op
+    folded into it (it may be a graph output)."""
+    w_name, b_name = _unique(inits, layer.input[1] + suffix), _unique(inits, output + suffix + "_bias")
+    for name, array in ((w_name, weight), (b_name, bias)):
+        tensor = numpy_helper.from_array(array.astype(np.float32), name)
+        graph.initializer.append(tensor)
+        inits[name] = tensor
+    layer.input[1] = w_name
+    if len(layer.input) > 2:
+        layer.input[2] = b_name
+    else:
+        layer.input.append(b_name)
+    if layer.op_type == "Gemm":
+        set_attribute(layer, "beta", 1.0)
+    layer.output[0] = output
 
 
 def _folded_bias(node, inits, s, beta, mean) -> Optional[np.ndarray]:
@@ -166,18 +173,7 @@ def fold_affine(model: onnx.ModelProto) -> int:
             bias = _folded_bias(prev, inits, scale, shift, np.zeros(channels))
             if new_weight is None or bias is None:
                 continue
-            w_name = _unique(inits, prev.input[1] + "_affine")
-            b_name = _unique(inits, node.output[0] + "_affine_bias")
-            graph.initializer.extend([numpy_helper.from_array(new_weight.astype(np.float32), w_name),
-                                      numpy_helper.from_array(bias.astype(np.float32), b_name)])
-            prev.input[1] = w_name
-            if len(prev.input) > 2:
-                prev.input[2] = b_name
-            else:
-                prev.input.append(b_name)
-            if prev.op_type == "Gemm":
-                set_attribute(prev, "beta", 1.0)
-            prev.output[0] = node.output[0]
+            _install(graph, inits, prev, new_weight, bias, "_affine", node.output[0])
             done = node
             break
         if done is None:
