@@ -21,13 +21,16 @@ from qtool.config import QuantizeConfig
 from qtool.graph.index import GraphIndex, attribute
 
 CONV_OPS = ("Conv", "ConvTranspose")
+RECURRENT_OPS = ("LSTM", "GRU", "RNN")
 
 
 def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig) -> tuple[str, Optional[str]]:
     """(static or dynamic, why `auto` chose dynamic; None when it was not `auto`'s choice to report).
 
-    `auto` takes dynamic for a transformer or an RNN with attention: a graph with a LayerNormalization op or an attention
-    MatMul (two activations), a MatMul/Gemm with a constant weight, and no Conv. A Conv net
+    `auto` takes dynamic for a transformer or a recurrent net: a graph with a LayerNormalization op,
+    an attention MatMul (two activations) or an LSTM/GRU/RNN, a MatMul/Gemm with a constant weight,
+    and no Conv (the romanizer encoder's one Gemm after two GRUs: 0.99x fp32 static, 1.01x dynamic,
+    onnxruntime quantize_dynamic 1.00-1.02x). A Conv net
     with attention blocks (PP-OCR's SVTR recognizer) keeps static int8 for its Convs; dynamic
     int8 is measured on onnxruntime CPU only, so other targets keep static."""
     if options.matmul != "auto":
@@ -39,14 +42,16 @@ def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeCo
         return "static", None
     norms = sum(n.op_type == "LayerNormalization" for n in ops)
     attention = sum(_attention_matmul(n, ctx) for n in ops)
-    if not norms and not attention:
+    recurrent = sum(n.op_type in RECURRENT_OPS for n in ops)
+    if not norms and not attention and not recurrent:
         return "static", None
     found = ", ".join(f"{count} {what}" for count, what in ((norms, "LayerNormalization"),
-                                                           (attention, "MatMul(s) of two activations")) if count)
+                                                           (attention, "MatMul(s) of two activations"),
+                                                           (recurrent, "recurrent layer(s)")) if count)
     return "dynamic", (f"MatMul/Gemm with constant weights quantized dynamically (int8 weights per column, "
-                       f"activations quantized at run time; every other node float): the graph has attention or "
-                       f"LayerNorm blocks ({found}, no Conv), whose activation outliers one static range cannot hold "
-                       f"(--matmul static to override)")
+                       f"activations quantized at run time; every other node float): the graph has attention, "
+                       f"LayerNorm or recurrent blocks ({found}, no Conv), whose activation outliers one static range "
+                       f"cannot hold (--matmul static to override)")
 
 
 def weighted_matmul(node: onnx.NodeProto, ctx: GraphIndex) -> bool:
