@@ -114,16 +114,17 @@ def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
     `calibration.workers` say where they run (default: here)."""
     cfg = load_config(config)
     with _engine(executor, cfg.calibration.dask, cfg.calibration.workers) as engine:
-        return _calibrated(model, data, cfg, progress, engine)
+        return _calibrated(model, data, cfg, progress, engine)[0]
 
 
 def _calibrated(model: str | Path, data: DataLike, cfg: Config, progress: bool,
-                engine: Optional[Engine]) -> CalibrationTable:
-    """The table of `data`; with method `auto`, of the range method measured best
-    (qtool.evaluation.range_choice), unless the data can be read only once (a generator: minmax)."""
+                engine: Optional[Engine]) -> tuple[CalibrationTable, list[CalibrationTable]]:
+    """The table of `data` and the tables of the other range methods measured with it: with method
+    `auto`, the method measured best (qtool.evaluation.range_choice), unless the data can be read
+    only once (a generator: minmax, nothing else)."""
     if cfg.calibration.method == AUTO and not isinstance(data, Iterator):
         return choose_ranges(model, data, cfg, progress, engine)
-    return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine)
+    return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine), []
 
 
 @contextlib.contextmanager
@@ -155,9 +156,9 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
     sharded = table is None or search is not None  # what runs on an engine: the calibration, the search
     with _engine(executor, cfg.calibration.dask, cfg.calibration.workers) if sharded \
             else contextlib.nullcontext() as engine:
-        table_path = None
+        table_path, measured = None, []
         if table is None:
-            table = _calibrated(model, data, cfg, progress, engine)
+            table, measured = _calibrated(model, data, cfg, progress, engine)
         elif not isinstance(table, CalibrationTable):
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
@@ -166,7 +167,7 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         outcome = None
         if search is not None:
-            graph, outcome, table = _search(model, specs, table, data, cfg, search, calib_data,
+            graph, outcome, table = _search(model, specs, table, measured, data, cfg, search, calib_data,
                                             log or (lambda message: None), engine, progress)
         else:
             graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data,
@@ -200,10 +201,11 @@ def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) ->
                                  min(limit, calib.num_samples or limit))
 
 
-def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, data: Optional[DataLike], cfg: Config,
-            search: MixedPrecisionSearch, calib_data: Optional[Callable[[int], Iterable[Batch]]],
-            log: Log, engine: Optional[Engine], progress: bool
-            ) -> tuple[QuantizedGraph, SearchOutcome, CalibrationTable]:
+def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, measured: list[CalibrationTable],
+            data: Optional[DataLike], cfg: Config, search: MixedPrecisionSearch,
+            calib_data: Optional[Callable[[int], Iterable[Batch]]], log: Log, engine: Optional[Engine],
+            progress: bool) -> tuple[QuantizedGraph, SearchOutcome, CalibrationTable]:
+    """`measured`: tables of other range methods calibration already made from `data` (method auto)."""
     target = Target(search.agreement, search.top1_drop, search.sqnr, search.cosine)
     if not target.given():
         raise QtoolError("a mixed-precision search needs a target: agreement, top1_drop, sqnr or cosine")
@@ -213,13 +215,15 @@ def _search(model: str | Path, specs: list[InputSpec], table: CalibrationTable, 
     count = count_samples(source, None)
     count = sum(len(b) for b in eval_batches) if count is None else count
     methods = [m for m in dict.fromkeys(search.range_methods) if m != table.method]
+    known = {t.method: t for t in measured}
 
     def alternatives() -> list[CalibrationTable]:
-        if data is None or not methods:
-            return []
-        log(f"measuring {', '.join(methods)} ranges too (one calibration pass) ...")
-        return calibrate_methods(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, methods, progress,
-                                 engine)
+        missing = [m for m in methods if m not in known] if data is not None else []
+        if missing:
+            log(f"measuring {', '.join(missing)} ranges too (one calibration pass) ...")
+            known.update((t.method, t) for t in calibrate_methods(model, data, cfg.preprocess, cfg.calibration,
+                                                                  cfg.quantization, missing, progress, engine))
+        return [known[m] for m in methods if m in known]
 
     log(f"searching the fewest float layers for {target.describe()} on {count} evaluation samples:")
     found = run_search(model, table, cfg.quantization, target, eval_batches, label_map, search.max_float_layers,

@@ -311,13 +311,10 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     if warning:
         click.echo(f"warning: {warning}", err=True)
     start = time.perf_counter()
-    table = table_path
     sharded = table_path is None or search is not None  # one engine for the calibration and the search
     with open_engine(cfg.calibration.dask, cfg.calibration.workers) if sharded else nullcontext() as engine:
         executor = engine.executor if engine is not None else None
-        if table_path is None:
-            table = api.calibrate(model, data, cfg, executor=executor)
-        result = api.quantize(model, table=table, data=data, config=cfg, table_format=table_format,
+        result = api.quantize(model, table=table_path, data=data, config=cfg, table_format=table_format,
                               allow_missing=allow_missing, search=search, executor=executor,
                               log=lambda message: click.echo(message, err=True))
     if result.search is not None:

@@ -194,29 +194,3 @@ def test_float_fallback_restores_a_merged_projection(tmp_path):
     assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 1 and ops["MatMul"] == 3 and ops["Split"] == 1
     assert _cosine_to_fp32(path, mixed, data) > 0.999
 
-
-def test_auto_chooses_dynamic_for_a_recurrent_net(tmp_path):
-    """A GRU -> Gemm net (no LayerNorm, no attention, no Conv), as the romanizer encoder: its
-    Gemm goes dynamic int8 as under quantize_dynamic, the GRU stays float; a note says why."""
-    rng = np.random.default_rng(0)
-    hidden, features = 8, 6
-    nodes = [helper.make_node("GRU", ["x", "W", "R"], ["seq", "h"], name="gru", hidden_size=hidden),
-             helper.make_node("Squeeze", ["seq", "axis"], ["states"], name="squeeze"),
-             helper.make_node("Gather", ["states", "zero"], ["last"], name="pick", axis=0),
-             helper.make_node("Gemm", ["last", "wg", "bg"], ["y"], name="fc", transB=1)]
-    model = graphs.model(nodes, [graphs.tensor("x", [T, 1, features])], [graphs.tensor("y", [1, 4])],
-                         [graphs.init("W", rng.normal(0, 0.3, (1, 3 * hidden, features)).astype(np.float32)),
-                          graphs.init("R", rng.normal(0, 0.3, (1, 3 * hidden, hidden)).astype(np.float32)),
-                          graphs.init("axis", np.array([1], np.int64)), graphs.init("zero", np.array(0, np.int64)),
-                          graphs.init("wg", rng.normal(0, 0.3, (4, hidden)).astype(np.float32)),
-                          graphs.init("bg", rng.normal(0, 0.1, 4).astype(np.float32))])
-    path = tmp_path / "m.onnx"
-    onnx.save(model, path)
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(8):
-        np.save(data / f"s{i}.npy", rng.normal(0, 1, (T, 1, features)).astype(np.float32))
-    result = api.quantize(path, data=data, progress=False)
-    ops = Counter(n.op_type for n in result.model.graph.node)
-    assert ops["MatMulInteger"] == 1 and ops["GRU"] == 1 and ops["QuantizeLinear"] == 0
-    assert any("quantized dynamically" in n and "1 recurrent layer(s)" in n for n in result.notes)

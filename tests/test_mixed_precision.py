@@ -97,7 +97,7 @@ def test_float_layers_keep_no_qdq_between_them(quantized):
 
 def test_a_static_matmul_goes_dynamic(quantized):
     _, _, base, prepared, pool, evals = quantized
-    assert dynamic_candidates(base.model, prepared) == ["fc"]
+    assert dynamic_candidates(base.model, prepared, pool) == ["fc"]
     model = _mix(base, prepared, pool, ["conv_a", "conv_b"], ["fc"])
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 1 and ops["QuantizeLinear"] == 0

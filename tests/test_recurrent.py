@@ -130,3 +130,21 @@ def test_lstms_sharing_weights_share_one_int8_copy(tmp_path):
     assert sum(t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 3 for t in qmodel.graph.initializer) == 2
     assert "2 recurrent layer(s) with int8 weights" in output
     assert min(_cosines(model, qmodel, np.random.default_rng(2))) > 0.9997
+
+
+def test_a_gemm_after_a_gru_goes_dynamic_int8(tmp_path):
+    """A GRU -> Gemm net (no LayerNorm, attention or Conv), as the romanizer encoder: `auto` takes
+    the dynamic MatMul strategy for a recurrent net, so the Gemm goes dynamic int8 as under
+    quantize_dynamic and the GRU stays float, with a note that says why."""
+    rng = np.random.default_rng(0)
+    model = _recurrent_model("GRU", rng)
+    model.graph.node.extend([helper.make_node("Reshape", ["y_h", "flat"], ["h"], name="flatten"),
+                             helper.make_node("Gemm", ["h", "wg"], ["out"], name="fc", transB=1)])
+    model.graph.initializer.extend([numpy_helper.from_array(np.array([1, DIRS * HIDDEN]), "flat"),
+                                    numpy_helper.from_array(rng.normal(0, 0.3, (4, DIRS * HIDDEN)).astype(np.float32),
+                                                            "wg")])
+    model.graph.output.append(helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [1, 4]))
+    quantized, log = _quantize(tmp_path, model)
+    ops = [n.op_type for n in quantized.graph.node]
+    assert ops.count("MatMulInteger") == 1 and ops.count("GRU") == 1 and "QuantizeLinear" not in ops
+    assert "quantized dynamically" in log and "1 recurrent layer(s)" in log

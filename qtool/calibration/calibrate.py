@@ -11,7 +11,7 @@ import onnx
 from qtool.calibration.collect import collect_statistics, warn_nonfinite
 from qtool.calibration.method_rules import methods_for
 from qtool.calibration.ranges import check_method, choose_range, resolve_method
-from qtool.calibration.smoothing import with_smoothing
+from qtool.calibration.smoothing import measured_smoothing
 from qtool.calibration.shards import collect_parallel, merge_files, save_stats
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
@@ -77,12 +77,8 @@ def _range_settings(calib: CalibrationConfig) -> dict:
 def calibrate(model_path: str | Path, data: DataLike, preprocess: PreprocessConfig, calib: CalibrationConfig,
               options: QuantizeConfig, progress: bool = True, engine: Optional[Engine] = None) -> CalibrationTable:
     """The table of `data`; with an engine, its shards are collected on the engine's workers."""
-    options = with_smoothing(model_path, data, preprocess, calib, options)
-    model, plan = prepared_model(model_path, options)
-    if engine is not None:
-        stats, seen = collect_parallel(engine, model_path, model, data, preprocess, calib, options, progress=progress)
-    else:
-        stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress)
+    model, plan, options, stats, seen = _statistics(model_path, data, preprocess, calib, options, progress, engine,
+                                                    all_histograms=False)
     return build_table(plan, stats, calib, options, model_path, seen, model)
 
 
@@ -93,15 +89,27 @@ def calibrate_methods(model_path: str | Path, data: DataLike, preprocess: Prepro
     of every tensor (each table is byte-identical to `calibrate` with that method)."""
     for method in methods:
         check_method(method)
-    options = with_smoothing(model_path, data, preprocess, calib, options)
-    model, plan = prepared_model(model_path, options)
-    if engine is not None:
-        stats, seen = collect_parallel(engine, model_path, model, data, preprocess, calib, options,
-                                       force_histograms=True, progress=progress)
-    else:
-        stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress, all_histograms=True)
+    model, plan, options, stats, seen = _statistics(model_path, data, preprocess, calib, options, progress, engine,
+                                                    all_histograms=True)
     return [build_table(plan, stats, replace(calib, method=method), options, model_path, seen, model)
             for method in methods]
+
+
+def _statistics(model_path, data: DataLike, preprocess: PreprocessConfig, calib: CalibrationConfig,
+                options: QuantizeConfig, progress: bool, engine: Optional[Engine], all_histograms: bool):
+    """(prepared model, plan, options with their smoothing scales, statistics, samples seen) of one
+    pass over `data`, here or on the engine's workers."""
+    model, plan = prepared_model(model_path, options)  # before smoothing: what smoothing measures on
+    smoothed = measured_smoothing(model_path, model, plan, data, preprocess, calib, options)
+    if smoothed is not options:
+        options = smoothed
+        model, plan = prepared_model(model_path, options)
+    if engine is not None:
+        stats, seen = collect_parallel(engine, model_path, model, data, preprocess, calib, options,
+                                       force_histograms=all_histograms, progress=progress)
+    else:
+        stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress, all_histograms=all_histograms)
+    return model, plan, options, stats, seen
 
 
 def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: CalibrationConfig,

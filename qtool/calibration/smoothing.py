@@ -8,13 +8,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataLike, batches, open_data
 from qtool.graph.edit import with_outputs
+from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import input_specs
 from qtool.graph.runtime import create_session
-from qtool.plan.planner import prepared_model
+from qtool.plan.planner import QuantPlan, prepared_model
 from qtool.plan.smooth_quant import find_sites, smoothing_alpha, smoothing_scales, weight_maxima
 
 
@@ -38,7 +40,16 @@ def with_smoothing(model_path: str | Path, data: DataLike, preprocess: Preproces
     on: asked for (smooth_quant), or by default for dynamic int8 MatMuls (smooth_dynamic)."""
     if options.smooth_scales or (options.smooth_quant is None and options.smooth_dynamic is None):
         return options
-    model, plan = prepared_model(model_path, options)  # the graph before smoothing
+    return measured_smoothing(model_path, *prepared_model(model_path, options), data, preprocess, calib, options)
+
+
+def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, data: DataLike,
+                       preprocess: PreprocessConfig, calib: CalibrationConfig,
+                       options: QuantizeConfig) -> QuantizeConfig:
+    """with_smoothing on `model` and `plan`, the prepared graph before smoothing (a caller that
+    prepared it already need not prepare it again); `options` itself when nothing is smoothed."""
+    if options.smooth_scales or (options.smooth_quant is None and options.smooth_dynamic is None):
+        return options
     alpha = smoothing_alpha(options, bool(plan.dynamic_matmuls))
     sites = find_sites(model, insert=bool(plan.dynamic_matmuls)) if alpha is not None else []
     if not sites:
@@ -54,8 +65,9 @@ def with_smoothing(model_path: str | Path, data: DataLike, preprocess: Preproces
                            out=maxima[site.tensor])
     # an inserted Mul costs a pass over the tensor: only where outlier channels stretch its range
     sites = [site for site in sites if not site.readers or outlier_ratio(maxima[site.tensor]) >= OUTLIER_RATIO]
+    inits = GraphIndex(model).initializers
     scales = tuple((site.tensor, tuple(float(s) for s in smoothing_scales(
-        maxima[site.tensor], weight_maxima(model, site), alpha))) for site in sites)
+        maxima[site.tensor], weight_maxima(inits, site), alpha))) for site in sites)
     if not scales:
         return options
     return replace(options, smooth_scales=scales)

@@ -414,7 +414,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
         if rank(found.figures) > rank(current.figures):
             start, current, int8_first = other_start, found, found_first
     pool, mixer, base = start.pool, start.mixer, start.graph
-    dynamic_pool = dynamic_candidates(base.model, base.source)
+    dynamic_pool = dynamic_candidates(base.model, base.source, pool)
     int16_pool = sorted(pool) if int16 else []
     # a layer's MACs in int8 and in float (a rewritten stem's differ): the budget is exact before
     # any candidate is built

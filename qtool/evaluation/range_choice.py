@@ -43,14 +43,14 @@ MARGIN = 0.002  # mean cosine another method must gain over the first to be chos
 
 
 def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress: bool = True,
-                  engine: Optional[Engine] = None) -> CalibrationTable:
-    """The table of the candidate method whose int8 model measures closest to fp32 on the
-    calibration data (module doc); its notes say what was measured."""
+                  engine: Optional[Engine] = None) -> tuple[CalibrationTable, list[CalibrationTable]]:
+    """(the table of the candidate method whose int8 model measures closest to fp32 on the
+    calibration data (module doc), its notes saying what was measured; every candidate's table)."""
     tables = calibrate_methods(model_path, data, cfg.preprocess, cfg.calibration, cfg.quantization,
                                list(CANDIDATES), progress, engine)
     first = tables[0]
     if all(t.tensors == first.tensors for t in tables[1:]):
-        return first  # nothing to choose: no activation ranges, or all methods agree
+        return first, tables  # nothing to choose: no activation ranges, or all methods agree
     source = open_data(data, input_specs(load_model(model_path)), cfg.preprocess)
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
     evaluate = Evaluator(Path(model_path), samples, None, cfg.evaluation.threads)
@@ -60,7 +60,7 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
         graph = quantize_model(model_path, table, ranges_only, allow_missing=True)
         cosines.append(evaluate(graph.model)[0]["cosine"])
         if cosines[0] >= KEEP:
-            return first
+            return first, tables
     best = 0
     for i, cosine in enumerate(cosines[1:], 1):
         if cosine > cosines[best] + MARGIN:
@@ -75,4 +75,4 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
         notes.append(f"the all-int8 model's mean cosine to fp32 on {count} calibration samples is "
                      f"{cosines[best]:.4f}, below {KEEP}: quantize --eval-data DIR --target-cosine {KEEP} "
                      f"keeps the layers that need it in float")
-    return replace(tables[best], notes=tables[best].notes + tuple(notes))
+    return replace(tables[best], notes=tables[best].notes + tuple(notes)), tables

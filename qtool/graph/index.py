@@ -7,7 +7,9 @@ one scan; it is a snapshot, so a pass that edits the graph builds a new one afte
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+import fnmatch
+
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import onnx
@@ -72,6 +74,11 @@ class GraphIndex:
         """The single node reading `name`, when it is not also a graph output."""
         users = self.consumers.get(name, [])
         return users[0] if len(users) == 1 and name not in self.outputs else None
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether a node or tensor `name` is one of `patterns`, names or glob patterns as options give them."""
+    return any(name == pattern or fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def node_label(node: onnx.NodeProto) -> str:

@@ -7,7 +7,6 @@ quantization uses it again to know where Q/DQ pairs go, so both always agree.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Optional
@@ -19,7 +18,8 @@ from pathlib import Path
 from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs, load_model
-from qtool.graph.index import GraphIndex, attribute, bodies, body_reads, made_in, node_label, scoped_nodes
+from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, made_in, matches, node_label,
+                               scoped_nodes)
 from qtool.plan.dynamic import matmul_strategy, weighted_matmul
 from qtool.plan.ops import OpRule, float_blocks, rule_for
 from qtool.plan.ops.pad import pad_value
@@ -91,7 +91,7 @@ class QuantPlan:
 def _excluded(node: onnx.NodeProto, options: QuantizeConfig) -> bool:
     if node.op_type in options.exclude_op_types:
         return True
-    return any(node.name == pattern or fnmatch.fnmatchcase(node.name, pattern) for pattern in options.exclude_nodes)
+    return matches(node.name, options.exclude_nodes)
 
 
 def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[Collection[str]] = None,

@@ -61,18 +61,10 @@ def _consumer_rows(index: GraphIndex, tensor: str) -> list[tuple[str, int]]:
     """(weight, axis of the input channels) of every reader of `tensor`; empty unless every
     reader is a MatMul/Gemm that multiplies `tensor` by a 2-D weight of its own (or a Shape,
     which reads no values: PaddlePaddle's exports take the attention's reshape target so)."""
-    rows = []
-    for node in index.consumers.get(tensor, []):
-        if node.op_type == "Shape":
-            continue
-        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or node.input[0] != tensor:
-            return []
-        weight = node.input[1]
-        if not _own(index, weight) or len(index.initializers[weight].dims) != 2:
-            return []
-        if node.op_type == "Gemm" and attribute(node, "transA", 0):
-            return []
-        rows.append((weight, 1 if node.op_type == "Gemm" and attribute(node, "transB", 0) else 0))
+    readers, rows = _matmul_readers(index, tensor)
+    others = [n for n in index.consumers.get(tensor, []) if n.op_type != "Shape"]
+    if len(readers) != len(others):
+        return []
     return rows
 
 
@@ -193,9 +185,8 @@ def smoothing_alpha(options, dynamic: bool) -> Optional[float]:
     return options.smooth_dynamic if dynamic else None
 
 
-def weight_maxima(model: onnx.ModelProto, site: Site) -> np.ndarray:
-    """max over the consumers' weights of |W| per input channel."""
-    inits = {t.name: t for t in model.graph.initializer}
+def weight_maxima(inits: Mapping[str, onnx.TensorProto], site: Site) -> np.ndarray:
+    """max over the consumers' weights (`inits`: the graph's initializers by name) of |W| per input channel."""
     ranges = [np.abs(np.moveaxis(numpy_helper.to_array(inits[name]), axis, 0)).max(axis=1)
               for name, axis in site.multiply]
     return np.max(ranges, axis=0)

@@ -9,10 +9,10 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.errors import QtoolError
-from qtool.graph.index import scoped_initializers
+from qtool.graph.index import matches, scoped_initializers
 from qtool.plan.planner import QuantPlan
 from qtool.prepare.graph_prep import per_channel_possible
-from qtool.quantization.rewrite import SCALE_SUFFIX, int16_activation
+from qtool.quantization.rewrite import SCALE_SUFFIX
 from qtool.targets import weight_qmax
 
 
@@ -64,7 +64,7 @@ def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
         constant = node.op_type == "DequantizeLinear" and node.input[0] in inits
         is_weight = constant and node.output[0] in weight_inputs
         if (node.op_type == "QuantizeLinear" and zero.itemsize == 2
-                and int16_activation(node.input[0], options.int16_activations)):
+                and matches(node.input[0], options.int16_activations)):
             continue  # put in 16 bits on request (qtool.table.qparams.sixteen_bit): no 8-bit constraint applies
         if node.op_type == "QuantizeLinear" or (constant and not is_weight and zero.dtype != np.int32):
             # an activation, or a constant operand quantized like one

@@ -186,11 +186,11 @@ def blocks(prepared: onnx.ModelProto, plan: QuantPlan, layers: Collection[str]) 
         if label not in layers:
             continue
         members = [label]
-        while node.output and node.output[0] not in index.outputs:
-            readers = index.consumers.get(node.output[0], [])
-            if len(readers) != 1 or node_label(readers[0]) not in quantized or _weighted(readers[0]):
+        while node.output:
+            reader = index.only_consumer(node.output[0])
+            if reader is None or node_label(reader) not in quantized or _weighted(reader):
                 break
-            node = readers[0]
+            node = reader
             members.append(node_label(node))
         found[label] = tuple(members)
     return found
@@ -270,12 +270,9 @@ def _sixteen_bit(model: onnx.ModelProto, tensors: set[str]) -> None:
     graph = model.graph
     index = GraphIndex(graph)
     replaced = {}
-    for q in graph.node:
-        if q.op_type != "QuantizeLinear" or q.input[0] not in tensors or len(q.input) < 3:
+    for q, dqs in _activation_pairs(graph, index):
+        if q.input[0] not in tensors or len(q.input) < 3:
             continue
-        dqs = index.consumers.get(q.output[0], [])
-        if not dqs or any(d.op_type != "DequantizeLinear" for d in dqs):
-            continue  # rearranged after its QuantizeLinear (SpaceToDepth stem, padded channels): stays 8-bit
         scale, zero = (index.initializers[name] for name in q.input[1:3])
         zero_point = numpy_helper.to_array(zero)
         wide = qp.sixteen_bit(qp.QParams(float(numpy_helper.to_array(scale)), int(zero_point),
@@ -291,14 +288,25 @@ def _sixteen_bit(model: onnx.ModelProto, tensors: set[str]) -> None:
             graph.initializer[i].CopyFrom(replaced[tensor.name])
 
 
+def _activation_pairs(graph: onnx.GraphProto, index: GraphIndex) -> list[tuple[onnx.NodeProto, list]]:
+    """Each activation's QuantizeLinear with the DequantizeLinear nodes reading it; a tensor
+    rearranged after its QuantizeLinear (SpaceToDepth stem, padded channels) is left out: it stays
+    as the int8 rewrite wrote it."""
+    pairs = []
+    for q in graph.node:
+        if q.op_type != "QuantizeLinear" or q.input[0] in index.initializers:
+            continue
+        dqs = index.consumers.get(q.output[0], [])
+        if dqs and all(d.op_type == "DequantizeLinear" for d in dqs):
+            pairs.append((q, dqs))
+    return pairs
+
+
 def _drop_float_qdq(graph: onnx.GraphProto, int8: set[str]) -> None:
     """Rewire float readers of an activation's DequantizeLinear to the unquantized tensor where no
     int8 node writes it; the pair goes when no int8 node reads it either (pruned later)."""
     index = GraphIndex(graph)
-    for q in [n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in index.initializers]:
-        dqs = index.consumers.get(q.output[0], [])
-        if not dqs or any(d.op_type != "DequantizeLinear" for d in dqs):
-            continue  # rearranged after its QuantizeLinear (SpaceToDepth stem, padded channels): int8
+    for q, dqs in _activation_pairs(graph, index):
         tensor = q.input[0]
         producer = index.producer.get(tensor)
         if producer is not None and node_label(producer) in int8:
@@ -360,10 +368,10 @@ def _make_dynamic(graph: onnx.GraphProto, prepared: onnx.ModelProto, labels: set
     graph.initializer.extend(added)
 
 
-def dynamic_candidates(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> list[str]:
-    """The static int8 layers that can run as dynamic int8 MatMuls (qtool.plan.dynamic.weighted_matmul)."""
+def dynamic_candidates(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, pool: Collection[str]) -> list[str]:
+    """The static int8 layers of `pool` (restorable_layers) that can run as dynamic int8 MatMuls
+    (qtool.plan.dynamic.weighted_matmul)."""
     index = GraphIndex(prepared)
     fp32_nodes = {node_label(n): n for n in prepared.graph.node}
     dynamic = {node_label(n) for n in qmodel.graph.node if n.op_type == "MatMulInteger"}
-    return [label for label in restorable_layers(qmodel, prepared)
-            if label not in dynamic and weighted_matmul(fp32_nodes[label], index)]
+    return [label for label in pool if label not in dynamic and weighted_matmul(fp32_nodes[label], index)]

@@ -25,7 +25,7 @@ from qtool.plan.planner import QuantPlan, build_plan, prepared_model, unreached_
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_with
 from qtool.quantization.stem_s2d import space_to_depth_stems
-from qtool.table.table import CalibrationTable
+from qtool.table.table import CalibrationTable, smoothed_options
 
 
 @dataclass
@@ -77,6 +77,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
+    options = smoothed_options(options, table)  # the table's SmoothQuant scales: the graph it was made on
     model, plan = prepared_model(model_path, options)  # the graph calibration saw, equalized if asked
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
     # If branches and loop bodies the calibration data never ran have no ranges: they stay float

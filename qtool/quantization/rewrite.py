@@ -9,7 +9,6 @@ about 4x smaller and the runtime never quantizes constants at load time.
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -20,7 +19,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.table import qparams as qp
-from qtool.graph.index import bodies, made_in, names_read, node_label, scoped_initializers
+from qtool.graph.index import bodies, made_in, matches, names_read, node_label, scoped_initializers
+from qtool.prepare.graph_prep import default_opset
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.weight_only import KERNELS, MS_DOMAIN, stored_once, use_kernel_domain
@@ -46,8 +46,7 @@ def qdq_domain(model: onnx.ModelProto, dtype: str) -> str:
     """The domain of a QuantizeLinear/DequantizeLinear pair of integer type `dtype` in `model`."""
     if np.dtype(_NP_DTYPE[dtype]).itemsize == 1:
         return ""
-    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 0)
-    return "" if opset >= SIXTEEN_BIT_OPSET else MS_DOMAIN
+    return "" if default_opset(model) >= SIXTEEN_BIT_OPSET else MS_DOMAIN
 
 
 class _Builder:
@@ -103,16 +102,11 @@ def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.
                   rounding: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
     """quantize_graph with the grid arguments the options and their target give, and the
     activations `options.int16_activations` names in 16 bits."""
-    wide = {name for name in params if int16_activation(name, options.int16_activations)}
+    wide = {name for name in params if matches(name, options.int16_activations)}
     params = {name: qp.sixteen_bit(p) if name in wide else p for name, p in params.items()}
     return quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
                           options.activation_dtype, options.symmetric_activations, rounding,
                           TARGETS[options.target].symmetric_qmax)
-
-
-def int16_activation(name: str, patterns: tuple[str, ...]) -> bool:
-    """Whether activation `name` is one of `patterns` (tensor names or glob patterns)."""
-    return any(name == pattern or fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
