@@ -1,6 +1,9 @@
 """Every kit model: fp32 vs qtool's plain command vs onnxruntime's quantize_static and quantize_dynamic.
 
-    python benchmarks/models.py [--kit ../shared/bench] [--out DIR] [--models a,b]
+    python benchmarks/models.py [--kit ../shared/bench] [--out DIR] [--models a,b] [--variant LABEL=YAML ...]
+
+--variant adds a row per model: the plain command with `--config YAML` (e.g. a quantization option
+set otherwise).
 
 qtool: the plain command of benchmarks/kit.py (`qtool quantize MODEL --data <calib> -o out.onnx`,
 EfficientNet-Lite0 with the kit's photos and its config), latency-aware fallback included.
@@ -12,7 +15,8 @@ held-back quarter of calib, or 64 dev photos): cosine per sample (the worst outp
 sample), mean and min over samples; SQNR of the worst output over all samples; the task kept
 where the kit README defines one (top-1 / argmax agreement for the classifiers, Spearman of
 the eval pairs' cosine with the gold score for MiniLM, speech decisions at 0.5 for silero, greedy
-CTC texts kept identical for the PP-OCR recognizer);
+CTC texts kept identical for the PP-OCR recognizer, and for the romanizer decoder both its steps'
+argmax and full greedy decodes of the 32 eval names, fp32 encoder, identical to fp32's);
 speedup over fp32 (1 thread, batch 1, all four models in one process taking turns, median);
 time to quantize (wall clock). A quantizer that fails is reported with its first error line.
 """
@@ -41,6 +45,8 @@ from qtool.graph.runtime import create_session, time_models  # noqa: E402
 
 EVAL_PHOTOS = 64
 VARIANTS = ("qtool", "ort_static", "ort_dynamic")
+ROMANIZER = "arabic_name_romanizer_decoder"
+BOS, EOS, MAX_STEPS = 1, 2, 32  # the romanizer's vocab.json and meta.json
 
 
 def _samples(data: Path, model: Path, preprocess: PreprocessConfig, limit=None) -> list[dict]:
@@ -117,6 +123,28 @@ def _task(name: str, ref: list, got: list, gold: list[float]) -> str:
     return "-"
 
 
+def _decodes(kit: Path, decoder: Path) -> list[tuple[int, ...]]:
+    """Greedy decodes of the romanizer's eval names: the fp32 encoder once, then `decoder` step by
+    step on its own fed-back state."""
+    encoder = create_session(str(kit / "models" / "arabic_name_romanizer_encoder.onnx"), 1, "encoder")
+    step = create_session(str(decoder), 1, str(decoder))
+    result = []
+    for path in sorted((kit / "inputs" / "arabic_name_romanizer_encoder" / "eval").glob("*.npz")):
+        source = np.load(path)
+        memory, mask, hidden = encoder.run(["memory_out", "src_mask_out", "hidden_out"],
+                                           {"src": source["src"], "src_mask": source["src_mask"]})
+        tokens = [BOS]
+        for _ in range(MAX_STEPS):
+            logprobs, hidden = step.run(["logprobs", "hidden_out"], {
+                "prefix": np.array([tokens], np.int64), "memory": memory, "src_mask": mask, "hidden": hidden})
+            token = int(np.argmax(logprobs[0]))
+            if token == EOS:
+                break
+            tokens.append(token)
+        result.append(tuple(tokens))
+    return result
+
+
 def _gold(kit: Path, name: str) -> list[float]:
     if name != "minilm_l6_v2_sentence":
         return []
@@ -127,9 +155,10 @@ def _gold(kit: Path, name: str) -> list[float]:
     return [float(r["gold_score_0_5"]) for r in evals[::2]]
 
 
-def run_model(kit: Path, model: Path, work: Path) -> dict:
+def run_model(kit: Path, model: Path, work: Path, extra: dict[str, Path]) -> dict:
+    """extra: label -> YAML config of a further qtool row."""
     name = model.stem
-    paths = {"fp32": model, **{v: work / f"{v}.onnx" for v in VARIANTS}}
+    paths = {"fp32": model, **{v: work / f"{v}.onnx" for v in (*VARIANTS, *extra)}}
     row: dict = {"model": name, "errors": {}, "seconds": {}}
     if name == "efficientnet_lite0_dyn":
         config = ROOT / "configs" / "efficientnet_lite0.yaml"
@@ -147,6 +176,12 @@ def run_model(kit: Path, model: Path, work: Path) -> dict:
     row["seconds"]["qtool"] = time.perf_counter() - start
     if done.returncode:
         row["errors"]["qtool"] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"
+    for label, config in extra.items():
+        start = time.perf_counter()
+        done = _qtool("quantize", model, "--data", calib, "--config", config, "-o", paths[label])
+        row["seconds"][label] = time.perf_counter() - start
+        if done.returncode:
+            row["errors"][label] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"
     calib_feeds = _samples(calib, model, preprocess)
     for kind in ("ort_static", "ort_dynamic"):
         row["seconds"][kind], error = _quantize_ort(kind, model, paths[kind], calib_feeds)
@@ -160,6 +195,12 @@ def run_model(kit: Path, model: Path, work: Path) -> dict:
         names = [o.name for o in session.get_outputs() if o.type == "tensor(float)"]
         outputs[variant] = [session.run(names, feeds) for feeds in eval_feeds]
     row["figures"] = _figures(name, outputs, _gold(kit, name))
+    if name == ROMANIZER:
+        reference = _decodes(kit, model)
+        for variant, path in ok.items():
+            if variant != "fp32":
+                kept = sum(a == b for a, b in zip(_decodes(kit, path), reference))
+                row["figures"][variant]["task"] += f", {kept}/{len(reference)} decodes"
     runs = 40
     times = time_models({v: str(p) for v, p in ok.items()}, eval_feeds[0], threads=1, warmup=5, runs=runs)
     medians = {v: float(np.median(t)) for v, t in times.items()}
@@ -182,7 +223,10 @@ def main() -> None:
     parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--models", default="", help="comma-separated model names (default: every kit model)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=YAML",
+                        help="a further qtool row: the plain command with --config YAML (not for EfficientNet)")
     args = parser.parse_args()
+    extra = {label: Path(config) for label, config in (v.split("=", 1) for v in args.variant)}
     chosen = set(filter(None, args.models.split(",")))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,13 +236,13 @@ def main() -> None:
                 continue
             work = out / model.stem
             work.mkdir(parents=True, exist_ok=True)
-            rows.append(run_model(args.kit, model, work))
+            rows.append(run_model(args.kit, model, work, {} if model.stem == "efficientnet_lite0_dyn" else extra))
             print(rows[-1], file=sys.stderr, flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")
     print("| model | quantizer | cosine mean / min | SQNR dB | task kept | speedup (fp32 ms) | time to quantize |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        for variant in VARIANTS:
+        for variant in (*VARIANTS, *(v for v in extra if v in row["seconds"])):
             label = f"{row['model']} ({row['samples']} samples, fp32 {row['fp32_ms']:.2f} ms)" \
                 if variant == "qtool" else ""
             print(f"| {label} | {variant} | {_cell(row, variant)}")

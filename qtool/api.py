@@ -30,6 +30,7 @@ from qtool.errors import QtoolError
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
 from qtool.evaluation.range_choice import choose_ranges
+from qtool.evaluation.weight_choice import choose_dynamic_weights
 from qtool.evaluation.report import EvaluationReport
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
@@ -163,6 +164,10 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
+        weight_notes: tuple[str, ...] = ()
+        if data is not None and not isinstance(data, Iterator):
+            options, weight_notes = choose_dynamic_weights(model, data, table, cfg)
+            cfg = replace(cfg, quantization=options)
         specs = input_specs(load_model(model)) if data is not None or search is not None else None
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         outcome = None
@@ -174,7 +179,7 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
                                    latency=True)
     plan = graph.plan
     # how the table was made (the range method `auto` chose) before what quantizing it did
-    notes = tuple(n for n in table.notes if n not in graph.notes) + tuple(graph.notes)
+    notes = tuple(n for n in table.notes if n not in graph.notes) + tuple(graph.notes) + weight_notes
     return QuantizeResult(graph.model, table, notes, len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
                           outcome)

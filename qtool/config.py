@@ -32,6 +32,7 @@ EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUT
 EMBEDDING_AUTO_BYTES = 1 << 20
 # auto: dynamic for transformer graphs (qtool.plan.dynamic), static otherwise
 MATMUL_STRATEGIES = ("auto", "static", "dynamic")
+DYNAMIC_WEIGHTS = ("auto", "column", "tensor")  # auto: measured (qtool.evaluation.weight_choice), else column
 LATENCY_AWARE = ("auto", "on", "off")  # auto: on for target ort-cpu (qtool.plan.latency)
 ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 
@@ -131,6 +132,10 @@ class QuantizeConfig:
     # MatMul/Gemm with a constant weight: static (Q/DQ from calibrated ranges) or dynamic (int8 weight,
     # activation quantized at run time, every other node float); auto: dynamic for transformers
     matmul: str = "auto"
+    # Scales of the dynamic MatMuls' int8 weights: per output column, or one per tensor (onnxruntime's
+    # kernel rescales a per-column product in an extra pass); auto: per tensor when the calibration
+    # data measures no loss from it, else per column
+    dynamic_weights: str = "auto"
     # Op types whose int8 form onnxruntime runs slower than float on this CPU stay float (measured, cached)
     latency_aware: str = "auto"
     # SmoothQuant alpha in [0, 1]: per-channel activation ranges of the tensors a LayerNorm or a linear
@@ -159,6 +164,7 @@ class QuantizeConfig:
         _one_of("weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
         _one_of("embeddings", self.embeddings, EMBEDDINGS)
         _one_of("matmul", self.matmul, MATMUL_STRATEGIES)
+        _one_of("dynamic_weights", self.dynamic_weights, DYNAMIC_WEIGHTS)
         _one_of("latency_aware", self.latency_aware, LATENCY_AWARE)
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -14,8 +15,11 @@ from onnx import helper
 from qtool import api
 from qtool.cli import main
 from qtool.config import Config, QuantizeConfig, load_config
+from qtool.evaluation import weight_choice
 from qtool.evaluation.macs import int8_macs
+from qtool.quantization.dynamic_matmul import CODES, SCALE
 from tests import graphs
+from tests.conftest import kit_path
 
 T, D = 8, 16
 
@@ -72,7 +76,8 @@ def _cosine_to_fp32(path, qmodel, data) -> float:
 
 
 def test_dynamic_quantizes_weighted_matmuls_and_keeps_the_rest_float(tmp_path):
-    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic")
+    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic",
+                                   dynamic_weights="column")
     ops = Counter(n.op_type for n in result.model.graph.node)
     assert ops["MatMulInteger"] == 2  # q and k merged into one (qtool.prepare.merge_matmuls), o
     assert ops["Split"] == 1  # the merged product back into q and k
@@ -194,3 +199,79 @@ def test_float_fallback_restores_a_merged_projection(tmp_path):
     assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 1 and ops["MatMul"] == 3 and ops["Split"] == 1
     assert _cosine_to_fp32(path, mixed, data) > 0.999
 
+
+
+def _weight_scales(model: onnx.ModelProto) -> list[tuple[int, ...]]:
+    """The shape of every dynamic MatMul's weight scale: () per tensor, (N,) per column."""
+    inits = {t.name: t for t in model.graph.initializer}
+    return [tuple(inits[n.input[1][:-len(CODES)] + SCALE].dims) for n in model.graph.node
+            if n.op_type == "MatMulInteger"]
+
+
+def _even_columns(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The block with weights whose columns share one range: per tensor loses nothing to per column."""
+    rng = np.random.default_rng(5)
+    for t in model.graph.initializer:
+        if t.name in ("wq", "wk", "wo"):
+            w = rng.uniform(-0.3, 0.3, (D, D)).astype(np.float32)
+            w[0] = 0.3
+            t.CopyFrom(graphs.init(t.name, w))
+    return model
+
+
+def test_dynamic_weights_per_tensor_when_measured_lossless(tmp_path):
+    path, result, data = _quantize(tmp_path, _even_columns(_block(np.random.default_rng(0))))
+    assert _weight_scales(result.model) == [(), ()]
+    chosen = [n for n in result.notes if n.startswith("weight scales")]
+    assert len(chosen) == 1 and "per tensor for the 2 dynamic MatMul(s)" in chosen[0]
+    assert re.search(r"per column \d\.\d{5}, per tensor \d\.\d{5}$", chosen[0])
+    assert _cosine_to_fp32(path, result.model, data) > 0.999
+
+
+def test_dynamic_weights_stay_per_column_when_measured_worse(tmp_path, monkeypatch):
+    monkeypatch.setattr(weight_choice, "TOLERANCE", -1.0)  # per tensor would have to beat per column by 1
+    _, result, _ = _quantize(tmp_path, _even_columns(_block(np.random.default_rng(0))))
+    assert _weight_scales(result.model) == [(2 * D,), (D,)]  # q and k merged
+    assert any(n.startswith("weight scales per column") and re.search(r"per tensor \d\.\d{5}$", n)
+               for n in result.notes)
+
+
+def test_dynamic_weights_per_column_without_measuring_where_a_column_is_large(tmp_path, monkeypatch):
+    model = _block(np.random.default_rng(0))
+    for t in model.graph.initializer:
+        if t.name == "wo":
+            w = onnx.numpy_helper.to_array(t).copy()
+            w[:, 3] *= 300.0
+            t.CopyFrom(graphs.init("wo", w))
+    measured = []
+    monkeypatch.setattr(weight_choice, "measurer", lambda *a: measured.append(a))
+    _, result, _ = _quantize(tmp_path, model)
+    assert not measured and _weight_scales(result.model) == [(2 * D,), (D,)]
+    assert any(n.startswith("weight scales per column") and "keep an SQNR of" in n for n in result.notes)
+
+
+@pytest.mark.parametrize("options", [{"dynamic_weights": "tensor"}, {"per_channel": False}])
+def test_dynamic_weights_per_tensor_when_asked(tmp_path, options):
+    path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), **options)
+    assert _weight_scales(result.model) == [(), ()]
+    assert not any(n.startswith("weight scales") for n in result.notes)  # asked for, not chosen
+    assert _cosine_to_fp32(path, result.model, data) > 0.99
+
+
+def test_dynamic_weights_option_parses():
+    assert QuantizeConfig().dynamic_weights == "auto"
+    assert load_config({"quantization": {"dynamic_weights": "column"}}).quantization.dynamic_weights == "column"
+    with pytest.raises(ValueError, match="dynamic_weights must be one of auto, column, tensor"):
+        QuantizeConfig(dynamic_weights="row")
+
+
+def test_kit_gru_decoder_takes_per_tensor_weights(tmp_path):
+    """The romanizer decoder step (batch 1, small Gemms): per-tensor scales lose nothing measurable."""
+    model = kit_path("models", "arabic_name_romanizer_decoder.onnx")
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for f in sorted(kit_path("inputs", "arabic_name_romanizer_decoder", "calib").glob("*.npz"))[:16]:
+        (calib / f.name).symlink_to(f)
+    result = api.quantize(model, data=calib, progress=False)
+    assert _weight_scales(result.model) == [()] * 7
+    assert any(n.startswith("weight scales per tensor for the 7") for n in result.notes)

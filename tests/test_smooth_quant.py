@@ -212,8 +212,9 @@ def test_dynamic_matmuls_read_an_outlier_input_through_an_inserted_mul(tmp_path)
     for before, after in zip(_outputs(plain, feeds), _outputs(smoothed, feeds)):
         if before.dtype.kind == "f":
             assert np.abs(before.astype(np.float64) - after).max() <= 1e-5 * max(1.0, float(np.abs(before).max()))
-    on = api.quantize(path, data=data, config={"quantization": {"matmul": "dynamic"}}, progress=False)
-    off = api.quantize(path, data=data, config={"quantization": {"matmul": "dynamic", "smooth_dynamic": None}},
+    column = {"matmul": "dynamic", "dynamic_weights": "column"}  # the same weight grid on and off
+    on = api.quantize(path, data=data, config={"quantization": column}, progress=False)
+    off = api.quantize(path, data=data, config={"quantization": {**column, "smooth_dynamic": None}},
                        progress=False)
     assert any(n.startswith("SmoothQuant (alpha 0.8)") for n in on.notes) and on.table.smoothing
     assert not off.table.smoothing

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from qtool.calibration.calibrate import calibrate_methods
-from qtool.config import Config
+from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import DataLike, batches, open_data
 from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.executor import Engine
@@ -51,21 +51,17 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
     first = tables[0]
     if all(t.tensors == first.tensors for t in tables[1:]):
         return first, tables  # nothing to choose: no activation ranges, or all methods agree
-    source = open_data(data, input_specs(load_model(model_path)), cfg.preprocess)
-    samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
-    evaluate = Evaluator(Path(model_path), samples, None, cfg.evaluation.threads)
-    ranges_only = replace(cfg.quantization, bias_correction="off", weight_rounding="nearest")
+    evaluate, count = measurer(model_path, data, cfg)
     cosines = []
     for table in tables:
-        graph = quantize_model(model_path, table, ranges_only, allow_missing=True)
-        cosines.append(evaluate(graph.model)[0]["cosine"])
+        cosines.append(evaluate(quantize_model(model_path, table, ranges_only(cfg.quantization),
+                                               allow_missing=True).model)[0]["cosine"])
         if cosines[0] >= KEEP:
             return first, tables
     best = 0
     for i, cosine in enumerate(cosines[1:], 1):
         if cosine > cosines[best] + MARGIN:
             best = i
-    count = sum(len(b) for b in samples)
     notes = []
     if best:
         measured = ", ".join(f"{t.method} {c:.4f}" for t, c in zip(tables, cosines))
@@ -76,3 +72,16 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
                      f"{cosines[best]:.4f}, below {KEEP}: quantize --eval-data DIR --target-cosine {KEEP} "
                      f"keeps the layers that need it in float")
     return replace(tables[best], notes=tables[best].notes + tuple(notes)), tables
+
+
+def measurer(model_path: str | Path, data: DataLike, cfg: Config) -> tuple[Evaluator, int]:
+    """(the fidelity of a candidate int8 model to fp32 on the first `SAMPLES` calibration samples,
+    how many samples that is)."""
+    source = open_data(data, input_specs(load_model(model_path)), cfg.preprocess)
+    samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
+    return Evaluator(Path(model_path), samples, None, cfg.evaluation.threads), sum(len(b) for b in samples)
+
+
+def ranges_only(options: QuantizeConfig) -> QuantizeConfig:
+    """The options of a measured candidate: the data-driven weight steps run once, on the choice."""
+    return replace(options, bias_correction="off", weight_rounding="nearest")

@@ -48,7 +48,7 @@ def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeCo
     found = ", ".join(f"{count} {what}" for count, what in ((norms, "LayerNormalization"),
                                                            (attention, "MatMul(s) of two activations"),
                                                            (recurrent, "recurrent layer(s)")) if count)
-    return "dynamic", (f"MatMul/Gemm with constant weights quantized dynamically (int8 weights per column, "
+    return "dynamic", (f"MatMul/Gemm with constant weights quantized dynamically (int8 weights, "
                        f"activations quantized at run time; every other node float): the graph has attention, "
                        f"LayerNorm or recurrent blocks ({found}, no Conv), whose activation outliers one static range "
                        f"cannot hold (--matmul static to override)")

@@ -101,18 +101,21 @@ class _Builder:
 def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams], options: QuantizeConfig,
                   rounding: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
     """quantize_graph with the grid arguments the options and their target give, and the
-    activations `options.int16_activations` names in 16 bits."""
+    activations `options.int16_activations` names in 16 bits. Dynamic MatMul weights are per
+    column unless the options say per tensor (per_channel false, or dynamic_weights tensor)."""
     wide = {name for name in params if matches(name, options.int16_activations)}
     params = {name: qp.sixteen_bit(p) if name in wide else p for name, p in params.items()}
     return quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
                           options.activation_dtype, options.symmetric_activations, rounding,
-                          TARGETS[options.target].symmetric_qmax)
+                          TARGETS[options.target].symmetric_qmax,
+                          options.per_channel and options.dynamic_weights != "tensor")
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
                    per_channel: bool = True, weight_qmax: int = qp.WEIGHT_QMAX, activation_dtype: str = "uint8",
                    symmetric: bool = False, rounding: Optional[Callable] = None,
-                   symmetric_qmax: float = SYMMETRIC_HALF_GRID) -> tuple[onnx.ModelProto, list[str]]:
+                   symmetric_qmax: float = SYMMETRIC_HALF_GRID,
+                   dynamic_per_column: bool = True) -> tuple[onnx.ModelProto, list[str]]:
     """Return the QDQ model and notes about what was adjusted (bias overflow, ...).
 
     `rounding(name, weight, scales, axis)`: int8 values of a weight at its final scales
@@ -208,7 +211,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     quantized_nodes = set(plan.quantized_nodes)
     dynamic = {label: p for label, p in plan.dynamic.items() if label in quantized_nodes}
     rewrite = _NodeRewrite(plan, params, set(activations), quantized_nodes, dynamic, float_inits, per_channel,
-                           weight_qmax, row_scales, DynamicMatMuls(builder.add_init, weight_qmax),
+                           weight_qmax, row_scales, DynamicMatMuls(builder.add_init, weight_qmax, dynamic_per_column),
                            stored_once(builder.quantized_constant))
     new_nodes = rewrite.nodes(graph, builder, constants)
     wide = sorted(name for name in activations if params[name].dtype in qp.SIXTEEN_BITS.values())
