@@ -24,6 +24,9 @@ from pathlib import Path
 from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import DataLike
 from qtool.evaluation.range_choice import measurer, ranges_only
+from qtool.graph.index import GraphIndex
+from qtool.graph.modelio import load_model
+from qtool.plan.dynamic import matmul_strategy
 from qtool.quantization.dynamic_matmul import per_tensor_sqnr
 from qtool.quantization.quantize import quantize_model
 from qtool.table.table import CalibrationTable
@@ -40,6 +43,9 @@ def choose_dynamic_weights(model_path: str | Path, data: DataLike, table: Calibr
     if options.dynamic_weights != "auto" or not options.per_channel:
         return options, ()
     column = replace(options, dynamic_weights="column")
+    model = load_model(model_path)
+    if matmul_strategy(model, GraphIndex(model), options)[0] != "dynamic":
+        return column, ()  # a Conv net: not quantized here to find no dynamic MatMul
     graph = quantize_model(model_path, table, ranges_only(column), allow_missing=True)
     layers = len(graph.plan.dynamic_matmuls)
     if not layers:
