@@ -200,7 +200,6 @@ def test_float_fallback_restores_a_merged_projection(tmp_path):
     assert _cosine_to_fp32(path, mixed, data) > 0.999
 
 
-
 def _weight_scales(model: onnx.ModelProto) -> list[tuple[int, ...]]:
     """The shape of every dynamic MatMul's weight scale: () per tensor, (N,) per column."""
     inits = {t.name: t for t in model.graph.initializer}
