@@ -274,3 +274,36 @@ def test_kit_gru_decoder_takes_per_tensor_weights(tmp_path):
     result = api.quantize(model, data=calib, progress=False)
     assert _weight_scales(result.model) == [()] * 7
     assert any(n.startswith("weight scales per tensor for the 7") for n in result.notes)
+
+
+def _with_conv_stem(model: onnx.ModelProto, convs: int) -> onnx.ModelProto:
+    """The block behind a Conv1d front end of `convs` layers, as a speech encoder has: mel [1, D, 2T]
+    -> Conv1d (stride 2, then 1) ... -> Transpose -> the block's input x [1, T, D]."""
+    rng = np.random.default_rng(3)
+    nodes, inits, tensor = [], [], "mel"
+    for i in range(convs):
+        inits.append(graphs.init(f"stem{i}_w", rng.normal(0, 0.2, (D, D, 3)).astype(np.float32)))
+        nodes.append(helper.make_node("Conv", [tensor, f"stem{i}_w"], [f"stem{i}"], name=f"stem{i}", kernel_shape=[3],
+                                      pads=[1, 1], strides=[2 if i == 0 else 1]))
+        tensor = f"stem{i}"
+    nodes.append(helper.make_node("Transpose", [tensor], ["x"], name="to_tokens", perm=[0, 2, 1]))
+    block = [n for n in model.graph.node]
+    return graphs.model(nodes + block, [graphs.tensor("mel", [1, D, 2 * T])], [graphs.tensor("y", None)],
+                        inits + list(model.graph.initializer))
+
+
+@pytest.mark.parametrize("convs, strategy", [(1, "dynamic"), (2, "static")])
+def test_auto_takes_dynamic_behind_a_conv_stem_but_not_in_a_conv_net(tmp_path, convs, strategy):
+    """The block has 3 weighted MatMuls (q, k, o): one Conv in front is a stem (a speech encoder's
+    front end, a ViT's patch embedding) and stays float; two are a Conv net's share."""
+    path = tmp_path / "model.onnx"
+    onnx.save(_with_conv_stem(_block(np.random.default_rng(0)), convs), path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (D, 2 * T), name="mel")
+    result = api.quantize(path, data=data, progress=False)
+    ops = Counter(n.op_type for n in result.model.graph.node)
+    chosen = [n for n in result.notes if "quantized dynamically" in n]
+    if strategy == "dynamic":
+        assert ops["MatMulInteger"] == 2 and ops["Conv"] == 1 and ops["QuantizeLinear"] == 0
+        assert len(chosen) == 1 and "3 weighted MatMul/Gemm, 1 Conv kept float" in chosen[0]
+    else:
+        assert ops["MatMulInteger"] == 0 and ops["QuantizeLinear"] > 0 and not chosen

@@ -22,23 +22,28 @@ from qtool.graph.index import GraphIndex, attribute
 
 CONV_OPS = ("Conv", "ConvTranspose")
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
+STEM_RATIO = 2  # weighted MatMul/Gemm layers per Conv at least for `auto` to take dynamic
 
 
 def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig) -> tuple[str, Optional[str]]:
     """(static or dynamic, why `auto` chose dynamic; None when it was not `auto`'s choice to report).
 
     `auto` takes dynamic for a transformer or a recurrent net: a graph with a LayerNormalization op,
-    an attention MatMul (two activations) or an LSTM/GRU/RNN, a MatMul/Gemm with a constant weight,
-    and no Conv (the romanizer encoder's one Gemm after two GRUs: 0.99x fp32 static, 1.01x dynamic,
-    onnxruntime quantize_dynamic 1.00-1.02x). A Conv net
-    with attention blocks (PP-OCR's SVTR recognizer) keeps static int8 for its Convs; dynamic
-    int8 is measured on onnxruntime CPU only, so other targets keep static."""
+    an attention MatMul (two activations) or an LSTM/GRU/RNN, MatMul/Gemm layers with a constant
+    weight (the romanizer encoder's one Gemm after two GRUs: 0.99x fp32 static, 1.01x dynamic,
+    onnxruntime quantize_dynamic 1.00-1.02x), and at most one Conv per `STEM_RATIO` of them: Convs
+    that are only a stem or a head (a speech encoder's Conv1d front end, a ViT's patch embedding)
+    stay float under dynamic. A Conv net with attention blocks (PP-OCR's SVTR recognizer: 38 Convs)
+    keeps static int8 for its Convs; dynamic int8 is measured on onnxruntime CPU only, so other
+    targets keep static."""
     if options.matmul != "auto":
         return options.matmul, None
     if options.target != "ort-cpu":
         return "static", None
     ops = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
-    if any(n.op_type in CONV_OPS for n in ops) or not any(weighted_matmul(n, ctx) for n in ops):
+    weighted = sum(weighted_matmul(n, ctx) for n in ops)
+    convs = sum(n.op_type in CONV_OPS for n in ops)
+    if not weighted or convs * STEM_RATIO > weighted:
         return "static", None
     norms = sum(n.op_type == "LayerNormalization" for n in ops)
     attention = sum(_attention_matmul(n, ctx) for n in ops)
@@ -48,10 +53,11 @@ def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeCo
     found = ", ".join(f"{count} {what}" for count, what in ((norms, "LayerNormalization"),
                                                            (attention, "MatMul(s) of two activations"),
                                                            (recurrent, "recurrent layer(s)")) if count)
+    stem = f"{convs} Conv kept float" if convs else "no Conv"
     return "dynamic", (f"MatMul/Gemm with constant weights quantized dynamically (int8 weights, "
                        f"activations quantized at run time; every other node float): the graph has attention, "
-                       f"LayerNorm or recurrent blocks ({found}, no Conv), whose activation outliers one static range "
-                       f"cannot hold (--matmul static to override)")
+                       f"LayerNorm or recurrent blocks ({found}, {weighted} weighted MatMul/Gemm, {stem}), whose "
+                       f"activation outliers one static range cannot hold (--matmul static to override)")
 
 
 def weighted_matmul(node: onnx.NodeProto, ctx: GraphIndex) -> bool:
