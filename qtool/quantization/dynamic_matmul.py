@@ -97,8 +97,9 @@ def per_tensor_sqnr(model: onnx.ModelProto) -> float:
             continue
         weight = numpy_helper.to_array(inits[codes]).astype(np.float64) * numpy_helper.to_array(inits[scale])
         step = np.abs(weight).max() / qp.WEIGHT_QMAX
-        if step > 0:
+        energy = np.sum(weight ** 2, axis=0)
+        if step > 0 and energy.any():  # all-zero columns have no SQNR to lose
             noise = np.sum((weight - np.round(weight / step) * step) ** 2, axis=0)
-            columns = 10 * np.log10(np.sum(weight ** 2, axis=0) / np.maximum(noise, 1e-30))
+            columns = 10 * np.log10(energy[energy > 0] / np.maximum(noise[energy > 0], 1e-30))
             worst = min(worst, float(np.median(columns)))
     return float(worst)
