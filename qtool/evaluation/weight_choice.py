@@ -27,9 +27,10 @@ from qtool.evaluation.range_choice import measurer, ranges_only
 from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import load_model
 from qtool.plan.dynamic import matmul_strategy
+from qtool.plan.planner import prepared_model
 from qtool.quantization.dynamic_matmul import per_tensor_sqnr
 from qtool.quantization.quantize import quantize_model
-from qtool.table.table import CalibrationTable
+from qtool.table.table import CalibrationTable, smoothed_options
 
 TOLERANCE = 1e-4  # mean cosine per-tensor weights may lose against per-column ones
 MIN_WEIGHT_SQNR = 20.0  # dB; per column about 40; per tensor the kit's GRU decoder keeps 26, the encoder 37
@@ -46,14 +47,15 @@ def choose_dynamic_weights(model_path: str | Path, data: DataLike, table: Calibr
     model = load_model(model_path)
     if matmul_strategy(model, GraphIndex(model), options)[0] != "dynamic":
         return column, ()  # a Conv net: not quantized here to find no dynamic MatMul
-    graph = quantize_model(model_path, table, ranges_only(column), allow_missing=True)
-    layers = len(graph.plan.dynamic_matmuls)
+    prepared, plan = prepared_model(model_path, smoothed_options(column, table))  # the graph quantize_model makes
+    layers = len(plan.dynamic_matmuls)
     if not layers:
         return column, ()
-    weight_sqnr = per_tensor_sqnr(graph.model)
+    weight_sqnr = per_tensor_sqnr(prepared, set(plan.dynamic_matmuls))
     if weight_sqnr < MIN_WEIGHT_SQNR:
         return column, (f"weight scales per column for the {layers} dynamic MatMul(s): per tensor, a weight's median "
                         f"column would keep an SQNR of {weight_sqnr:.1f} dB",)
+    graph = quantize_model(model_path, table, ranges_only(column), allow_missing=True)
     evaluate, count = measurer(model_path, data, cfg)
     tensor = replace(options, dynamic_weights="tensor")
     per_column = evaluate(graph.model)[0]["cosine"]

@@ -15,7 +15,7 @@ DynamicQuantizeLinear.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import onnx
@@ -84,18 +84,19 @@ class DynamicMatMuls:
         return self.weights[name]
 
 
-def per_tensor_sqnr(model: onnx.ModelProto) -> float:
-    """What one scale per tensor would cost the dynamic MatMul weights of `model` (as DynamicMatMuls
-    wrote them): requantized per tensor, the SQNR (dB) of a weight's median column, lowest over
-    the weights. A column far larger than the rest coarsens every other column's grid."""
+def per_tensor_sqnr(model: onnx.ModelProto, labels: Collection[str]) -> float:
+    """What one scale per tensor would cost the weights of the MatMul/Gemm `labels` of the prepared
+    `model`: quantized with one scale for the whole weight, the SQNR (dB) of a weight's median
+    output column, lowest over the weights. A column far larger than the rest coarsens every other
+    column's grid."""
     inits = GraphIndex(model).initializers
     worst = np.inf
     for node in model.graph.node:
-        codes = node.input[1] if node.op_type == "MatMulInteger" else ""
-        scale = codes[:-len(CODES)] + SCALE
-        if not codes.endswith(CODES) or codes not in inits or scale not in inits:
+        if node_label(node) not in labels or node.input[1] not in inits:
             continue
-        weight = numpy_helper.to_array(inits[codes]).astype(np.float64) * numpy_helper.to_array(inits[scale])
+        weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
+        if node.op_type == "Gemm" and attribute(node, "transB", 0):
+            weight = weight.T
         step = np.abs(weight).max() / qp.WEIGHT_QMAX
         energy = np.sum(weight ** 2, axis=0)
         if step > 0 and energy.any():  # all-zero columns have no SQNR to lose
