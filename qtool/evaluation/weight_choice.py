@@ -46,7 +46,7 @@ def choose_dynamic_weights(model_path: str | Path, data: DataLike, table: Calibr
     column = replace(options, dynamic_weights="column")
     model = load_model(model_path)
     if matmul_strategy(model, GraphIndex(model), options)[0] != "dynamic":
-        return column, ()  # a Conv net: not quantized here to find no dynamic MatMul
+        return column, ()  # a Conv net: no dynamic MatMul to choose for
     prepared, plan = prepared_model(model_path, smoothed_options(column, table))  # the graph quantize_model makes
     layers = len(plan.dynamic_matmuls)
     if not layers:
