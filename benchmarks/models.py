@@ -123,16 +123,19 @@ def _task(name: str, ref: list, got: list, gold: list[float]) -> str:
     return "-"
 
 
-def _decodes(kit: Path, decoder: Path) -> list[tuple[int, ...]]:
-    """Greedy decodes of the romanizer's eval names: the fp32 encoder once, then `decoder` step by
-    step on its own fed-back state."""
+def _encoded(kit: Path) -> list[list[np.ndarray]]:
+    """The fp32 encoder's (memory, mask, hidden) for each of the romanizer's eval names."""
     encoder = create_session(str(kit / "models" / "arabic_name_romanizer_encoder.onnx"), 1, "encoder")
+    names = sorted((kit / "inputs" / "arabic_name_romanizer_encoder" / "eval").glob("*.npz"))
+    return [encoder.run(["memory_out", "src_mask_out", "hidden_out"], {"src": s["src"], "src_mask": s["src_mask"]})
+            for s in map(np.load, names)]
+
+
+def _decodes(encoded: list[list[np.ndarray]], decoder: Path) -> list[tuple[int, ...]]:
+    """Greedy decodes of the encoded names: `decoder` step by step on its own fed-back state."""
     step = create_session(str(decoder), 1, str(decoder))
     result = []
-    for path in sorted((kit / "inputs" / "arabic_name_romanizer_encoder" / "eval").glob("*.npz")):
-        source = np.load(path)
-        memory, mask, hidden = encoder.run(["memory_out", "src_mask_out", "hidden_out"],
-                                           {"src": source["src"], "src_mask": source["src_mask"]})
+    for memory, mask, hidden in encoded:
         tokens = [BOS]
         for _ in range(MAX_STEPS):
             logprobs, hidden = step.run(["logprobs", "hidden_out"], {
@@ -196,10 +199,11 @@ def run_model(kit: Path, model: Path, work: Path, extra: dict[str, Path]) -> dic
         outputs[variant] = [session.run(names, feeds) for feeds in eval_feeds]
     row["figures"] = _figures(name, outputs, _gold(kit, name))
     if name == ROMANIZER:
-        reference = _decodes(kit, model)
+        encoded = _encoded(kit)
+        reference = _decodes(encoded, model)
         for variant, path in ok.items():
             if variant != "fp32":
-                kept = sum(a == b for a, b in zip(_decodes(kit, path), reference))
+                kept = sum(a == b for a, b in zip(_decodes(encoded, path), reference))
                 row["figures"][variant]["task"] += f", {kept}/{len(reference)} decodes"
     runs = 40
     times = time_models({v: str(p) for v, p in ok.items()}, eval_feeds[0], threads=1, warmup=5, runs=runs)

@@ -164,11 +164,12 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
+        fp32_model = load_model(model) if data is not None or search is not None else None
+        specs = input_specs(fp32_model) if fp32_model is not None else None
         weight_notes: tuple[str, ...] = ()
         if data is not None and not isinstance(data, Iterator):
-            options, weight_notes = choose_dynamic_weights(model, data, table, cfg)
+            options, weight_notes = choose_dynamic_weights(model, fp32_model, data, table, cfg)
             cfg = replace(cfg, quantization=options)
-        specs = input_specs(load_model(model)) if data is not None or search is not None else None
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         outcome = None
         if search is not None:

@@ -12,11 +12,12 @@ mean edit distance between the two as a ratio of the longer text. The blank is c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from qtool.errors import QtoolError
+from qtool.evaluation.metrics import add_counts
 
 BLANK = 0
 
@@ -70,10 +71,7 @@ class CtcAccumulator:
         self.ratio_sum += batch_ratio
 
     def merge(self, other: "CtcAccumulator") -> None:
-        self.samples += other.samples
-        self.kept += other.kept
-        self.ratio_sum += other.ratio_sum
-        self.ref_chars += other.ref_chars
+        add_counts(self, other, (f.name for f in fields(self)))
 
     def result(self) -> dict:
         return {

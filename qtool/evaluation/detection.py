@@ -15,6 +15,7 @@ import numpy as np
 
 from qtool.config import DetectionConfig
 from qtool.errors import QtoolError
+from qtool.evaluation.metrics import add_counts
 
 
 @dataclass
@@ -129,11 +130,7 @@ class DetectionAccumulator:
         self.iou_sum += batch_iou
 
     def merge(self, other: "DetectionAccumulator") -> None:
-        self.images += other.images
-        self.ref_boxes += other.ref_boxes
-        self.test_boxes += other.test_boxes
-        self.matched += other.matched
-        self.iou_sum += other.iou_sum
+        add_counts(self, other, ("images", "ref_boxes", "test_boxes", "matched", "iou_sum"))
 
     def result(self) -> dict:
         # With nothing to find (or nothing found) there is nothing to miss: 1.0, not a division by zero.

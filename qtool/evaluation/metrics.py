@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
@@ -39,6 +40,12 @@ def sample_cosines(ref: np.ndarray, test: np.ndarray) -> np.ndarray:
     dots = np.sum(r * t, axis=1)
     # two all-zero vectors are identical: cosine 1
     return np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(np.all(r == t, axis=1), 1.0, 0.0))
+
+
+def add_counts(total, part, names: Iterable[str]) -> None:
+    """An accumulator's merge: add `part`'s named counts and sums into `total`'s."""
+    for name in names:
+        setattr(total, name, getattr(total, name) + getattr(part, name))
 
 
 @dataclass
@@ -123,8 +130,8 @@ class ClassificationAccumulator:
 
     def merge(self, other: "ClassificationAccumulator") -> None:
         """Add another batch's counts and KL sum (see FidelityAccumulator.merge)."""
-        for name in ("samples", "labelled", "agree", "kl_sum", "ref_top1", "ref_topk", "test_top1", "test_topk"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        add_counts(self, other, ("samples", "labelled", "agree", "kl_sum", "ref_top1", "ref_topk", "test_top1",
+                                 "test_topk"))
 
     def result(self) -> dict:
         out = {"samples": self.samples, "agreement": self.agree / self.samples if self.samples else math.nan,

@@ -32,7 +32,7 @@ from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import DataLike, batches, open_data
 from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.executor import Engine
-from qtool.graph.modelio import input_specs, load_model
+from qtool.graph.modelio import InputSpec, input_specs, load_model
 from qtool.quantization.quantize import quantize_model
 from qtool.table.table import CalibrationTable
 
@@ -51,7 +51,7 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
     first = tables[0]
     if all(t.tensors == first.tensors for t in tables[1:]):
         return first, tables  # nothing to choose: no activation ranges, or all methods agree
-    evaluate, count = measurer(model_path, data, cfg)
+    evaluate, count = measurer(model_path, input_specs(load_model(model_path)), data, cfg)
     cosines = []
     for table in tables:
         cosines.append(evaluate(quantize_model(model_path, table, ranges_only(cfg.quantization),
@@ -74,10 +74,10 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
     return replace(tables[best], notes=tables[best].notes + tuple(notes)), tables
 
 
-def measurer(model_path: str | Path, data: DataLike, cfg: Config) -> tuple[Evaluator, int]:
+def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config) -> tuple[Evaluator, int]:
     """(the fidelity of a candidate int8 model to fp32 on the first `SAMPLES` calibration samples,
-    how many samples that is)."""
-    source = open_data(data, input_specs(load_model(model_path)), cfg.preprocess)
+    how many samples that is); `specs`: the model's inputs."""
+    source = open_data(data, specs, cfg.preprocess)
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
     return Evaluator(Path(model_path), samples, None, cfg.evaluation.threads), sum(len(b) for b in samples)
 

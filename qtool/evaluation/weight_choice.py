@@ -21,11 +21,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import onnx
+
 from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import DataLike
 from qtool.evaluation.range_choice import measurer, ranges_only
 from qtool.graph.index import GraphIndex
-from qtool.graph.modelio import load_model
+from qtool.graph.modelio import input_specs
 from qtool.plan.dynamic import matmul_strategy
 from qtool.plan.planner import prepared_model
 from qtool.quantization.dynamic_matmul import per_tensor_sqnr
@@ -36,15 +38,15 @@ TOLERANCE = 1e-4  # mean cosine per-tensor weights may lose against per-column o
 MIN_WEIGHT_SQNR = 20.0  # dB; per column about 40; per tensor the kit's GRU decoder keeps 26, the encoder 37
 
 
-def choose_dynamic_weights(model_path: str | Path, data: DataLike, table: CalibrationTable,
+def choose_dynamic_weights(model_path: str | Path, model: onnx.ModelProto, data: DataLike, table: CalibrationTable,
                            cfg: Config) -> tuple[QuantizeConfig, tuple[str, ...]]:
     """(cfg.quantization with `dynamic_weights` settled to column or tensor, the note saying what was
-    measured); the options unchanged when they already say column or tensor."""
+    measured); the options unchanged when they already say column or tensor. `model`: the one at
+    `model_path`, loaded."""
     options = cfg.quantization
     if options.dynamic_weights != "auto" or not options.per_channel:
         return options, ()
     column = replace(options, dynamic_weights="column")
-    model = load_model(model_path)
     if matmul_strategy(model, GraphIndex(model), options)[0] != "dynamic":
         return column, ()  # a Conv net: no dynamic MatMul to choose for
     prepared, plan = prepared_model(model_path, smoothed_options(column, table))  # the graph quantize_model makes
@@ -56,7 +58,7 @@ def choose_dynamic_weights(model_path: str | Path, data: DataLike, table: Calibr
         return column, (f"weight scales per column for the {layers} dynamic MatMul(s): per tensor, a weight's median "
                         f"column would keep an SQNR of {weight_sqnr:.1f} dB",)
     graph = quantize_model(model_path, table, ranges_only(column), allow_missing=True)
-    evaluate, count = measurer(model_path, data, cfg)
+    evaluate, count = measurer(model_path, input_specs(model), data, cfg)
     tensor = replace(options, dynamic_weights="tensor")
     per_column = evaluate(graph.model)[0]["cosine"]
     per_tensor = evaluate(quantize_model(model_path, table, ranges_only(tensor), allow_missing=True).model)[0]["cosine"]
