@@ -14,7 +14,7 @@ from onnx import helper
 from qtool import api
 from qtool.cli import main
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.calibration.smoothing import with_smoothing
+from qtool.calibration.smoothing import measured_smoothing
 from qtool.data.dataset import batches, open_data
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs
@@ -77,11 +77,16 @@ def _outputs(graph: onnx.ModelProto, feeds_list) -> list[np.ndarray]:
     return [o for feeds in feeds_list for o in session.run(None, feeds)]
 
 
+
+def _smoothed(path, data, calib: CalibrationConfig, options: QuantizeConfig) -> QuantizeConfig:
+    """The options with the smoothing scales calibration measures on `data`."""
+    return measured_smoothing(path, *prepared_model(path, options), data, PreprocessConfig(), calib, options)
+
 def _assert_same_fp32(path, data, alpha=0.5, options=QuantizeConfig(), samples=8) -> QuantizeConfig:
     """The smoothed prepared graph computes what the plain one does; the options with the scales."""
     options = replace(options, smooth_quant=alpha)
     plain, _ = prepared_model(path, options)
-    smoothed_options = with_smoothing(path, data, PreprocessConfig(), CalibrationConfig(num_samples=16), options)
+    smoothed_options = _smoothed(path, data, CalibrationConfig(num_samples=16), options)
     smoothed, _ = prepared_model(path, smoothed_options)
     feeds = [b.feeds for b in batches(open_data(data, input_specs(plain), PreprocessConfig()), 1, samples)]
     for before, after in zip(_outputs(plain, feeds), _outputs(smoothed, feeds)):
@@ -203,7 +208,7 @@ def test_dynamic_matmuls_read_an_outlier_input_through_an_inserted_mul(tmp_path)
     data = write_samples(tmp_path / "data", rng, [T, C], count=8)
     options = QuantizeConfig(matmul="dynamic")
     assert find_sites(onnx.load(path)) == [] and [s.tensor for s in find_sites(onnx.load(path), insert=True)] == ["h"]
-    smoothed_options = with_smoothing(path, data, PreprocessConfig(), CalibrationConfig(), options)
+    smoothed_options = _smoothed(path, data, CalibrationConfig(), options)
     assert [name for name, _ in smoothed_options.smooth_scales] == ["h"]
     plain, _ = prepared_model(path, options)
     smoothed, _ = prepared_model(path, smoothed_options)
@@ -230,7 +235,7 @@ def test_dynamic_smoothing_skips_inputs_without_outlier_channels(tmp_path):
     onnx.save(built, path)
     data = write_samples(tmp_path / "data", rng, [T, C], count=8)
     options = QuantizeConfig(matmul="dynamic")
-    assert with_smoothing(path, data, PreprocessConfig(), CalibrationConfig(), options) == options
+    assert _smoothed(path, data, CalibrationConfig(), options) == options
 
 
 def test_a_linear_layer_whose_product_is_a_graph_output_is_not_divided():

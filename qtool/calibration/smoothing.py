@@ -16,7 +16,7 @@ from qtool.graph.edit import with_outputs
 from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import input_specs
 from qtool.graph.runtime import create_session
-from qtool.plan.planner import QuantPlan, prepared_model
+from qtool.plan.planner import QuantPlan
 from qtool.plan.smooth_quant import find_sites, smoothing_alpha, smoothing_scales, weight_maxima
 
 
@@ -34,20 +34,13 @@ def outlier_ratio(maxima: np.ndarray) -> float:
     return float(maxima.max()) / median if median > 0 else 1.0
 
 
-def with_smoothing(model_path: str | Path, data: DataLike, preprocess: PreprocessConfig, calib: CalibrationConfig,
-                   options: QuantizeConfig) -> QuantizeConfig:
-    """`options` with smooth_scales measured on `data` (the calibration samples) when SmoothQuant is
-    on: asked for (smooth_quant), or by default for dynamic int8 MatMuls (smooth_dynamic)."""
-    if options.smooth_scales or (options.smooth_quant is None and options.smooth_dynamic is None):
-        return options
-    return measured_smoothing(model_path, *prepared_model(model_path, options), data, preprocess, calib, options)
-
-
 def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, data: DataLike,
                        preprocess: PreprocessConfig, calib: CalibrationConfig,
                        options: QuantizeConfig) -> QuantizeConfig:
-    """with_smoothing on `model` and `plan`, the prepared graph before smoothing (a caller that
-    prepared it already need not prepare it again); `options` itself when nothing is smoothed."""
+    """`options` with smooth_scales measured on `data` (the calibration samples) when SmoothQuant is
+    on: asked for (smooth_quant), or by default for dynamic int8 MatMuls (smooth_dynamic); measured
+    on `model` and `plan`, the prepared graph before smoothing; `options` itself when nothing is
+    smoothed."""
     if options.smooth_scales or (options.smooth_quant is None and options.smooth_dynamic is None):
         return options
     alpha = smoothing_alpha(options, bool(plan.dynamic_matmuls))
