@@ -71,3 +71,30 @@ def test_errors_match_exposed_tensors_and_leave_outputs_unchanged(models):
     expected = sqnr_db(float(np.sum(r ** 2)), float(np.sum((r_int8 - r) ** 2)))
     assert errors["r"].sqnr_db == pytest.approx(expected, abs=1e-6)
     assert worst(list(errors.values()), 2) == sorted(errors.values(), key=lambda e: e.sqnr_db)[:2]
+
+
+def test_dynamic_matmuls_are_paired_by_their_outputs_fp32_names(tmp_path):
+    """A dynamic int8 MatMul has no DequantizeLinear: its twin is its output, named as in fp32,
+    also where two MatMuls reading one activation were merged into one and split back."""
+    from qtool import api
+    from qtool.config import Config
+    from tests.test_dynamic_matmul import _block, _samples
+
+    path = tmp_path / "block.onnx"
+    fp32 = _block(np.random.default_rng(0))
+    onnx.save(fp32, path)
+    data = _samples(tmp_path, np.random.default_rng(1))
+    int8 = api.quantize(path, data=data, config=Config(quantization=QuantizeConfig(matmul="dynamic")),
+                        progress=False).model
+    pairs = twins(fp32, int8)
+    # q and k (merged, then split back after their bias Adds) and o; nothing else is quantized
+    assert [(p.tensor, p.op_type) for p in pairs] == [("q1", "Add"), ("k1", "Add"), ("o", "MatMul")]
+    samples = [np.load(f) for f in sorted(data.glob("*.npy"))]  # the block takes batch 1
+    errors = {e.tensor: e for e in layer_errors(fp32, int8, [Batch([str(i)], {"x": x}) for i, x in enumerate(samples)])}
+    ref = ort.InferenceSession(with_outputs(fp32, ["o"]).SerializeToString(), providers=["CPUExecutionProvider"])
+    test = ort.InferenceSession(with_outputs(int8, ["o"]).SerializeToString(), providers=["CPUExecutionProvider"])
+    o_ref = np.concatenate([ref.run(["o"], {"x": x})[0] for x in samples]).astype(np.float64)
+    o_int8 = np.concatenate([test.run(["o"], {"x": x})[0] for x in samples])
+    assert errors["o"].sqnr_db == pytest.approx(sqnr_db(float(np.sum(o_ref ** 2)),
+                                                         float(np.sum((o_int8 - o_ref) ** 2))), abs=1e-6)
+    assert 15 < errors["o"].sqnr_db < 80  # quantized: an error, and a small one

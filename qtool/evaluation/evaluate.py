@@ -100,8 +100,9 @@ def open_models(inputs: EvaluateInputs, cfg: EvaluateConfig) -> tuple[onnx.Model
     fp32_model = load_model(inputs.fp32)
     int8_model = load_model(inputs.int8)
     if cfg.per_layer and not twins(fp32_model, int8_model):
-        raise QtoolError(f"no DequantizeLinear output of the int8 model is named <fp32 tensor>{DQ_SUFFIX}, so the "
-                         "per-layer error cannot pair its tensors with the fp32 model's", inputs.int8)
+        raise QtoolError(f"no DequantizeLinear output of the int8 model is named <fp32 tensor>{DQ_SUFFIX} and no "
+                         "dynamic int8 MatMul output keeps an fp32 tensor's name, so the per-layer error cannot "
+                         "pair its tensors with the fp32 model's", inputs.int8)
     specs = input_specs(fp32_model)
     if [s.name for s in input_specs(int8_model)] != [s.name for s in specs]:
         raise QtoolError("the int8 model's inputs differ from the fp32 model's", inputs.int8)

@@ -1,7 +1,9 @@
 """Per-layer error of a quantized model: every int8 tensor against its fp32 twin, in one run.
 
 The QDQ rewrite names the DequantizeLinear output that stands for fp32 tensor T
-`T + DQ_SUFFIX`, so the twins are found by name. Both models are run once over the
+`T + DQ_SUFFIX`, so the twins are found by name. A dynamic int8 MatMul (or LSTM) quantizes its
+input at run time and has no DequantizeLinear: its twin is its output, which keeps the fp32
+tensor's name (after the Cast, the Mul by the scales, and for merged MatMuls the Split). Both models are run once over the
 same batches with those tensors exposed as extra outputs (exposing a DequantizeLinear
 output leaves onnxruntime's integer kernels and the final outputs unchanged). The
 error at T is cumulative: it includes everything quantized before T, which is what
@@ -23,6 +25,7 @@ from qtool.quantization.channel_pad import PAD_SUFFIX
 from qtool.quantization.stem_s2d import S2D_SUFFIX, undo
 from qtool.quantization.rewrite import DQ_SUFFIX
 from qtool.graph.runtime import create_session
+from qtool.prepare.graph_prep import inline_functions
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,33 @@ class LayerError:
     mean_abs_error: float
 
 
+DYNAMIC_KERNELS = ("MatMulInteger", "DynamicQuantizeLSTM")
+DYNAMIC_REACH = 4  # nodes from a dynamic kernel to its fp32-named output: Cast, Mul, merged bias Add, Split
+
+
+def _dynamic_outputs(int8: onnx.ModelProto, named: set[str]) -> set[str]:
+    """The tensors of `named` (fp32 activations) that `int8` computes with a dynamic int8 kernel:
+    along each kernel's outputs, the first tensors that carry an fp32 name."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in int8.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    found: set[str] = set()
+    for node in int8.graph.node:
+        if node.op_type not in DYNAMIC_KERNELS:
+            continue
+        frontier = [name for name in node.output if name]
+        for _ in range(DYNAMIC_REACH + 1):  # the kernel's outputs, then each node after it
+            found.update(name for name in frontier if name in named)
+            frontier = [out for name in frontier if name not in named
+                        for reader in readers.get(name, []) for out in reader.output if out]
+    return found
+
+
 def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
-    """Activations of `fp32` that `int8` quantizes, in fp32 graph order (weights and biases excluded)."""
+    """Activations of `fp32` that `int8` quantizes, in fp32 graph order (weights and biases excluded).
+    The tensors inside `fp32`'s local functions are named as quantization's inlining names them."""
+    fp32, _ = inline_functions(fp32)
     producers = GraphIndex(fp32).producer
     position = {id(node): i for i, node in enumerate(fp32.graph.node)}
     inputs = {i.name for i in fp32.graph.input} - {t.name for t in fp32.graph.initializer}
@@ -67,6 +95,10 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
         elif tensor in producers and producers[tensor].op_type != "Constant":
             producer = producers[tensor]
             pairs.append(TensorPair(tensor, node_label(producer), producer.op_type, position[id(producer)]))
+    named = {name for name, producer in producers.items() if producer.op_type != "Constant"}
+    for tensor in sorted(_dynamic_outputs(int8, named)):
+        producer = producers[tensor]
+        pairs.append(TensorPair(tensor, node_label(producer), producer.op_type, position[id(producer)], tensor))
     return sorted(pairs, key=lambda p: p.position)
 
 
@@ -81,6 +113,7 @@ def batch_fidelity(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterab
     """Per batch, the accumulators of that batch alone for every twin tensor (a worker's share of
     the per-layer error: merged in batch order, they are the floats of one pass)."""
     pairs = twins(fp32, int8)
+    fp32, _ = inline_functions(fp32)
     feeds_only = [p.tensor for p in pairs if p.position < 0]
     ref_names = [p.tensor for p in pairs if p.position >= 0]
     test_names = [p.test_name or p.tensor + DQ_SUFFIX for p in pairs]

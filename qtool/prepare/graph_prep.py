@@ -12,9 +12,9 @@ from typing import Optional
 
 import numpy as np
 import onnx
-from onnx import numpy_helper, version_converter
+from onnx import inliner, numpy_helper, version_converter
 
-from qtool.graph.index import attribute, bodies, body_reads, names_read
+from qtool.graph.index import attribute, bodies, body_reads, names_read, scoped_nodes
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.errors import QtoolError
@@ -28,6 +28,27 @@ def default_opset(model: onnx.ModelProto) -> int:
         if entry.domain in ("", "ai.onnx"):
             return entry.version
     return 0
+
+
+def inline_functions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Optional[str]]:
+    """The model with every call of a model-local function replaced by the function's nodes, and a
+    note when there was one. Exporters that write each module as a local function (PyTorch's
+    dynamo exporter without its optimizer, onnxscript) hide every MatMul and Conv inside them;
+    onnxruntime inlines them when it loads the model, so the inlined graph computes the same."""
+    if not model.functions:
+        return model, None
+    local = {(function.domain, function.name) for function in model.functions}
+    calls = sorted(f"{node.domain}.{node.op_type}" for node in scoped_nodes(model.graph)
+                   if (node.domain, node.op_type) in local)
+    opset = default_opset(model)
+    convert = any(entry.domain in ("", "ai.onnx") and entry.version != opset
+                  for function in model.functions for entry in function.opset_import)
+    inlined = inliner.inline_local_functions(model, convert_version=convert)
+    if not calls:
+        return inlined, None
+    kinds = sorted(set(calls))
+    return inlined, (f"inlined {len(calls)} call(s) of {len(kinds)} model-local function(s) "
+                     f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}) so that their nodes are quantized")
 
 
 def settle_opset(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
@@ -194,7 +215,7 @@ def divisions_to_multiplications(model: onnx.ModelProto) -> None:
 @dataclass(frozen=True)
 class Prepared:
     model: onnx.ModelProto
-    notes: tuple[str, ...] = ()  # what the opset step did (converted, or kept with per-tensor weights)
+    notes: tuple[str, ...] = ()  # functions inlined; what the opset step did (converted, or kept with per-tensor weights)
 
 
 def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
@@ -204,6 +225,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     hides GELU's x / sqrt(2) from onnxruntime's Gelu fusion (measured on MiniLM: 6 Gelu kernels lost)."""
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
+    prepared, inlined = inline_functions(prepared)
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
     constants_to_initializers(prepared)
     fold_body_constants(prepared)
@@ -212,4 +234,4 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     fold_affine(prepared)
     if divisions:
         divisions_to_multiplications(prepared)
-    return Prepared(infer_shapes(prepared), (note,) if note else ())
+    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note) if n))
