@@ -59,6 +59,7 @@ from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
 from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.plan.planner import QuantPlan
+from qtool.quantization.hard_activations import NOTE as HARD_NOTE
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
 from qtool.graph.runtime import create_session
 from qtool.table.table import CalibrationTable
@@ -137,6 +138,13 @@ def _worst_cosines(fidelity: list[FidelityAccumulator], reference: list[np.ndarr
     return np.minimum.reduce([c if len(c) == samples else np.full(samples, np.mean(c)) for c in cosines])
 
 
+def cosine_db(cosines: np.ndarray) -> float:
+    """The mean over samples of -10 log10(1 - cosine): each sample's distance to fp32 in dB (120 for
+    identical outputs). Unlike the mean cosine it is not carried by one or two samples whose
+    outputs a small change moves a lot."""
+    return float(np.mean(-10.0 * np.log10(np.maximum(1.0 - cosines, 1e-12))))
+
+
 class Evaluator:
     """fp32 outputs computed once; each candidate's outputs compared with them."""
 
@@ -159,9 +167,10 @@ class Evaluator:
             labels = [self.labels.get(k) if self.labels else None for k in batch.keys]
             classes.update(ref[0], test[0], labels)
         result = classes.result()
+        cosines = np.concatenate(cosines)
         figures = {"agreement": result["agreement"], "mean_kl": result["mean_kl"],
                    "sqnr_db": min(acc.result()["sqnr_db"] for acc in fidelity),
-                   "cosine": float(np.mean(np.concatenate(cosines))), "samples": result["samples"]}
+                   "cosine": float(np.mean(cosines)), "cosine_db": cosine_db(cosines), "samples": result["samples"]}
         if "top1" in result:
             figures.update(top1=result["top1"]["int8"], top1_fp32=result["top1"]["fp32"],
                            top1_drop=result["top1_drop"])
@@ -387,7 +396,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
         macs_now += f", {100 * summary.int16 / (summary.total or 1):.1f}% by 16-bit activations" if wide else ""
         log(f"  {len(names)} layer(s) float{what}: "
             f"{describe_figures(figures)}, {macs_now}{' -> meets the target' if met else ''}")
-        notes = list(start.graph.notes)
+        notes = [note for note in start.graph.notes if not note.endswith(HARD_NOTE.format(""))]  # written float
         if start.table is not table:
             notes.append(f"ranges by {start.table.method} instead of {table.method}: its all-int8 model came "
                          f"closer to {target.describe()} on the evaluation data")

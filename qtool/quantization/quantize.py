@@ -14,6 +14,7 @@ from qtool.quantization.bias_correction import correct_biases
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization import run_check
 from qtool.quantization.channel_pad import pad_input_channels
+from qtool.quantization.hard_activations import NOTE as HARD_NOTE, integer_forms
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
@@ -237,7 +238,7 @@ class _Steps:
 
 
 def _target_rewrites(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
-    """onnxruntime's stem rewrites (ort-cpu only), in place; their notes."""
+    """onnxruntime's rewrites (ort-cpu only: stems, HardSigmoid/HardSwish), in place; their notes."""
     notes = []
     if options.target == "ort-cpu":
         for name in space_to_depth_stems(qmodel):
@@ -247,4 +248,7 @@ def _target_rewrites(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[s
         for name in pad_input_channels(qmodel):
             notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
                          "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
+        hard = integer_forms(qmodel)
+        if hard:
+            notes.append(HARD_NOTE.format(hard))
     return notes

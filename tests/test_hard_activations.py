@@ -1,0 +1,135 @@
+"""HardSigmoid and HardSwish between uint8 tensors as onnxruntime integer kernels (QLinearAdd,
+QLinearMul) instead of float between DequantizeLinear and QuantizeLinear, and undone for the
+mixed-precision search."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool import api
+from qtool.config import Config, QuantizeConfig
+from qtool.plan.planner import prepared_model
+from qtool.quantization.hard_activations import NOTE, OFFSET, float_forms, integer_forms
+from tests import graphs
+
+PLAIN = QuantizeConfig(latency_aware="off")
+
+
+def _model(rng) -> onnx.ModelProto:
+    """x -> conv1 -> HardSwish -> conv2 -> c; c * HardSigmoid(c) (alpha 0.2: Paddle's form) -> Sigmoid"""
+    inits = [graphs.init("w1", rng.normal(0, 0.4, (8, 3, 3, 3)).astype(np.float32)),
+             graphs.init("b1", rng.normal(0, 0.3, 8).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (8, 8, 3, 3)).astype(np.float32))]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("HardSwish", ["a"], ["h"], name="hswish"),
+             helper.make_node("Conv", ["h", "w2"], ["c"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("HardSigmoid", ["c"], ["g"], name="hsig", alpha=0.2, beta=0.5),
+             helper.make_node("Mul", ["c", "g"], ["m"], name="gate"),
+             helper.make_node("Sigmoid", ["m"], ["y"], name="out")]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)], inits)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hard")
+    rng = np.random.default_rng(0)
+    path = tmp / "m.onnx"
+    onnx.save(_model(rng), path)
+    data = graphs.write_samples(tmp / "data", rng, (3, 8, 8), count=16, scale=2.0)
+    result = api.quantize(path, data=data, config=Config(quantization=PLAIN), progress=False)
+    return tmp, path, data, result
+
+
+def _run(model, data) -> np.ndarray:
+    session = ort.InferenceSession(model if isinstance(model, str) else model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return np.concatenate([session.run(None, {"x": np.load(f)})[0] for f in sorted(data.glob("*.npy"))])
+
+
+def test_both_run_as_integer_kernels(quantized):
+    tmp, _, _, result = quantized
+    ops = Counter(n.op_type for n in result.model.graph.node)
+    assert ops["HardSwish"] == ops["HardSigmoid"] == 0
+    assert sum(n.name.endswith(OFFSET) for n in result.model.graph.node) == 2
+    assert NOTE.format(2) in result.notes
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp / "optimized.onnx")
+    ort.InferenceSession(result.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    fused = Counter(n.op_type for n in onnx.load(tmp / "optimized.onnx").graph.node)
+    assert fused["QLinearAdd"] == 2 and fused["QLinearMul"] == 2
+    assert fused["HardSigmoid"] == fused["HardSwish"] == 0
+
+
+def test_undone_for_the_float_form_and_both_forms_agree(quantized):
+    _, path, data, result = quantized
+    prepared, _ = prepared_model(path, PLAIN)
+    plain = onnx.ModelProto()
+    plain.CopyFrom(result.model)
+    float_forms(plain, prepared)
+    onnx.checker.check_model(plain, full_check=True)
+    ops = Counter(n.op_type for n in plain.graph.node)
+    assert ops["HardSwish"] == ops["HardSigmoid"] == 1 and not any(n.name.endswith(OFFSET) for n in plain.graph.node)
+    # the HardSigmoid output's QuantizeLinear has its DequantizeLinear's scale again
+    quant = next(n for n in plain.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "g")
+    dequant = next(n for n in plain.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == quant.output[0])
+    assert quant.input[1] == dequant.input[1]
+    fp32, integer, floats = _run(str(path), data), _run(result.model, data), _run(plain, data)
+    # a gate's rounding apart: a few values one code of m apart (about 0.05 after the Sigmoid), most equal
+    differ = np.abs(integer - floats)
+    assert differ.max() < 0.1 and np.count_nonzero(differ) < 0.1 * differ.size
+    cosine = lambda a, b: float(a.ravel() @ b.ravel() / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
+    assert abs(cosine(fp32, integer) - cosine(fp32, floats)) < 1e-3
+    again = onnx.ModelProto()
+    again.CopyFrom(plain)
+    assert integer_forms(again) == 2
+    np.testing.assert_array_equal(_run(again, data), integer)
+
+
+def _one_op(op_type: str, x: tuple[float, int], y: tuple[float, int], **attrs) -> onnx.ModelProto:
+    nodes = [helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["x"]),
+             helper.make_node(op_type, ["x"], ["h"], name="act", **attrs),
+             helper.make_node("QuantizeLinear", ["h", "sy", "zy"], ["yq"])]
+    inits = [numpy_helper.from_array(np.array(x[0], np.float32), "sx"), numpy_helper.from_array(np.array(x[1], np.uint8), "zx"),
+             numpy_helper.from_array(np.array(y[0], np.float32), "sy"), numpy_helper.from_array(np.array(y[1], np.uint8), "zy")]
+    graph = helper.make_graph(nodes, "one", [helper.make_tensor_value_info("xq", TensorProto.UINT8, [256])],
+                              [helper.make_tensor_value_info("yq", TensorProto.UINT8, [256])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("op_type, x, y, attrs", [
+    ("HardSwish", (0.06, 40), (0.05, 8), {}),
+    ("HardSwish", (0.054, 238), (0.0035, 107), {}),  # a fine output grid: the gate's rounding shows most
+    ("HardSigmoid", (0.03, 170), (1 / 255, 0), {"alpha": 0.2, "beta": 0.5}),
+    ("HardSigmoid", (0.02, 128), (0.003, 0), {}),  # the output's range ends below 1
+])
+def test_every_code_matches_the_float_form_within_one(op_type, x, y, attrs):
+    codes = np.arange(256, dtype=np.uint8)
+    before = _one_op(op_type, x, y, **attrs)
+    after = _one_op(op_type, x, y, **attrs)
+    assert integer_forms(after) == 1
+    got = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"xq": codes})[0]
+           for m in (before, after)]
+    diff = np.abs(got[0].astype(int) - got[1].astype(int))
+    assert diff.max() <= 1 and np.count_nonzero(diff) <= 26  # ties of the gate's rounding, about 1 in 10 at most
+
+
+def test_left_alone_where_it_would_change_the_values():
+    # a HardSigmoid output range above 1 (codes would not saturate at 1); an int8 input
+    assert integer_forms(_one_op("HardSigmoid", (0.03, 170), (2 / 255, 0))) == 0
+    int8_input = _one_op("HardSwish", (0.06, 40), (0.05, 8))
+    int8_input.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.array(0, np.int8), "zx"))
+    assert integer_forms(int8_input) == 0
+
+
+def test_other_targets_keep_the_float_form(quantized):
+    _, path, data, _ = quantized
+    result = api.quantize(path, data=data, config=Config(quantization=QuantizeConfig(target="tensorrt")),
+                          progress=False)
+    ops = Counter(n.op_type for n in result.model.graph.node)
+    assert ops["HardSwish"] == ops["HardSigmoid"] == 1
