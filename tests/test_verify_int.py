@@ -139,3 +139,31 @@ def test_efficientnet_lite0_is_bit_exact_in_integer_arithmetic(tmp_path):
     assert r.returncode == 1 and "bit-exact (< 100.0%)" in r.stderr  # a threshold it cannot meet fails
     saved = json.loads((tmp_path / "verify.json").read_text())
     assert saved["totals"]["fixed"] == report["totals"]["fixed"]
+
+
+def test_adds_of_a_quantized_constant_are_checked(tmp_path):
+    """An Add whose second operand is a constant stored like an activation (a bias vector; the
+    "+ 3" of a HardSwish run as integer kernels) is checked too, against its QLinearAdd."""
+    rng = np.random.default_rng(3)
+    inits = [graphs.init("w1", rng.normal(0, 0.4, (8, 3, 3, 3)).astype(np.float32)),
+             graphs.init("bias", rng.normal(0, 0.5, (8, 1, 1)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (8, 8, 3, 3)).astype(np.float32))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a0"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("MaxPool", ["a0"], ["a"], name="pool", kernel_shape=[2, 2]),  # no bias folding
+             helper.make_node("Add", ["a", "bias"], ["b"], name="bias_add"),
+             helper.make_node("HardSwish", ["b"], ["h"], name="hswish"),
+             helper.make_node("Conv", ["h", "w2"], ["c"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["y"], name="out")]
+    path = tmp_path / "model.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)], inits), path)
+    data = graphs.write_samples(tmp_path / "data", rng, (3, 8, 8), count=6, scale=2.0)
+    options = QuantizeConfig(latency_aware="off")
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=2), options, progress=False)
+    qpath = tmp_path / "model.int8.onnx"
+    save_model(quantize_model(path, table, options).model, qpath)
+    report = verify(qpath, data, PreprocessConfig(), num_samples=4)
+    adds = {row["name"]: row for row in report["layers"] if row["op_type"] == "Add"}
+    assert set(adds) == {"bias_add", "hswish_int8_offset"}, report.get("not_checked")
+    for row in adds.values():
+        assert row["ort"]["fraction_exact"] == 1.0 and row["fixed"]["max_lsb"] <= 1, row
+    assert report["ort_kernels"]["QLinearAdd"] == 2

@@ -75,6 +75,7 @@ class QLayer:
     slope: Optional[QConst] = None  # PRelu slope stored as integers
     float_slope: Optional[np.ndarray] = field(default=None, repr=False)  # PRelu slope kept in float
     input_shape: Optional[tuple] = None
+    constants: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # codes of constant inputs
 
     def attr(self, name: str, default=None):
         return attribute(self.node, name, default)
@@ -183,9 +184,17 @@ def _layer(graph: GraphIndex, node: onnx.NodeProto) -> Optional[QLayer]:
         if node.op_type == "Gemm" and (attribute(node, "transA", 0) or attribute(node, "alpha", 1.0) != 1.0):
             return None
     elif node.op_type == "Add":
-        if len(parts) != 2 or not isinstance(parts[1], QTensor):
+        if len(parts) != 2:
             return None
-        layer.inputs.append(parts[1])
+        second = parts[1]
+        if isinstance(second, QConst):  # a bias vector or HardSwish's "+ 3", stored like an activation
+            if second.axis is not None or second.zero_point.dtype not in _NP_NAMES:
+                return None
+            layer.constants[second.name] = second.values
+            second = QTensor(second.name, float(second.scale), int(second.zero_point), _NP_NAMES[second.zero_point.dtype])
+        if not isinstance(second, QTensor):
+            return None
+        layer.inputs.append(second)
     elif node.op_type == "PRelu":
         if isinstance(parts[1], QConst):
             layer.slope = parts[1]

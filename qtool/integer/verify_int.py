@@ -206,14 +206,16 @@ def verify(model_path: str | Path, data: str | Path, preprocess: PreprocessConfi
     layers, skipped = _checkable(all_layers)
     if not layers:
         raise QtoolError("no quantized Conv/Gemm/MatMul/Add/pool layer in QDQ form", model_path)
-    names = list(dict.fromkeys(t.name for layer in layers for t in layer.inputs + [layer.output]))
+    constants = {name: codes for layer in layers for name, codes in layer.constants.items()}
+    names = list(dict.fromkeys(t.name for layer in layers for t in layer.inputs + [layer.output]
+                               if t.name not in constants))
     # shape inference gives the integer tensors their types, which the exposed outputs need
     session = create_session(with_outputs(with_shapes(model, data_prop=False), names), threads, str(model_path))
     results = {layer.name: LayerResult(layer, {m: Agreement() for m in MODES}) for layer in layers}
     seen = 0
     source = open_data(data, input_specs(model), preprocess)
     for batch in batches(source, batch_size, num_samples):
-        values = dict(zip(names, session.run(names, batch.feeds)))
+        values = {**constants, **dict(zip(names, session.run(names, batch.feeds)))}
         seen += len(batch)
         for layer in layers:
             inputs = [values[t.name] for t in layer.inputs]
