@@ -68,6 +68,7 @@ def integer_forms(model: onnx.ModelProto) -> int:
 
     done = 0
     nodes: list[onnx.NodeProto] = []
+    graph_outputs = {output.name for output in graph.output}
     for node in graph.node:
         source = index.producer.get(node.input[0]) if node.input else None
         readers = index.consumers.get(node.output[0], []) if node.output else []
@@ -82,7 +83,7 @@ def integer_forms(model: onnx.ModelProto) -> int:
         label = node_label(node)
         if node.op_type == "HardSigmoid":
             out_scale = _scalar(index, quant.input[1])
-            if (out_scale is None or not _uint8_zero(index, quant, 0)
+            if (out_scale is None or not _uint8_zero(index, quant, 0) or node.output[0] in graph_outputs
                     or out_scale * STEPS > 1.0 + 1e-6):  # its codes must end at or below 1
                 nodes.append(node)
                 continue
