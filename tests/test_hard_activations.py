@@ -133,3 +133,34 @@ def test_other_targets_keep_the_float_form(quantized):
                           progress=False)
     ops = Counter(n.op_type for n in result.model.graph.node)
     assert ops["HardSwish"] == ops["HardSigmoid"] == 1
+
+
+def _written_out(form: str) -> onnx.ModelProto:
+    """Paddle's hard-swish x * clip(x + 3, 0, 6) / 6 (or hard-sigmoid, or a variant that is neither)."""
+    inits = [graphs.init("three", np.float32(3)), graphs.init("zero", np.float32(0)),
+             graphs.init("six", np.float32(6)), graphs.init("sixth", np.float32(1 / 6)), graphs.init("five", np.float32(5))]
+    nodes = [helper.make_node("Add", ["x", "three"], ["a"], name="add"),
+             helper.make_node("Clip", ["a", "zero", "six"], ["c"], name="clip")]
+    if form == "swish":
+        nodes += [helper.make_node("Mul", ["x", "c"], ["m"], name="mul"),
+                  helper.make_node("Div", ["m", "six"], ["y"], name="div")]
+    elif form == "sigmoid":
+        nodes.append(helper.make_node("Mul", ["c", "sixth"], ["y"], name="scale"))
+    else:  # divided by 5: not a hard-sigmoid
+        nodes.append(helper.make_node("Div", ["c", "five"], ["y"], name="div"))
+    return graphs.model(nodes, [graphs.tensor("x", [2, 4, 5, 5])], [graphs.tensor("y", [2, 4, 5, 5])], inits)
+
+
+@pytest.mark.parametrize("form, ops", [("swish", {"HardSigmoid", "Mul"}), ("sigmoid", {"HardSigmoid"}),
+                                       ("neither", {"Add", "Clip", "Div"})])
+def test_written_out_blocks_become_hard_sigmoid(form, ops):
+    from qtool.prepare.graph_prep import prepare
+
+    model = _written_out(form)
+    prepared = prepare(model, divisions=False)
+    assert {n.op_type for n in prepared.model.graph.node} == ops
+    assert any("hard-sigmoid/hard-swish block(s)" in note for note in prepared.notes) == (form != "neither")
+    x = np.random.default_rng(0).normal(0, 3, (2, 4, 5, 5)).astype(np.float32)
+    before, after = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                     for m in (model, prepared.model))
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
