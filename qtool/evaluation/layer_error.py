@@ -3,9 +3,9 @@
 The QDQ rewrite names the DequantizeLinear output that stands for fp32 tensor T
 `T + DQ_SUFFIX`, so the twins are found by name. A dynamic int8 MatMul (or LSTM) quantizes its
 input at run time and has no DequantizeLinear: its twin is its output, which keeps the fp32
-tensor's name (after the Cast, the Mul by the scales, and for merged MatMuls the Split). Both models are run once over the
-same batches with those tensors exposed as extra outputs (exposing a DequantizeLinear
-output leaves onnxruntime's integer kernels and the final outputs unchanged). The
+tensor's name (after the Cast, the Mul by the scales, and for merged MatMuls the Split). Both
+models are run once over the same batches with those tensors exposed as extra outputs (exposing
+a DequantizeLinear output leaves onnxruntime's integer kernels and the final outputs unchanged). The
 error at T is cumulative: it includes everything quantized before T, which is what
 tells where in the graph the error grows.
 """

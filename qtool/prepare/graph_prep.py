@@ -216,7 +216,7 @@ def divisions_to_multiplications(model: onnx.ModelProto) -> None:
 @dataclass(frozen=True)
 class Prepared:
     model: onnx.ModelProto
-    notes: tuple[str, ...] = ()  # functions inlined; what the opset step did (converted, or kept with per-tensor weights)
+    notes: tuple[str, ...] = ()  # functions inlined; the opset step (converted, or kept); hard-sigmoid blocks
 
 
 def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
