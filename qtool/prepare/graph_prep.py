@@ -31,11 +31,12 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def inline_functions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Optional[str]]:
+def inline_functions(model: onnx.ModelProto, path: object = None) -> tuple[onnx.ModelProto, Optional[str]]:
     """The model with every call of a model-local function replaced by the function's nodes, and a
     note when there was one. Exporters that write each module as a local function (PyTorch's
     dynamo exporter without its optimizer, onnxscript) hide every MatMul and Conv inside them;
-    onnxruntime inlines them when it loads the model, so the inlined graph computes the same."""
+    onnxruntime inlines them when it loads the model, so the inlined graph computes the same.
+    A function onnx's inliner cannot take is a QtoolError naming `path`."""
     if not model.functions:
         return model, None
     local = {(function.domain, function.name) for function in model.functions}
@@ -44,7 +45,11 @@ def inline_functions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Optional[
     opset = default_opset(model)
     convert = any(entry.domain in ("", "ai.onnx") and entry.version != opset
                   for function in model.functions for entry in function.opset_import)
-    inlined = inliner.inline_local_functions(model, convert_version=convert)
+    try:
+        inlined = inliner.inline_local_functions(model, convert_version=convert)
+    except Exception as exc:  # the inliner raises bare C++ errors
+        raise QtoolError(f"its model-local functions cannot be inlined ({str(exc).strip().splitlines()[0]})",
+                         path) from None
     if not calls:
         return inlined, None
     kinds = sorted(set(calls))
@@ -226,7 +231,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     hides GELU's x / sqrt(2) from onnxruntime's Gelu fusion (measured on MiniLM: 6 Gelu kernels lost)."""
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
-    prepared, inlined = inline_functions(prepared)
+    prepared, inlined = inline_functions(prepared, path)
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
     constants_to_initializers(prepared)
     fold_body_constants(prepared)
