@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 
 import qtool
@@ -65,3 +66,14 @@ def test_auto_keeps_min_max_where_it_is_good_or_cannot_measure(tmp_path):
     once = qtool.calibrate(path, (s for s in spiked), progress=False)
     pinned = qtool.calibrate(path, spiked, config={"calibration": {"method": "minmax"}}, progress=False)
     assert once.method == "minmax" and once.to_json_text() == pinned.to_json_text()
+
+
+def test_the_choice_is_by_cosine_distance_in_db():
+    """The mean of -10 log10(1 - cosine): one sample a rounding moved a lot does not carry it."""
+    from qtool.evaluation.mixed_precision import cosine_db
+
+    assert cosine_db(np.array([0.99, 0.999])) == pytest.approx(25.0)
+    assert cosine_db(np.array([1.0])) == pytest.approx(120.0)  # identical outputs
+    steady = np.full(16, 0.985)  # mean 0.985, 18.2 dB
+    one_bad = np.r_[np.full(15, 0.9995), 0.74]  # closer on 15 of 16 samples: mean 0.983, 31.3 dB
+    assert one_bad.mean() < steady.mean() and cosine_db(one_bad) > cosine_db(steady) + 10
