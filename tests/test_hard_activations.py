@@ -14,8 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool import api
 from qtool.config import Config, QuantizeConfig
-from qtool.plan.planner import prepared_model
-from qtool.quantization.hard_activations import NOTE, OFFSET, float_forms, integer_forms
+from qtool.quantization.hard_activations import FOLD_NOTE, NOTE, OFFSET, folded_products, integer_forms
+from qtool.quantization.quantize import quantize_model
 from tests import graphs
 
 PLAIN = QuantizeConfig(latency_aware="off")
@@ -66,20 +66,15 @@ def test_both_run_as_integer_kernels(quantized):
     assert fused["HardSigmoid"] == fused["HardSwish"] == 0
 
 
-def test_undone_for_the_float_form_and_both_forms_agree(quantized):
+def test_the_float_form_is_kept_for_the_search_and_both_forms_agree(quantized):
     _, path, data, result = quantized
-    prepared, _ = prepared_model(path, PLAIN)
-    plain = onnx.ModelProto()
-    plain.CopyFrom(result.model)
-    float_forms(plain, prepared)
+    graph = quantize_model(path, result.table, PLAIN)
+    plain = graph.canonical  # what the mixed-precision search measures and writes
     onnx.checker.check_model(plain, full_check=True)
     ops = Counter(n.op_type for n in plain.graph.node)
     assert ops["HardSwish"] == ops["HardSigmoid"] == 1 and not any(n.name.endswith(OFFSET) for n in plain.graph.node)
-    # the HardSigmoid output's QuantizeLinear has its DequantizeLinear's scale again
-    quant = next(n for n in plain.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "g")
-    dequant = next(n for n in plain.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == quant.output[0])
-    assert quant.input[1] == dequant.input[1]
-    fp32, integer, floats = _run(str(path), data), _run(result.model, data), _run(plain, data)
+    fp32, integer, floats = _run(str(path), data), _run(graph.model, data), _run(plain, data)
+    np.testing.assert_array_equal(integer, _run(result.model, data))
     # a gate's rounding apart: a few values one code of m apart (about 0.05 after the Sigmoid), most equal
     differ = np.abs(integer - floats)
     assert differ.max() < 0.1 and np.count_nonzero(differ) < 0.1 * differ.size
@@ -135,32 +130,41 @@ def test_other_targets_keep_the_float_form(quantized):
     assert ops["HardSwish"] == ops["HardSigmoid"] == 1
 
 
-def _written_out(form: str) -> onnx.ModelProto:
-    """Paddle's hard-swish x * clip(x + 3, 0, 6) / 6 (or hard-sigmoid, or a variant that is neither)."""
-    inits = [graphs.init("three", np.float32(3)), graphs.init("zero", np.float32(0)),
-             graphs.init("six", np.float32(6)), graphs.init("sixth", np.float32(1 / 6)), graphs.init("five", np.float32(5))]
-    nodes = [helper.make_node("Add", ["x", "three"], ["a"], name="add"),
-             helper.make_node("Clip", ["a", "zero", "six"], ["c"], name="clip")]
-    if form == "swish":
-        nodes += [helper.make_node("Mul", ["x", "c"], ["m"], name="mul"),
-                  helper.make_node("Div", ["m", "six"], ["y"], name="div")]
-    elif form == "sigmoid":
-        nodes.append(helper.make_node("Mul", ["c", "sixth"], ["y"], name="scale"))
-    else:  # divided by 5: not a hard-sigmoid
-        nodes.append(helper.make_node("Div", ["c", "five"], ["y"], name="div"))
-    return graphs.model(nodes, [graphs.tensor("x", [2, 4, 5, 5])], [graphs.tensor("y", [2, 4, 5, 5])], inits)
+def _written_out(rng) -> onnx.ModelProto:
+    """conv -> Paddle's hard-swish x * clip(x + 3, 0, 6) / 6 -> conv -> Sigmoid"""
+    inits = [graphs.init("w1", rng.normal(0, 0.4, (8, 3, 3, 3)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (8, 8, 3, 3)).astype(np.float32)),
+             graphs.init("three", np.float32(3)), graphs.init("zero", np.float32(0)), graphs.init("six", np.float32(6))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["a", "three"], ["a3"], name="add"),
+             helper.make_node("Clip", ["a3", "zero", "six"], ["c"], name="clip"),
+             helper.make_node("Mul", ["a", "c"], ["m"], name="mul"),
+             helper.make_node("Div", ["m", "six"], ["h"], name="div"),
+             helper.make_node("Conv", ["h", "w2"], ["b"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["b"], ["y"], name="out")]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)], inits)
 
 
-@pytest.mark.parametrize("form, ops", [("swish", {"HardSigmoid", "Mul"}), ("sigmoid", {"HardSigmoid"}),
-                                       ("neither", {"Add", "Clip", "Div"})])
-def test_written_out_blocks_become_hard_sigmoid(form, ops):
-    from qtool.prepare.graph_prep import prepare
-
-    model = _written_out(form)
-    prepared = prepare(model, divisions=False)
-    assert {n.op_type for n in prepared.model.graph.node} == ops
-    assert any("hard-sigmoid/hard-swish block(s)" in note for note in prepared.notes) == (form != "neither")
-    x = np.random.default_rng(0).normal(0, 3, (2, 4, 5, 5)).astype(np.float32)
-    before, after = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-                     for m in (model, prepared.model))
-    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
+def test_the_written_out_division_is_folded_into_the_clip_scale(tmp_path):
+    rng = np.random.default_rng(4)
+    path = tmp_path / "m.onnx"
+    onnx.save(_written_out(rng), path)
+    data = graphs.write_samples(tmp_path / "data", rng, (3, 8, 8), count=16, scale=2.0)
+    result = api.quantize(path, data=data, config=Config(quantization=PLAIN), progress=False)
+    assert FOLD_NOTE.format(1) in result.notes
+    # the calibration table still names the fp32 model's tensors (other tools' formats read them)
+    assert {"a", "c", "m", "h"} <= set(result.table.tensors)
+    written = Counter(n.op_type for n in result.model.graph.node)
+    assert written["Mul"] == 1 and written["Div"] == 0  # x * (clip / 6): one product, no division
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(result.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    fused = Counter(n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node)
+    assert fused["QLinearMul"] == 1 and fused["Mul"] == fused["Div"] == 0
+    canonical = quantize_model(path, result.table, PLAIN).canonical
+    fp32, folded, plain = _run(str(path), data), _run(result.model, data), _run(canonical, data)
+    cosine = lambda a, b: float(a.ravel() @ b.ravel() / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
+    assert cosine(fp32, folded) > 0.999 and abs(cosine(fp32, folded) - cosine(fp32, plain)) < 1e-3
+    again = onnx.ModelProto()
+    again.CopyFrom(canonical)
+    assert folded_products(again) == 1 and folded_products(again) == 0  # nothing left to fold

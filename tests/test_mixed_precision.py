@@ -49,7 +49,7 @@ def quantized(tmp_path_factory):
     path, table = graphs.calibrated(tmp, rng, _model(rng), OPTIONS)
     base = quantize_model(path, table, OPTIONS)
     prepared, _ = prepared_model(path, OPTIONS)
-    pool = restorable_layers(base.model, prepared)
+    pool = restorable_layers(base.canonical, prepared)  # as the search: before onnxruntime's kernel forms
     x = np.random.default_rng(1).normal(0, 1, (16, 3, 8, 8)).astype(np.float32)
     evals = [Batch([f"s{i}" for i in range(j, j + 8)], {"x": x[j:j + 8]}) for j in range(0, 16, 8)]
     return path, table, base, prepared, pool, evals
@@ -57,7 +57,7 @@ def quantized(tmp_path_factory):
 
 def _mix(base, prepared, pool, floats=(), dynamic=()) -> onnx.ModelProto:
     chains = blocks(prepared, base.plan, pool)
-    model = mixed_model(base.model, prepared, base.plan, chains,
+    model = mixed_model(base.canonical, prepared, base.plan, chains,
                         Precisions(tuple(pool[name] for name in floats), tuple(dynamic)), 127)
     onnx.checker.check_model(model)
     return model
@@ -72,7 +72,7 @@ def test_float_layers_keep_no_qdq_between_them(quantized):
     assert sorted(pool) == ["conv_a", "conv_b", "fc"]
     # a block: the layer and the non-weighted ops its output alone feeds
     assert blocks(prepared, base.plan, pool)["conv_b"] == ("conv_b", "hswish", "gap", "flatten")
-    int8 = _quantized_tensors(base.model)
+    int8 = _quantized_tensors(base.canonical)
     assert {"x", "r", "b", "h", "g", "f"} <= set(int8)
     # conv_b float alone: r keeps its Q/DQ (int8 conv_a writes it), the block's inner tensors lose theirs
     one = _quantized_tensors(_mix(base, prepared, pool, ["conv_b"]))
@@ -97,7 +97,7 @@ def test_float_layers_keep_no_qdq_between_them(quantized):
 
 def test_a_static_matmul_goes_dynamic(quantized):
     _, _, base, prepared, pool, evals = quantized
-    assert dynamic_candidates(base.model, prepared, pool) == ["fc"]
+    assert dynamic_candidates(base.canonical, prepared, pool) == ["fc"]
     model = _mix(base, prepared, pool, ["conv_a", "conv_b"], ["fc"])
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 1 and ops["QuantizeLinear"] == 0

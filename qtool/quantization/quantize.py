@@ -14,7 +14,7 @@ from qtool.quantization.bias_correction import correct_biases
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization import run_check
 from qtool.quantization.channel_pad import pad_input_channels
-from qtool.quantization.hard_activations import NOTE as HARD_NOTE, integer_forms
+from qtool.quantization.hard_activations import FOLD_NOTE, NOTE as HARD_NOTE, folded_products, integer_forms
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
@@ -37,6 +37,7 @@ class QuantizedGraph:
     plan: QuantPlan
     notes: list[str] = field(default_factory=list)
     source: Optional[onnx.ModelProto] = None  # the prepared fp32 graph `model` was quantized from
+    canonical: Optional[onnx.ModelProto] = None  # `model` before onnxruntime's kernel forms (hard_activations)
 
 
 def needs_data(options: QuantizeConfig) -> bool:
@@ -94,7 +95,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     kept: list[str] = []
     fixes: list[str] = []
     while True:
-        qmodel, notes = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
+        qmodel, notes, canonical = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
         failure = run_check.check(qmodel, ref)
         if failure is None:
             break
@@ -120,7 +121,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         if choice.labels:
             kept += choice.labels
             plan = _replan(model, options, plan, [*unreached, *kept])
-            qmodel, notes = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
+            qmodel, notes, canonical = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
             failure = run_check.check(qmodel, ref)
             if failure is not None:
                 raise InternalError(f"the model with the latency-aware float nodes does not pass onnxruntime's "
@@ -131,7 +132,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
                          f"(delete it to measure again; --no-latency-aware quantizes every node)")
     if ref.skipped:
         notes.append(f"the int8 model was only loaded, not run: {ref.skipped}")
-    return QuantizedGraph(qmodel, plan, fixes + notes, model)
+    return QuantizedGraph(qmodel, plan, fixes + notes, model, canonical)
 
 
 def _seen(table: CalibrationTable) -> Callable[[str], bool]:
@@ -191,7 +192,8 @@ class _Steps:
     allow_missing: bool
 
     def quantize(self, model: onnx.ModelProto, plan: QuantPlan, samples: list[Batch], bias_correction: str,
-                 rounding_mode: str) -> tuple[onnx.ModelProto, list[str]]:
+                 rounding_mode: str) -> tuple[onnx.ModelProto, list[str], onnx.ModelProto]:
+        """(the int8 model, its notes, the same model before onnxruntime's kernel forms)."""
         options = self.options
         params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
         notes: list[str] = []
@@ -227,18 +229,22 @@ class _Steps:
             check_model(qmodel, full_check=True)
         except onnx.checker.ValidationError as exc:
             raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
-        return qmodel, notes
+        canonical = onnx.ModelProto()
+        canonical.CopyFrom(qmodel)
+        notes += _kernel_forms(qmodel, options)
+        return qmodel, notes, canonical
 
     def structure(self, model: onnx.ModelProto, plan: QuantPlan) -> onnx.ModelProto:
         options = self.options
         params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
         qmodel, _ = quantize_with(model, plan, params, options)
         _target_rewrites(qmodel, options)
+        _kernel_forms(qmodel, options)
         return qmodel
 
 
 def _target_rewrites(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
-    """onnxruntime's rewrites (ort-cpu only: stems, HardSigmoid/HardSwish), in place; their notes."""
+    """onnxruntime's stem rewrites (ort-cpu only), in place; their notes."""
     notes = []
     if options.target == "ort-cpu":
         for name in space_to_depth_stems(qmodel):
@@ -248,7 +254,13 @@ def _target_rewrites(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[s
         for name in pad_input_channels(qmodel):
             notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
                          "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
-        hard = integer_forms(qmodel)
-        if hard:
-            notes.append(HARD_NOTE.format(hard))
     return notes
+
+
+def _kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
+    """onnxruntime's integer forms of hard-sigmoid/hard-swish (ort-cpu only; qtool.quantization.
+    hard_activations), in place; their notes."""
+    if options.target != "ort-cpu":
+        return []
+    hard, folded = integer_forms(qmodel), folded_products(qmodel)
+    return [note.format(count) for note, count in ((HARD_NOTE, hard), (FOLD_NOTE, folded)) if count]
