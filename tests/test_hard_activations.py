@@ -14,7 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool import api
 from qtool.config import Config, QuantizeConfig
-from qtool.quantization.hard_activations import FOLD_NOTE, NOTE, OFFSET, folded_products, integer_forms
+from qtool.quantization.hard_activations import (FOLD_NOTE, NOTE, OFFSET, float_hard_sigmoids, folded_products,
+                                                  integer_forms)
 from qtool.quantization.quantize import quantize_model
 from tests import graphs
 
@@ -168,3 +169,34 @@ def test_the_written_out_division_is_folded_into_the_clip_scale(tmp_path):
     again = onnx.ModelProto()
     again.CopyFrom(canonical)
     assert folded_products(again) == 1 and folded_products(again) == 0  # nothing left to fold
+
+
+def _float_block(form: str) -> onnx.ModelProto:
+    """A float hard-swish x * clip(x + 3, 0, 6) / 6 (or hard-sigmoid, or a variant that is neither)."""
+    inits = [graphs.init("three", np.float32(3)), graphs.init("zero", np.float32(0)),
+             graphs.init("six", np.float32(6)), graphs.init("sixth", np.float32(1 / 6)), graphs.init("five", np.float32(5))]
+    nodes = [helper.make_node("Add", ["x", "three"], ["a"], name="add"),
+             helper.make_node("Clip", ["a", "zero", "six"], ["c"], name="clip")]
+    if form == "swish":
+        nodes += [helper.make_node("Mul", ["x", "c"], ["m"], name="mul"),
+                  helper.make_node("Div", ["m", "six"], ["y"], name="div")]
+    elif form == "sigmoid":
+        nodes.append(helper.make_node("Mul", ["c", "sixth"], ["y"], name="scale"))
+    else:  # divided by 5: not a hard-sigmoid
+        nodes.append(helper.make_node("Div", ["c", "five"], ["y"], name="div"))
+    return graphs.model(nodes, [graphs.tensor("x", [2, 4, 5, 5])], [graphs.tensor("y", [2, 4, 5, 5])], inits)
+
+
+@pytest.mark.parametrize("form, ops", [("swish", {"HardSigmoid", "Mul"}), ("sigmoid", {"HardSigmoid"}),
+                                       ("neither", {"Add", "Clip", "Div"})])
+def test_float_written_out_blocks_run_as_hard_sigmoid(form, ops):
+    model = _float_block(form)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert float_hard_sigmoids(rewritten) == (form != "neither")
+    onnx.checker.check_model(rewritten, full_check=True)
+    assert {n.op_type for n in rewritten.graph.node} == ops
+    x = np.random.default_rng(0).normal(0, 3, (2, 4, 5, 5)).astype(np.float32)
+    before, after = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                     for m in (model, rewritten))
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)

@@ -14,7 +14,8 @@ from qtool.quantization.bias_correction import correct_biases
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization import run_check
 from qtool.quantization.channel_pad import pad_input_channels
-from qtool.quantization.hard_activations import FOLD_NOTE, NOTE as HARD_NOTE, folded_products, integer_forms
+from qtool.quantization.hard_activations import (FLOAT_NOTE, FOLD_NOTE, NOTE as HARD_NOTE, float_hard_sigmoids,
+                                                  folded_products, integer_forms)
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
@@ -263,4 +264,6 @@ def _kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]
     if options.target != "ort-cpu":
         return []
     hard, folded = integer_forms(qmodel), folded_products(qmodel)
-    return [note.format(count) for note, count in ((HARD_NOTE, hard), (FOLD_NOTE, folded)) if count]
+    floats = float_hard_sigmoids(qmodel)  # the written-out blocks left in float
+    return [note.format(count) for note, count in ((HARD_NOTE, hard), (FOLD_NOTE, folded), (FLOAT_NOTE, floats))
+            if count]
