@@ -112,8 +112,8 @@ def batch_fidelity(fp32: onnx.ModelProto, int8: onnx.ModelProto, batches: Iterab
                    threads: int = 0) -> Iterator[dict[str, FidelityAccumulator]]:
     """Per batch, the accumulators of that batch alone for every twin tensor (a worker's share of
     the per-layer error: merged in batch order, they are the floats of one pass)."""
+    fp32, _ = inline_functions(fp32)  # twins then finds nothing more to inline
     pairs = twins(fp32, int8)
-    fp32, _ = inline_functions(fp32)
     feeds_only = [p.tensor for p in pairs if p.position < 0]
     ref_names = [p.tensor for p in pairs if p.position >= 0]
     test_names = [p.test_name or p.tensor + DQ_SUFFIX for p in pairs]

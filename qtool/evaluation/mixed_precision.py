@@ -59,7 +59,6 @@ from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
 from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.plan.planner import QuantPlan
-from qtool.quantization.hard_activations import FLOAT_NOTE, FOLD_NOTE, NOTE as HARD_NOTE
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
 from qtool.graph.runtime import create_session
 from qtool.table.table import CalibrationTable
@@ -397,8 +396,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
         macs_now += f", {100 * summary.int16 / (summary.total or 1):.1f}% by 16-bit activations" if wide else ""
         log(f"  {len(names)} layer(s) float{what}: "
             f"{describe_figures(figures)}, {macs_now}{' -> meets the target' if met else ''}")
-        kernel_forms = (HARD_NOTE.format(""), FOLD_NOTE.format(""), FLOAT_NOTE.format(""))  # written without them
-        notes = [note for note in start.graph.notes if not note.endswith(kernel_forms)]
+        notes = [note for note in start.graph.notes if note not in start.graph.form_notes]  # written without them
         if start.table is not table:
             notes.append(f"ranges by {start.table.method} instead of {table.method}: its all-int8 model came "
                          f"closer to {target.describe()} on the evaluation data")

@@ -1,7 +1,7 @@
 """Models derived from a model: extra outputs to read intermediate tensors (those inside If/Loop/
 Scan bodies too), or a sub-model of some of its nodes. Every stage that runs part of a graph
 (calibration, bias correction, adaptive rounding, per-layer error, sensitivity, verify-int) builds
-it here."""
+it here; the rewrites that leave nodes behind drop them here (drop_unread)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import attribute, bodies, made_in, scoped_nodes, set_attribute
+from qtool.graph.index import attribute, bodies, made_in, names_read, scoped_nodes, set_attribute
 
 
 def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
@@ -143,3 +143,21 @@ def sub_model(model: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: list[
     part = helper.make_model(graph, opset_imports=list(model.opset_import), functions=list(model.functions))
     part.ir_version = model.ir_version
     return part
+
+
+def drop_unread(graph: onnx.GraphProto) -> None:
+    """Drop the nodes nothing reads any more (a replaced Q/DQ pair, a rewritten stem's
+    SpaceToDepth), repeatedly, then the initializers nothing reads."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {name for node in graph.node for name in names_read(node)} | outputs
+        kept = [n for n in graph.node if any(o in read for o in n.output)]
+        if len(kept) == len(graph.node):
+            break
+        del graph.node[:]
+        graph.node.extend(kept)
+    read = {name for node in graph.node for name in names_read(node)} | outputs
+    if any(t.name not in read for t in graph.initializer):
+        kept_inits = [t for t in graph.initializer if t.name in read]
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)

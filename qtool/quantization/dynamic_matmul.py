@@ -97,10 +97,10 @@ def per_tensor_sqnr(model: onnx.ModelProto, labels: Collection[str]) -> float:
         weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
         if node.op_type == "Gemm" and attribute(node, "transB", 0):
             weight = weight.T
-        step = np.abs(weight).max() / qp.WEIGHT_QMAX
         energy = np.sum(weight ** 2, axis=0)
-        if step > 0 and energy.any():  # all-zero columns have no SQNR to lose
-            noise = np.sum((weight - np.round(weight / step) * step) ** 2, axis=0)
+        if energy.any():  # all-zero columns have no SQNR to lose
+            scale = qp.weight_scales(weight, None)
+            noise = np.sum((weight - qp.quantize_weight(weight, scale, None) * scale.astype(np.float64)) ** 2, axis=0)
             columns = 10 * np.log10(energy[energy > 0] / np.maximum(noise[energy > 0], 1e-30))
             worst = min(worst, float(np.median(columns)))
     return float(worst)

@@ -40,7 +40,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.graph.index import GraphIndex, names_read, node_label
+from qtool.graph.edit import drop_unread
+from qtool.graph.index import GraphIndex, node_label
 from qtool.plan.ops import rule_for
 from qtool.plan.dynamic import weighted_matmul
 from qtool.plan.planner import QuantPlan
@@ -153,25 +154,8 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     del graph.node[:]
     graph.node.extend(nodes)
     graph.initializer.extend(added)
-    _prune(graph)
+    drop_unread(graph)
     return out
-
-
-def _prune(graph: onnx.GraphProto) -> None:
-    """Drop the nodes nothing reads any more (Q/DQ pairs, a rewritten stem's SpaceToDepth), then
-    unread initializers."""
-    outputs = {o.name for o in graph.output}
-    while True:
-        read = {name for node in graph.node for name in names_read(node)} | outputs
-        kept = [n for n in graph.node if any(o in read for o in n.output)]
-        if len(kept) == len(graph.node):
-            break
-        del graph.node[:]
-        graph.node.extend(kept)
-    read = {name for node in graph.node for name in names_read(node)}
-    kept_inits = [t for t in graph.initializer if t.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept_inits)
 
 
 def blocks(prepared: onnx.ModelProto, plan: QuantPlan, layers: Collection[str]) -> dict[str, tuple[str, ...]]:
@@ -247,7 +231,7 @@ def mixed_model(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, plan: QuantP
         _make_dynamic(out.graph, prepared, set(precisions.dynamic), weight_qmax)
     if precisions.int16:
         _sixteen_bit(out, int16_tensors(prepared, plan, chains, precisions.int16))
-    _prune(out.graph)
+    drop_unread(out.graph)
     return out
 
 

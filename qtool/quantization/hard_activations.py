@@ -44,7 +44,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import GraphIndex, attribute, names_read, node_label
+from qtool.graph.edit import drop_unread
+from qtool.graph.index import GraphIndex, attribute, node_label
 
 OFFSET, GATE = "_int8_offset", "_int8_gate"  # suffixes of the rewritten nodes and tensors
 NOTE = ("{} HardSigmoid/HardSwish node(s) between int8 tensors written as an Add whose QuantizeLinear clips "
@@ -68,9 +69,15 @@ def _uint8_zero(index: GraphIndex, node: onnx.NodeProto, value: int | None = Non
     return zero.dtype == np.uint8 and zero.size == 1 and (value is None or int(zero.reshape(-1)[0]) == value)
 
 
-def _scalar(index: GraphIndex, name: str) -> float | None:
-    array = numpy_helper.to_array(index.initializers[name]) if name in index.initializers else None
-    return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
+def _constant(index: GraphIndex, name: str, single: bool = True) -> Optional[float]:
+    """The value of constant `name`: one element (a scale), or with `single` false any number of
+    equal float elements (a broadcast bound or divisor); None otherwise."""
+    values = index.const(name) if name else None
+    if values is None or values.size == 0 or (single and values.size != 1):
+        return None
+    if not single and (values.dtype.kind != "f" or not np.all(values == values.flat[0])):
+        return None
+    return float(values.flat[0])
 
 
 def integer_forms(model: onnx.ModelProto) -> int:
@@ -100,7 +107,7 @@ def integer_forms(model: onnx.ModelProto) -> int:
             continue
         label = node_label(node)
         if node.op_type == "HardSigmoid":
-            out_scale = _scalar(index, quant.input[1])
+            out_scale = _constant(index, quant.input[1])
             if (out_scale is None or not _uint8_zero(index, quant, 0) or node.output[0] in graph_outputs
                     or out_scale * STEPS > 1.0 + 1e-6):  # its codes must end at or below 1
                 nodes.append(node)
@@ -144,10 +151,10 @@ def folded_products(model: onnx.ModelProto) -> int:
     index = GraphIndex(model)
     outputs = {output.name for output in graph.output}
     inits: list[onnx.TensorProto] = []
-    gone: set[int] = set()
+    before: dict[int, onnx.NodeProto] = {}  # id of a product -> its operand's rescaled DequantizeLinear
+    gone: set[int] = set()  # the constant factors' Mul nodes
     touched: set[int] = set()
-    done = 0
-    for scale_mul in list(graph.node):
+    for scale_mul in graph.node:
         if scale_mul.op_type != "Mul" or scale_mul.domain not in ("", "ai.onnx") or len(scale_mul.input) != 2:
             continue
         sources = [index.producer.get(name) for name in scale_mul.input]
@@ -157,7 +164,7 @@ def folded_products(model: onnx.ModelProto) -> int:
         product_dq = [s for s in sources if s.input[0] not in index.initializers]
         if len(constant) != 1 or len(product_dq) != 1:
             continue
-        r_codes, r_scale = index.const(constant[0].input[0]), _scalar(index, constant[0].input[1])
+        r_codes, r_scale = index.const(constant[0].input[0]), _constant(index, constant[0].input[1])
         r_zero = index.const(constant[0].input[2]) if len(constant[0].input) > 2 else np.zeros(1)
         if r_codes is None or r_codes.size != 1 or r_scale is None or r_zero is None:
             continue
@@ -174,55 +181,32 @@ def folded_products(model: onnx.ModelProto) -> int:
             continue  # a chain of such products: one fold each time, on the graph as indexed
         operands = [index.producer.get(name) for name in product.input]
         if any(o is None or o.op_type != "DequantizeLinear" or not _uint8_zero(index, o)
-               or _scalar(index, o.input[1]) is None for o in operands):
+               or _constant(index, o.input[1]) is None for o in operands):
             continue
         second = operands[1]
         label = node_label(product)
         scaled = helper.make_node("DequantizeLinear", [second.input[0], label + "_folded_scale", second.input[2]],
                                   [label + "_folded"], name=label + "_folded_DequantizeLinear")
-        inits.append(numpy_helper.from_array(np.array(_scalar(index, second.input[1]) * factor, np.float32),
+        inits.append(numpy_helper.from_array(np.array(_constant(index, second.input[1]) * factor, np.float32),
                                              label + "_folded_scale"))
         product.input[1] = scaled.output[0]
         product.output[0] = scale_mul.output[0]
-        graph.node.append(scaled)
-        gone |= {id(quant), id(product_dq[0]), id(scale_mul)}
-        if index.only_consumer(second.output[0]) is product:
-            gone.add(id(second))  # the operand's own DequantizeLinear: read by nothing else
-        touched |= {id(quant), id(product_dq[0]), id(scale_mul), id(product)}
-        done += 1
-    if done:
-        kept = [node for node in graph.node if id(node) not in gone]
-        # each folded DequantizeLinear right before its product (appended above)
-        order = {node.output[0]: node for node in kept if node.name.endswith("_folded_DequantizeLinear")}
-        nodes = []
-        for node in kept:
-            if node.name.endswith("_folded_DequantizeLinear"):
-                continue
-            nodes.extend(order[name] for name in node.input if name in order)
-            nodes.append(node)
+        before[id(product)] = scaled
+        gone.add(id(scale_mul))  # the product's Q/DQ pair, and operand DQs nothing else reads, go unread
+        touched |= {id(scale_mul), id(product)}
+    if before:
+        nodes = [n for node in graph.node if id(node) not in gone
+                 for n in ([before[id(node)], node] if id(node) in before else [node])]
         del graph.node[:]
         graph.node.extend(nodes)
         graph.initializer.extend(inits)
-        read = {name for node in graph.node for name in names_read(node)} | outputs
-        unread = [t for t in graph.initializer if t.name not in read]
-        if unread:
-            kept_inits = [t for t in graph.initializer if t.name in read]
-            del graph.initializer[:]
-            graph.initializer.extend(kept_inits)
-    return done
-
-
-def _equal_values(index: GraphIndex, name: str) -> Optional[float]:
-    """The value of a constant whose elements are all equal, else None."""
-    values = index.const(name) if name else None
-    if values is None or values.size == 0 or values.dtype.kind != "f" or not np.all(values == values.flat[0]):
-        return None
-    return float(values.flat[0])
+        drop_unread(graph)
+    return len(before)
 
 
 def _clip_bounds(index: GraphIndex, clip: onnx.NodeProto) -> tuple[Optional[float], Optional[float]]:
     if len(clip.input) > 1:  # opset 11+: bounds are inputs
-        bounds = [_equal_values(index, clip.input[i]) if len(clip.input) > i and clip.input[i] else None for i in (1, 2)]
+        bounds = [_constant(index, clip.input[i], single=False) if len(clip.input) > i and clip.input[i] else None for i in (1, 2)]
         return bounds[0], bounds[1]
     return attribute(clip, "min"), attribute(clip, "max")
 
@@ -232,10 +216,10 @@ def _scaled_by(index: GraphIndex, node: Optional[onnx.NodeProto], tensor: str, d
     if node is None or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return False
     if node.op_type == "Div" and node.input[0] == tensor:
-        value = _equal_values(index, node.input[1])
+        value = _constant(index, node.input[1], single=False)
         return value is not None and abs(value - divisor) <= TOLERANCE * divisor
     if node.op_type == "Mul" and tensor in node.input:
-        value = _equal_values(index, node.input[1] if node.input[0] == tensor else node.input[0])
+        value = _constant(index, node.input[1] if node.input[0] == tensor else node.input[0], single=False)
         return value is not None and abs(value * divisor - 1.0) <= TOLERANCE
     return False
 
@@ -258,7 +242,7 @@ def float_hard_sigmoids(model: onnx.ModelProto) -> int:
             continue
         if index.only_consumer(add.output[0]) is not clip or index.only_consumer(clip.output[0]) is None:
             continue
-        offsets = [_equal_values(index, name) for name in add.input]
+        offsets = [_constant(index, name, single=False) for name in add.input]
         if (offsets[0] is None) == (offsets[1] is None):
             continue  # one operand must be the constant c, the other the activation x
         x, offset = (add.input[1], offsets[0]) if offsets[0] is not None else (add.input[0], offsets[1])
@@ -282,14 +266,8 @@ def float_hard_sigmoids(model: onnx.ModelProto) -> int:
         replaced[id(block[-1])] = new
     if not replaced:
         return 0
-    constants = {name for node in graph.node if id(node) in gone for name in node.input if name in index.initializers}
-    nodes = []
-    for node in graph.node:
-        nodes.extend(replaced.get(id(node), [] if id(node) in gone else [node]))
+    nodes = [n for node in graph.node for n in replaced.get(id(node), [] if id(node) in gone else [node])]
     del graph.node[:]
     graph.node.extend(nodes)
-    read = {name for node in graph.node for name in names_read(node)} | {o.name for o in graph.output}
-    kept = [t for t in graph.initializer if t.name not in constants or t.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    drop_unread(graph)  # the block's constants
     return len(replaced)

@@ -39,6 +39,7 @@ class QuantizedGraph:
     notes: list[str] = field(default_factory=list)
     source: Optional[onnx.ModelProto] = None  # the prepared fp32 graph `model` was quantized from
     canonical: Optional[onnx.ModelProto] = None  # `model` before onnxruntime's kernel forms (hard_activations)
+    form_notes: tuple[str, ...] = ()  # the notes of those kernel forms (among `notes`)
 
 
 def needs_data(options: QuantizeConfig) -> bool:
@@ -96,7 +97,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     kept: list[str] = []
     fixes: list[str] = []
     while True:
-        qmodel, notes, canonical = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
+        qmodel, notes, canonical, forms = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
         failure = run_check.check(qmodel, ref)
         if failure is None:
             break
@@ -122,7 +123,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         if choice.labels:
             kept += choice.labels
             plan = _replan(model, options, plan, [*unreached, *kept])
-            qmodel, notes, canonical = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
+            qmodel, notes, canonical, forms = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
             failure = run_check.check(qmodel, ref)
             if failure is not None:
                 raise InternalError(f"the model with the latency-aware float nodes does not pass onnxruntime's "
@@ -133,7 +134,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
                          f"(delete it to measure again; --no-latency-aware quantizes every node)")
     if ref.skipped:
         notes.append(f"the int8 model was only loaded, not run: {ref.skipped}")
-    return QuantizedGraph(qmodel, plan, fixes + notes, model, canonical)
+    return QuantizedGraph(qmodel, plan, fixes + notes, model, canonical, forms)
 
 
 def _seen(table: CalibrationTable) -> Callable[[str], bool]:
@@ -193,8 +194,8 @@ class _Steps:
     allow_missing: bool
 
     def quantize(self, model: onnx.ModelProto, plan: QuantPlan, samples: list[Batch], bias_correction: str,
-                 rounding_mode: str) -> tuple[onnx.ModelProto, list[str], onnx.ModelProto]:
-        """(the int8 model, its notes, the same model before onnxruntime's kernel forms)."""
+                 rounding_mode: str) -> tuple[onnx.ModelProto, list[str], onnx.ModelProto, tuple[str, ...]]:
+        """(the int8 model, its notes, the same model before onnxruntime's kernel forms, their notes)."""
         options = self.options
         params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
         notes: list[str] = []
@@ -232,8 +233,8 @@ class _Steps:
             raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
         canonical = onnx.ModelProto()
         canonical.CopyFrom(qmodel)
-        notes += _kernel_forms(qmodel, options)
-        return qmodel, notes, canonical
+        forms = _kernel_forms(qmodel, options)
+        return qmodel, notes + forms, canonical, tuple(forms)
 
     def structure(self, model: onnx.ModelProto, plan: QuantPlan) -> onnx.ModelProto:
         options = self.options
