@@ -307,3 +307,59 @@ def test_auto_takes_dynamic_behind_a_conv_stem_but_not_in_a_conv_net(tmp_path, c
         assert len(chosen) == 1 and "3 weighted MatMul/Gemm, 1 Conv kept float" in chosen[0]
     else:
         assert ops["MatMulInteger"] == 0 and ops["QuantizeLinear"] > 0 and not chosen
+
+
+def _post_ln_residual(rng, vocab=50) -> onnx.ModelProto:
+    """Token embedding, reshaped by a computed shape (as exporters write it), a projection with a
+    bias and a residual Add into LayerNormalization: onnxruntime's own shape inference cannot tell
+    that the Add's two operands have one shape, shape inference with data propagation can."""
+    nodes = [
+        helper.make_node("Gather", ["emb", "ids"], ["h"], name="embed"),
+        helper.make_node("Shape", ["ids"], ["ids_shape"], name="shape"),
+        helper.make_node("Concat", ["ids_shape", "width"], ["hidden_shape"], name="concat", axis=0),
+        helper.make_node("Reshape", ["h", "hidden_shape"], ["h2"], name="reshape"),
+        helper.make_node("MatMul", ["h2", "w"], ["m"], name="proj"),
+        helper.make_node("Add", ["m", "b"], ["o"], name="proj_bias"),
+        helper.make_node("Add", ["o", "h2"], ["r"], name="residual"),
+        helper.make_node("LayerNormalization", ["r", "gamma", "beta"], ["y"], name="ln", axis=-1),
+    ]
+    inits = [graphs.init("emb", rng.normal(0, 1, (vocab, D)).astype(np.float32)),
+             graphs.init("width", np.array([D], np.int64)),
+             graphs.init("w", rng.normal(0, 0.3, (D, D)).astype(np.float32)),
+             graphs.init("b", rng.normal(0, 0.1, D).astype(np.float32)),
+             graphs.init("gamma", np.ones(D, np.float32)), graphs.init("beta", np.zeros(D, np.float32))]
+    return graphs.model(nodes, [graphs.tensor("ids", ["batch", "seq"], onnx.TensorProto.INT64)],
+                        [graphs.tensor("y", None)], inits)
+
+
+def _optimized_ops(model: onnx.ModelProto, tmp_path) -> Counter:
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return Counter(n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node)
+
+
+def test_int8_model_is_written_without_value_info_so_onnxruntime_keeps_add_and_layer_norm(tmp_path):
+    """With the front end's inferred shapes in the model, onnxruntime fuses the residual Add and
+    the LayerNormalization into SkipLayerNormalization, slower on its CPU than the two ops
+    (qtool.quantization.quantize.drop_declared_shapes); the model qtool writes has none."""
+    from qtool.graph.shapes import with_shapes
+
+    path = tmp_path / "model.onnx"
+    onnx.save(_post_ln_residual(np.random.default_rng(0)), path)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(8):
+        np.save(data / f"s{i}.npy", rng.integers(0, 50, (1, T), dtype=np.int64))
+    result = api.quantize(path, data=data, config=Config(quantization=QuantizeConfig(matmul="dynamic")),
+                          progress=False)
+    assert Counter(n.op_type for n in result.model.graph.node)["MatMulInteger"] == 1
+    assert not result.model.graph.value_info
+    ops = _optimized_ops(result.model, tmp_path)
+    assert ops["LayerNormalization"] == 1 and ops["SkipLayerNormalization"] == 0
+    assert _optimized_ops(with_shapes(result.model), tmp_path)["SkipLayerNormalization"] == 1  # what it avoids
+    other = api.quantize(path, data=data, config=load_config({"quantization": {"target": "tensorrt"}}),
+                         progress=False)
+    assert other.model.graph.value_info  # other targets keep them

@@ -98,3 +98,15 @@ def test_dynamic_matmuls_are_paired_by_their_outputs_fp32_names(tmp_path):
     assert errors["o"].sqnr_db == pytest.approx(sqnr_db(float(np.sum(o_ref ** 2)),
                                                          float(np.sum((o_int8 - o_ref) ** 2))), abs=1e-6)
     assert 15 < errors["o"].sqnr_db < 80  # quantized: an error, and a small one
+
+
+def test_exposed_int8_tensors_are_typed_in_a_model_written_without_value_info(models):
+    """qtool writes its onnxruntime models without value_info; reading their int8 tensors out
+    (per-layer error, sensitivity) takes the types from shape inference, not float by default."""
+    _, int8, batches = models
+    assert not int8.graph.value_info
+    codes = [n.output[0] for n in int8.graph.node if n.op_type == "QuantizeLinear"]
+    assert codes
+    session = ort.InferenceSession(with_outputs(int8, codes).SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(codes, batches[0].feeds)
+    assert {a.dtype for a in got} <= {np.dtype(np.int8), np.dtype(np.uint8)}

@@ -14,18 +14,22 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.graph.index import attribute, bodies, made_in, names_read, scoped_nodes, set_attribute
+from qtool.graph.shapes import elem_types, inferred
 
 
 def with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
-    """A copy of `model` that also outputs the named intermediate tensors."""
+    """A copy of `model` that also outputs the named intermediate tensors, typed as the model
+    declares them or, where it does not (a model written without value_info), as shape inference
+    finds them."""
     exposed = onnx.ModelProto()
     exposed.CopyFrom(model)
     present = {o.name for o in exposed.graph.output} | {i.name for i in exposed.graph.input}
-    types = {v.name: v.type.tensor_type.elem_type for v in exposed.graph.value_info}
+    names = [name for name in names if name not in present]
+    types = elem_types(exposed)
+    if any(name not in types for name in names):
+        types = {**elem_types(inferred(exposed, data_prop=False)), **types}
     for name in names:
-        if name not in present:
-            exposed.graph.output.append(
-                onnx.helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None))
+        exposed.graph.output.append(helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None))
     return exposed
 
 

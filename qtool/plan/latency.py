@@ -48,7 +48,7 @@ MARGIN = 0.05  # a float candidate must be this much faster than the int8 model 
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
-VERSION = 6  # of the decision procedure and of the int8 forms it times; part of the cache key
+VERSION = 7  # of the decision procedure and of the int8 forms it times; part of the cache key
 
 # {name: model} -> median seconds per run of each per feed set (batch 1, then the batch), timed together
 Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
