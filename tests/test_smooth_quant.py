@@ -77,10 +77,10 @@ def _outputs(graph: onnx.ModelProto, feeds_list) -> list[np.ndarray]:
     return [o for feeds in feeds_list for o in session.run(None, feeds)]
 
 
-
 def _smoothed(path, data, calib: CalibrationConfig, options: QuantizeConfig) -> QuantizeConfig:
     """The options with the smoothing scales calibration measures on `data`."""
     return measured_smoothing(path, *prepared_model(path, options), data, PreprocessConfig(), calib, options)
+
 
 def _assert_same_fp32(path, data, alpha=0.5, options=QuantizeConfig(), samples=8) -> QuantizeConfig:
     """The smoothed prepared graph computes what the plain one does; the options with the scales."""

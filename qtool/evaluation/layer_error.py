@@ -55,10 +55,7 @@ DYNAMIC_REACH = 4  # nodes from a dynamic kernel to its fp32-named output: Cast,
 def _dynamic_outputs(int8: onnx.ModelProto, named: set[str]) -> set[str]:
     """The tensors of `named` (fp32 activations) that `int8` computes with a dynamic int8 kernel:
     along each kernel's outputs, the first tensors that carry an fp32 name."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in int8.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = GraphIndex(int8).consumers
     found: set[str] = set()
     for node in int8.graph.node:
         if node.op_type not in DYNAMIC_KERNELS:

@@ -157,10 +157,9 @@ def drop_unread(graph: onnx.GraphProto) -> None:
         read = {name for node in graph.node for name in names_read(node)} | outputs
         kept = [n for n in graph.node if any(o in read for o in n.output)]
         if len(kept) == len(graph.node):
-            break
+            break  # `read` is what the nodes kept read
         del graph.node[:]
         graph.node.extend(kept)
-    read = {name for node in graph.node for name in names_read(node)} | outputs
     if any(t.name not in read for t in graph.initializer):
         kept_inits = [t for t in graph.initializer if t.name in read]
         del graph.initializer[:]

@@ -60,6 +60,25 @@ class GraphIndex:
         init = self.initializers.get(name)
         return numpy_helper.to_array(init) if init is not None else None
 
+    def scalar(self, name: str) -> Optional[float]:
+        """The value of a one-element constant; None for a computed tensor or a larger constant."""
+        value = self.const(name) if name else None
+        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+    def clip_bounds(self, clip: onnx.NodeProto) -> Optional[tuple[Optional[float], Optional[float]]]:
+        """A Clip's (min, max): its constant inputs (opset 11 on) or attributes (before), None for a
+        bound it does not set; None instead of the pair when a bound is computed."""
+        bounds = []
+        for index, name in ((1, "min"), (2, "max")):
+            if index < len(clip.input) and clip.input[index]:
+                value = self.scalar(clip.input[index])
+                if value is None:
+                    return None
+                bounds.append(value)
+            else:
+                bounds.append(attribute(clip, name))
+        return bounds[0], bounds[1]
+
     def is_float(self, name: str) -> bool:
         # Unknown types (shape inference could not reach them) are assumed float: the
         # rules only ask about inputs that are float for every valid model.

@@ -139,18 +139,7 @@ def _quantized_output(graph: GraphIndex, node: onnx.NodeProto):
 
 
 def _activation_bounds(graph: GraphIndex, node: onnx.NodeProto):
-    if node.op_type == "Relu":
-        return (0.0, None)
-    bounds = []
-    for index, attr_name in ((1, "min"), (2, "max")):
-        if index < len(node.input) and node.input[index]:
-            value = graph.const(node.input[index])
-            if value is None:
-                return None
-            bounds.append(float(value))
-        else:
-            bounds.append(attribute(node, attr_name))
-    return tuple(bounds)
+    return (0.0, None) if node.op_type == "Relu" else graph.clip_bounds(node)
 
 
 def _weight_axis(node: onnx.NodeProto, rank: int) -> int:

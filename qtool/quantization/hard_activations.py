@@ -63,19 +63,16 @@ TOLERANCE = 1e-6  # relative: a divisor (or reciprocal factor) that matches the 
 
 def _uint8_zero(index: GraphIndex, node: onnx.NodeProto, value: int | None = None) -> bool:
     """`node` (a QuantizeLinear or DequantizeLinear) has a uint8 scalar zero point (equal to `value`)."""
-    if len(node.input) < 3 or node.input[2] not in index.initializers:
-        return False
-    zero = numpy_helper.to_array(index.initializers[node.input[2]])
-    return zero.dtype == np.uint8 and zero.size == 1 and (value is None or int(zero.reshape(-1)[0]) == value)
+    zero = index.const(node.input[2]) if len(node.input) > 2 else None
+    return (zero is not None and zero.dtype == np.uint8 and zero.size == 1
+            and (value is None or int(zero.reshape(-1)[0]) == value))
 
 
-def _constant(index: GraphIndex, name: str, single: bool = True) -> Optional[float]:
-    """The value of constant `name`: one element (a scale), or with `single` false any number of
-    equal float elements (a broadcast bound or divisor); None otherwise."""
+def _uniform(index: GraphIndex, name: str) -> Optional[float]:
+    """The value of float constant `name` whose elements are all equal (a broadcast offset or
+    divisor); None otherwise."""
     values = index.const(name) if name else None
-    if values is None or values.size == 0 or (single and values.size != 1):
-        return None
-    if not single and (values.dtype.kind != "f" or not np.all(values == values.flat[0])):
+    if values is None or values.size == 0 or values.dtype.kind != "f" or not np.all(values == values.flat[0]):
         return None
     return float(values.flat[0])
 
@@ -93,7 +90,6 @@ def integer_forms(model: onnx.ModelProto) -> int:
 
     done = 0
     nodes: list[onnx.NodeProto] = []
-    graph_outputs = {output.name for output in graph.output}
     for node in graph.node:
         source = index.producer.get(node.input[0]) if node.input else None
         readers = index.consumers.get(node.output[0], []) if node.output else []
@@ -107,8 +103,8 @@ def integer_forms(model: onnx.ModelProto) -> int:
             continue
         label = node_label(node)
         if node.op_type == "HardSigmoid":
-            out_scale = _constant(index, quant.input[1])
-            if (out_scale is None or not _uint8_zero(index, quant, 0) or node.output[0] in graph_outputs
+            out_scale = index.scalar(quant.input[1])
+            if (out_scale is None or not _uint8_zero(index, quant, 0) or node.output[0] in index.outputs
                     or out_scale * STEPS > 1.0 + 1e-6):  # its codes must end at or below 1
                 nodes.append(node)
                 continue
@@ -149,7 +145,6 @@ def folded_products(model: onnx.ModelProto) -> int:
     product read by nothing else; the number folded."""
     graph = model.graph
     index = GraphIndex(model)
-    outputs = {output.name for output in graph.output}
     inits: list[onnx.TensorProto] = []
     before: dict[int, onnx.NodeProto] = {}  # id of a product -> its operand's rescaled DequantizeLinear
     gone: set[int] = set()  # the constant factors' Mul nodes
@@ -164,7 +159,7 @@ def folded_products(model: onnx.ModelProto) -> int:
         product_dq = [s for s in sources if s.input[0] not in index.initializers]
         if len(constant) != 1 or len(product_dq) != 1:
             continue
-        r_codes, r_scale = index.const(constant[0].input[0]), _constant(index, constant[0].input[1])
+        r_codes, r_scale = index.const(constant[0].input[0]), index.scalar(constant[0].input[1])
         r_zero = index.const(constant[0].input[2]) if len(constant[0].input) > 2 else np.zeros(1)
         if r_codes is None or r_codes.size != 1 or r_scale is None or r_zero is None:
             continue
@@ -175,19 +170,19 @@ def folded_products(model: onnx.ModelProto) -> int:
                 or index.only_consumer(product.output[0]) is not quant
                 or index.only_consumer(quant.output[0]) is not product_dq[0]
                 or index.only_consumer(product_dq[0].output[0]) is not scale_mul
-                or product.output[0] in outputs or not _uint8_zero(index, quant)):
+                or product.output[0] in index.outputs or not _uint8_zero(index, quant)):
             continue
         if {id(scale_mul), id(product)} & touched:
             continue  # a chain of such products: one fold each time, on the graph as indexed
         operands = [index.producer.get(name) for name in product.input]
         if any(o is None or o.op_type != "DequantizeLinear" or not _uint8_zero(index, o)
-               or _constant(index, o.input[1]) is None for o in operands):
+               or index.scalar(o.input[1]) is None for o in operands):
             continue
         second = operands[1]
         label = node_label(product)
         scaled = helper.make_node("DequantizeLinear", [second.input[0], label + "_folded_scale", second.input[2]],
                                   [label + "_folded"], name=label + "_folded_DequantizeLinear")
-        inits.append(numpy_helper.from_array(np.array(_constant(index, second.input[1]) * factor, np.float32),
+        inits.append(numpy_helper.from_array(np.array(index.scalar(second.input[1]) * factor, np.float32),
                                              label + "_folded_scale"))
         product.input[1] = scaled.output[0]
         product.output[0] = scale_mul.output[0]
@@ -204,22 +199,15 @@ def folded_products(model: onnx.ModelProto) -> int:
     return len(before)
 
 
-def _clip_bounds(index: GraphIndex, clip: onnx.NodeProto) -> tuple[Optional[float], Optional[float]]:
-    if len(clip.input) > 1:  # opset 11+: bounds are inputs
-        bounds = [_constant(index, clip.input[i], single=False) if len(clip.input) > i and clip.input[i] else None for i in (1, 2)]
-        return bounds[0], bounds[1]
-    return attribute(clip, "min"), attribute(clip, "max")
-
-
 def _scaled_by(index: GraphIndex, node: Optional[onnx.NodeProto], tensor: str, divisor: float) -> bool:
     """`node` divides `tensor` by `divisor` (Div by it, or Mul by its reciprocal)."""
     if node is None or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return False
     if node.op_type == "Div" and node.input[0] == tensor:
-        value = _constant(index, node.input[1], single=False)
+        value = _uniform(index, node.input[1])
         return value is not None and abs(value - divisor) <= TOLERANCE * divisor
     if node.op_type == "Mul" and tensor in node.input:
-        value = _constant(index, node.input[1] if node.input[0] == tensor else node.input[0], single=False)
+        value = _uniform(index, node.input[1] if node.input[0] == tensor else node.input[0])
         return value is not None and abs(value * divisor - 1.0) <= TOLERANCE
     return False
 
@@ -236,13 +224,13 @@ def float_hard_sigmoids(model: onnx.ModelProto) -> int:
     for clip in graph.node:
         if clip.op_type != "Clip" or clip.domain not in ("", "ai.onnx"):
             continue
-        low, high = _clip_bounds(index, clip)
+        low, high = index.clip_bounds(clip) or (None, None)
         add = index.producer.get(clip.input[0])
         if low != 0.0 or high is None or high <= 0 or add is None or add.op_type != "Add" or len(add.input) != 2:
             continue
         if index.only_consumer(add.output[0]) is not clip or index.only_consumer(clip.output[0]) is None:
             continue
-        offsets = [_constant(index, name, single=False) for name in add.input]
+        offsets = [_uniform(index, name) for name in add.input]
         if (offsets[0] is None) == (offsets[1] is None):
             continue  # one operand must be the constant c, the other the activation x
         x, offset = (add.input[1], offsets[0]) if offsets[0] is not None else (add.input[0], offsets[1])

@@ -276,6 +276,6 @@ def drop_declared_shapes(qmodel: onnx.ModelProto, options: QuantizeConfig) -> No
     inferred); onnxruntime infers its own when it loads a model. Declared shapes let it fuse a
     residual Add and the LayerNormalization after it into SkipLayerNormalization, which its CPU
     kernel runs in 32 us where the two ops take 9 (a [1, 18, 384] tensor, onnxruntime 1.32): MiniLM
-    runs about 10% faster without them; no model of the kit runs slower."""
+    runs about 10% faster without them; no model of the kit runs slower beyond noise."""
     if options.target == "ort-cpu":
         del qmodel.graph.value_info[:]

@@ -44,11 +44,6 @@ _SCORE_OPS = ("Mul", "Div", "Add", "Sub", "Where", *_MOVERS)
 _SOFTMAX = ("Softmax", "LogSoftmax")
 
 
-def _scalar(ctx: GraphIndex, name: str) -> Optional[float]:
-    value = ctx.const(name)
-    return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
-
-
 def _other_input(node: onnx.NodeProto, name: str) -> str:
     return next((i for i in node.input if i != name), name)
 
@@ -65,7 +60,7 @@ def _next(ctx: GraphIndex, node: onnx.NodeProto, *op_types: str) -> Optional[onn
 def layer_norm_chains(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """From each Pow(d, 2) where d = x - ReduceMean(x): the chain to the Div and its affine tail."""
     for pow_node in (n for n in ctx.graph.node if n.op_type == "Pow"):
-        if len(pow_node.input) < 2 or _scalar(ctx, pow_node.input[1]) != 2.0:
+        if len(pow_node.input) < 2 or ctx.scalar(pow_node.input[1]) != 2.0:
             continue
         sub = ctx.producer.get(pow_node.input[0])
         mean = ctx.producer.get(sub.input[1]) if sub is not None and sub.op_type == "Sub" else None
@@ -89,7 +84,7 @@ def layer_norm_chains(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 def _gelu_tail(ctx: GraphIndex, start: onnx.NodeProto, x: str) -> Optional[list[onnx.NodeProto]]:
     """erf/tanh -> Add 1 -> Mul (x or 0.5 x) [-> Mul 0.5]: the nodes after the nonlinearity."""
     plus_one = _next(ctx, start, "Add")
-    if plus_one is None or _scalar(ctx, _other_input(plus_one, start.output[0])) != 1.0:
+    if plus_one is None or ctx.scalar(_other_input(plus_one, start.output[0])) != 1.0:
         return None
     tail, node = [plus_one], plus_one
     while len(tail) < 3:
@@ -100,7 +95,7 @@ def _gelu_tail(ctx: GraphIndex, start: onnx.NodeProto, x: str) -> Optional[list[
         half = ctx.producer.get(other)
         if half is not None and half.op_type == "Mul" and x in half.input:  # (0.5 x) * (1 + erf)
             tail.append(half)
-        elif other != x and _scalar(ctx, other) is None:
+        elif other != x and ctx.scalar(other) is None:
             break
         tail.append(mul)
         node = mul
@@ -111,7 +106,7 @@ def _gelus(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     for node in ctx.graph.node:
         if node.op_type == "Erf":
             scale = ctx.producer.get(node.input[0])  # x / sqrt 2 or x * (1 / sqrt 2)
-            if scale is None or scale.op_type not in ("Div", "Mul") or _scalar(ctx, scale.input[1]) is None:
+            if scale is None or scale.op_type not in ("Div", "Mul") or ctx.scalar(scale.input[1]) is None:
                 continue
             head, x = [scale], scale.input[0]
         elif node.op_type == "Tanh":
@@ -139,7 +134,7 @@ def _tanh_gelu_head(ctx: GraphIndex, tanh: onnx.NodeProto) -> Optional[list[onnx
         if coeff is None or coeff.op_type != "Mul":
             continue
         cube = next((ctx.producer.get(i) for i in coeff.input if not ctx.is_constant(i)), None)
-        if cube is not None and cube.op_type == "Pow" and _scalar(ctx, cube.input[1]) == 3.0 \
+        if cube is not None and cube.op_type == "Pow" and ctx.scalar(cube.input[1]) == 3.0 \
                 and _other_input(inner, cubic_input) == cube.input[0]:
             return [cube, coeff, inner, scale]
     return None
@@ -208,7 +203,7 @@ def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
         chain, pending, squares = [sqrt], [sqrt.input[0]], 0
         while pending and len(chain) < 8:
             node = ctx.producer.get(pending.pop())
-            if node is None or (node.op_type == "Pow" and _scalar(ctx, node.input[1]) != 2.0) or (
+            if node is None or (node.op_type == "Pow" and ctx.scalar(node.input[1]) != 2.0) or (
                     node.op_type not in ("Pow", "Add", "ReduceSum", "ReduceMean")):
                 break
             chain.append(node)
