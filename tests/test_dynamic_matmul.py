@@ -309,6 +309,35 @@ def test_auto_takes_dynamic_behind_a_conv_stem_but_not_in_a_conv_net(tmp_path, c
         assert ops["MatMulInteger"] == 0 and ops["QuantizeLinear"] > 0 and not chosen
 
 
+def test_auto_takes_dynamic_for_a_bert_fused_by_onnxruntimes_transformer_optimizer(tmp_path):
+    """The kit's MiniLM as onnxruntime's transformer optimizer writes it (what optimum ships as
+    model_optimized.onnx): its LayerNorms and attention are com.microsoft EmbedLayerNormalization,
+    SkipLayerNormalization and Attention ops, and only the output and FFN projections are MatMuls.
+    Static int8 loses the embedding there (cosine about 0.94); the dynamic MatMuls keep it."""
+    from onnxruntime.transformers import optimizer
+
+    fused = optimizer.optimize_model(str(kit_path("models", "minilm_l6_v2_sentence.onnx")), model_type="bert",
+                                     num_heads=0, hidden_size=0, opt_level=0)
+    path = tmp_path / "fused.onnx"
+    fused.save_model_to_file(str(path))
+    ops = Counter(n.op_type for n in onnx.load(path).graph.node)
+    assert ops["Attention"] == 6 and ops["SkipLayerNormalization"] == 12 and ops["LayerNormalization"] == 0
+    samples = sorted(kit_path("inputs", "minilm_l6_v2_sentence", "eval").glob("*.npz"))[:8]
+    result = api.quantize(path, data=kit_path("inputs", "minilm_l6_v2_sentence", "calib"), progress=False)
+    chosen = [n for n in result.notes if "quantized dynamically" in n]
+    assert len(chosen) == 1 and "12 SkipLayerNormalization" in chosen[0] and "6 Attention" in chosen[0]
+    written = Counter(n.op_type for n in result.model.graph.node)
+    assert written["MatMulInteger"] + written["DynamicQuantizeMatMul"] == 18 and written["QuantizeLinear"] == 0
+    sessions = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
+                for m in (str(path), result.model.SerializeToString())]
+    cosines = []
+    for f in samples:
+        feeds = dict(np.load(f))
+        a, b = (s.run(["sentence_embedding"], feeds)[0].ravel().astype(np.float64) for s in sessions)
+        cosines.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    assert np.mean(cosines) > 0.995
+
+
 def _post_ln_residual(rng, vocab=50) -> onnx.ModelProto:
     """Token embedding, reshaped by a computed shape (as exporters write it), a projection with a
     bias and a residual Add into LayerNormalization: onnxruntime's own shape inference cannot tell

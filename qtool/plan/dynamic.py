@@ -14,23 +14,28 @@ quantize_dynamic. No calibrated range is needed.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 import onnx
 
 from qtool.config import QuantizeConfig
 from qtool.graph.index import GraphIndex, attribute
+from qtool.plan.ops.blocks import ATTENTION_OPS, NORM_OPS
 
 CONV_OPS = ("Conv", "ConvTranspose")
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
+LAYER_DOMAINS = ("", "ai.onnx", "com.microsoft")
 STEM_RATIO = 2  # weighted MatMul/Gemm layers per Conv at least for `auto` to take dynamic
 
 
 def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig) -> tuple[str, Optional[str]]:
     """(static or dynamic, why `auto` chose dynamic; None when it was not `auto`'s choice to report).
 
-    `auto` takes dynamic for a transformer or a recurrent net: a graph with a LayerNormalization op,
-    an attention MatMul (two activations) or an LSTM/GRU/RNN, MatMul/Gemm layers with a constant
+    `auto` takes dynamic for a transformer or a recurrent net: a graph with a LayerNorm (the
+    LayerNormalization op, RMSNormalization, or onnxruntime's fused Skip/Embed/Simplified forms),
+    attention (a MatMul of two activations, or an Attention op: ONNX's or onnxruntime's fused
+    ones) or an LSTM/GRU/RNN, MatMul/Gemm layers with a constant
     weight (the romanizer encoder's one Gemm after two GRUs: 0.99x fp32 static, 1.01x dynamic,
     onnxruntime quantize_dynamic 1.00-1.02x), and at most one Conv per `STEM_RATIO` of them: Convs
     that are only a stem or a head (a speech encoder's Conv1d front end, a ViT's patch embedding)
@@ -42,18 +47,19 @@ def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeCo
     if options.target != "ort-cpu":
         return "static", None
     ops = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
+    layers = [n for n in model.graph.node if n.domain in LAYER_DOMAINS]
     weighted = sum(weighted_matmul(n, ctx) for n in ops)
     convs = sum(n.op_type in CONV_OPS for n in ops)
     if not weighted or convs * STEM_RATIO > weighted:
         return "static", None
-    norms = sum(n.op_type == "LayerNormalization" for n in ops)
+    fused = Counter(n.op_type for n in layers if n.op_type in NORM_OPS + ATTENTION_OPS)
     attention = sum(_attention_matmul(n, ctx) for n in ops)
     recurrent = sum(n.op_type in RECURRENT_OPS for n in ops)
-    if not norms and not attention and not recurrent:
+    if not fused and not attention and not recurrent:
         return "static", None
-    found = ", ".join(f"{count} {what}" for count, what in ((norms, "LayerNormalization"),
-                                                           (attention, "MatMul(s) of two activations"),
-                                                           (recurrent, "recurrent layer(s)")) if count)
+    found = ", ".join([f"{count} {op}" for op, count in sorted(fused.items(), key=lambda kv: kv[0] not in NORM_OPS)]
+                      + [f"{count} {what}" for count, what in ((attention, "MatMul(s) of two activations"),
+                                                               (recurrent, "recurrent layer(s)")) if count])
     stem = f"{convs} Conv kept float" if convs else "no Conv"
     return "dynamic", (f"MatMul/Gemm with constant weights quantized dynamically (int8 weights, "
                        f"activations quantized at run time; every other node float): the graph has attention, "

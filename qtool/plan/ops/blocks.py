@@ -23,9 +23,10 @@ the MatMul that reads it), so the int8 MatMuls and Convs around the block keep t
   (1 - mask) * min, a Where filling -inf) is never quantized, nor anything computed from it up to
   the Softmax or LogSoftmax that consumes it: an int8 range holding -1e4 leaves every real score
   in one code.
-- Residual streams: an Add of two activations that feeds a LayerNorm (op or chain) stays float:
-  the stream carries the few outlier channels that one static range cannot hold together with
-  the rest (qtool.plan.dynamic); its readers quantize the normalized values instead.
+- Residual streams: an Add of two activations that feeds a LayerNorm (an op of NORM_OPS, or the
+  chain) stays float: the stream carries the few outlier channels that one static range cannot
+  hold together with the rest (qtool.plan.dynamic); its readers quantize the normalized values
+  instead.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ MASK_LIMIT = -1e4  # a constant at or below this is a mask's "minus infinity"
 _MOVERS = ("Reshape", "Flatten", "Transpose", "Unsqueeze", "Squeeze", "Cast", "Expand", "Identity")
 _SCORE_OPS = ("Mul", "Div", "Add", "Sub", "Where", *_MOVERS)
 _SOFTMAX = ("Softmax", "LogSoftmax")
+# Transformer layers written as one op: ONNX's (LayerNormalization; opset 23's RMSNormalization and
+# Attention) and onnxruntime's fused com.microsoft ones, which its transformer optimizer and optimum
+# write into BERT-, GPT- and Llama-style graphs (an Attention op holds the Q/K/V projections; the
+# output and feed-forward projections stay MatMuls). None has an int8 rule: they stay float.
+NORM_OPS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+            "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization")
+ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
+                 "PackedMultiHeadAttention", "DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention",
+                 "LongformerAttention", "SparseAttention")
 
 
 def _other_input(node: onnx.NodeProto, name: str) -> str:
@@ -155,13 +165,13 @@ def _attention_scores(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 
 
 def _residuals(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
-    """An Add of two activations read by a LayerNormalization op or by a decomposed chain's first ReduceMean."""
+    """An Add of two activations read by a LayerNorm op (NORM_OPS) or by a decomposed chain's first ReduceMean."""
     starts = {node_label(chain[0]) for chain in layer_norm_chains(ctx)}
     for node in ctx.graph.node:
         if node.op_type != "Add" or any(ctx.is_constant(i) for i in node.input) or not node.output:
             continue
         readers = ctx.consumers.get(node.output[0], [])
-        if any(r.op_type == "LayerNormalization" or node_label(r) in starts for r in readers):
+        if any(r.op_type in NORM_OPS or node_label(r) in starts for r in readers):
             yield [node]
 
 
