@@ -309,12 +309,19 @@ def test_auto_takes_dynamic_behind_a_conv_stem_but_not_in_a_conv_net(tmp_path, c
         assert ops["MatMulInteger"] == 0 and ops["QuantizeLinear"] > 0 and not chosen
 
 
-def test_auto_takes_dynamic_for_a_bert_fused_by_onnxruntimes_transformer_optimizer(tmp_path):
+def test_a_bert_fused_by_onnxruntimes_transformer_optimizer_goes_dynamic_with_integer_attention(tmp_path):
     """The kit's MiniLM as onnxruntime's transformer optimizer writes it (what optimum ships as
     model_optimized.onnx): its LayerNorms and attention are com.microsoft EmbedLayerNormalization,
     SkipLayerNormalization and Attention ops, and only the output and FFN projections are MatMuls.
-    Static int8 loses the embedding there (cosine about 0.94); the dynamic MatMuls keep it."""
+    `auto` takes dynamic int8 there (static loses the embedding: cosine about 0.94), and each
+    Attention becomes QAttention on its input's DynamicQuantizeLinear codes; a layer sent back to
+    float is the fp32 Attention again."""
     from onnxruntime.transformers import optimizer
+
+    from qtool.evaluation.macs import sample_shapes
+    from qtool.plan.planner import prepared_model
+    from qtool.quantization.float_fallback import restorable_layers, restore_float
+    from qtool.table.table import smoothed_options
 
     fused = optimizer.optimize_model(str(kit_path("models", "minilm_l6_v2_sentence.onnx")), model_type="bert",
                                      num_heads=0, hidden_size=0, opt_level=0)
@@ -327,15 +334,31 @@ def test_auto_takes_dynamic_for_a_bert_fused_by_onnxruntimes_transformer_optimiz
     chosen = [n for n in result.notes if "quantized dynamically" in n]
     assert len(chosen) == 1 and "12 SkipLayerNormalization" in chosen[0] and "6 Attention" in chosen[0]
     written = Counter(n.op_type for n in result.model.graph.node)
-    assert written["MatMulInteger"] + written["DynamicQuantizeMatMul"] == 18 and written["QuantizeLinear"] == 0
-    sessions = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
-                for m in (str(path), result.model.SerializeToString())]
-    cosines = []
-    for f in samples:
-        feeds = dict(np.load(f))
-        a, b = (s.run(["sentence_embedding"], feeds)[0].ravel().astype(np.float64) for s in sessions)
-        cosines.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-    assert np.mean(cosines) > 0.995
+    assert written["QAttention"] == 6 and written["Attention"] == 0 and written["QuantizeLinear"] == 0
+    assert written["MatMulInteger"] + written["DynamicQuantizeMatMul"] == 18
+
+    def embedding_cosine(model) -> float:
+        sessions = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
+                    for m in (str(path), model.SerializeToString())]
+        cosines = []
+        for f in samples:
+            feeds = dict(np.load(f))
+            a, b = (s.run(["sentence_embedding"], feeds)[0].ravel().astype(np.float64) for s in sessions)
+            cosines.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+        return float(np.mean(cosines))
+
+    assert embedding_cosine(result.model) > 0.995
+    # the projections inside the fused attentions are counted, and run in int8 (shapes through the contrib ops)
+    macs = int8_macs(result.model, sample_shapes(dict(np.load(samples[0]))))
+    assert macs.counted_nodes == 24 and macs.int8 == macs.total > 0
+    prepared, _ = prepared_model(path, smoothed_options(QuantizeConfig(), result.table))
+    layers = restorable_layers(result.model, prepared)
+    attentions = [layer for label, layer in layers.items() if label.startswith("Attention")]
+    assert len(layers) == 24 and len(attentions) == 6
+    everything = restore_float(result.model, prepared, list(layers.values()))
+    restored = Counter(n.op_type for n in everything.graph.node)
+    assert restored["Attention"] == 6 and restored["QAttention"] == restored["DynamicQuantizeLinear"] == 0
+    assert embedding_cosine(everything) > 0.99999
 
 
 def _post_ln_residual(rng, vocab=50) -> onnx.ModelProto:

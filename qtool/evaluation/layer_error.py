@@ -21,6 +21,7 @@ from qtool.data.dataset import Batch
 from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import FidelityAccumulator
 from qtool.graph.edit import with_outputs
+from qtool.quantization import dynamic_matmul
 from qtool.quantization.channel_pad import PAD_SUFFIX
 from qtool.quantization.stem_s2d import S2D_SUFFIX, undo
 from qtool.quantization.rewrite import DQ_SUFFIX
@@ -48,7 +49,7 @@ class LayerError:
     mean_abs_error: float
 
 
-DYNAMIC_KERNELS = ("MatMulInteger", "DynamicQuantizeLSTM")
+DYNAMIC_KERNELS = (*dynamic_matmul.DYNAMIC_KERNELS, "DynamicQuantizeLSTM")
 DYNAMIC_REACH = 4  # nodes from a dynamic kernel to its fp32-named output: Cast, Mul, merged bias Add, Split
 
 

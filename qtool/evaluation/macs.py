@@ -1,11 +1,12 @@
 """Multiply-accumulate counts per node, and how many of them a QDQ model runs in int8.
 
 Only the ops that dominate inference cost are counted (Conv, ConvTranspose, Gemm,
-MatMul, and the recurrent LSTM, GRU and DynamicQuantizeLSTM, int8 by construction); elementwise
-ops are noise beside them. Shapes come from ONNX shape inference,
-optionally with the graph inputs pinned to a real batch's shapes so that dynamic
-spatial sizes (OCR widths, detector resolutions) resolve; a dimension that is still
-unknown counts as 1, so figures are per sample at the model's static shapes.
+MatMul, the recurrent LSTM, GRU and DynamicQuantizeLSTM, int8 by construction, and the Q/K/V
+projection of onnxruntime's fused Attention and QAttention); elementwise ops are noise beside
+them. Shapes come from shape inference (qtool.graph.shapes), optionally with the graph inputs
+pinned to a real batch's shapes so that dynamic spatial sizes (OCR widths, detector resolutions)
+resolve; a dimension that is still unknown counts as 1, so figures are per sample at the
+model's static shapes.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import onnx
 
 from qtool.graph.shapes import inferred
 from qtool.graph.index import GraphIndex, attribute, node_label
+from qtool.quantization.dynamic_matmul import DYNAMIC_KERNELS
 
 COUNTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul", "MatMulInteger")  # MatMulInteger: dynamic int8 MatMul
 RECURRENT_OPS = ("LSTM", "GRU")
 INT8_RECURRENT = "DynamicQuantizeLSTM"  # com.microsoft: W and R int8 in [dirs, input, 4*hidden] layout
+FUSED_ATTENTION = ("Attention", "QAttention")  # com.microsoft: its Q/K/V projection counted
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ def _macs(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int:
         return math.prod(out) * k
     if node.op_type in ("MatMul", "MatMulInteger") and out and shape(0):
         return math.prod(out) * shape(0)[-1]
+    if node.op_type in FUSED_ATTENTION and shape(0) and weight:
+        # the Q/K/V projection: every input row times the [hidden, 3 x hidden] weight
+        return math.prod(shape(0)) * weight[-1]
     if node.op_type in (*RECURRENT_OPS, INT8_RECURRENT) and shape(0) and weight and shape(2):
         # every step of every direction: gates x (input + hidden) products; X is [steps, batch, input]
         transposed = node.op_type == INT8_RECURRENT
@@ -89,14 +95,14 @@ def node_macs(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequen
     shapes = tensor_shapes(model, input_shapes)
     return {node_label(n): _macs(n, shapes) for n in model.graph.node
             if (n.op_type in COUNTED_OPS + RECURRENT_OPS and n.domain in ("", "ai.onnx"))
-            or (n.op_type == INT8_RECURRENT and n.domain == "com.microsoft")}
+            or (n.op_type in (INT8_RECURRENT, *FUSED_ATTENTION) and n.domain == "com.microsoft")}
 
 
 def _runs_int8(node: onnx.NodeProto, index: GraphIndex) -> bool:
     """Activation (input 0) and weight (input 1) both come out of 8-bit DequantizeLinear nodes:
     the pattern onnxruntime and TensorRT fuse into an integer kernel. DynamicQuantizeLSTM and
-    MatMulInteger (a dynamic int8 MatMul) are int8 themselves."""
-    if node.op_type in (INT8_RECURRENT, "MatMulInteger"):
+    MatMulInteger (a dynamic int8 MatMul) and QAttention are int8 themselves."""
+    if node.op_type in (INT8_RECURRENT, *DYNAMIC_KERNELS):
         return True
     if len(node.input) < 2:
         return False

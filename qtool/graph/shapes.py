@@ -61,9 +61,48 @@ def inferred(model: onnx.ModelProto, data_prop: bool = True,
     if input_shapes:
         _pin_inputs(light, input_shapes)
     try:
-        return onnx.shape_inference.infer_shapes(light, data_prop=data_prop)
+        found = onnx.shape_inference.infer_shapes(light, data_prop=data_prop)
     except Exception:  # inference is advisory: unknown shapes take the callers' generic paths
-        return light
+        found = light
+    if _untyped_contrib_outputs(found):
+        found = _contrib_inferred(light) or found
+    return found
+
+
+def _untyped_contrib_outputs(model: onnx.ModelProto) -> bool:
+    """Whether a com.microsoft node's output has no inferred type: onnx's inference does not know
+    onnxruntime's contrib ops (a fused Attention, SkipLayerNormalization, QAttention) and stops
+    at them."""
+    typed = {v.name for v in [*model.graph.value_info, *model.graph.output]
+             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+    return any(name and name not in typed for node in model.graph.node if node.domain == "com.microsoft"
+               for name in node.output)
+
+
+def _contrib_inferred(light: onnx.ModelProto) -> Optional[onnx.ModelProto]:
+    """Inference by onnxruntime's symbolic shape inference, which knows its contrib ops, taught
+    QAttention (the fused attention of qtool's dynamic int8 model: Attention's shape, float out);
+    None when it fails."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        class Inference(SymbolicShapeInference):
+            def __init__(self, *args):
+                super().__init__(*args)
+                self.dispatcher_.setdefault("QAttention", self._q_attention)
+
+            def _q_attention(self, node):
+                self._infer_Attention(node)
+                self.known_vi_[node.output[0]].type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+
+        inference = Inference(2**31 - 1, True, False, 0)
+        inference._preprocess(light)
+        while inference.run_:
+            inference._infer_impl()
+        inference._update_output_from_vi()
+        return inference.out_mp_
+    except Exception:  # advisory, as above
+        return None
 
 
 def infer_shapes(model: onnx.ModelProto, data_prop: bool = True) -> onnx.ModelProto:

@@ -48,7 +48,8 @@ def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeCo
         return "static", None
     ops = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
     layers = [n for n in model.graph.node if n.domain in LAYER_DOMAINS]
-    weighted = sum(weighted_matmul(n, ctx) for n in ops)
+    matmuls = sum(weighted_matmul(n, ctx) for n in ops)
+    weighted = matmuls + sum(fused_attention(n, ctx) for n in layers)
     convs = sum(n.op_type in CONV_OPS for n in ops)
     if not weighted or convs * STEM_RATIO > weighted:
         return "static", None
@@ -63,7 +64,7 @@ def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeCo
     stem = f"{convs} Conv kept float" if convs else "no Conv"
     return "dynamic", (f"MatMul/Gemm with constant weights quantized dynamically (int8 weights, "
                        f"activations quantized at run time; every other node float): the graph has attention, "
-                       f"LayerNorm or recurrent blocks ({found}, {weighted} weighted MatMul/Gemm, {stem}), whose "
+                       f"LayerNorm or recurrent blocks ({found}, {matmuls} weighted MatMul/Gemm, {stem}), whose "
                        f"activation outliers one static range cannot hold (--matmul static to override)")
 
 
@@ -80,6 +81,31 @@ def weighted_matmul(node: onnx.NodeProto, ctx: GraphIndex) -> bool:
         return (not attribute(node, "transA", 0) and attribute(node, "alpha", 1.0) == 1.0
                 and attribute(node, "beta", 1.0) == 1.0)
     return True
+
+
+# com.microsoft Attention inputs and attributes QAttention takes too (input 3 the mask; past,
+# attention bias and past length have no int8 form, nor Q/K/V of different widths)
+ATTENTION_INPUTS = 4
+QATTENTION_ATTRIBUTES = ("num_heads", "unidirectional", "mask_filter_value", "scale")
+
+
+def fused_attention(node: onnx.NodeProto, ctx: GraphIndex) -> bool:
+    """onnxruntime's com.microsoft Attention with its Q/K/V projection weight a 2-D float
+    initializer [hidden, 3 x hidden] and a bias, no past state, attention bias or rotary embedding:
+    what com.microsoft QAttention computes with DynamicQuantizeLinear's codes of its input (the
+    onnxruntime transformer optimizer's BERT attention)."""
+    if node.domain != "com.microsoft" or node.op_type != "Attention" or len(node.input) < 3:
+        return False
+    data, weight, bias = node.input[:3]
+    return (weight in ctx.initializers and ctx.is_float(weight) and ctx.rank(weight) == 2
+            and bias in ctx.initializers and ctx.is_float(bias) and not ctx.is_constant(data)
+            and ctx.is_float(data) and not any(node.input[ATTENTION_INPUTS:])
+            and not any(node.output[1:]) and all(a.name in QATTENTION_ATTRIBUTES for a in node.attribute))
+
+
+def dynamic_layer(node: onnx.NodeProto, ctx: GraphIndex) -> bool:
+    """A node `--matmul dynamic` quantizes: a weighted MatMul/Gemm or a fused attention."""
+    return weighted_matmul(node, ctx) or fused_attention(node, ctx)
 
 
 def _attention_matmul(node: onnx.NodeProto, ctx: GraphIndex) -> bool:

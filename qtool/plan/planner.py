@@ -20,7 +20,7 @@ from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs, load_model
 from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, made_in, matches, node_label,
                                scoped_nodes)
-from qtool.plan.dynamic import matmul_strategy, weighted_matmul
+from qtool.plan.dynamic import dynamic_layer, matmul_strategy
 from qtool.plan.ops import OpRule, float_blocks, rule_for
 from qtool.plan.ops.pad import pad_value
 from qtool.targets import TARGETS
@@ -268,11 +268,12 @@ def unreached_bodies(graph: onnx.GraphProto, activations: Collection[str], reach
 
 def _dynamic_plan(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeConfig,
                   only: Optional[Collection[str]], keep_float: Collection[str]) -> QuantPlan:
-    """The weighted MatMul/Gemm quantized dynamically, every other node float (no Q/DQ, no ranges)."""
+    """The weighted MatMul/Gemm (and fused attentions) quantized dynamically, every other node float
+    (no Q/DQ, no ranges)."""
     plan = QuantPlan()
     for node in model.graph.node:
         label = node_label(node)
-        if (weighted_matmul(node, ctx) and not _excluded(node, options) and (only is None or label in only)
+        if (dynamic_layer(node, ctx) and not _excluded(node, options) and (only is None or label in only)
                 and label not in keep_float):
             plan.dynamic_matmuls.append(label)
             plan.quantized_nodes.append(label)

@@ -112,11 +112,13 @@ def _linear_with_bias(index: GraphIndex, add: onnx.NodeProto, channels: int) -> 
 
 
 def _matmul_readers(index: GraphIndex, tensor: str) -> tuple[list[onnx.NodeProto], list[tuple[str, int]]]:
-    """The MatMul/Gemm readers of `tensor` that multiply it by a 2-D weight of their own, and
-    (weight, input-channel axis) of each; other readers are left out."""
+    """The MatMul/Gemm (and com.microsoft Attention) readers of `tensor` that multiply it by a 2-D
+    weight of their own, and (weight, input-channel axis) of each; other readers are left out."""
     nodes, rows = [], []
     for node in index.consumers.get(tensor, []):
-        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or node.input[0] != tensor:
+        fused = node.op_type == "Attention" and node.domain == "com.microsoft"  # Q/K/V weight [hidden, 3 x hidden]
+        if ((node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx")) and not fused
+                or node.input[0] != tensor):
             continue
         weight = node.input[1]
         if not _own(index, weight) or len(index.initializers[weight].dims) != 2:

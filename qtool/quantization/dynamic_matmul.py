@@ -11,6 +11,13 @@ differs. Per column, a column of small weights keeps its precision; per tensor, 
 skips a rescaling pass over its output (about 1.3 us of a 6 us [1, 256] x [256, 768] product on
 onnxruntime 1.32). Several MatMuls reading one tensor (query, key, value) share its
 DynamicQuantizeLinear.
+
+A fused com.microsoft Attention (qtool.plan.dynamic.fused_attention) becomes
+
+    x -> DynamicQuantizeLinear -> QAttention(x_q, w_q int8 [K, 3N], bias, x_scale, w_scale, mask, x_zero_point, 0)
+
+onnxruntime's integer attention: the Q/K/V projection in int8 (weight scales per column or per
+tensor as for the MatMuls), the scores and the Softmax in float as before.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from qtool.graph.index import GraphIndex, attribute, node_label
 from qtool.table import qparams as qp
 
 DYNAMIC_SUFFIX = "_dynamic"
+DYNAMIC_KERNELS = ("MatMulInteger", "QAttention")  # named after the node they replace
 CODES, SCALE = "_quantized", "_scale"  # suffixes of a weight's int8 codes and scales
 
 
@@ -46,7 +54,7 @@ class DynamicMatMuls:
         self.weights: dict[str, tuple[str, str, str]] = {}  # (initializer, transposed) key -> names
 
     def rewrite(self, node: onnx.NodeProto, weight: np.ndarray) -> list[onnx.NodeProto]:
-        """The nodes replacing MatMul/Gemm `node` whose weight initializer holds `weight`."""
+        """The nodes replacing MatMul/Gemm (or fused Attention) `node` whose weight initializer holds `weight`."""
         label = node_label(node)
         nodes: list[onnx.NodeProto] = []
         data = node.input[0]
@@ -57,6 +65,12 @@ class DynamicMatMuls:
                                           name=data + DYNAMIC_SUFFIX + "_DynamicQuantizeLinear"))
         codes, scale, zero = self.activations[data]
         w_codes, w_scale, w_zero = self._weight(node, weight)
+        if node.op_type == "Attention":
+            mask = node.input[3] if len(node.input) > 3 else ""
+            inputs = [codes, w_codes, node.input[2], scale, w_scale, mask, zero, w_zero]
+            attention = helper.make_node("QAttention", inputs, [node.output[0]], name=label, domain=node.domain)
+            attention.attribute.extend(node.attribute)
+            return nodes + [attention]
         scales, product, as_float, result = inner_tensors(label)
         gemm_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
         result = result if gemm_bias else node.output[0]

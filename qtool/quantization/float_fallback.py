@@ -45,7 +45,7 @@ from qtool.graph.index import GraphIndex, node_label
 from qtool.plan.ops import rule_for
 from qtool.plan.dynamic import weighted_matmul
 from qtool.plan.planner import QuantPlan
-from qtool.quantization.dynamic_matmul import DynamicMatMuls, inner_tensors
+from qtool.quantization.dynamic_matmul import DYNAMIC_KERNELS, DynamicMatMuls, inner_tensors
 from qtool.quantization.rewrite import DQ_SUFFIX, float_guard, qdq_domain
 from qtool.quantization.weight_only import MS_DOMAIN, use_kernel_domain
 from qtool.table import qparams as qp
@@ -79,8 +79,8 @@ def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dic
         rule = rule_for(node.op_type, node.domain)
         label = node_label(node)
         source = fp32_nodes.get(label)
-        if node.op_type == "MatMulInteger" and source is not None and source.op_type in ("MatMul", "Gemm"):
-            if len(source.input) > 1 and source.input[1] in fp32_inits:  # a dynamic int8 MatMul/Gemm
+        if node.op_type in DYNAMIC_KERNELS and source is not None and source.op_type in ("MatMul", "Gemm", "Attention"):
+            if len(source.input) > 1 and source.input[1] in fp32_inits:  # a dynamic int8 MatMul/Gemm/attention
                 found[label] = Restorable(label, ((1, source.input[1]),))
             continue
         if rule is None or rule.weight is None or source is None or source.op_type != node.op_type:
@@ -121,14 +121,14 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
 
     fp32_nodes = {node_label(n): n for n in prepared.graph.node}
     q_ops = {node_label(n): n.op_type for n in graph.node}
-    dynamic = {label: fp32_nodes[label] for label in by_label if q_ops.get(label) == "MatMulInteger"}
+    dynamic = {label: fp32_nodes[label] for label in by_label if q_ops.get(label) in DYNAMIC_KERNELS}
     whole = {label: fp32_nodes[label] for label, layer in by_label.items() if layer.whole}
     replaced = {name for label, source in dynamic.items() for name in (*inner_tensors(label), *source.output)}
     nodes = []
     for node in graph.node:
         label = node_label(node)
-        if label in dynamic and node.op_type == "MatMulInteger":
-            # the DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul group back to the fp32 node
+        if label in dynamic and node.op_type in DYNAMIC_KERNELS:
+            # the DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul group (or QAttention) back to the fp32 node
             node = onnx.NodeProto()
             node.CopyFrom(dynamic[label])
         elif any(o in replaced for o in node.output):
