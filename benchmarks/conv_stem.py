@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import _qtool  # noqa: E402
+from kit import plain_static_dynamic  # noqa: E402
 from qtool.graph.runtime import create_session, time_models  # noqa: E402
 
 MELS, HEADS, OUTLIER = 80, 6, 30.0
@@ -109,8 +109,6 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=400)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from onnxruntime.quantization import quantize_dynamic
-
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
@@ -121,14 +119,7 @@ def main() -> None:
         for i in range(16):
             np.save(out / "calib" / f"{i:03d}.npy", rng.normal(0, 1, (1, MELS, args.frames)).astype(np.float32))
         held = [{"mel": rng.normal(0, 1, (1, MELS, args.frames)).astype(np.float32)} for _ in range(8)]
-        paths = {"fp32": fp32}
-        for label, flags in (("qtool auto", ()), ("qtool --matmul static", ("--matmul", "static"))):
-            paths[label] = out / f"{label.split()[-1]}.onnx"
-            done = _qtool("quantize", fp32, "--data", out / "calib", *flags, "-o", paths[label])
-            if done.returncode:
-                sys.exit(f"{label}: {done.stderr.strip().splitlines()[-1]}")
-        paths["onnxruntime quantize_dynamic"] = out / "ort_dynamic.onnx"
-        quantize_dynamic(str(fp32), str(paths["onnxruntime quantize_dynamic"]))
+        paths = plain_static_dynamic(fp32, out / "calib", out, "qtool auto")
         outputs = {label: [create_session(str(p), 1, label).run(None, f)[0] for f in held] for label, p in paths.items()}
         times = time_models({label: str(p) for label, p in paths.items()}, held[0], threads=1, warmup=3, runs=30)
     medians = {label: float(np.median(t)) for label, t in times.items()}

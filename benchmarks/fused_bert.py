@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import _qtool  # noqa: E402
+from kit import plain_static_dynamic  # noqa: E402
 from qtool.graph.runtime import create_session, time_models  # noqa: E402
 
 MODEL = "minilm_l6_v2_sentence"
@@ -38,7 +38,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from onnxruntime.quantization import quantize_dynamic
     from onnxruntime.transformers import optimizer
 
     inputs = args.kit / "inputs" / MODEL
@@ -49,16 +48,9 @@ def main() -> None:
         fp32 = out / "fused.onnx"
         optimizer.optimize_model(str(args.kit / "models" / f"{MODEL}.onnx"), model_type="bert", num_heads=0,
                                  hidden_size=0, opt_level=0).save_model_to_file(str(fp32))
-        paths = {"fp32": fp32}
-        for label, flags in (("qtool plain command", ()), ("qtool --matmul static", ("--matmul", "static"))):
-            paths[label] = out / f"{label.split()[-1]}.onnx"
-            done = _qtool("quantize", fp32, "--data", inputs / "calib", *flags, "-o", paths[label])
-            if done.returncode:
-                sys.exit(f"{label}: {done.stderr.strip().splitlines()[-1]}")
-        paths["onnxruntime quantize_dynamic"] = out / "ort_dynamic.onnx"
-        # its own shape inference does not know the contrib ops' outputs: told they are float
-        quantize_dynamic(str(fp32), str(paths["onnxruntime quantize_dynamic"]),
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        # quantize_dynamic's own shape inference does not know the contrib ops' outputs: told they are float
+        paths = plain_static_dynamic(fp32, inputs / "calib", out, "qtool plain command",
+                                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         names = [o.name for o in onnx.load(fp32, load_external_data=False).graph.output]
         outputs = {label: [create_session(str(p), 1, label).run(names, f) for f in held] for label, p in paths.items()}
         rounds = []

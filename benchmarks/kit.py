@@ -29,6 +29,22 @@ def _qtool(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], env=env, capture_output=True, text=True)
 
 
+def plain_static_dynamic(fp32: Path, calib: Path, out: Path, plain: str, **dynamic_options) -> dict[str, Path]:
+    """fp32, qtool's plain command (labelled `plain`), `--matmul static` and onnxruntime's
+    quantize_dynamic (with `dynamic_options`) of `fp32`, written into `out`: label -> path."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    paths = {"fp32": fp32}
+    for label, flags in ((plain, ()), ("qtool --matmul static", ("--matmul", "static"))):
+        paths[label] = out / f"{label.split()[-1]}.onnx"
+        done = _qtool("quantize", fp32, "--data", calib, *flags, "-o", paths[label])
+        if done.returncode:
+            sys.exit(f"{label}: {done.stderr.strip().splitlines()[-1]}")
+    paths["onnxruntime quantize_dynamic"] = out / "ort_dynamic.onnx"
+    quantize_dynamic(str(fp32), str(paths["onnxruntime quantize_dynamic"]), **dynamic_options)
+    return paths
+
+
 def _split(calib: Path, work: Path) -> tuple[Path, Path]:
     """Every fourth file held back: (calibration folder, held-back folder), as symlinks."""
     kept, held = work / "calib", work / "held"
