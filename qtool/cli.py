@@ -129,8 +129,8 @@ def _target_options(func):
                      help="MatMul/Gemm with a constant weight: static int8 (calibrated Q/DQ), or dynamic (int8 "
                           "weights, activations quantized at run time, every other node float); auto, the default: "
                           "dynamic for graphs with LayerNorm, attention or recurrent layers (also onnxruntime's fused "
-                          "ones) and at most one "
-                          "Conv per two weighted MatMul/Gemm (a stem, kept float), with target ort-cpu."),
+                          "ones) and at most one Conv per two weighted MatMul/Gemm (a stem, kept float), with target "
+                          "ort-cpu."),
         click.option("--smooth-quant", "smooth_quant", type=click.FloatRange(0, 1), metavar="ALPHA",
                      help="SmoothQuant: move per-channel activation ranges of LayerNorm/linear outputs into the "
                           "MatMul/Gemm weights reading them, measured on the calibration data (exact in fp32; "

@@ -153,6 +153,29 @@ def test_decomposed_layer_norm_chain_and_residual_add_stay_float(tmp_path):
     assert sqnr > 25
 
 
+@pytest.mark.parametrize("norm, domain", [("LayerNormalization", ""), ("SimplifiedLayerNormalization", ""),
+                                          ("SkipLayerNormalization", "com.microsoft")])
+def test_a_residual_add_into_a_layer_norm_op_stays_float(norm, domain):
+    """The one-op LayerNorms of exporters and of onnxruntime's fused graphs (RMS-style
+    SimplifiedLayerNormalization, the com.microsoft SkipLayerNormalization) read the residual
+    stream as the decomposed chain does."""
+    rng = np.random.default_rng(0)
+    inputs = ["res", "zeros", "gamma"] if norm == "SkipLayerNormalization" else ["res", "gamma"]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "x"], ["res"], name="residual"),
+             helper.make_node(norm, inputs, ["ln"], name="norm", domain=domain, epsilon=1e-5),
+             helper.make_node("MatMul", ["ln", "w2"], ["y"], name="mm2")]
+    inits = [_weight(rng, "w1", D, D), _weight(rng, "w2", D, D), graphs.init("gamma", np.ones(D, np.float32)),
+             graphs.init("zeros", np.zeros((1, S, D), np.float32))]
+    graph = helper.make_graph(nodes, "test", [graphs.tensor("x", [1, S, D])], [graphs.tensor("y", [1, S, D])], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", graphs.OPSET),
+                                                helper.make_opsetid("com.microsoft", 1)])
+    ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])  # onnxruntime runs it
+    assert float_blocks(GraphIndex(m)).counts == {"residual Add": 1}
+    plan = build_plan(m, STATIC)
+    assert "residual" in _float(plan) and {"mm1", "mm2"} <= set(plan.quantized_nodes)
+
+
 def test_a_broken_chain_is_not_a_layer_norm():
     m = _ln_model(np.random.default_rng(0))
     pow_node = next(n for n in m.graph.node if n.op_type == "Pow")
