@@ -336,6 +336,9 @@ def test_a_bert_fused_by_onnxruntimes_transformer_optimizer_goes_dynamic_with_in
     written = Counter(n.op_type for n in result.model.graph.node)
     assert written["QAttention"] == 6 and written["Attention"] == 0 and written["QuantizeLinear"] == 0
     assert written["MatMulInteger"] + written["DynamicQuantizeMatMul"] == 18
+    # onnxruntime's CPU kernels run Add + LayerNormalization several times faster than SkipLayerNormalization
+    assert written["SkipLayerNormalization"] == 0 and written["LayerNormalization"] == 12
+    assert any("12 SkipLayerNormalization node(s) written as Add and LayerNormalization" in n for n in result.notes)
 
     def embedding_cosine(model) -> float:
         sessions = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
@@ -359,6 +362,37 @@ def test_a_bert_fused_by_onnxruntimes_transformer_optimizer_goes_dynamic_with_in
     restored = Counter(n.op_type for n in everything.graph.node)
     assert restored["Attention"] == 6 and restored["QAttention"] == restored["DynamicQuantizeLinear"] == 0
     assert embedding_cosine(everything) > 0.99999
+
+
+@pytest.mark.parametrize("bias, total", [(True, True), (True, False), (False, False)])
+def test_skip_layer_norm_is_written_as_add_and_layer_norm_with_the_same_values(bias, total):
+    from qtool.quantization.quantize import written_form
+
+    rng = np.random.default_rng(0)
+    inputs = ["x", "skip", "gamma", "beta"] + (["bias"] if bias else [])
+    outputs = ["y", "", "", "sum"] if total else ["y"]
+    nodes = [helper.make_node("SkipLayerNormalization", inputs, outputs, name="skip_ln", domain="com.microsoft",
+                              epsilon=1e-6)]
+    graph_outputs = [graphs.tensor("y", [2, T, D])] + ([graphs.tensor("sum", [2, T, D])] if total else [])
+    inits = [graphs.init(n, rng.normal(0, 1, D).astype(np.float32)) for n in ("gamma", "beta", "bias")[:2 + bias]]
+    graph = helper.make_graph(nodes, "skip", [graphs.tensor("x", [2, T, D]), graphs.tensor("skip", [2, T, D])],
+                              graph_outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"x": rng.normal(0, 3, (2, T, D)).astype(np.float32),
+             "skip": rng.normal(0, 1, (2, T, D)).astype(np.float32)}
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    split = onnx.ModelProto()
+    split.CopyFrom(model)
+    assert written_form(split, QuantizeConfig()) == 1
+    assert Counter(n.op_type for n in split.graph.node) == {"Add": 1 + bias, "LayerNormalization": 1}
+    after = ort.InferenceSession(split.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    kept = onnx.ModelProto()
+    kept.CopyFrom(model)
+    assert written_form(kept, QuantizeConfig(target="tensorrt")) == 0
+    assert kept.graph.node[0].op_type == "SkipLayerNormalization"
 
 
 def _post_ln_residual(rng, vocab=50) -> onnx.ModelProto:
@@ -395,7 +429,7 @@ def _optimized_ops(model: onnx.ModelProto, tmp_path) -> Counter:
 def test_int8_model_is_written_without_value_info_so_onnxruntime_keeps_add_and_layer_norm(tmp_path):
     """With the front end's inferred shapes in the model, onnxruntime fuses the residual Add and
     the LayerNormalization into SkipLayerNormalization, slower on its CPU than the two ops
-    (qtool.quantization.quantize.drop_declared_shapes); the model qtool writes has none."""
+    (qtool.quantization.quantize.written_form); the model qtool writes has none."""
     from qtool.graph.shapes import with_shapes
 
     path = tmp_path / "model.onnx"
