@@ -9,7 +9,8 @@ projection one com.microsoft Attention, GELU a BiasGelu; only the output and fee
 projections are MatMuls. The fusion runs at opt level 0 (pure graph rewriting, no onnxruntime
 session). Calibration: the kit's calib/ (64 sentences); cosine: mean over eval/ (32) of each
 output's cosine to the fused fp32 model; speedup: 1 thread, batch 1, the models taking turns in
-one process, median of 100 runs per round on one eval sentence per round, median over the rounds.
+one process, median of 100 runs per round on one eval sentence per round, median over the rounds;
+file: the written model's size.
 """
 
 from __future__ import annotations
@@ -53,15 +54,16 @@ def main() -> None:
                                      extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         names = [o.name for o in onnx.load(fp32, load_external_data=False).graph.output]
         outputs = {label: [create_session(str(p), 1, label).run(names, f) for f in held] for label, p in paths.items()}
+        sizes = {label: p.stat().st_size / 1e6 for label, p in paths.items()}
         rounds = []
         for r in range(args.rounds):
             times = time_models({label: str(p) for label, p in paths.items()}, held[r % len(held)], threads=1,
                                 warmup=5, runs=100)
             rounds.append({label: float(np.median(t)) for label, t in times.items()})
     fp32_ms = np.median([r["fp32"] for r in rounds]) * 1e3
-    print(f"{MODEL} fused by onnxruntime's transformer optimizer; fp32 {fp32_ms:.2f} ms")
-    print("| model | " + " | ".join(f"{n} cosine" for n in names) + " | speedup |")
-    print("|---|" + "---|" * len(names) + "---|")
+    print(f"{MODEL} fused by onnxruntime's transformer optimizer; fp32 {fp32_ms:.2f} ms, {sizes['fp32']:.1f} MB")
+    print("| model | " + " | ".join(f"{n} cosine" for n in names) + " | speedup | file |")
+    print("|---|" + "---|" * len(names) + "---|---|")
     for label in paths:
         if label == "fp32":
             continue
@@ -71,7 +73,7 @@ def main() -> None:
                      for a, b in zip(outputs["fp32"], outputs[label])]
             cosines.append(np.mean([a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) for a, b in pairs]))
         speed = np.median([r["fp32"] / r[label] for r in rounds])
-        print(f"| {label} | " + " | ".join(f"{c:.4f}" for c in cosines) + f" | {speed:.2f}x |")
+        print(f"| {label} | " + " | ".join(f"{c:.4f}" for c in cosines) + f" | {speed:.2f}x | {sizes[label]:.1f} MB |")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from qtool.graph.shapes import infer_shapes
 from qtool.plan.smooth_quant import smooth, smoothing_alpha
 from qtool.prepare.equalize import equalize
 from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare
+from qtool.prepare.embed_layer_norm import write_out_embed_layer_norms
 from qtool.prepare.merge_matmuls import merge_shared_input_matmuls
 
 
@@ -403,6 +404,9 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
         divisions_to_multiplications(model)
     elif merge_shared_input_matmuls(model, {node_label(n) for n in model.graph.node if _excluded(n, options)}):
         model = infer_shapes(model)  # the merged tensors' shapes, for the planner
+    if (options.target == "ort-cpu" and options.embeddings != "float"
+            and write_out_embed_layer_norms(model)):  # a fused BERT's tables, then int8 per row like any other
+        model = infer_shapes(model)
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
     if options.smooth_scales:  # measured by calibration on this graph, so calibration and quantization agree

@@ -1,0 +1,84 @@
+"""onnxruntime's fused com.microsoft EmbedLayerNormalization written out as standard ops.
+
+    EmbedLayerNormalization(ids, segments, word, position, segment, gamma, beta, mask)
+    ==>  Gather(word, ids) + Gather(position, 0..S-1 or position_ids) [+ Gather(segment, segments)]
+         -> LayerNormalization(gamma, beta)
+         mask_index = ReduceSum(Cast(mask, int32), axis 1)
+
+onnxruntime's transformer optimizer (and optimum's model_optimized.onnx) folds a BERT's embedding
+lookup into that one op, which reads its tables as float: the word table is about half such a
+model's file. Written out, each table is read by a Gather only, so the embedding rule stores it
+int8 per row like any other (qtool.plan.planner: embeddings), and the LayerNormalization and
+the adds compute what the fused op does (mask_index: the number of ones in each mask row, what
+the op returns for the Attention ops that read it). Left alone: a node whose mask_index is read
+but that has no mask input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qtool.graph.index import GraphIndex, node_label
+from qtool.prepare.graph_prep import default_opset
+
+REDUCE_AXES_INPUT_OPSET = 13  # ReduceSum takes its axes as an input from here on
+
+
+def write_out_embed_layer_norms(model: onnx.ModelProto) -> int:
+    """Rewrite each com.microsoft EmbedLayerNormalization of the main graph in place; how many."""
+    graph = model.graph
+    index = GraphIndex(model)
+    opset = default_opset(model)
+    nodes, constants, written = [], [], 0
+    for node in graph.node:
+        inputs = list(node.input) + [""] * (9 - len(node.input))
+        outputs = list(node.output) + [""] * (3 - len(node.output))
+        mask_read = bool(outputs[1]) and (bool(index.consumers.get(outputs[1])) or outputs[1] in index.outputs)
+        if (node.op_type != "EmbedLayerNormalization" or node.domain != "com.microsoft"
+                or (mask_read and not inputs[7])):
+            nodes.append(node)
+            continue
+        ids, segments, word, position, segment, gamma, beta, mask, positions = inputs
+        p = node_label(node)
+        summed = outputs[2] or p + "_sum"
+        nodes.append(helper.make_node("Gather", [word, ids], [p + "_words"], name=p + "_words", axis=0))
+        if not positions:  # positions 0..S-1, S the ids' second dimension
+            constants += [numpy_helper.from_array(np.array(v, np.int64), p + name)
+                          for name, v in (("_zero", 0), ("_one", 1))]
+            nodes += [helper.make_node("Shape", [ids], [p + "_shape"], name=p + "_shape"),
+                      helper.make_node("Gather", [p + "_shape", p + "_one"], [p + "_length"], name=p + "_length",
+                                       axis=0),
+                      helper.make_node("Range", [p + "_zero", p + "_length", p + "_one"], [p + "_positions"],
+                                       name=p + "_positions")]
+            positions = p + "_positions"
+        nodes.append(helper.make_node("Gather", [position, positions], [p + "_places"], name=p + "_places", axis=0))
+        terms = [p + "_words", p + "_places"]
+        if segments and segment:
+            nodes.append(helper.make_node("Gather", [segment, segments], [p + "_segments"], name=p + "_segments",
+                                          axis=0))
+            terms.append(p + "_segments")
+        nodes.append(helper.make_node("Add", terms[:2], [summed if len(terms) == 2 else p + "_partial"],
+                                      name=p + "_add"))
+        if len(terms) == 3:
+            nodes.append(helper.make_node("Add", [p + "_partial", terms[2]], [summed], name=p + "_add_segments"))
+        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-12)  # the op's default
+        nodes.append(helper.make_node("LayerNormalization", [summed, gamma] + ([beta] if beta else []),
+                                      [outputs[0]], name=p, axis=-1, epsilon=epsilon))
+        if outputs[1]:
+            counted = p + "_mask_int32"
+            nodes.append(helper.make_node("Cast", [mask], [counted], name=counted, to=onnx.TensorProto.INT32))
+            if opset >= REDUCE_AXES_INPUT_OPSET:
+                constants.append(numpy_helper.from_array(np.array([1], np.int64), p + "_axis"))
+                nodes.append(helper.make_node("ReduceSum", [counted, p + "_axis"], [outputs[1]],
+                                              name=p + "_mask_index", keepdims=0))
+            else:
+                nodes.append(helper.make_node("ReduceSum", [counted], [outputs[1]], name=p + "_mask_index",
+                                              axes=[1], keepdims=0))
+        written += 1
+    if written:
+        del graph.node[:]
+        graph.node.extend(nodes)
+        graph.initializer.extend(constants)
+    return written
