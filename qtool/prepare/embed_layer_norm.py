@@ -36,7 +36,7 @@ def write_out_embed_layer_norms(model: onnx.ModelProto) -> int:
         inputs = list(node.input) + [""] * (9 - len(node.input))
         outputs = list(node.output) + [""] * (3 - len(node.output))
         if node.op_type != "EmbedLayerNormalization" or node.domain != "com.microsoft" or (
-                not inputs[7] and (index.consumers.get(outputs[1]) or outputs[1] in index.outputs)):
+                not inputs[7] and outputs[1] and (index.consumers.get(outputs[1]) or outputs[1] in index.outputs)):
             nodes.append(node)  # without a mask there is nothing to count for a mask_index that is read
             continue
         ids, segments, word, position, segment, gamma, beta, mask, positions = inputs
