@@ -73,8 +73,7 @@ def _untyped_contrib_outputs(model: onnx.ModelProto) -> bool:
     """Whether a com.microsoft node's output has no inferred type: onnx's inference does not know
     onnxruntime's contrib ops (a fused Attention, SkipLayerNormalization, QAttention) and stops
     at them."""
-    typed = {v.name for v in [*model.graph.value_info, *model.graph.output]
-             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+    typed = elem_types(model)
     return any(name and name not in typed for node in model.graph.node if node.domain == "com.microsoft"
                for name in node.output)
 

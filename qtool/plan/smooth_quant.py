@@ -116,9 +116,9 @@ def _matmul_readers(index: GraphIndex, tensor: str) -> tuple[list[onnx.NodeProto
     weight of their own, and (weight, input-channel axis) of each; other readers are left out."""
     nodes, rows = [], []
     for node in index.consumers.get(tensor, []):
+        linear = node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx")
         fused = node.op_type == "Attention" and node.domain == "com.microsoft"  # Q/K/V weight [hidden, 3 x hidden]
-        if ((node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx")) and not fused
-                or node.input[0] != tensor):
+        if not (linear or fused) or node.input[0] != tensor:
             continue
         weight = node.input[1]
         if not _own(index, weight) or len(index.initializers[weight].dims) != 2:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import GraphIndex, node_label
+from qtool.graph.index import GraphIndex, attribute, node_label
 from qtool.prepare.graph_prep import default_opset
 
 REDUCE_AXES_INPUT_OPSET = 13  # ReduceSum takes its axes as an input from here on
@@ -33,10 +33,12 @@ def write_out_embed_layer_norms(model: onnx.ModelProto) -> int:
     opset = default_opset(model)
     nodes, constants, written = [], [], 0
     for node in graph.node:
+        if node.op_type != "EmbedLayerNormalization" or node.domain != "com.microsoft":
+            nodes.append(node)
+            continue
         inputs = list(node.input) + [""] * (9 - len(node.input))
         outputs = list(node.output) + [""] * (3 - len(node.output))
-        if node.op_type != "EmbedLayerNormalization" or node.domain != "com.microsoft" or (
-                not inputs[7] and outputs[1] and (index.consumers.get(outputs[1]) or outputs[1] in index.outputs)):
+        if not inputs[7] and outputs[1] and (index.consumers.get(outputs[1]) or outputs[1] in index.outputs):
             nodes.append(node)  # without a mask there is nothing to count for a mask_index that is read
             continue
         ids, segments, word, position, segment, gamma, beta, mask, positions = inputs
@@ -62,9 +64,8 @@ def write_out_embed_layer_norms(model: onnx.ModelProto) -> int:
                                       name=p + "_add"))
         if len(terms) == 3:
             nodes.append(helper.make_node("Add", [p + "_partial", terms[2]], [summed], name=p + "_add_segments"))
-        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-12)  # the op's default
         nodes.append(helper.make_node("LayerNormalization", [summed, gamma] + ([beta] if beta else []),
-                                      [outputs[0]], name=p, axis=-1, epsilon=epsilon))
+                                      [outputs[0]], name=p, axis=-1, epsilon=attribute(node, "epsilon", 1e-12)))
         if outputs[1]:
             counted = p + "_mask_int32"
             nodes.append(helper.make_node("Cast", [mask], [counted], name=counted, to=onnx.TensorProto.INT32))

@@ -19,7 +19,7 @@ from qtool.quantization.hard_activations import (FLOAT_NOTE, FOLD_NOTE, NOTE as 
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
-from qtool.graph.index import node_label, scoped_nodes
+from qtool.graph.index import attribute, node_label, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
 from qtool.plan.latency import enabled as latency_enabled
@@ -259,6 +259,10 @@ def _target_rewrites(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[s
     return notes
 
 
+SKIP_NOTE = ("{} SkipLayerNormalization node(s) written as Add and LayerNormalization, which onnxruntime's CPU "
+             "kernels run 4-7x faster (the same values within float rounding)")
+
+
 def _kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
     """onnxruntime's integer forms of hard-sigmoid/hard-swish (ort-cpu only; qtool.quantization.
     hard_activations), in place, and the model's written form (written_form); their notes."""
@@ -269,10 +273,6 @@ def _kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]
     split = written_form(qmodel, options)
     return [note.format(count) for note, count in ((HARD_NOTE, hard), (FOLD_NOTE, folded), (FLOAT_NOTE, floats),
                                                    (SKIP_NOTE, split)) if count]
-
-
-SKIP_NOTE = ("{} SkipLayerNormalization node(s) written as Add and LayerNormalization, which onnxruntime's CPU "
-             "kernels run 4-7x faster (the same values within float rounding)")
 
 
 def written_form(qmodel: onnx.ModelProto, options: QuantizeConfig) -> int:
@@ -304,13 +304,12 @@ def _split_skip_layer_norms(graph: onnx.GraphProto) -> int:
         beta, bias = (list(node.input[3:5]) + ["", ""])[:2]
         out, label = node.output[0], node_label(node)
         total = node.output[3] if len(node.output) > 3 and node.output[3] else out + "_skip_sum"
-        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-12)  # the op's default
         summed = total if not bias else out + "_skip"
         nodes.append(onnx.helper.make_node("Add", [data, skip], [summed], name=label + "_skip"))
         if bias:
             nodes.append(onnx.helper.make_node("Add", [summed, bias], [total], name=label + "_bias"))
         nodes.append(onnx.helper.make_node("LayerNormalization", [total, gamma] + ([beta] if beta else []), [out],
-                                           name=label, axis=-1, epsilon=epsilon))
+                                           name=label, axis=-1, epsilon=attribute(node, "epsilon", 1e-12)))
         split += 1
     if split:
         del graph.node[:]

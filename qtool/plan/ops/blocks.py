@@ -46,7 +46,9 @@ _SOFTMAX = ("Softmax", "LogSoftmax")
 # Transformer layers written as one op: ONNX's (LayerNormalization; opset 23's RMSNormalization and
 # Attention) and onnxruntime's fused com.microsoft ones, which its transformer optimizer and optimum
 # write into BERT-, GPT- and Llama-style graphs (an Attention op holds the Q/K/V projections; the
-# output and feed-forward projections stay MatMuls). None has an int8 rule: they stay float.
+# output and feed-forward projections stay MatMuls). None has an op rule: they stay float, but a
+# fused Attention's projection goes dynamic int8 with the MatMuls (qtool.plan.dynamic), and on ort-cpu
+# the model is written with SkipLayerNormalization and EmbedLayerNormalization as standard ops.
 NORM_OPS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
             "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization")
 ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
