@@ -1,7 +1,8 @@
 """Models derived from a model: extra outputs to read intermediate tensors (those inside If/Loop/
 Scan bodies too), or a sub-model of some of its nodes. Every stage that runs part of a graph
 (calibration, bias correction, adaptive rounding, per-layer error, sensitivity, verify-int) builds
-it here; the rewrites that leave nodes behind drop them here (drop_unread)."""
+it here; the rewrites set their node lists here (replace_nodes) and drop what they leave behind
+(drop_unread)."""
 
 from __future__ import annotations
 
@@ -149,6 +150,16 @@ def sub_model(model: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: list[
     return part
 
 
+def replace_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto],
+                  initializers: Iterable[onnx.TensorProto] = ()) -> None:
+    """A rewrite's result, in place: `graph`'s node list becomes `nodes` (in that order) and
+    `initializers` are added to its constants."""
+    nodes = list(nodes)  # may be built from graph.node itself
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(initializers)
+
+
 def drop_unread(graph: onnx.GraphProto) -> None:
     """Drop the nodes nothing reads any more (a replaced Q/DQ pair, a rewritten stem's
     SpaceToDepth), repeatedly, then the initializers nothing reads."""
@@ -158,8 +169,7 @@ def drop_unread(graph: onnx.GraphProto) -> None:
         kept = [n for n in graph.node if any(o in read for o in n.output)]
         if len(kept) == len(graph.node):
             break  # `read` is what the nodes kept read
-        del graph.node[:]
-        graph.node.extend(kept)
+        replace_nodes(graph, kept)
     if any(t.name not in read for t in graph.initializer):
         kept_inits = [t for t in graph.initializer if t.name in read]
         del graph.initializer[:]

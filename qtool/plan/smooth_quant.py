@@ -32,6 +32,7 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.errors import QtoolError
+from qtool.graph.edit import replace_nodes
 from qtool.graph.index import GraphIndex, attribute
 from qtool.plan.ops.blocks import layer_norm_chains
 
@@ -241,8 +242,7 @@ def _insert(model: onnx.ModelProto, inserted: Mapping[str, onnx.NodeProto]) -> N
     for node in model.graph.node:
         nodes.append(node)
         nodes.extend(inserted[name] for name in node.output if name in inserted)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    replace_nodes(model.graph, nodes)
 
 
 def _scale(tensor: onnx.TensorProto, factors: np.ndarray, axis: int) -> None:

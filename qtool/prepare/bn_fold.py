@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qtool.graph.edit import replace_nodes
 from qtool.graph.index import GraphIndex, attribute, names_read, set_attribute
 
 _FOLDABLE = ("Conv", "ConvTranspose", "Gemm")
@@ -87,8 +88,7 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
         drop.add(id(bn))
     if drop:
         keep = [n for n in graph.node if id(n) not in drop]
-        del graph.node[:]
-        graph.node.extend(keep)
+        replace_nodes(graph, keep)
         used = {name for node in graph.node for name in names_read(node)}
         kept = [t for t in graph.initializer if t.name in used or t.name in outputs]
         del graph.initializer[:]

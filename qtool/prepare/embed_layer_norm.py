@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool.graph.edit import replace_nodes
 from qtool.graph.index import GraphIndex, attribute, node_label
 from qtool.prepare.graph_prep import default_opset
 
@@ -78,7 +79,5 @@ def write_out_embed_layer_norms(model: onnx.ModelProto) -> int:
                                               axes=[1], keepdims=0))
         written += 1
     if written:
-        del graph.node[:]
-        graph.node.extend(nodes)
-        graph.initializer.extend(constants)
+        replace_nodes(graph, nodes, constants)
     return written

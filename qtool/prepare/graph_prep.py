@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import inliner, numpy_helper, version_converter
 
+from qtool.graph.edit import replace_nodes
 from qtool.graph.index import attribute, bodies, body_reads, names_read, scoped_nodes
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
@@ -107,8 +108,7 @@ def constants_to_initializers(model: onnx.ModelProto | onnx.GraphProto) -> None:
                 graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
                 continue
         keep.append(node)
-    del graph.node[:]
-    graph.node.extend(keep)
+    replace_nodes(graph, keep)
 
 
 # ops that only move or retype constant values: folded inside bodies
@@ -143,8 +143,7 @@ def fold_body_constants(model: onnx.ModelProto) -> None:
             keep.append(node)
             for _, body in bodies(node):
                 fold(body, known)
-        del graph.node[:]
-        graph.node.extend(keep)
+        replace_nodes(graph, keep)
         read = {name for node in graph.node for name in names_read(node)} | outputs
         used = [t for t in graph.initializer if t.name in read]
         del graph.initializer[:]
@@ -183,8 +182,7 @@ def remove_identities(model: onnx.ModelProto) -> None:
         for i, name in enumerate(node.input):
             if name in rename:
                 node.input[i] = rename[name]
-    del model.graph.node[:]
-    model.graph.node.extend(keep)
+    replace_nodes(model.graph, keep)
 
 
 def divisions_to_multiplications(model: onnx.ModelProto) -> None:

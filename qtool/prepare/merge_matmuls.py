@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool.graph.edit import replace_nodes
 from qtool.graph.index import GraphIndex, body_reads, node_label
 from qtool.prepare.graph_prep import default_opset
 
@@ -62,8 +63,7 @@ def merge_shared_input_matmuls(model: onnx.ModelProto, keep: Collection[str] = (
             added += group_inits
         elif id(node) not in gone:
             nodes.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    replace_nodes(model.graph, nodes)
     replaced = {m.matmul.input[1] for g in merged for m in g}
     replaced |= {m.bias_input for g in merged if _biased(g) for m in g}
     kept = [t for t in model.graph.initializer if t.name not in replaced]

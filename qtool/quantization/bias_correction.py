@@ -25,7 +25,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.data.dataset import Batch
-from qtool.graph.edit import array_input, sub_model, with_outputs
+from qtool.graph.edit import array_input, replace_nodes, sub_model, with_outputs
 from qtool.graph.index import GraphIndex, node_label
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import INT32_MAX
@@ -103,8 +103,7 @@ def _add_zero_biases(qmodel: onnx.ModelProto) -> list[_Target]:
         added.append(_Target(node_label(node), node.output[0], name, CHANNEL_AXIS["Conv"]))
     if head:
         nodes = head + list(qmodel.graph.node)
-        del qmodel.graph.node[:]
-        qmodel.graph.node.extend(nodes)
+        replace_nodes(qmodel.graph, nodes)
     return added
 
 

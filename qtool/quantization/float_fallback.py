@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.graph.edit import drop_unread
+from qtool.graph.edit import drop_unread, replace_nodes
 from qtool.graph.index import GraphIndex, node_label
 from qtool.plan.ops import rule_for
 from qtool.plan.dynamic import weighted_matmul
@@ -151,9 +151,7 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
             if source is not None and source.op_type == "DequantizeLinear":
                 nodes.append(float_guard(node, add_init))
         nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    graph.initializer.extend(added)
+    replace_nodes(graph, nodes, added)
     drop_unread(graph)
     return out
 
@@ -347,9 +345,7 @@ def _make_dynamic(graph: onnx.GraphProto, prepared: onnx.ModelProto, labels: set
             bias = fp32_inits[source.input[2]]
             source.input[2] = add_init(numpy_helper.to_array(bias), bias.name + FLOAT_SUFFIX)
         nodes.extend(rewriter.rewrite(source, weight))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    graph.initializer.extend(added)
+    replace_nodes(graph, nodes, added)
 
 
 def dynamic_candidates(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, pool: Collection[str]) -> list[str]:

@@ -44,7 +44,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.edit import drop_unread
+from qtool.graph.edit import drop_unread, replace_nodes
 from qtool.graph.index import GraphIndex, attribute, node_label
 
 OFFSET, GATE = "_int8_offset", "_int8_gate"  # suffixes of the rewritten nodes and tensors
@@ -130,9 +130,7 @@ def integer_forms(model: onnx.ModelProto) -> int:
             nodes.append(helper.make_node("Mul", [node.input[0], label + GATE], [node.output[0]], name=label))
         done += 1
     if done:
-        del graph.node[:]
-        graph.node.extend(nodes)
-        graph.initializer.extend(inits)
+        replace_nodes(graph, nodes, inits)
     return done
 
 
@@ -192,9 +190,7 @@ def folded_products(model: onnx.ModelProto) -> int:
     if before:
         nodes = [n for node in graph.node if id(node) not in gone
                  for n in ([before[id(node)], node] if id(node) in before else [node])]
-        del graph.node[:]
-        graph.node.extend(nodes)
-        graph.initializer.extend(inits)
+        replace_nodes(graph, nodes, inits)
         drop_unread(graph)
     return len(before)
 
@@ -255,7 +251,6 @@ def float_hard_sigmoids(model: onnx.ModelProto) -> int:
     if not replaced:
         return 0
     nodes = [n for node in graph.node for n in replaced.get(id(node), [] if id(node) in gone else [node])]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    replace_nodes(graph, nodes)
     drop_unread(graph)  # the block's constants
     return len(replaced)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
+from qtool.graph.edit import replace_nodes
 from qtool.graph.index import GraphIndex
 
 
@@ -57,5 +58,4 @@ def insert_on_codes(model: onnx.ModelProto, chain: InputChain, op_type: str, ext
                 reader.input[i] = chain.dq.output[0]
     nodes = list(model.graph.node)
     nodes.insert(nodes.index(chain.q) + 1, node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    replace_nodes(model.graph, nodes)

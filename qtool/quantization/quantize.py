@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Optional
 
 import onnx
 
+from qtool.graph.edit import replace_nodes
 from qtool.quantization.adaround import adaptive_rounding
 from qtool.quantization.bias_correction import correct_biases
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
@@ -312,6 +313,5 @@ def _split_skip_layer_norms(graph: onnx.GraphProto) -> int:
                                            name=label, axis=-1, epsilon=attribute(node, "epsilon", 1e-12)))
         split += 1
     if split:
-        del graph.node[:]
-        graph.node.extend(nodes)
+        replace_nodes(graph, nodes)
     return split

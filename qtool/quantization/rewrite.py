@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool.graph.edit import replace_nodes
 from qtool.table import qparams as qp
 from qtool.graph.index import bodies, made_in, matches, names_read, node_label, scoped_initializers
 from qtool.prepare.graph_prep import default_opset
@@ -238,8 +239,7 @@ def _install(graph: onnx.GraphProto, builder: "_Builder", new_nodes: list[onnx.N
     keep_inits = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep_inits + builder.initializers)
-    del graph.node[:]
-    graph.node.extend(builder.head + new_nodes)
+    replace_nodes(graph, builder.head + new_nodes)
 
 
 class _Constants:
