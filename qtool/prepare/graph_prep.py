@@ -18,6 +18,7 @@ from qtool.graph.edit import replace_nodes
 from qtool.graph.index import attribute, bodies, body_reads, names_read, scoped_nodes
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
+from qtool.prepare.fused_activations import write_out_fused_activations
 from qtool.errors import QtoolError
 
 MIN_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist
@@ -233,8 +234,11 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     constants_to_initializers(prepared)
     fold_body_constants(prepared)
     remove_identities(prepared)
+    fused = write_out_fused_activations(prepared, default_opset(prepared))
     fold_batchnorm(prepared)
     fold_affine(prepared)
     if divisions:
         divisions_to_multiplications(prepared)
-    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note) if n))
+    written = (f"{fused} onnxruntime FusedConv/FusedGemm node(s) written back as the Conv or Gemm and its "
+               f"activation, so that they are quantized") if fused else None
+    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note, written) if n))
