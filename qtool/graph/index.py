@@ -8,6 +8,7 @@ one scan; it is a snapshot, so a pass that edits the graph builds a new one afte
 from __future__ import annotations
 
 import fnmatch
+import heapq
 
 from typing import Iterable, Iterator, Optional
 
@@ -120,6 +121,45 @@ def set_attribute(node: onnx.NodeProto, name: str, value) -> None:
             attr.CopyFrom(made)
             return
     node.attribute.append(made)
+
+
+def replace_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto],
+                  initializers: Iterable[onnx.TensorProto] = ()) -> None:
+    """A rewrite's result, in place: `graph`'s node list becomes `nodes` (in that order) and
+    `initializers` are added to its constants."""
+    nodes = list(nodes)  # may be built from graph.node itself
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(initializers)
+
+
+def topological_order(graph: onnx.GraphProto) -> Optional[list[int]]:
+    """The positions of `graph`'s nodes in an order where each comes after the nodes whose outputs
+    it reads (its bodies' reads included), keeping the given order wherever it already holds; None
+    when no such order exists (a cycle, or a name made twice)."""
+    maker: dict[str, int] = {}
+    for k, node in enumerate(graph.node):
+        for name in node.output:
+            if name and maker.setdefault(name, k) != k:
+                return None
+    users: list[list[int]] = [[] for _ in graph.node]
+    waiting = []
+    for k, node in enumerate(graph.node):
+        makers = {maker[name] for name in names_read(node) if name in maker} - {k}
+        for j in makers:
+            users[j].append(k)
+        waiting.append(len(makers))
+    ready = [k for k, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for user in users[k]:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, user)
+    return order if len(order) == len(graph.node) else None
 
 
 def bodies(node: onnx.NodeProto) -> list[tuple[str, onnx.GraphProto]]:

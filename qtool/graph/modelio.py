@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError, EncodeError
 from qtool import atomic
 
 from qtool.graph import external_data
+from qtool.graph.index import replace_nodes, topological_order
 
 from qtool import interrupt
 from qtool.errors import QtoolError
@@ -81,6 +82,9 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     model = _read_proto(path)
     external_data.check_locations(model, path)
     external_data.load_data(model, path)
+    order = topological_order(model.graph)
+    if order is not None and order != sorted(order):  # onnxruntime sorts the nodes itself; the checker wants them sorted
+        replace_nodes(model.graph, [model.graph.node[k] for k in order])
     try:
         # over 2 GiB the file (its data is external) is checked in place rather than copied
         data = serialized(model)

@@ -32,8 +32,7 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.errors import QtoolError
-from qtool.graph.edit import replace_nodes
-from qtool.graph.index import GraphIndex, attribute
+from qtool.graph.index import GraphIndex, attribute, replace_nodes
 from qtool.plan.ops.blocks import layer_norm_chains
 
 SCALE_LIMITS = (1e-4, 1e4)  # keeps weights well inside float32 even for near-empty channels

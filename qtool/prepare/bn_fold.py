@@ -24,8 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.graph.edit import replace_nodes
-from qtool.graph.index import GraphIndex, attribute, names_read, set_attribute
+from qtool.graph.index import GraphIndex, attribute, names_read, replace_nodes, set_attribute
 
 _FOLDABLE = ("Conv", "ConvTranspose", "Gemm")
 

@@ -19,8 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.edit import replace_nodes
-from qtool.graph.index import attribute, node_label
+from qtool.graph.index import attribute, node_label, replace_nodes
 
 CLIP_INPUTS_OPSET = 11  # Clip takes min and max as inputs from here on
 # activation -> (standard op, its attribute names in the order FusedConv's activation_params lists them)

@@ -14,10 +14,10 @@ import numpy as np
 import onnx
 from onnx import inliner, numpy_helper, version_converter
 
-from qtool.graph.edit import replace_nodes
-from qtool.graph.index import attribute, bodies, body_reads, names_read, scoped_nodes
+from qtool.graph.index import attribute, bodies, body_reads, names_read, replace_nodes, scoped_nodes
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
+from qtool.prepare.float16 import widen_float16
 from qtool.prepare.fused_activations import write_out_fused_activations
 from qtool.errors import QtoolError
 
@@ -231,6 +231,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     prepared.CopyFrom(model)
     prepared, inlined = inline_functions(prepared, path)
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
+    halves = widen_float16(prepared)
     constants_to_initializers(prepared)
     fold_body_constants(prepared)
     remove_identities(prepared)
@@ -241,4 +242,6 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
         divisions_to_multiplications(prepared)
     written = (f"{fused} onnxruntime FusedConv/FusedGemm node(s) written back as the Conv or Gemm and its "
                f"activation, so that they are quantized") if fused else None
-    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note, written) if n))
+    half = (f"float16 model: quantized in float32 ({halves} float16 tensors, casts and graph inputs/outputs "
+            f"widened); its inputs and outputs keep their types") if halves else None
+    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note, half, written) if n))

@@ -23,8 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.edit import replace_nodes
-from qtool.graph.index import GraphIndex, body_reads, node_label
+from qtool.graph.index import GraphIndex, body_reads, node_label, replace_nodes
 from qtool.prepare.graph_prep import default_opset
 
 MERGED_SUFFIX = "_merged"

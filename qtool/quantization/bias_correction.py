@@ -25,8 +25,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.data.dataset import Batch
-from qtool.graph.edit import array_input, replace_nodes, sub_model, with_outputs
-from qtool.graph.index import GraphIndex, node_label
+from qtool.graph.edit import array_input, sub_model, with_outputs
+from qtool.graph.index import GraphIndex, node_label, replace_nodes
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import INT32_MAX
 from qtool.quantization.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX

@@ -40,8 +40,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.graph.edit import drop_unread, replace_nodes
-from qtool.graph.index import GraphIndex, node_label
+from qtool.graph.edit import drop_unread
+from qtool.graph.index import GraphIndex, node_label, replace_nodes
 from qtool.plan.ops import rule_for
 from qtool.plan.dynamic import weighted_matmul
 from qtool.plan.planner import QuantPlan

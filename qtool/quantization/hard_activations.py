@@ -44,8 +44,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.edit import drop_unread, replace_nodes
-from qtool.graph.index import GraphIndex, attribute, node_label
+from qtool.graph.edit import drop_unread
+from qtool.graph.index import GraphIndex, attribute, node_label, replace_nodes
 
 OFFSET, GATE = "_int8_offset", "_int8_gate"  # suffixes of the rewritten nodes and tensors
 NOTE = ("{} HardSigmoid/HardSwish node(s) between int8 tensors written as an Add whose QuantizeLinear clips "

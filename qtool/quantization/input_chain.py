@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from qtool.graph.edit import replace_nodes
-from qtool.graph.index import GraphIndex
+from qtool.graph.index import GraphIndex, replace_nodes
 
 
 @dataclass

@@ -9,7 +9,6 @@ from typing import Callable, Iterable, Optional
 
 import onnx
 
-from qtool.graph.edit import replace_nodes
 from qtool.quantization.adaround import adaptive_rounding
 from qtool.quantization.bias_correction import correct_biases
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
@@ -20,7 +19,7 @@ from qtool.quantization.hard_activations import (FLOAT_NOTE, FOLD_NOTE, NOTE as 
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
-from qtool.graph.index import attribute, node_label, scoped_nodes
+from qtool.graph.index import attribute, node_label, replace_nodes, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
 from qtool.plan.latency import enabled as latency_enabled

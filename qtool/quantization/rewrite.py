@@ -18,9 +18,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.edit import replace_nodes
 from qtool.table import qparams as qp
-from qtool.graph.index import bodies, made_in, matches, names_read, node_label, scoped_initializers
+from qtool.graph.index import bodies, made_in, matches, names_read, node_label, replace_nodes, scoped_initializers
 from qtool.prepare.graph_prep import default_opset
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
