@@ -24,6 +24,10 @@ def widen_float16(model: onnx.ModelProto) -> int:
     model without float16, left as it is)."""
     widened = _widen_graph(model.graph)
     graph = model.graph
+    constants = {t.name for t in graph.initializer}
+    for info in graph.input:  # an initializer listed among the inputs (IR < 4) is a constant, widened
+        if info.name in constants and info.type.tensor_type.elem_type == HALF:
+            info.type.tensor_type.elem_type = TensorProto.FLOAT
     inputs = [i for i in graph.input if i.type.tensor_type.elem_type == HALF]
     outputs = [o for o in graph.output if o.type.tensor_type.elem_type == HALF]
     if not (widened or inputs or outputs):

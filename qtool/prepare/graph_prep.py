@@ -2,7 +2,8 @@
 
 The same preparation runs before calibration and before quantization, so tensor
 names in the calibration table always match the graph being quantized. Every step
-is deterministic and keeps the model's outputs unchanged.
+is deterministic and keeps the model's outputs unchanged (a float16 model's, computed in float32,
+within float16 rounding).
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def divisions_to_multiplications(model: onnx.ModelProto) -> None:
 @dataclass(frozen=True)
 class Prepared:
     model: onnx.ModelProto
-    notes: tuple[str, ...] = ()  # functions inlined; what the opset step did (converted, or kept)
+    notes: tuple[str, ...] = ()  # functions inlined; the opset step (converted, or kept); float16 widened; fused ops
 
 
 def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
