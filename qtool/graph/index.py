@@ -133,6 +133,14 @@ def replace_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto],
     graph.initializer.extend(initializers)
 
 
+def rename_reads(nodes: Iterable[onnx.NodeProto], renamed: dict[str, str]) -> None:
+    """In place: each input of `nodes` named in `renamed` reads the name it maps to instead."""
+    for node in nodes:
+        for k, name in enumerate(node.input):
+            if name in renamed:
+                node.input[k] = renamed[name]
+
+
 def topological_order(graph: onnx.GraphProto) -> Optional[list[int]]:
     """The positions of `graph`'s nodes in an order where each comes after the nodes whose outputs
     it reads (its bodies' reads included), keeping the given order wherever it already holds; None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.graph.index import bodies, replace_nodes, scoped_nodes
+from qtool.graph.index import bodies, rename_reads, replace_nodes, scoped_nodes
 
 HALF = TensorProto.FLOAT16
 DTYPE_ATTRIBUTES = ("to", "dtype")  # Cast; EyeLike and the Random ops
@@ -33,19 +33,12 @@ def widen_float16(model: onnx.ModelProto) -> int:
     if not (widened or inputs or outputs):
         return 0
     renamed = {i.name: i.name + "_float32" for i in inputs}
-    for node in scoped_nodes(graph):
-        for k, name in enumerate(node.input):
-            if name in renamed:
-                node.input[k] = renamed[name]
     ends = {o.name: o.name + "_float32" for o in outputs}
     for node in graph.node:
         for k, name in enumerate(node.output):
             if name in ends:
                 node.output[k] = ends[name]
-    for node in scoped_nodes(graph):  # a graph output also read inside: read the widened tensor
-        for k, name in enumerate(node.input):
-            if name in ends:
-                node.input[k] = ends[name]
+    rename_reads(scoped_nodes(graph), {**renamed, **ends})  # a graph output also read inside: the widened one
     head = [helper.make_node("Cast", [i.name], [renamed[i.name]], name=i.name + "_to_float32", to=TensorProto.FLOAT)
             for i in inputs]
     tail = [helper.make_node("Cast", [ends[o.name]], [o.name], name=o.name + "_to_float16", to=HALF)

@@ -22,14 +22,14 @@ from onnx import helper, numpy_helper
 from qtool.graph.index import attribute, node_label, replace_nodes
 
 CLIP_INPUTS_OPSET = 11  # Clip takes min and max as inputs from here on
-# activation -> (standard op, its attribute names in the order FusedConv's activation_params lists them)
+# activation (the standard op of the same name) -> its parameters, in the order FusedConv's activation_params lists them
 ACTIVATIONS = {
-    "Relu": ("Relu", ()),
-    "Sigmoid": ("Sigmoid", ()),
-    "Tanh": ("Tanh", ()),
-    "LeakyRelu": ("LeakyRelu", ("alpha",)),
-    "HardSigmoid": ("HardSigmoid", ("alpha", "beta")),
-    "Clip": ("Clip", ("min", "max")),
+    "Relu": (),
+    "Sigmoid": (),
+    "Tanh": (),
+    "LeakyRelu": ("alpha",),
+    "HardSigmoid": ("alpha", "beta"),
+    "Clip": ("min", "max"),
 }
 OWN_ATTRIBUTES = {"activation", "activation_params", "activation_alpha", "activation_beta", "activation_gamma"}
 
@@ -57,7 +57,7 @@ def _written_out(node: onnx.NodeProto, opset: int, constants: list) -> Optional[
     kind = kind.decode() if isinstance(kind, bytes) else kind
     if kind not in ACTIVATIONS or (node.op_type == "FusedGemm" and kind == "Clip"):
         return None
-    op, names = ACTIVATIONS[kind]
+    names = ACTIVATIONS[kind]
     if node.op_type == "FusedConv":
         values = list(attribute(node, "activation_params", []))
     else:
@@ -78,7 +78,7 @@ def _written_out(node: onnx.NodeProto, opset: int, constants: list) -> Optional[
     if kind == "Clip" and opset >= CLIP_INPUTS_OPSET:
         bounds = [numpy_helper.from_array(np.array(v, np.float32), f"{out}_clip_{n}") for n, v in zip(names, values)]
         constants.extend(bounds)
-        result.append(helper.make_node(op, [before] + [b.name for b in bounds], [out], name=label + "_act"))
+        result.append(helper.make_node(kind, [before] + [b.name for b in bounds], [out], name=label + "_act"))
     else:
-        result.append(helper.make_node(op, [before], [out], name=label + "_act", **dict(zip(names, values))))
+        result.append(helper.make_node(kind, [before], [out], name=label + "_act", **dict(zip(names, values))))
     return result

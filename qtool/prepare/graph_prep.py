@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import inliner, numpy_helper, version_converter
 
-from qtool.graph.index import attribute, bodies, body_reads, names_read, replace_nodes, scoped_nodes
+from qtool.graph.index import attribute, bodies, body_reads, names_read, rename_reads, replace_nodes, scoped_nodes
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.prepare.float16 import widen_float16
@@ -180,10 +180,7 @@ def remove_identities(model: onnx.ModelProto) -> None:
             rename[node.output[0]] = rename.get(source, source)
             continue
         keep.append(node)
-    for node in keep:
-        for i, name in enumerate(node.input):
-            if name in rename:
-                node.input[i] = rename[name]
+    rename_reads(keep, rename)
     replace_nodes(model.graph, keep)
 
 
