@@ -44,6 +44,10 @@ class Target:
     # The code a symmetric activation range's amax maps to: 127 (scale amax/127, TensorRT), or
     # SYMMETRIC_HALF_GRID.
     symmetric_qmax: float = SYMMETRIC_HALF_GRID
+    # The graph's outputs computed in float by the ops after the last one whose integer kernel needs
+    # int8 output (qtool.plan.planner): onnxruntime and TensorRT run such a tail in float; the LiteRT
+    # spec quantizes every op's output, the model's outputs included.
+    float_outputs: bool = True
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -60,7 +64,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "per-channel weights", "TensorRT", symmetric_qmax=127.0),
     Target("litert", "int8", False, True, False,
            "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules",
-           "LiteRT"),
+           "LiteRT", float_outputs=False),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

@@ -199,7 +199,8 @@ def test_generic_task_on_a_two_input_two_output_model(tmp_path):
         assert list(figures) == ["cosine", "sqnr_db", "max_abs_error", "mean_abs_error"]
         assert figures["cosine"] > 0.99 and figures["sqnr_db"] > 25 and 0 < figures["mean_abs_error"]
         assert figures["mean_abs_error"] <= figures["max_abs_error"]
-    assert [t["tensor"] for t in doc["per_layer"]["tensors"]] == ["a", "b", "c", "s"]
+    # the Add, Relu and pool after the Conv compute the outputs in float: only a and c are int8
+    assert [t["tensor"] for t in doc["per_layer"]["tensors"]] == ["a", "c"]
     assert "y1: SQNR" in result.stdout and "y2: abs error max / mean" in result.stdout
 
 

@@ -183,3 +183,21 @@ def test_models_over_the_protobuf_limit(tmp_path, monkeypatch):
                                      "--runs", "1"])
     assert evaluated.exit_code == 0, evaluated.output
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporaries left
+
+
+def test_shared_weights_leave_an_initializer_no_node_reads_in_the_graph():
+    """onnxruntime drops an initializer no node reads before it resolves the shared ones, then fails
+    to find it ("Failed to find existing initializer"): such a tensor is not shared."""
+    from qtool.graph.runtime import SharedWeights, create_session
+
+    w = np.random.default_rng(0).normal(0, 1, (64, 64)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w * 2, "unread")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    weights = SharedWeights(model)
+    assert set(weights.values) == {"w"}
+    x = np.ones((1, 64), np.float32)
+    np.testing.assert_allclose(create_session(weights.light, weights=weights).run(None, {"x": x})[0], x @ w,
+                               rtol=1e-5)

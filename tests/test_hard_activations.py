@@ -23,7 +23,9 @@ PLAIN = QuantizeConfig(latency_aware="off")
 
 
 def _model(rng) -> onnx.ModelProto:
-    """x -> conv1 -> HardSwish -> conv2 -> c; c * HardSigmoid(c) (alpha 0.2: Paddle's form) -> Sigmoid"""
+    """x -> conv1 -> HardSwish -> conv2 -> c; c * HardSigmoid(c) (alpha 0.2: Paddle's form) -> Softsign
+    (a float op, as the rest of a model would be: so the gate is not among the ops that compute the
+    graph's output in float)"""
     inits = [graphs.init("w1", rng.normal(0, 0.4, (8, 3, 3, 3)).astype(np.float32)),
              graphs.init("b1", rng.normal(0, 0.3, 8).astype(np.float32)),
              graphs.init("w2", rng.normal(0, 0.3, (8, 8, 3, 3)).astype(np.float32))]
@@ -32,7 +34,7 @@ def _model(rng) -> onnx.ModelProto:
              helper.make_node("Conv", ["h", "w2"], ["c"], name="conv2", pads=[1, 1, 1, 1]),
              helper.make_node("HardSigmoid", ["c"], ["g"], name="hsig", alpha=0.2, beta=0.5),
              helper.make_node("Mul", ["c", "g"], ["m"], name="gate"),
-             helper.make_node("Sigmoid", ["m"], ["y"], name="out")]
+             helper.make_node("Softsign", ["m"], ["y"], name="out")]
     return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)], inits)
 
 
@@ -76,9 +78,10 @@ def test_the_float_form_is_kept_for_the_search_and_both_forms_agree(quantized):
     assert ops["HardSwish"] == ops["HardSigmoid"] == 1 and not any(n.name.endswith(OFFSET) for n in plain.graph.node)
     fp32, integer, floats = _run(str(path), data), _run(graph.model, data), _run(plain, data)
     np.testing.assert_array_equal(integer, _run(result.model, data))
-    # a gate's rounding apart: a few values one code of m apart (about 0.05 after the Sigmoid), most equal
+    # a gate's rounding apart: a few values a code or two of m apart (no more after the Softsign), most equal
     differ = np.abs(integer - floats)
-    assert differ.max() < 0.1 and np.count_nonzero(differ) < 0.1 * differ.size
+    code = result.table.tensors["m"].qparams.scale
+    assert differ.max() <= 2 * code and np.count_nonzero(differ) < 0.1 * differ.size, (differ.max(), code)
     cosine = lambda a, b: float(a.ravel() @ b.ravel() / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
     assert abs(cosine(fp32, integer) - cosine(fp32, floats)) < 1e-3
     again = onnx.ModelProto()

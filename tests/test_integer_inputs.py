@@ -22,10 +22,12 @@ VOCAB, DIM, HIDDEN = 50, 16, 8
 LENGTHS = [5, 9, 5, 7, 12, 3, 9, 6]
 
 
-def _encoder(rng, vocab=VOCAB, tied_output=False) -> onnx.ModelProto:
+def _encoder(rng, vocab=VOCAB, tied_output=False, then_float=False) -> onnx.ModelProto:
     """ids int64 [N,S] (+ 0, an int64 Add) -> Gather(table) -> Where(mask) -> MatMul+Add -> * Cast(mask)
     -> y [N,S,H]; also lengths = ReduceSum(Cast(mask, int64)) * 1 (an int64 Mul) as an int64 output.
-    tied_output: the table is read by a MatMul as well (logits over the vocabulary)."""
+    tied_output: the table is read by a MatMul as well (logits over the vocabulary). then_float: y goes
+    through a float op (no int8 rule), as through the rest of a model, so that the ops before it are
+    int8 (otherwise the bias Add and the mask Mul compute the graph's output in float)."""
     table = rng.normal(0, 0.5, (vocab, DIM)).astype(np.float32)
     w = rng.normal(0, 0.3, (DIM, HIDDEN)).astype(np.float32)
     b = rng.normal(0, 0.1, HIDDEN).astype(np.float32)
@@ -37,11 +39,13 @@ def _encoder(rng, vocab=VOCAB, tied_output=False) -> onnx.ModelProto:
         helper.make_node("MatMul", ["masked", "w"], ["mm"], name="mm"),
         helper.make_node("Add", ["mm", "b"], ["h"], name="bias"),
         helper.make_node("Cast", ["mask3"], ["maskf"], name="maskf", to=TensorProto.FLOAT),
-        helper.make_node("Mul", ["h", "maskf"], ["y"], name="apply_mask"),
+        helper.make_node("Mul", ["h", "maskf"], ["y0" if then_float else "y"], name="apply_mask"),
         helper.make_node("Cast", ["mask"], ["mask_i"], name="mask_i", to=TensorProto.INT64),
         helper.make_node("ReduceSum", ["mask_i", "one"], ["sums"], name="sums", keepdims=0),
         helper.make_node("Mul", ["sums", "one"], ["lengths"], name="lengths"),
     ]
+    if then_float:
+        nodes.append(helper.make_node("Softsign", ["y0"], ["y"], name="next"))
     outputs = [graphs.tensor("y", ["N", "S", HIDDEN]), graphs.tensor("lengths", ["N"], TensorProto.INT64)]
     inits = [graphs.init("table", table), graphs.init("w", w), graphs.init("b", b),
              graphs.init("last", np.array([-1], np.int64)), graphs.init("one", np.array([1], np.int64)),
@@ -173,12 +177,12 @@ def test_embedding_table_stays_float_when_not_only_gathered_or_excluded(tmp_path
 
 def test_in_memory_integer_samples_of_varying_length(tmp_path):
     path = tmp_path / "model.onnx"
-    onnx.save(_encoder(np.random.default_rng(0)), path)
+    onnx.save(_encoder(np.random.default_rng(0), then_float=True), path)
     rng = np.random.default_rng(2)
     samples = [{"ids": rng.integers(0, VOCAB, (n,)).astype(np.int64), "mask": np.ones(n, bool)} for n in LENGTHS]
     table = api.calibrate(path, samples, progress=False)
     assert table.num_samples == len(LENGTHS)
-    assert set(table.tensors) == {"masked", "mm", "h", "maskf"}  # float tensors only, never ids or masks
+    assert set(table.tensors) == {"masked", "mm", "h", "maskf", "y0"}  # float tensors only, never ids or masks
     assert table.tensors["maskf"].min == table.tensors["maskf"].max == 1.0
 
 

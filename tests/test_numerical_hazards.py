@@ -63,12 +63,13 @@ def _conv(name_in: str, name_out: str, weight: np.ndarray, bias: np.ndarray, pre
 
 
 def test_nan_and_inf_activations_are_reported_and_excluded(tmp_path):
-    # log(x) is -inf at 0 and NaN below; 1/x is +-inf at 0. Both feed quantized ops.
+    # log(x) is -inf at 0 and NaN below; 1/x is +-inf at 0. Both feed quantized ops. (A float op
+    # reads the sum, as the rest of a model would: otherwise the Add computes the output in float.)
     weight = np.ones((2, 2, 1, 1), np.float32)
     conv, inits = _conv("log", "c", weight, np.zeros(2), "")
     nodes = [helper.make_node("Log", ["x"], ["log"]), *conv,
              helper.make_node("Div", ["one", "x"], ["inv"]), helper.make_node("Relu", ["inv"], ["r"]),
-             helper.make_node("Add", ["c", "r"], ["y"])]
+             helper.make_node("Add", ["c", "r"], ["s"]), helper.make_node("Softsign", ["s"], ["y"])]
     inits.append(numpy_helper.from_array(np.array(1.0, np.float32), "one"))
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 4, 4])
     model = _model(nodes, [x_info], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 4, 4])],

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
@@ -155,3 +155,43 @@ def test_int8_model_runs_integer_kernels_in_onnxruntime(tmp_path):
     ort.InferenceSession(result.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(optimized).graph.node]
     assert "QLinearConv" in ops and "Conv" not in ops
+
+
+def _tail_model(rng):
+    """x -> Conv -> Sigmoid -> ReduceMean -> Flatten -> y, and x -> Conv -> Flatten -> Gemm -> Reshape -> z:
+    what a detector or VAD head and a classifier head hand to the graph's outputs."""
+    w = rng.normal(0, 0.3, (8, 4, 3, 3)).astype(np.float32)
+    g = rng.normal(0, 0.2, (6, 8 * 6 * 6)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid"),
+             helper.make_node("ReduceMean", ["s"], ["r"], name="mean", axes=[2, 3], keepdims=0),
+             helper.make_node("Flatten", ["r"], ["y"], name="flatten_y"),
+             helper.make_node("Flatten", ["c"], ["f"], name="flatten_c"),
+             helper.make_node("Gemm", ["f", "g"], ["m"], name="gemm", transB=1),
+             helper.make_node("Reshape", ["m", "shape"], ["z"], name="reshape")]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 4, 6, 6])], [graphs.tensor("y", None), graphs.tensor("z", None)],
+                        [graphs.init("w", w), graphs.init("g", g), graphs.init("shape", np.array([-1, 2, 3]))])
+
+
+def test_the_ops_after_the_last_int8_output_compute_the_graph_outputs_in_float(tmp_path):
+    """No Q/DQ between the last op whose integer kernel writes int8 (the Conv) and the graph's outputs:
+    the Sigmoid and ReduceMean run in float on the Conv's dequantized output instead of rounding the
+    probabilities to 1/256, and the Gemm's integer kernel writes float. LiteRT's spec quantizes them."""
+    m = _tail_model(np.random.default_rng(0))
+    path, result, table = _quantize(tmp_path, m, (4, 6, 6))
+    quantized = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert quantized == {"x", "c", "f"}, quantized  # f: the Gemm's input, on the Conv's grid
+    assert {"s", "r", "m"}.isdisjoint(table.tensors) and "g" in result.plan.weights
+    x = np.random.default_rng(1).normal(0, 1, (4, 4, 6, 6)).astype(np.float32)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(result.model)
+    probe.graph.output.append(onnx.ValueInfoProto(name="c" + DQ_SUFFIX))
+    sess = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    y, z, c = sess.run(None, {"x": x})
+    # y is the float Sigmoid and mean of the Conv's dequantized int8 output, unrounded
+    np.testing.assert_allclose(y, (1 / (1 + np.exp(-c.astype(np.float64)))).mean(axis=(2, 3)), atol=1e-6)
+    ref_z = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[1]
+    assert sqnr_db(float(np.sum(ref_z.astype(np.float64) ** 2)), float(np.sum((ref_z - z).astype(np.float64) ** 2))) > 25
+    _, litert, _ = _quantize(tmp_path, m, (4, 6, 6), QuantizeConfig(target="litert", activation_dtype="int8"))
+    quantized = {n.input[0] for n in litert.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert {"s", "r"} <= quantized, quantized

@@ -87,6 +87,42 @@ def test_lstm_becomes_dynamic_quantize_lstm_with_int8_weights_per_gate_column(tm
     assert min(_cosines(model, qmodel, np.random.default_rng(2))) > 0.9997
 
 
+def test_lstm_weights_built_from_slices_in_the_main_graph_are_folded_and_go_int8(tmp_path):
+    """W and R as torch's LSTM export builds them once a tool has inlined the If branch holding them
+    (silero VAD's OpenVINO export): each gate sliced out of a stored tensor, concatenated back and
+    unsqueezed, in the main graph. Folded on loading, they are constants and the LSTM goes int8. An
+    initializer no node reads (which onnxruntime drops before it resolves shared weights) is dropped."""
+    model = _recurrent_model("LSTM", np.random.default_rng(0), tail=True)
+    graph = model.graph
+    stored = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    built = []
+    for name in ("W", "R"):
+        full = stored[name][::-1].copy()  # stored with the directions swapped: Slice puts them back
+        graph.initializer.remove(next(t for t in graph.initializer if t.name == name))
+        graph.initializer.extend([numpy_helper.from_array(full, f"{name}_stored"),
+                                  numpy_helper.from_array(np.array([1]), f"{name}_s0"),
+                                  numpy_helper.from_array(np.array([2]), f"{name}_e0"),
+                                  numpy_helper.from_array(np.array([0]), f"{name}_s1"),
+                                  numpy_helper.from_array(np.array([1]), f"{name}_e1"),
+                                  numpy_helper.from_array(np.array([0]), f"{name}_axis")])
+        built += [helper.make_node("Slice", [f"{name}_stored", f"{name}_s{i}", f"{name}_e{i}", f"{name}_axis"],
+                                   [f"{name}_{i}"], name=f"slice_{name}_{i}") for i in (0, 1)]
+        built += [helper.make_node("Concat", [f"{name}_0", f"{name}_1"], [f"{name}_cat"], name=f"cat_{name}", axis=0),
+                  helper.make_node("Squeeze", [f"{name}_cat"], [f"{name}_flat"], name=f"flat_{name}"),
+                  helper.make_node("Reshape", [f"{name}_flat", f"{name}_shape"], [name], name=f"shape_{name}")]
+        graph.initializer.append(numpy_helper.from_array(np.array(stored[name].shape), f"{name}_shape"))
+    graph.initializer.append(numpy_helper.from_array(np.zeros((64, 64), np.float32), "never_read"))
+    nodes = built + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    qmodel, output = _quantize(tmp_path, model)
+    ops = [n.op_type for n in qmodel.graph.node]
+    assert ops.count("DynamicQuantizeLSTM") == 1 and not {"LSTM", "Slice", "Concat"} & set(ops), ops
+    assert "never_read" not in {t.name for t in qmodel.graph.initializer}
+    assert min(_cosines(model, qmodel, np.random.default_rng(2))) > 0.9997
+
+
 def test_lstm_without_per_channel_weights_has_one_scale_per_direction(tmp_path):
     model = _recurrent_model("LSTM", np.random.default_rng(0))
     config = tmp_path / "per_tensor.yaml"

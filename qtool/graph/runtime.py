@@ -10,6 +10,7 @@ import onnx
 import onnxruntime as ort
 
 from qtool.graph import modelio
+from qtool.graph.index import names_read
 from qtool.errors import QtoolError
 
 
@@ -67,9 +68,13 @@ class SharedWeights:
         _copy_fields(model.graph, self.light.graph, skip="initializer")
         self.arrays: dict[str, object] = {}
         self.values: dict[str, ort.OrtValue] = {}
+        # onnxruntime drops an initializer no node reads before it resolves the shared ones, and
+        # then fails to find it ("Failed to find existing initializer"): those stay in the graph
+        read = {name for node in model.graph.node for name in names_read(node)}
+        read |= {o.name for o in model.graph.output}
         for tensor in model.graph.initializer:
             if (tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type not in self._PLAIN_TYPES
-                    or tensor.ByteSize() < self.MIN_BYTES):
+                    or tensor.ByteSize() < self.MIN_BYTES or tensor.name not in read):
                 self.light.graph.initializer.append(tensor)
                 continue
             array = numpy_helper.to_array(tensor)

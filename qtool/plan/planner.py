@@ -184,10 +184,11 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             fused.add(out)
 
     quantized, ordered = scope.quantized, scope.ordered
+    tail = _float_tail(nodes, rules, ctx, fused) if TARGETS[options.target].float_outputs else set()
 
     def want(name: str) -> None:
         if (name and name not in quantized and ctx.is_float(name) and not ctx.is_constant(name) and name not in fused
-                and name not in blocks.tensors):
+                and name not in blocks.tensors and name not in tail):
             quantized.add(name)
             ordered.append(name)
 
@@ -204,6 +205,9 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             plan.quantized_nodes.append(label)
             continue
         inputs = [i for i in range(len(node.input))] if rule.activations is None else list(rule.activations)
+        if rule.weight is None and all(o in tail or o in ctx.outputs for o in _planned_outputs(node, rule)):
+            plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")  # it computes the outputs in float
+            continue
         if rule.output == "tie":
             data = [node.input[i] for i in inputs if i < len(node.input) and node.input[i]]
             producer_quantized = any(name in quantized or _produced_by_quantized(name, ctx, rules, nodes)
@@ -214,7 +218,7 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
         _plan_node(node, rule, inputs, ctx, plan, want, fused, per_channel)
         # A tie op's every float output (Split has several) shares the input's parameters;
         # other ops quantize their first output (MaxPool's second one is int64 indices).
-        outputs = [o for o in node.output if o] if rule.output == "tie" else list(node.output[:1])
+        outputs = _planned_outputs(node, rule)
         tied_inputs = [n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized]
         tied_outputs = []
         for out in outputs:
@@ -314,6 +318,43 @@ def _row_gather(node: onnx.NodeProto, table: str, ctx: GraphIndex, options: Quan
             and node.input[0] == table and node.input[1] != table and not ctx.is_constant(node.input[1])
             and attribute(node, "axis", 0) in (0, -ctx.rank(table))
             and not _excluded(node, options) and (only is None or node_label(node) in only))
+
+
+def _planned_outputs(node: onnx.NodeProto, rule: OpRule) -> list[str]:
+    """The outputs a rule quantizes: a tie op's every float output (Split has several), another
+    op's first (MaxPool's second one is int64 indices)."""
+    return [o for o in node.output if o] if rule.output == "tie" else list(node.output[:1])
+
+
+def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: Collection[str]) -> set[str]:
+    """Tensors that lead only to the graph's outputs, computed by ops that need no int8 output:
+    they get no Q/DQ, and the ops between them and the outputs run in float on dequantized inputs.
+    A Q/DQ pair there would only round what the model returns (a probability below 1/512 read as 0,
+    a box coordinate rounded to a step of its range) while sparing a float kernel on a tensor that
+    nothing but movement or elementwise ops follow. A tensor is in the tail when every reader is an
+    op of that kind whose outputs are graph outputs or in the tail, and its producer is not an op
+    whose integer kernel writes int8 only (Conv, ConvTranspose, or the activation fused with one):
+    a Conv's output keeps its Q, and a Gemm's or MatMul's integer kernel writes float."""
+    position = {name: i for i, node in enumerate(nodes) for name in node.output}
+
+    def settled(node: onnx.NodeProto, rule: OpRule) -> bool:
+        return all(o in tail or o in ctx.outputs for o in _planned_outputs(node, rule))
+
+    def float_reader(node: onnx.NodeProto) -> bool:
+        rule = rules.get(position.get(node.output[0], -1)) if node.output else None
+        return rule is not None and rule.kernel is None and rule.weight is None and settled(node, rule)
+
+    tail: set[str] = set()
+    for index in reversed(range(len(nodes))):
+        node, rule = nodes[index], rules.get(index)
+        if (rule is None or rule.kernel is not None or (rule.weight is not None and not rule.float_output)
+                or (rule.fusable_activation and node.input[0] in fused)):
+            continue
+        for out in _planned_outputs(node, rule):
+            readers = ctx.consumers.get(out, [])
+            if out not in ctx.outputs and readers and all(float_reader(r) for r in readers):
+                tail.add(out)
+    return tail
 
 
 def _produced_by_quantized(name: str, ctx: GraphIndex, rules: dict[int, OpRule], nodes: list) -> bool:

@@ -9,7 +9,7 @@ within float16 rounding).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 import numpy as np
 import onnx
@@ -113,28 +113,56 @@ def constants_to_initializers(model: onnx.ModelProto | onnx.GraphProto) -> None:
     replace_nodes(graph, keep)
 
 
-# ops that only move or retype constant values: folded inside bodies
+# ops that only move or retype constant values: folded inside bodies, and in the main graph
+# where they build a float tensor
 _MOVEMENT_OPS = ("Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Transpose", "Cast", "Gather", "Identity")
+_LARGE_BYTES = 1024  # a constant this large is not copied by folding a move of it in the main graph
 
 
-def fold_body_constants(model: onnx.ModelProto) -> None:
-    """Inside If/Loop/Scan bodies, Constant nodes become the body's initializers and movement ops
-    on constants alone are computed once. A layer's weights in a body are often built that way
-    (torch's LSTM export slices the gates of its outer-scope weights and concatenates them again
-    in each branch); folded, the planner sees them constant, as the main graph's are after export."""
-    from onnx.reference import ReferenceEvaluator  # here: its import takes 0.1 s, and only bodies need it
+def fold_constant_moves(model: onnx.ModelProto) -> None:
+    """Movement ops on constants alone are computed once: inside If/Loop/Scan bodies (whose Constant
+    nodes become the body's initializers), and in the main graph where they build a float tensor.
+    A layer's weights are often built that way: torch's LSTM export slices the gates of its weights
+    and concatenates them again, in each If branch or, once a tool has inlined the branch, in the main
+    graph. Folded, the planner sees them constant, as it sees stored weights. The main graph's integer
+    shape computations are left as exported, and so is a move that would store a large tensor twice
+    (a tied embedding table, gathered and transposed for the output layer)."""
+    from onnx.reference import ReferenceEvaluator  # here: its import takes 0.1 s, and only folding needs it
 
     opsets = list(model.opset_import)
 
-    def fold(graph: onnx.GraphProto, outer: dict[str, onnx.TensorProto]) -> None:
-        constants_to_initializers(graph)
+    def builds_float(node: onnx.NodeProto, known: dict[str, onnx.TensorProto]) -> bool:
+        if node.op_type == "Cast":
+            return attribute(node, "to", 0) == onnx.TensorProto.FLOAT
+        return known[node.input[0]].data_type == onnx.TensorProto.FLOAT
+
+    def foldable(node: onnx.NodeProto, known: Collection[str], outputs: set[str]) -> bool:
+        inputs = [name for name in node.input if name]
+        return (node.op_type in _MOVEMENT_OPS and node.domain in ("", "ai.onnx") and bool(inputs)
+                and all(name in known for name in inputs) and not any(o in outputs for o in node.output))
+
+    def shared_large(graph: onnx.GraphProto, outputs: set[str]) -> set[str]:
+        """Large initializers that a node other than a foldable move reads: folding would copy them."""
+        known, moves = {t.name for t in graph.initializer}, set()
+        for index, node in enumerate(graph.node):
+            if foldable(node, known, outputs):
+                moves.add(index)
+                known |= set(node.output)
+        large = {t.name for t in graph.initializer if t.ByteSize() >= _LARGE_BYTES}
+        return {name for index, node in enumerate(graph.node) if index not in moves
+                for name in names_read(node) if name in large}
+
+    def fold(graph: onnx.GraphProto, outer: dict[str, onnx.TensorProto], main: bool) -> None:
+        if not main:
+            constants_to_initializers(graph)
         known = {**outer, **{t.name: t for t in graph.initializer}}
         outputs = {o.name for o in graph.output}
+        shared = shared_large(graph, outputs) if main else set()
         keep = []
         for node in graph.node:
             inputs = [name for name in node.input if name]
-            if (node.op_type in _MOVEMENT_OPS and node.domain in ("", "ai.onnx") and inputs
-                    and all(name in known for name in inputs) and not any(o in outputs for o in node.output)):
+            if (foldable(node, known, outputs)
+                    and (not main or (builds_float(node, known) and not shared.intersection(inputs)))):
                 part = onnx.helper.make_model(onnx.helper.make_graph(
                     [node], "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in node.output],
                     [known[name] for name in dict.fromkeys(inputs)]), opset_imports=opsets)
@@ -144,24 +172,17 @@ def fold_body_constants(model: onnx.ModelProto) -> None:
                 continue
             keep.append(node)
             for _, body in bodies(node):
-                fold(body, known)
+                fold(body, known, main=False)
         replace_nodes(graph, keep)
-        read = {name for node in graph.node for name in names_read(node)} | outputs
+        # an initializer only folded ops read is read by nothing now, nor is one the model never read:
+        # it goes (a graph input's stays)
+        read = ({name for node in graph.node for name in names_read(node)} | outputs
+                | {i.name for i in graph.input})
         used = [t for t in graph.initializer if t.name in read]
         del graph.initializer[:]
         graph.initializer.extend(used)
 
-    top = {t.name: t for t in model.graph.initializer}
-    in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
-    for node in model.graph.node:
-        for _, body in bodies(node):
-            fold(body, top)
-    # an outer initializer only the folded ops read is read by nothing now: it goes
-    read = {name for node in model.graph.node for name in names_read(node)} | {o.name for o in model.graph.output}
-    kept = [t for t in model.graph.initializer if t.name not in in_bodies or t.name in read]
-    if len(kept) < len(model.graph.initializer):
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(kept)
+    fold(model.graph, {}, main=True)
 
 
 def remove_identities(model: onnx.ModelProto) -> None:
@@ -231,7 +252,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
     halves = widen_float16(prepared)
     constants_to_initializers(prepared)
-    fold_body_constants(prepared)
+    fold_constant_moves(prepared)
     remove_identities(prepared)
     fused = write_out_fused_activations(prepared, default_opset(prepared))
     fold_batchnorm(prepared)

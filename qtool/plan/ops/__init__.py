@@ -58,6 +58,10 @@ class OpRule:
     # A compute op whose output may flow straight into a following activation (Conv -> Relu):
     # runtimes fuse the pair, so no Q/DQ belongs between them.
     absorbs_activation: bool = False
+    # A weighted op whose integer kernel can also write float (onnxruntime's QGemm and
+    # MatMulIntegerToFloat, TensorRT's layers): an output it delivers to the graph's outputs needs
+    # no Q/DQ. Conv's kernel writes int8 only, so its output keeps them.
+    float_output: bool = False
     # An activation that a preceding compute op can absorb (Relu, Clip).
     fusable_activation: bool = False
     # Extra condition on the node (e.g. Clip with constant bounds only).

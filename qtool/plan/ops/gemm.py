@@ -15,4 +15,4 @@ def _plain_gemm(node, ctx) -> bool:
 
 
 register(OpRule("Gemm", activations=(0,), weight=1, weight_axis=_gemm_axis, bias=2,
-                absorbs_activation=True, applies=_plain_gemm))
+                absorbs_activation=True, float_output=True, applies=_plain_gemm))

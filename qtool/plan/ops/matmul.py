@@ -4,4 +4,4 @@ non-constant B is an activation quantized per tensor like A."""
 from qtool.plan.ops import OpRule, register
 
 register(OpRule("MatMul", activations=(0, 1), weight=1, weight_axis=lambda node, rank: rank - 1,
-                absorbs_activation=True))
+                absorbs_activation=True, float_output=True))
