@@ -12,9 +12,10 @@ served them). A type goes float when that is faster by more than MARGIN (noise o
 machine must not flip a choice), greedily, cheap elementwise types before weighted ones. The
 greedy pass runs again while it makes a choice (once a weighted type is float, the elementwise
 ops around it are worth another try). If the model is then still slower than fp32, each weighted
-type is tried once more together with every elementwise type: the Q/DQ pairs around a small
-classifier's Conv -> HardSigmoid -> Mul blocks go only when all of them are float, so no single
-type measures faster alone. The last weighted op type (Conv, Gemm, MatMul, LSTM) is
+type is tried once more together with every elementwise type, and the elementwise types are
+tried together alone (the weighted type may have gone float on its own already): the Q/DQ pairs
+around a small classifier's Conv -> HardSigmoid -> Mul blocks go only when all of them are float,
+so no single type measures faster alone. The last weighted op type (Conv, Gemm, MatMul, LSTM) is
 never sent back: `quantize` writes an int8 model; if what is left still runs slower than the
 fp32 graph, a note says so with the times (keep the fp32 model where speed matters). The choice is
 cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
@@ -48,7 +49,7 @@ MARGIN = 0.05  # a float candidate must be this much faster than the int8 model 
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
-VERSION = 7  # of the decision procedure and of the int8 forms it times; part of the cache key
+VERSION = 8  # of the decision procedure and of the int8 forms it times; part of the cache key
 
 # {name: model} -> median seconds per run of each per feed set (batch 1, then the batch), timed together
 Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
@@ -193,11 +194,15 @@ def _decide(fp32: onnx.ModelProto, by_type: dict[str, list[str]], build: Callabl
                     lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
     # still slower than fp32: one op type at a time can miss it when the Q/DQ pairs around a
     # weighted type only go with the elementwise ops beside it (a small classifier's Conv ->
-    # HardSigmoid -> Mul blocks); try each weighted type together with every elementwise type
-    for op_type in sorted(weighted - set(float_types)) if slower else ():
-        if weighted <= {*float_types, op_type}:
+    # HardSigmoid -> Mul blocks); try each weighted type together with every elementwise type, and
+    # every elementwise type alone (the weighted type may have gone float already, on its own)
+    for op_type in [*sorted(weighted - set(float_types)), None] if slower else ():
+        if op_type is not None and weighted <= {*float_types, op_type}:
             continue
-        group = [t for t in by_type if t not in float_types and t not in weighted and not _movement(t)] + [op_type]
+        group = [t for t in by_type if t not in float_types and t not in weighted and not _movement(t)]
+        group += [op_type] if op_type is not None else []
+        if not group:
+            continue
         try:
             candidate = build(kept + [label for t in group for label in by_type[t]])
             faster = _twice(measure, {"int8": current, "float": candidate},
