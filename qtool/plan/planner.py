@@ -326,34 +326,60 @@ def _planned_outputs(node: onnx.NodeProto, rule: OpRule) -> list[str]:
     return [o for o in node.output if o] if rule.output == "tie" else list(node.output[:1])
 
 
-def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: Collection[str]) -> set[str]:
-    """Tensors that lead only to the graph's outputs, computed by ops that need no int8 output:
-    they get no Q/DQ, and the ops between them and the outputs run in float on dequantized inputs.
-    A Q/DQ pair there would only round what the model returns (a probability below 1/512 read as 0,
-    a box coordinate rounded to a step of its range) while sparing a float kernel on a tensor that
-    nothing but movement or elementwise ops follow. A tensor is in the tail when every reader is an
-    op of that kind whose outputs are graph outputs or in the tail, and its producer is not an op
-    whose integer kernel writes int8 only (Conv, ConvTranspose, or the activation fused with one):
-    a Conv's output keeps its Q, and a Gemm's or MatMul's integer kernel writes float."""
-    position = {name: i for i, node in enumerate(nodes) for name in node.output}
+_CONTROL_FLOW = ("If", "Loop", "Scan")
 
-    def settled(node: onnx.NodeProto, rule: OpRule) -> bool:
-        return all(o in tail or o in ctx.outputs for o in _planned_outputs(node, rule))
+
+def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: Collection[str]) -> set[str]:
+    """Tensors that reach the graph's outputs only through ops computing in float: they get no Q/DQ,
+    and the ops between them and the outputs run in float on dequantized inputs. A Q/DQ pair there
+    would only round what the model returns (a probability below 1/512 read as 0, a box coordinate
+    rounded to a step of its range) while sparing a float kernel on a tensor that nothing but
+    movement or elementwise ops follow. A tensor is in the tail when every reader is an op with an
+    own, fixed or tie rule and no weight, or an If/Loop/Scan node (a body reading the tensor makes
+    its node a reader), whose outputs are graph outputs or in the tail; Shape and Size read no
+    values. An op without an int8 rule, or kept float, ends the tail. The tensor's producer must not
+    be an op whose integer kernel writes int8 only (Conv, ConvTranspose, or the activation fused with
+    one): a Conv's output keeps its Q, and a Gemm's or MatMul's integer kernel writes float. A
+    movement op's output joins the tail only behind a producer in it."""
+    position = {name: i for i, node in enumerate(nodes) for name in node.output}
+    readers: dict[str, list] = {name: list(users) for name, users in ctx.consumers.items()}
+    for node in nodes:
+        for name in body_reads(node):
+            readers.setdefault(name, []).append(node)
+    tail: set[str] = set()  # tensors of int8-rule ops that get no Q/DQ
+    free: set[str] = set()  # outputs of control-flow nodes that reach the graph's outputs in float
+
+    def settled(names) -> bool:
+        return all(o in tail or o in free or o in ctx.outputs for o in names if o)
 
     def float_reader(node: onnx.NodeProto) -> bool:
+        if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
+            return True
         rule = rules.get(position.get(node.output[0], -1)) if node.output else None
-        return rule is not None and rule.kernel is None and rule.weight is None and settled(node, rule)
+        if rule is None:  # a control-flow node: what its bodies read is planned there
+            return node.op_type in _CONTROL_FLOW and bool(node.output) and settled(node.output)
+        return rule.kernel is None and rule.weight is None and settled(_planned_outputs(node, rule))
 
-    tail: set[str] = set()
+    def reaches_outputs_in_float(name: str) -> bool:
+        users = readers.get(name, [])
+        return name not in ctx.outputs and bool(users) and all(float_reader(r) for r in users)
+
     for index in reversed(range(len(nodes))):
         node, rule = nodes[index], rules.get(index)
-        if (rule is None or rule.kernel is not None or (rule.weight is not None and not rule.float_output)
+        if rule is None:
+            if node.op_type in _CONTROL_FLOW:
+                free.update(o for o in node.output if o and reaches_outputs_in_float(o))
+            continue
+        if (rule.kernel is not None or (rule.weight is not None and not rule.float_output)
                 or (rule.fusable_activation and node.input[0] in fused)):
             continue
-        for out in _planned_outputs(node, rule):
-            readers = ctx.consumers.get(out, [])
-            if out not in ctx.outputs and readers and all(float_reader(r) for r in readers):
-                tail.add(out)
+        tail.update(o for o in _planned_outputs(node, rule) if reaches_outputs_in_float(o))
+    # A movement op only copies codes: behind an int8 producer (a Conv's output upsampled by a Resize
+    # before the outputs) it stays int8 at no cost in precision, and its reader dequantizes
+    for index, node in enumerate(nodes):
+        rule = rules.get(index)
+        if rule is not None and rule.output == "tie" and not any(name in tail for name in node.input if name):
+            tail.difference_update(node.output)
     return tail
 
 
