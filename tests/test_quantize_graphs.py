@@ -195,3 +195,37 @@ def test_the_ops_after_the_last_int8_output_compute_the_graph_outputs_in_float(t
     _, litert, _ = _quantize(tmp_path, m, (4, 6, 6), QuantizeConfig(target="litert", activation_dtype="int8"))
     quantized = {n.input[0] for n in litert.model.graph.node if n.op_type == "QuantizeLinear"}
     assert {"s", "r"} <= quantized, quantized
+
+
+def test_an_if_on_the_way_to_the_outputs_passes_the_float_tail_on(tmp_path):
+    """silero's float16 export: x -> Conv -> Sigmoid -> If (a Squeeze or an Identity of it, chosen by
+    its Shape) -> ReduceMean -> y. The probability reaches the output through the If in float: the
+    Sigmoid's output gets no Q/DQ (it was rounded to 1/256, a small probability read as 0)."""
+    rng = np.random.default_rng(0)
+    vector = [1, 1, 1, 6]
+
+    def branch(name, op):
+        node = (helper.make_node("Squeeze", ["s", "one"], [f"{name}_out"], name=name) if op == "Squeeze" else
+                helper.make_node("Identity", ["s"], [f"{name}_out"], name=name))
+        return helper.make_graph([node], name, [], [graphs.tensor(f"{name}_out", [1, 1, 6] if op == "Squeeze" else vector)])
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid"),
+             helper.make_node("Shape", ["s"], ["shape"], name="shape"),
+             helper.make_node("Size", ["shape"], ["rank"], name="rank"),
+             helper.make_node("Equal", ["rank", "four"], ["is4"], name="is4"),
+             helper.make_node("If", ["is4"], ["chosen"], name="choose", then_branch=branch("drop", "Squeeze"),
+                              else_branch=branch("keep", "Identity")),
+             helper.make_node("ReduceMean", ["chosen"], ["y"], name="mean", keepdims=0)]
+    inits = [graphs.init("w", rng.normal(0, 0.5, (1, 4, 1, 1)).astype(np.float32)),
+             graphs.init("one", np.array([1])), graphs.init("four", np.array(4))]
+    m = graphs.model(nodes, [graphs.tensor("x", [1, 4, 1, 6])], [graphs.tensor("y", [])], inits)
+    path, result, table = _quantize(tmp_path, m, (4, 1, 6))
+    quantized = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert quantized == {"x", "c"}, quantized
+    x = np.random.default_rng(1).normal(0, 1, (1, 4, 1, 6)).astype(np.float32) * 3
+    probe = onnx.ModelProto()
+    probe.CopyFrom(result.model)
+    probe.graph.output.append(onnx.ValueInfoProto(name="c" + DQ_SUFFIX))
+    y, c = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(y, (1 / (1 + np.exp(-c.astype(np.float64)))).mean(), rtol=1e-6)
