@@ -229,3 +229,22 @@ def test_an_if_on_the_way_to_the_outputs_passes_the_float_tail_on(tmp_path):
     probe.graph.output.append(onnx.ValueInfoProto(name="c" + DQ_SUFFIX))
     y, c = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(y, (1 / (1 + np.exp(-c.astype(np.float64)))).mean(), rtol=1e-6)
+
+
+def test_a_movement_op_behind_an_int8_output_stays_int8_before_the_float_tail(tmp_path):
+    """x -> Conv -> Resize (x2) -> Sigmoid -> y: the Resize only copies the Conv's codes, so it stays
+    int8 (a float Resize of the full-size map would cost time for no precision); the Sigmoid computes
+    the output in float from its dequantized output."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Resize", ["c", "", "scales"], ["r"], name="resize", mode="nearest"),
+             helper.make_node("Sigmoid", ["r"], ["y"], name="sigmoid")]
+    inits = [graphs.init("w", rng.normal(0, 0.3, (2, 4, 3, 3)).astype(np.float32)),
+             graphs.init("scales", np.array([1, 1, 2, 2], np.float32))]
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", 4, 6, 6])], [graphs.tensor("y", None)], inits)
+    path, result, table = _quantize(tmp_path, m, (4, 6, 6))
+    quantized = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert quantized == {"x", "c", "r"}, quantized
+    assert table.tensors["r"].qparams == table.tensors["c"].qparams
+    sigmoid = next(n for n in result.model.graph.node if n.op_type == "Sigmoid")
+    assert sigmoid.input[0] == "r" + DQ_SUFFIX and sigmoid.output[0] == "y"

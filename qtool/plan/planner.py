@@ -376,10 +376,16 @@ def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: C
         tail.update(o for o in _planned_outputs(node, rule) if reaches_outputs_in_float(o))
     # A movement op only copies codes: behind an int8 producer (a Conv's output upsampled by a Resize
     # before the outputs) it stays int8 at no cost in precision, and its reader dequantizes
+    codes: set[str] = set()  # tensors that carry int8 codes
     for index, node in enumerate(nodes):
         rule = rules.get(index)
-        if rule is not None and rule.output == "tie" and not any(name in tail for name in node.input if name):
-            tail.difference_update(node.output)
+        if rule is None or rule.kernel is not None:
+            continue
+        outputs = _planned_outputs(node, rule)
+        if rule.output == "tie" and any(name in codes for name in node.input if name):
+            tail.difference_update(outputs)
+        if rule.output != "tie" or not tail.intersection(outputs):
+            codes.update(o for o in outputs if o not in tail)
     return tail
 
 
