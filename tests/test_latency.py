@@ -164,8 +164,9 @@ def test_the_elementwise_types_go_float_together_after_a_weighted_type_went_alon
 
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
+    # (the Relu keeps the Add and Mul apart from the Conv: an affine right after a Conv is folded into it)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c"], ["r"], name="relu"),  # (an affine right after a Conv is folded into it)
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
              helper.make_node("Add", ["r", "shift"], ["a"], name="add"),
              helper.make_node("Mul", ["a", "gain"], ["m"], name="mul"),
              helper.make_node("GlobalAveragePool", ["m"], ["pool"], name="pool"),
@@ -195,5 +196,6 @@ def test_the_elementwise_types_go_float_together_after_a_weighted_type_went_alon
     assert "fc" in result.plan.quantized_nodes
     assert not {"conv", "relu", "add", "mul"} & set(result.plan.quantized_nodes), result.plan.quantized_nodes
     assert any(note.startswith("1 Conv node kept float") for note in result.notes), result.notes
-    assert any(note.startswith("4 nodes of types Relu, Add, Mul, GlobalAveragePool kept float") for note in result.notes)
+    assert any(note.startswith("4 nodes of types Relu, Add, Mul, GlobalAveragePool kept float")
+               for note in result.notes), result.notes
     assert not any(note.startswith("onnxruntime runs this int8 model slower") for note in result.notes)

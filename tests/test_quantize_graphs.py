@@ -169,7 +169,8 @@ def _tail_model(rng):
              helper.make_node("Flatten", ["c"], ["f"], name="flatten_c"),
              helper.make_node("Gemm", ["f", "g"], ["m"], name="gemm", transB=1),
              helper.make_node("Reshape", ["m", "shape"], ["z"], name="reshape")]
-    return graphs.model(nodes, [graphs.tensor("x", ["N", 4, 6, 6])], [graphs.tensor("y", None), graphs.tensor("z", None)],
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 4, 6, 6])],
+                        [graphs.tensor("y", None), graphs.tensor("z", None)],
                         [graphs.init("w", w), graphs.init("g", g), graphs.init("shape", np.array([-1, 2, 3]))])
 
 
@@ -191,7 +192,8 @@ def test_the_ops_after_the_last_int8_output_compute_the_graph_outputs_in_float(t
     # y is the float Sigmoid and mean of the Conv's dequantized int8 output, unrounded
     np.testing.assert_allclose(y, (1 / (1 + np.exp(-c.astype(np.float64)))).mean(axis=(2, 3)), atol=1e-6)
     ref_z = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[1]
-    assert sqnr_db(float(np.sum(ref_z.astype(np.float64) ** 2)), float(np.sum((ref_z - z).astype(np.float64) ** 2))) > 25
+    signal, noise = (float(np.sum(v.astype(np.float64) ** 2)) for v in (ref_z, ref_z - z))
+    assert sqnr_db(signal, noise) > 25
     _, litert, _ = _quantize(tmp_path, m, (4, 6, 6), QuantizeConfig(target="litert", activation_dtype="int8"))
     quantized = {n.input[0] for n in litert.model.graph.node if n.op_type == "QuantizeLinear"}
     assert {"s", "r"} <= quantized, quantized
@@ -207,7 +209,8 @@ def test_an_if_on_the_way_to_the_outputs_passes_the_float_tail_on(tmp_path):
     def branch(name, op):
         node = (helper.make_node("Squeeze", ["s", "one"], [f"{name}_out"], name=name) if op == "Squeeze" else
                 helper.make_node("Identity", ["s"], [f"{name}_out"], name=name))
-        return helper.make_graph([node], name, [], [graphs.tensor(f"{name}_out", [1, 1, 6] if op == "Squeeze" else vector)])
+        shape = [1, 1, 6] if op == "Squeeze" else vector
+        return helper.make_graph([node], name, [], [graphs.tensor(f"{name}_out", shape)])
 
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
              helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid"),

@@ -340,7 +340,7 @@ def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: C
     values. An op without an int8 rule, or kept float, ends the tail. The tensor's producer must not
     be an op whose integer kernel writes int8 only (Conv, ConvTranspose, or the activation fused with
     one): a Conv's output keeps its Q, and a Gemm's or MatMul's integer kernel writes float. A
-    movement op's output joins the tail only behind a producer in it."""
+    movement op whose input carries int8 codes stays int8."""
     position = {name: i for i, node in enumerate(nodes) for name in node.output}
     readers: dict[str, list] = {name: list(users) for name, users in ctx.consumers.items()}
     for node in nodes:
