@@ -3,9 +3,10 @@ GRU note.
 
 silero VAD (16 kHz, opset 15) keeps its LSTM in the then-branch of `/model/decoder/If_1` (the
 branch taken whenever a state is fed, i.e. always in streaming use), with W, R and B computed
-from Constant nodes by Slice/Concat. qtool does not quantize inside If branches, so this script
-inlines the taken branch into the main graph and folds W, R and B into initializers; the result
-computes exactly what the original does (checked on every chunk). Then:
+from Constant nodes by Slice/Concat. This script inlines the taken branch into the main graph and
+folds W, R and B into initializers, so the LSTM can be measured on its own (qtool quantizes the
+original in place just as well); the result computes exactly what the original does (checked on
+every chunk). Then:
 
 - variants: fp32; `lstm` (only the LSTM quantized: every other op type excluded); `full` (the
   default ort-cpu job on the kit's 64 calibration chunks); `full-no-lstm` (the same with LSTM
