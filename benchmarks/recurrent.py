@@ -4,8 +4,8 @@ GRU note.
 silero VAD (16 kHz, opset 15) keeps its LSTM in the then-branch of `/model/decoder/If_1` (the
 branch taken whenever a state is fed, i.e. always in streaming use), with W, R and B computed
 from Constant nodes by Slice/Concat. This script inlines the taken branch into the main graph and
-folds W, R and B into initializers, so the LSTM can be measured on its own (qtool quantizes the
-original in place just as well); the result computes exactly what the original does (checked on
+folds W, R and B into initializers, so the LSTM can be measured on its own (qtool also rewrites the
+LSTM in place in the original); the result computes exactly what the original does (checked on
 every chunk). Then:
 
 - variants: fp32; `lstm` (only the LSTM quantized: every other op type excluded); `full` (the
