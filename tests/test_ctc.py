@@ -55,11 +55,22 @@ def test_accumulator_counts_and_merges_batch_by_batch():
         greedy_decode(np.zeros((2, 5), np.float32))
 
 
-def _recognizer(rng, features=6, classes=7) -> onnx.ModelProto:
-    """x [N, T, features] -> MatMul -> Softmax: per-step class probabilities [N, T, classes]."""
+def test_time_first_scores_are_read_by_the_batch_sample_count():
+    paths = [[0, 1, 1, 0, 2], [3, 0, 3, 3, 0], [4, 4, 0, 0, 1]]
+    batch_first = _scores(paths)
+    time_first = batch_first.transpose(1, 0, 2)  # [T, N, C]
+    assert greedy_decode(time_first, samples=3) == greedy_decode(batch_first, samples=3) == greedy_decode(batch_first)
+    assert greedy_decode(time_first[:, :1], samples=1) == greedy_decode(batch_first[:1])  # [T, 1, C]
+
+
+def _recognizer(rng, features=6, classes=7, time_first=False) -> onnx.ModelProto:
+    """x [N, T, features] -> MatMul -> Softmax: per-step class probabilities [N, T, classes], or
+    [T, N, classes] with `time_first` (a Transpose after the Softmax)."""
     w = rng.normal(0, 1.0, (features, classes)).astype(np.float32)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["logits"], name="head"),
-             helper.make_node("Softmax", ["logits"], ["y"], name="softmax", axis=-1)]
+             helper.make_node("Softmax", ["logits"], ["p" if time_first else "y"], name="softmax", axis=-1)]
+    if time_first:
+        nodes.append(helper.make_node("Transpose", ["p"], ["y"], name="time_first", perm=[1, 0, 2]))
     return graphs.model(nodes, [graphs.tensor("x", ["N", 12, features])], [graphs.tensor("y", None)],
                         [graphs.init("w", w)])
 
@@ -72,7 +83,7 @@ def _decoded_kept(model, int8, data) -> tuple[int, int]:
     for sample in sorted(data.iterdir()):
         x = np.load(sample)
         x = x["x"] if sample.suffix == ".npz" else x
-        kept += greedy_decode(ref.run(None, {"x": x})[0]) == greedy_decode(test.run(None, {"x": x})[0])
+        kept += greedy_decode(ref.run(None, {"x": x})[0], 1) == greedy_decode(test.run(None, {"x": x})[0], 1)
         count += 1
     return kept, count
 
@@ -136,3 +147,22 @@ def test_ctc_task_on_the_kit_recognizer(tmp_path):
     figures = json.loads(report.read_text())["ctc"]
     assert (figures["texts_kept"], figures["samples"]) == _decoded_kept(model, int8, held)
     assert figures["fp32_chars"] >= 4
+
+
+def test_ctc_task_reads_a_time_first_output(tmp_path):
+    """The same recognizer with its output transposed to [T, N, C]: the same texts, batch by batch."""
+    model, first = tmp_path / "rec.onnx", tmp_path / "rec_t.onnx"
+    onnx.save(_recognizer(np.random.default_rng(3)), model)
+    onnx.save(_recognizer(np.random.default_rng(3), time_first=True), first)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(4), (12, 6), count=10, scale=2.0)
+    docs = {}
+    for name, path in (("batch", model), ("time", first)):
+        out, report = tmp_path / f"{name}.int8.onnx", tmp_path / f"{name}.json"
+        assert run_qtool("quantize", path, "--data", data, "-o", out).returncode == 0
+        result = run_qtool("evaluate", path, out, "--data", data, "--task", "ctc", "--runs", "1",
+                           "--batch-size", "3", "--json", report)
+        assert result.returncode == 0, result.stderr
+        docs[name] = json.loads(report.read_text())["ctc"]
+        kept, count = _decoded_kept(path, out, data)
+        assert docs[name]["samples"] == count == 10 and docs[name]["texts_kept"] == kept
+    assert docs["time"]["fp32_chars"] == docs["batch"]["fp32_chars"] > 0

@@ -1,7 +1,8 @@
 """Sequence-recognizer fidelity: greedy CTC decoding of both models' outputs, then the texts compared.
 
 A text-line recognizer (PP-OCR, CRNN, speech CTC heads) outputs [N, T, C] per-step class
-scores; its text is the greedy CTC decode: the argmax of every step, repeats collapsed,
+scores, or [T, N, C] (time first, as a recurrent head exported from PyTorch often leaves them,
+told apart by the batch's sample count); its text is the greedy CTC decode: the argmax of every step, repeats collapsed,
 blanks dropped. The cosine of the scores says little about that text: a recognizer whose
 softmax peaks move a little keeps its text, and one flipped argmax at one step changes it.
 So the figures are the decoded texts: how many int8 texts are identical to fp32's, and the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import numpy as np
 
@@ -22,10 +24,14 @@ from qtool.evaluation.metrics import add_counts
 BLANK = 0
 
 
-def greedy_decode(scores: np.ndarray) -> list[tuple[int, ...]]:
-    """One class sequence per sample of [N, T, C] scores (probabilities or logits: argmax only)."""
+def greedy_decode(scores: np.ndarray, samples: Optional[int] = None) -> list[tuple[int, ...]]:
+    """One class sequence per sample of [N, T, C] scores (probabilities or logits: argmax only).
+    With `samples` (N) given, [T, N, C] scores, whose first axis is not N but whose second is,
+    are read time first."""
     if scores.ndim != 3:
         raise QtoolError(f"the ctc task needs an output of shape [N, T, classes], got {list(scores.shape)}")
+    if samples is not None and scores.shape[0] != samples and scores.shape[1] == samples:
+        scores = scores.transpose(1, 0, 2)
     best = scores.argmax(axis=-1)
     texts = []
     for steps in best:
@@ -60,10 +66,11 @@ class CtcAccumulator:
     ratio_sum: float = 0.0
     ref_chars: int = 0
 
-    def update(self, ref: np.ndarray, test: np.ndarray) -> None:
-        """One batch; its ratios are summed before they join the total (see DetectionAccumulator.update)."""
+    def update(self, ref: np.ndarray, test: np.ndarray, samples: Optional[int] = None) -> None:
+        """One batch of `samples` samples; its ratios are summed before they join the total (see
+        DetectionAccumulator.update)."""
         batch_ratio = 0.0
-        for r, t in zip(greedy_decode(ref), greedy_decode(test)):
+        for r, t in zip(greedy_decode(ref, samples), greedy_decode(test, samples)):
             self.samples += 1
             self.kept += int(r == t)
             self.ref_chars += len(r)

@@ -31,6 +31,8 @@ class Task:
     def update(self, ref: dict[str, np.ndarray], test: dict[str, np.ndarray], labels: list) -> None:
         if isinstance(self.accumulator, ClassificationAccumulator):
             self.accumulator.update(ref[self.output], test[self.output], labels)
+        elif isinstance(self.accumulator, CtcAccumulator):
+            self.accumulator.update(ref[self.output], test[self.output], samples=len(labels))
         elif self.accumulator is not None:
             self.accumulator.update(ref[self.output], test[self.output])
 
