@@ -2,8 +2,8 @@
 
 A text-line recognizer (PP-OCR, CRNN, speech CTC heads) outputs [N, T, C] per-step class
 scores, or [T, N, C] (time first, as a recurrent head exported from PyTorch often leaves them,
-told apart by the batch's sample count); its text is the greedy CTC decode: the argmax of every step, repeats collapsed,
-blanks dropped. The cosine of the scores says little about that text: a recognizer whose
+told apart by the batch's sample count); its text is the greedy CTC decode: the argmax of every
+step, repeats collapsed, blanks dropped. The cosine of the scores says little about that text: a recognizer whose
 softmax peaks move a little keeps its text, and one flipped argmax at one step changes it.
 So the figures are the decoded texts: how many int8 texts are identical to fp32's, and the
 mean edit distance between the two as a ratio of the longer text. The blank is class 0
