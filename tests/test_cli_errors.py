@@ -53,3 +53,21 @@ def test_table_for_another_model_lacks_tensors(tmp_path):
 def test_usage_error_exits_2(tmp_path):
     result = run_qtool("quantize", EFFNET, "-o", tmp_path / "q.onnx")
     assert result.returncode == 2 and "exactly one of --table" in result.stderr
+
+
+def test_a_model_quantized_already_is_refused(tmp_path):
+    """An int8 model given back to quantize or calibrate: one line naming its quantized ops, exit 2,
+    nothing written (quantizing it again would stack a second set of ranges on int8 codes)."""
+    from tests import graphs
+    import numpy as np
+    import onnx
+
+    model = tmp_path / "m.onnx"
+    onnx.save(graphs.conv_model(np.random.default_rng(0), activation="Relu"), model)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=4)
+    assert run_qtool("quantize", model, "--data", data, "-o", tmp_path / "q.onnx").returncode == 0
+    _one_line_error(run_qtool("quantize", tmp_path / "q.onnx", "--data", data, "-o", tmp_path / "qq.onnx"),
+                    "q.onnx", "quantized already", "QuantizeLinear", "give it the fp32 model")
+    _one_line_error(run_qtool("calibrate", tmp_path / "q.onnx", "--data", data, "-o", tmp_path / "t.json"),
+                    "quantized already")
+    assert not (tmp_path / "qq.onnx").exists() and not (tmp_path / "t.json").exists()

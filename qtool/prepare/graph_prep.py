@@ -8,6 +8,7 @@ within float16 rounding).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Optional
 
@@ -16,6 +17,7 @@ import onnx
 from onnx import inliner, numpy_helper, version_converter
 
 from qtool.graph.index import attribute, bodies, body_reads, names_read, rename_reads, replace_nodes, scoped_nodes
+from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.prepare.float16 import widen_float16
@@ -241,11 +243,29 @@ class Prepared:
     notes: tuple[str, ...] = ()  # functions inlined; the opset step (converted, or kept); float16 widened; fused ops
 
 
+# ops of a model that is quantized already: qtool's input is a float model
+_QUANTIZED_OPS = (*INTEGER_CONV, *INTEGER_MATMUL, "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
+                  "DynamicQuantizeLSTM", "QAttention", "QEmbedLayerNormalization")
+
+
+def refuse_quantized(model: onnx.ModelProto, path: object = None) -> None:
+    """A one-line error for a model that is quantized already (quantize_dynamic's ConvInteger and
+    DynamicQuantizeLinear, a QDQ model): quantizing it again would stack a second set of ranges
+    on int8 codes, and the names qtool gives its Q/DQ tensors may already be taken."""
+    found = Counter(n.op_type for n in scoped_nodes(model.graph)
+                    if n.op_type in _QUANTIZED_OPS or n.op_type.startswith("QLinear"))
+    if found:
+        ops = ", ".join(f"{count} {op}" for op, count in found.most_common())
+        raise QtoolError(f"the model is quantized already ({ops}); qtool quantizes float models: "
+                         f"give it the fp32 model", path)
+
+
 def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
             per_channel: bool = True, divisions: bool = True) -> Prepared:
     """Return a prepared copy; the input model is not modified. `divisions` False keeps Div by a
     constant as it is: where no Mul is quantized (dynamic MatMul strategy) the Mul gains nothing and
     hides GELU's x / sqrt(2) from onnxruntime's Gelu fusion (measured on MiniLM: 6 Gelu kernels lost)."""
+    refuse_quantized(model, path)
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
     prepared, inlined = inline_functions(prepared, path)
