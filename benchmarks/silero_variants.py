@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import wave
 import zipfile
 from pathlib import Path
 
@@ -34,16 +33,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import qtool  # noqa: E402
 from qtool.graph.runtime import create_session, time_models  # noqa: E402
+from recurrent import speech_chunks  # noqa: E402  (the kit's speech, chunked as silero streams it)
 
-KIT = ROOT.parent / "shared" / "bench"
-SPEECH = KIT / "data" / "audio" / "speech16k.wav"
 WHEEL = "silero-vad==6.2.3"
 VARIANTS = ("silero_vad", "silero_vad_half", "silero_vad_op18_ifless", "silero_vad_openvino_16k",
             "silero_vad_16k_sequence")
-CHUNK, CONTEXT, EVERY, WINDOW = 512, 64, 7, 8
+EVERY, WINDOW = 7, 8
 
 
 def wheel_models(wheel: Path | None, folder: Path) -> Path:
@@ -56,17 +55,6 @@ def wheel_models(wheel: Path | None, folder: Path) -> Path:
             if name.endswith(".onnx"):
                 archive.extract(name, folder)
     return folder / "silero_vad" / "data"
-
-
-def chunks() -> list[np.ndarray]:
-    with wave.open(str(SPEECH)) as w:
-        audio = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768
-    context, out = np.zeros(CONTEXT, np.float32), []
-    for start in range(0, len(audio) - CHUNK, CHUNK):
-        chunk = audio[start:start + CHUNK]
-        out.append(np.concatenate([context, chunk])[None])
-        context = chunk[-CONTEXT:]
-    return out
 
 
 def samples(model: Path, pieces: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -129,7 +117,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=400, help="timed runs per model")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
-    pieces = chunks()
+    pieces = speech_chunks()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         models = wheel_models(args.wheel, Path(tmp))
