@@ -95,6 +95,54 @@ def test_float_layers_keep_no_qdq_between_them(quantized):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def _written_out_activation(rng, form: str) -> onnx.ModelProto:
+    """x -> conv_a (a) -> hard-swish written out as a * Clip(a + 3, 0, 6) / 6, or swish as
+    a * Sigmoid(a) (h) -> conv_b -> GAP -> Flatten -> MatMul -> y: conv_a's output has two readers
+    that join again in h."""
+    if form == "hardswish":
+        act = [helper.make_node("Add", ["a", "three"], ["a3"], name="add3"),
+               helper.make_node("Clip", ["a3", "zero", "six"], ["c"], name="clip"),
+               helper.make_node("Mul", ["a", "c"], ["m"], name="mul"),
+               helper.make_node("Div", ["m", "six"], ["h"], name="div")]
+    else:
+        act = [helper.make_node("Sigmoid", ["a"], ["c"], name="sigmoid"),
+               helper.make_node("Mul", ["a", "c"], ["h"], name="mul")]
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["a"], name="conv_a", pads=[1, 1, 1, 1]), *act,
+             helper.make_node("Conv", ["h", "wb"], ["b"], name="conv_b"),
+             helper.make_node("GlobalAveragePool", ["b"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+             helper.make_node("MatMul", ["f", "wm"], ["y"], name="fc")]
+    inits = [graphs.init("wa", rng.normal(0, 0.5, (6, 3, 3, 3)).astype(np.float32)),
+             graphs.init("wb", rng.normal(0, 0.3, (6, 6, 1, 1)).astype(np.float32)),
+             graphs.init("wm", rng.normal(0, 0.3, (6, 4)).astype(np.float32)),
+             graphs.init("three", np.array(3.0, np.float32)), graphs.init("zero", np.array(0.0, np.float32)),
+             graphs.init("six", np.array(6.0, np.float32))]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", ["N", 4])], inits)
+
+
+@pytest.mark.parametrize("form", ["hardswish", "swish"])
+def test_a_written_out_activation_goes_float_with_its_layer(tmp_path, form):
+    rng = np.random.default_rng(2)
+    path, table = graphs.calibrated(tmp_path, rng, _written_out_activation(rng, form), OPTIONS)
+    base = quantize_model(path, table, OPTIONS)
+    prepared, _ = prepared_model(path, OPTIONS)
+    pool = restorable_layers(base.canonical, prepared)
+    inner = {"hardswish": {"add3", "clip", "mul", "div"}, "swish": {"sigmoid", "mul"}}[form]
+    chain = blocks(prepared, base.plan, pool)["conv_a"]
+    assert chain[0] == "conv_a" and set(chain[1:]) == inner  # both readers of a, up to where they join
+    assert {"a", "h"} <= set(_quantized_tensors(base.canonical))
+    # conv_a float: its output and the activation's inner tensors lose their Q/DQ, h keeps it for conv_b
+    one = _quantized_tensors(_mix(base, prepared, pool, ["conv_a"]))
+    assert one["h"] == 1 and not {"a", "a3", "c", "m"} & set(one)
+    everything = _mix(base, prepared, pool, sorted(pool))
+    ops = Counter(n.op_type for n in everything.graph.node)
+    assert ops["QuantizeLinear"] == ops["DequantizeLinear"] == 0
+    feeds = {"x": np.random.default_rng(3).normal(0, 1, (4, 3, 8, 8)).astype(np.float32)}
+    ref = create_session(str(path), 1, "fp32").run(None, feeds)[0]
+    got = create_session(everything, 1, "mixed").run(None, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_a_static_matmul_goes_dynamic(quantized):
     _, _, base, prepared, pool, evals = quantized
     assert dynamic_candidates(base.canonical, prepared, pool) == ["fc"]

