@@ -192,10 +192,10 @@ def _joined_readers(index: GraphIndex, start: str, quantized: set[str],
     if start in index.outputs:
         return [], ""
     members: list[onnx.NodeProto] = []
+    inside: set[tuple[str, ...]] = set()  # members by their outputs (unique in the graph)
     produced = {start: None}  # insertion-ordered, so the walk is the same on every run
     while len(members) < limit:
-        inside = {id(n) for n in members}
-        ready = [n for t in produced for n in index.consumers.get(t, []) if id(n) not in inside
+        ready = [n for t in produced for n in index.consumers.get(t, []) if tuple(n.output) not in inside
                  and all(not name or name in produced or index.is_constant(name) for name in n.input)]
         if not ready:
             return [], ""
@@ -203,10 +203,10 @@ def _joined_readers(index: GraphIndex, start: str, quantized: set[str],
         if node_label(node) not in quantized or _weighted(node):
             return [], ""
         members.append(node)
+        inside.add(tuple(node.output))
         produced.update((name, None) for name in node.output if name)
-        inside.add(id(node))
         open_ends = [t for t in produced if t in index.outputs
-                     or any(id(n) not in inside for n in index.consumers.get(t, []))]
+                     or any(tuple(n.output) not in inside for n in index.consumers.get(t, []))]
         if len(open_ends) == 1 and open_ends[0] != start:
             return members, open_ends[0]
     return [], ""
