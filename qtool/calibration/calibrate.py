@@ -55,6 +55,8 @@ def _quantize_settings(options: QuantizeConfig) -> dict:
         del settings["smooth_quant"]
     if options.smooth_dynamic == QuantizeConfig.smooth_dynamic:
         del settings["smooth_dynamic"]
+    if options.equalize_activations == QuantizeConfig.equalize_activations:
+        del settings["equalize_activations"]
     if not options.keep_opset:
         del settings["keep_opset"]
     if options.embeddings == QuantizeConfig.embeddings:

@@ -17,6 +17,7 @@ from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import input_specs
 from qtool.graph.runtime import create_session
 from qtool.plan.planner import QuantPlan
+from qtool.prepare.equalize import activation_scales, activation_sites
 from qtool.plan.smooth_quant import find_sites, smoothing_alpha, smoothing_scales, weight_maxima
 
 
@@ -38,29 +39,36 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
                        preprocess: PreprocessConfig, calib: CalibrationConfig,
                        options: QuantizeConfig) -> QuantizeConfig:
     """`options` with smooth_scales measured on `data` (the calibration samples) when SmoothQuant is
-    on: asked for (smooth_quant), or by default for dynamic int8 MatMuls (smooth_dynamic); measured
-    on `model` and `plan`, the prepared graph before smoothing; `options` itself when nothing is
-    smoothed."""
-    if options.smooth_scales or (options.smooth_quant is None and options.smooth_dynamic is None):
+    on: asked for (smooth_quant), or by default for dynamic int8 MatMuls (smooth_dynamic); and with
+    the activation-equalization scales of Conv -> hard-swish -> depthwise Conv chains
+    (equalize_activations, qtool.prepare.equalize).
+    Measured in one pass on `model` and `plan`, the prepared graph before smoothing; `options`
+    itself when nothing is smoothed or equalized."""
+    if options.smooth_scales:
         return options
-    alpha = smoothing_alpha(options, bool(plan.dynamic_matmuls))
+    smoothing = options.smooth_quant is not None or options.smooth_dynamic is not None
+    alpha = smoothing_alpha(options, bool(plan.dynamic_matmuls)) if smoothing else None
     sites = find_sites(model, insert=bool(plan.dynamic_matmuls)) if alpha is not None else []
-    if not sites:
+    equalized = activation_sites(model) if options.equalize_activations else []
+    if not sites and not equalized:
         return options
-    names = [site.tensor for site in sites]
+    names = [site.tensor for site in sites] + [site.tensor for site in equalized]
+    axes = [-1] * len(sites) + [1] * len(equalized)  # channels: last axis / NCHW's
+    channels = [site.channels for site in sites] + [site.channels for site in equalized]
     session = create_session(with_outputs(model, names), label=str(model_path))
     source = open_data(data, input_specs(model), preprocess)
-    maxima = {site.tensor: np.zeros(site.channels) for site in sites}
+    maxima = {name: np.zeros(count) for name, count in zip(names, channels)}
     for batch in batches(source, calib.batch_size, calib.num_samples):
-        for site, value in zip(sites, session.run(names, batch.feeds)):
+        for name, axis, count, value in zip(names, axes, channels, session.run(names, batch.feeds)):
             if value.size:
-                np.maximum(maxima[site.tensor], np.abs(value.reshape(-1, site.channels)).max(axis=0),
-                           out=maxima[site.tensor])
+                flat = np.moveaxis(value, axis, -1).reshape(-1, count)
+                np.maximum(maxima[name], np.abs(flat).max(axis=0), out=maxima[name])
+    equal = tuple((site.tensor, activation_scales(maxima[site.tensor])) for site in equalized)
     # an inserted Mul costs a pass over the tensor: only where outlier channels stretch its range
     sites = [site for site in sites if not site.readers or outlier_ratio(maxima[site.tensor]) >= OUTLIER_RATIO]
     inits = GraphIndex(model).initializers
     scales = tuple((site.tensor, tuple(float(s) for s in smoothing_scales(
-        maxima[site.tensor], weight_maxima(inits, site), alpha))) for site in sites)
+        maxima[site.tensor], weight_maxima(inits, site), alpha))) for site in sites) + equal
     if not scales:
         return options
     return replace(options, smooth_scales=scales)

@@ -26,7 +26,7 @@ from qtool.plan.ops.pad import pad_value
 from qtool.targets import TARGETS
 from qtool.graph.shapes import infer_shapes
 from qtool.plan.smooth_quant import smooth, smoothing_alpha
-from qtool.prepare.equalize import equalize
+from qtool.prepare.equalize import equalize, equalize_activations
 from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare
 from qtool.prepare.embed_layer_norm import write_out_embed_layer_norms
 from qtool.prepare.merge_matmuls import merge_shared_input_matmuls
@@ -482,13 +482,18 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
         model = infer_shapes(model)
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
-    if options.smooth_scales:  # measured by calibration on this graph, so calibration and quantization agree
-        smooth(model, dict(options.smooth_scales), insert=strategy == "dynamic")
+    scales = dict(options.smooth_scales)  # measured by calibration on this graph, so calibration and quantization agree
+    equalized = equalize_activations(model, scales)  # takes its own tensors' entries out of `scales`
+    if scales:
+        smooth(model, scales, insert=strategy == "dynamic")
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
-    if options.smooth_scales:
+    if equalized:
+        plan.notes.append(f"activation ranges equalized across channels in {equalized} Conv -> hard-swish -> "
+                          "depthwise Conv chain(s), by an exact rewrite (one int8 range per activation then fits every channel)")
+    if scales:
         plan.notes.append(f"SmoothQuant (alpha {smoothing_alpha(options, strategy == 'dynamic')}): the activation "
-                          f"ranges of {len(options.smooth_scales)} MatMul/Gemm inputs moved into their weights")
+                          f"ranges of {len(scales)} MatMul/Gemm inputs moved into their weights")
     elif options.smooth_quant is not None:
         plan.notes.append("SmoothQuant smoothed nothing: no LayerNorm or linear layer output is read by "
                           "MatMul/Gemm layers only (a residual Add beside them keeps its range)")

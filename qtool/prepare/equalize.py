@@ -28,8 +28,9 @@ from typing import Optional
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
+from qtool.errors import QtoolError
 from qtool.graph.index import GraphIndex, attribute
 
 HOMOGENEOUS = ("Relu", "LeakyRelu")
@@ -180,3 +181,169 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
         for pair in pairs:
             _equalize_pair(pair, model, inits, report, count=round_ == 0)
     return report
+
+
+# --- Activation equalization: Conv -> hard-swish -> depthwise Conv, with measured ranges ---------
+#
+# A pointwise Conv of a MobileNet-style backbone can write channels whose ranges lie 30 times apart
+# (a PP-OCRv3 recognizer: one channel to 102, the median 3.3), and the depthwise Conv after its
+# hard-swish multiplies the small ones by up to 125: one per-tensor int8 range loses them (its
+# all-int8 model returns blank text lines). Hard-swish is not homogeneous, so the rescale above does
+# not apply, but an exact rewrite does. With x' = x / s (s_c folded into the first Conv's weights
+# and bias) and s_c multiplied into the depthwise Conv's channel c:
+#
+#     hardswish(x) / s = x' * Clip(s * x' + 3, 0, 6) / 6
+#
+# and s * x' + 3 is a depthwise 1x1 Conv of x' (weight s_c, bias 3) that onnxruntime runs as an
+# integer kernel in place of the "+ 3" Add it replaces. Both x' and the depthwise Conv's input then
+# have their channels' ranges equal (s_c = range_c / largest range, at least 1 / MAX_GAIN), and the
+# fp32 outputs do not change beyond float rounding. The HardSwish op and x * HardSigmoid(x) take the
+# same form (Clip(s * alpha * x' + beta, 0, 1)). Per-channel activation weights cost nothing here:
+# both Convs' weights are quantized per output channel, and the depthwise Conv's channel c reads
+# only input channel c.
+
+MAX_GAIN = 256.0  # the most a channel is enlarged by (a dead channel's range is 0)
+
+
+@dataclass(frozen=True)
+class ActivationSite:
+    tensor: str  # the first Conv's output: the activation's input
+    channels: int
+    first: str  # label of the first Conv (its first output)
+    second: str  # label of the depthwise Conv (its first output)
+
+
+def activation_sites(model: onnx.ModelProto) -> list[ActivationSite]:
+    """Conv -> hard-swish (HardSwish, x * HardSigmoid(x), or written out as x * Clip(x + 3, 0, 6)
+    then / 6 or * (1/6)) -> depthwise Conv chains whose activations can be equalized exactly."""
+    index = GraphIndex(model.graph)
+    sites = []
+    for node in model.graph.node:
+        if not _own_conv(node, index) or not node.output:
+            continue
+        x = node.output[0]
+        form = _hard_swish(x, index)
+        if form is None:
+            continue
+        second = index.only_consumer(form[-1].output[0])
+        channels = index.initializers[node.input[1]].dims[0]
+        if (second is None or not _own_conv(second, index) or second.input[0] != form[-1].output[0]
+                or attribute(second, "group", 1) != channels or index.initializers[second.input[1]].dims[1] != 1):
+            continue
+        sites.append(ActivationSite(x, channels, node.output[0], second.output[0]))
+    return sites
+
+
+def _own_conv(node: onnx.NodeProto, index: GraphIndex) -> bool:
+    names = [n for n in node.input[1:3] if n]
+    return (node.op_type == "Conv" and node.domain in ("", "ai.onnx") and len(node.input) >= 2
+            and all(n in index.initializers and len(index.consumers.get(n, [])) == 1 for n in names)
+            and index.initializers[node.input[1]].data_type == onnx.TensorProto.FLOAT)
+
+
+def _hard_swish(x: str, index: GraphIndex) -> Optional[list[onnx.NodeProto]]:
+    """The nodes computing hard-swish of `x` when they alone read it, the last writing the result."""
+    if x in index.outputs:
+        return None
+    readers = index.consumers.get(x, [])
+    if len(readers) == 1 and readers[0].op_type == "HardSwish":
+        return readers
+    if len(readers) != 2:
+        return None
+    by_type = {r.op_type: r for r in readers}
+    mul = by_type.get("Mul")
+    gate = by_type.get("HardSigmoid") or by_type.get("Add")
+    if mul is None or gate is None or gate.input[0] != x:
+        return None
+    nodes = [gate]
+    if gate.op_type == "Add":  # x + 3 -> Clip(0, 6)
+        if index.scalar(gate.input[1]) != 3.0:
+            return None
+        clip = index.only_consumer(gate.output[0])
+        if clip is None or clip.op_type != "Clip" or index.clip_bounds(clip) != (0.0, 6.0):
+            return None
+        nodes.append(clip)
+    if index.only_consumer(nodes[-1].output[0]) is not mul or sorted(mul.input) != sorted([x, nodes[-1].output[0]]):
+        return None
+    nodes.append(mul)
+    if gate.op_type == "Add":  # then / 6 or * (1/6)
+        scale = index.only_consumer(mul.output[0])
+        if scale is None or scale.op_type not in ("Div", "Mul") or scale.input[0] != mul.output[0]:
+            return None
+        value = index.scalar(scale.input[1])
+        if value is None or not np.isclose(value if scale.op_type == "Div" else 1.0 / value, 6.0, rtol=1e-5):
+            return None
+        nodes.append(scale)
+    return nodes
+
+
+def activation_scales(maxima: np.ndarray) -> tuple[float, ...]:
+    """s_c: channel c's largest |x| over the largest channel's, at least 1 / MAX_GAIN."""
+    top = float(maxima.max()) if maxima.size else 0.0
+    if top <= 0:
+        return tuple(1.0 for _ in maxima)
+    return tuple(float(s) for s in np.clip(maxima / top, 1.0 / MAX_GAIN, 1.0))
+
+
+def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, ...]]) -> int:
+    """Rewrite every site of `model` whose tensor `scales` names (module comment above) in place, and
+    take those entries out of `scales`; the number rewritten."""
+    sites = {site.tensor: site for site in activation_sites(model) if site.tensor in scales}
+    if not sites:
+        return 0
+    index = GraphIndex(model.graph)
+    inits = index.initializers
+    replaced: dict[str, list[onnx.NodeProto]] = {}
+    for tensor, site in sites.items():
+        s = np.asarray(scales.pop(tensor), dtype=np.float64)
+        if s.size != site.channels:
+            raise QtoolError(f"the calibration table equalizes tensor '{tensor}' over {s.size} channels, "
+                             f"this graph has {site.channels} (the table was made for another model)")
+        first, second = index.producer[tensor], index.only_consumer(_hard_swish(tensor, index)[-1].output[0])
+        w1 = numpy_helper.to_array(inits[first.input[1]]).astype(np.float64)
+        _replace(inits[first.input[1]], w1 / s.reshape((-1,) + (1,) * (w1.ndim - 1)))
+        if len(first.input) > 2 and first.input[2]:
+            _replace(inits[first.input[2]], numpy_helper.to_array(inits[first.input[2]]).astype(np.float64) / s)
+        w2 = numpy_helper.to_array(inits[second.input[1]]).astype(np.float64)
+        _replace(inits[second.input[1]], _scale_second(w2, s, depthwise=True))
+        replaced.update(_gate_nodes(model, index, tensor, s))
+    nodes = []
+    for node in model.graph.node:
+        nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return len(sites)
+
+
+def _gate_nodes(model: onnx.ModelProto, index: GraphIndex, x: str,
+                s: np.ndarray) -> dict[str, list[onnx.NodeProto]]:
+    """Output of the node to replace -> the nodes replacing it: the gate of hard-swish as a
+    depthwise 1x1 Conv of x' (weight s * slope, bias offset) and, for the HardSwish op, the Clip and
+    Mul it computed inside."""
+    nodes = _hard_swish(x, index)
+    gate = nodes[0]
+    if gate.op_type == "Add":
+        slope, offset, top = 1.0, 3.0, None  # the Clip after it stays
+    elif gate.op_type == "HardSigmoid":
+        slope, offset, top = attribute(gate, "alpha", 0.2), attribute(gate, "beta", 0.5), 1.0
+    else:  # HardSwish: x * HardSigmoid(x) with alpha 1/6, beta 0.5
+        slope, offset, top = 1.0 / 6.0, 0.5, 1.0
+    name = f"{x}_equalized"
+    weight = numpy_helper.from_array((s * slope).astype(np.float32).reshape(-1, 1, 1, 1), f"{name}_gate_w")
+    bias = numpy_helper.from_array(np.full(s.size, offset, np.float32), f"{name}_gate_b")
+    model.graph.initializer.extend([weight, bias])
+    label = gate.name or gate.output[0]
+    if top is None:
+        return {gate.output[0]: [helper.make_node("Conv", [x, weight.name, bias.name], [gate.output[0]],
+                                                  name=label, group=s.size, kernel_shape=[1, 1])]}
+    bounds = [numpy_helper.from_array(np.array(v, np.float32), f"{name}_gate_{k}") for k, v in (("lo", 0.0), ("hi", top))]
+    model.graph.initializer.extend(bounds)
+    linear, gated = f"{name}_gate_linear", f"{name}_gate"
+    rewritten = [helper.make_node("Conv", [x, weight.name, bias.name], [linear], name=f"{label}_gate",
+                                  group=s.size, kernel_shape=[1, 1]),
+                 helper.make_node("Clip", [linear, bounds[0].name, bounds[1].name], [gated], name=f"{label}_clip")]
+    if gate.op_type == "HardSigmoid":
+        rewritten[-1].output[0] = gate.output[0]
+        return {gate.output[0]: rewritten}
+    rewritten.append(helper.make_node("Mul", [x, gated], [gate.output[0]], name=label))
+    return {gate.output[0]: rewritten}
