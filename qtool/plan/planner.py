@@ -469,6 +469,9 @@ def _merge_groups(groups: list[list[str]]) -> list[list[str]]:
     return [g for g in merged.values() if len(g) > 1]
 
 
+EQUALIZED_NOTE = "activation ranges equalized across channels"
+
+
 def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
     prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False)
     model = prepared.model
@@ -489,7 +492,7 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
     if equalized:
-        plan.notes.append(f"activation ranges equalized across channels in {equalized} Conv -> hard-swish -> "
+        plan.notes.append(f"{EQUALIZED_NOTE} in {equalized} Conv -> hard-swish -> "
                           "depthwise Conv chain(s), by an exact rewrite (one int8 range per activation then fits every channel)")
     if scales:
         plan.notes.append(f"SmoothQuant (alpha {smoothing_alpha(options, strategy == 'dynamic')}): the activation "

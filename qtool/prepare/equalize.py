@@ -31,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.errors import QtoolError
-from qtool.graph.index import GraphIndex, attribute
+from qtool.graph.index import GraphIndex, attribute, node_label
 
 HOMOGENEOUS = ("Relu", "LeakyRelu")
 ROUNDS = 4
@@ -347,3 +347,26 @@ def _gate_nodes(model: onnx.ModelProto, index: GraphIndex, x: str,
         return {gate.output[0]: rewritten}
     rewritten.append(helper.make_node("Mul", [x, gated], [gate.output[0]], name=label))
     return {gate.output[0]: rewritten}
+
+
+def equalized_tensors(model: onnx.ModelProto, scales: dict[str, tuple[float, ...]]) -> list[str]:
+    """The tensors of `scales` that equalize_activations rewrote in `model` (their gate's weight is there)."""
+    names = {t.name for t in model.graph.initializer}
+    return [tensor for tensor in scales if f"{tensor}_equalized_gate_w" in names]
+
+
+def equalized_chain(model: onnx.ModelProto, tensor: str) -> set[str]:
+    """Labels of the nodes of an equalized chain in `model`: the Conv writing `tensor`, the gate and
+    the rest of the hard-swish, and the depthwise Conv reading its result."""
+    index = GraphIndex(model.graph)
+    found = {node_label(index.producer[tensor])} if tensor in index.producer else set()
+    frontier = list(index.consumers.get(tensor, []))
+    while frontier and len(found) < 16:
+        node = frontier.pop()
+        if node_label(node) in found:
+            continue
+        found.add(node_label(node))
+        if node.op_type == "Conv" and tensor not in node.input:
+            continue  # the depthwise Conv ends the chain
+        frontier.extend(r for name in node.output for r in index.consumers.get(name, []))
+    return found

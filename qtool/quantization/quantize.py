@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -23,7 +23,8 @@ from qtool.graph.index import attribute, node_label, replace_nodes, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
 from qtool.plan.latency import enabled as latency_enabled
-from qtool.plan.planner import QuantPlan, build_plan, prepared_model, unreached_bodies
+from qtool.plan.planner import EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, unreached_bodies
+from qtool.prepare.equalize import equalized_chain, equalized_tensors
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_with
 from qtool.quantization.stem_s2d import space_to_depth_stems
@@ -123,6 +124,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         if choice.labels:
             kept += choice.labels
             plan = _replan(model, options, plan, [*unreached, *kept])
+            model, plan = _unequalize_float_chains(model_path, model, plan, options, [*unreached, *kept])
             qmodel, notes, canonical, forms = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
             failure = run_check.check(qmodel, ref)
             if failure is not None:
@@ -135,6 +137,27 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     if ref.skipped:
         notes.append(f"the int8 model was only loaded, not run: {ref.skipped}")
     return QuantizedGraph(qmodel, plan, fixes + notes, model, canonical, forms)
+
+
+def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig,
+                             keep_float: list[str]) -> tuple[onnx.ModelProto, QuantPlan]:
+    """The graph without the activation equalization of chains the latency-aware choice made wholly
+    float: in float the rewrite only costs time (a depthwise 1x1 Conv where an Add was), and it is
+    exact, so the float chain computes the same without it; the ranges of the tensors around it
+    do not change."""
+    scales = dict(options.smooth_scales)
+    quantized = set(plan.quantized_nodes)
+    undone = {t for t in equalized_tensors(model, scales) if not equalized_chain(model, t) & quantized}
+    if not undone:
+        return model, plan
+    fewer = replace(options, smooth_scales=tuple((t, s) for t, s in options.smooth_scales if t not in undone))
+    model, prepared = prepared_model(model_path, fewer)
+    replanned = build_plan(model, fewer, keep_float=keep_float)
+    replanned.notes = ([n for n in plan.notes if EQUALIZED_NOTE not in n]
+                       + [n for n in prepared.notes if EQUALIZED_NOTE in n]
+                       + [f"the activation equalization of {len(undone)} chain(s) left out: the latency-aware "
+                          "choice keeps them float, where it costs time and changes nothing"])
+    return model, replanned
 
 
 def _seen(table: CalibrationTable) -> Callable[[str], bool]:
