@@ -1,6 +1,7 @@
 """SmoothQuant's measurement: per-channel maxima of |X| of every tensor qtool.plan.smooth_quant can
-smooth, in one onnxruntime pass over the calibration data, turned into the scales that
-prepared_model folds (and the table keeps, for quantization)."""
+smooth (and of every Conv output qtool.prepare.equalize can equalize), in one onnxruntime pass over
+the calibration data, turned into the scales that prepared_model folds (and the table keeps, for
+quantization)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import input_specs
 from qtool.graph.runtime import create_session
 from qtool.plan.planner import QuantPlan
-from qtool.prepare.equalize import activation_scales, activation_sites
 from qtool.plan.smooth_quant import find_sites, smoothing_alpha, smoothing_scales, weight_maxima
+from qtool.prepare.equalize import activation_scales, activation_sites
 
 
 # A tensor read through an inserted Mul is smoothed only when its largest channel maximum is at
@@ -41,9 +42,8 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
     """`options` with smooth_scales measured on `data` (the calibration samples) when SmoothQuant is
     on: asked for (smooth_quant), or by default for dynamic int8 MatMuls (smooth_dynamic); and with
     the activation-equalization scales of Conv -> hard-swish -> depthwise Conv chains
-    (equalize_activations, qtool.prepare.equalize).
-    Measured in one pass on `model` and `plan`, the prepared graph before smoothing; `options`
-    itself when nothing is smoothed or equalized."""
+    (equalize_activations, qtool.prepare.equalize). Measured in one pass on `model` and `plan`, the
+    prepared graph before smoothing; `options` itself when nothing is smoothed or equalized."""
     if options.smooth_scales:
         return options
     smoothing = options.smooth_quant is not None or options.smooth_dynamic is not None

@@ -485,15 +485,17 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
         model = infer_shapes(model)
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
-    scales = dict(options.smooth_scales)  # measured by calibration on this graph, so calibration and quantization agree
-    equalized = equalize_activations(model, scales)  # takes its own tensors' entries out of `scales`
+    # the scales calibration measured on this graph, so that calibration and quantization agree;
+    # equalize_activations takes its own tensors' entries out of them, SmoothQuant folds the rest
+    scales = dict(options.smooth_scales)
+    equalized = equalize_activations(model, scales)
     if scales:
         smooth(model, scales, insert=strategy == "dynamic")
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
     if equalized:
-        plan.notes.append(f"{EQUALIZED_NOTE} in {equalized} Conv -> hard-swish -> "
-                          "depthwise Conv chain(s), by an exact rewrite (one int8 range per activation then fits every channel)")
+        plan.notes.append(f"{EQUALIZED_NOTE} in {equalized} Conv -> hard-swish -> depthwise Conv chain(s), "
+                          "by an exact rewrite (one int8 range per activation then fits every channel)")
     if scales:
         plan.notes.append(f"SmoothQuant (alpha {smoothing_alpha(options, strategy == 'dynamic')}): the activation "
                           f"ranges of {len(scales)} MatMul/Gemm inputs moved into their weights")

@@ -19,6 +19,10 @@ not just the calibration data, at the price of equalizing fewer channels.
 
 Pairs are processed in graph order and the pass is repeated a few times, since a
 conv is the second member of one pair and the first of the next.
+
+Activation equalization (below: Conv -> hard-swish -> depthwise Conv, an exact rewrite of the
+hard-swish with factors measured on the calibration data) lives here too: the same idea, for the
+activations rather than the weights.
 """
 
 from __future__ import annotations
