@@ -140,3 +140,30 @@ def test_a_chain_kept_wholly_float_is_left_unequalized(tmp_path, form):
     plain, _ = prepared_model(path, QuantizeConfig(latency_aware="off", equalize_activations=False))
     assert [(n.op_type, list(n.input)) for n in model.graph.node] == \
         [(n.op_type, list(n.input)) for n in plain.graph.node]
+
+
+def test_a_one_dimensional_chain_is_rewritten_exactly(tmp_path):
+    """Conv1d chains (audio front ends) get a 1-D gate."""
+    rng = np.random.default_rng(6)
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1]),
+             helper.make_node("HardSwish", ["a"], ["h"]),
+             helper.make_node("Conv", ["h", "wd"], ["d"], name="dw", group=C, pads=[1, 1]),
+             helper.make_node("Conv", ["d", "wb"], ["b"], name="conv_b"),
+             helper.make_node("GlobalAveragePool", ["b"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["y"])]
+    inits = [init("wa", rng.normal(0, 0.5, (C, 3, 3)).astype(np.float32) * GAINS.reshape(-1, 1, 1)),
+             init("ba", rng.normal(0, 0.5, C).astype(np.float32) * GAINS),
+             init("wd", rng.normal(0, 0.5, (C, 1, 3)).astype(np.float32) / GAINS.reshape(-1, 1, 1)),
+             init("wb", rng.normal(0, 0.3, (4, C, 1)).astype(np.float32))]
+    path = tmp_path / "m.onnx"
+    onnx.save(model(nodes, [tensor("x", ["N", 3, 16])], [tensor("y", ["N", 4])], inits), path)
+    data = write_samples(tmp_path / "data", rng, [3, 16], count=8, scale=2.0)
+    options, equalized = _equalized(path, data)
+    assert [name for name, _ in options.smooth_scales] == ["a"]
+    onnx.checker.check_model(equalized)
+    x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
+    np.testing.assert_allclose(create_session(equalized).run(None, {"x": x})[0],
+                               create_session(str(path)).run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    result = api.quantize(path, data=data, config={"quantization": {"latency_aware": "off"}})
+    assert any("equalized across channels in 1" in note for note in result.notes)
+    create_session(result.model).run(None, {"x": x})

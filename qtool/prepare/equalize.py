@@ -310,7 +310,7 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
             _replace(inits[first.input[2]], numpy_helper.to_array(inits[first.input[2]]).astype(np.float64) / s)
         w2 = numpy_helper.to_array(inits[second.input[1]]).astype(np.float64)
         _replace(inits[second.input[1]], _scale_second(w2, s, depthwise=True))
-        replaced.update(_gate_nodes(model, index, tensor, s))
+        replaced.update(_gate_nodes(model, index, tensor, s, spatial=w1.ndim - 2))
     nodes = []
     for node in model.graph.node:
         nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
@@ -319,8 +319,8 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
     return len(sites)
 
 
-def _gate_nodes(model: onnx.ModelProto, index: GraphIndex, x: str,
-                s: np.ndarray) -> dict[str, list[onnx.NodeProto]]:
+def _gate_nodes(model: onnx.ModelProto, index: GraphIndex, x: str, s: np.ndarray,
+                spatial: int) -> dict[str, list[onnx.NodeProto]]:
     """Output of the node to replace -> the nodes replacing it: the gate of hard-swish as a
     depthwise 1x1 Conv of x' (weight s * slope, bias offset) and, for the HardSwish op, the Clip and
     Mul it computed inside."""
@@ -333,18 +333,19 @@ def _gate_nodes(model: onnx.ModelProto, index: GraphIndex, x: str,
     else:  # HardSwish: x * HardSigmoid(x) with alpha 1/6, beta 0.5
         slope, offset, top = 1.0 / 6.0, 0.5, 1.0
     name = f"{x}_equalized"
-    weight = numpy_helper.from_array((s * slope).astype(np.float32).reshape(-1, 1, 1, 1), f"{name}_gate_w")
+    weight = numpy_helper.from_array((s * slope).astype(np.float32).reshape((-1, 1) + (1,) * spatial),
+                                     f"{name}_gate_w")
     bias = numpy_helper.from_array(np.full(s.size, offset, np.float32), f"{name}_gate_b")
     model.graph.initializer.extend([weight, bias])
     label = gate.name or gate.output[0]
     if top is None:
         return {gate.output[0]: [helper.make_node("Conv", [x, weight.name, bias.name], [gate.output[0]],
-                                                  name=label, group=s.size, kernel_shape=[1, 1])]}
+                                                  name=label, group=s.size, kernel_shape=[1] * spatial)]}
     bounds = [numpy_helper.from_array(np.array(v, np.float32), f"{name}_gate_{k}") for k, v in (("lo", 0.0), ("hi", top))]
     model.graph.initializer.extend(bounds)
     linear, gated = f"{name}_gate_linear", f"{name}_gate"
     rewritten = [helper.make_node("Conv", [x, weight.name, bias.name], [linear], name=f"{label}_gate",
-                                  group=s.size, kernel_shape=[1, 1]),
+                                  group=s.size, kernel_shape=[1] * spatial),
                  helper.make_node("Clip", [linear, bounds[0].name, bounds[1].name], [gated], name=f"{label}_clip")]
     if gate.op_type == "HardSigmoid":
         rewritten[-1].output[0] = gate.output[0]
