@@ -26,10 +26,10 @@ def _chain(rng, form: str) -> onnx.ModelProto:
     """x -> conv_a (a: channels whose ranges lie 100x apart) -> hard-swish in `form` (h) ->
     depthwise conv (it multiplies the small channels back up) -> conv_b -> GAP -> Flatten -> y."""
     if form == "written_out":
-        act = [helper.make_node("Add", ["a", "three"], ["a3"]),
-               helper.make_node("Clip", ["a3", "zero", "six"], ["c"]),
-               helper.make_node("Mul", ["a", "c"], ["m"]),
-               helper.make_node("Div", ["m", "six"], ["h"])]
+        act = [helper.make_node("Add", ["a", "three"], ["a3"], name="add3"),
+               helper.make_node("Clip", ["a3", "zero", "six"], ["c"], name="clip"),
+               helper.make_node("Mul", ["a", "c"], ["m"], name="mul"),
+               helper.make_node("Div", ["m", "six"], ["h"], name="div")]
     elif form == "hardswish_op":
         act = [helper.make_node("HardSwish", ["a"], ["h"])]
     else:
@@ -167,3 +167,13 @@ def test_a_one_dimensional_chain_is_rewritten_exactly(tmp_path):
     result = api.quantize(path, data=data, config={"quantization": {"latency_aware": "off"}})
     assert any("equalized across channels in 1" in note for note in result.notes)
     create_session(result.model).run(None, {"x": x})
+
+
+def test_an_excluded_chain_is_quantized_as_exported(tmp_path):
+    path, data = _saved(tmp_path, "written_out")
+    # the chain's nodes by name (the gate keeps the name of the "+ 3" Add it replaces)
+    config = {"quantization": {"latency_aware": "off", "exclude_nodes": ["conv_a", "add3", "clip", "mul", "div", "dw"]}}
+    result = api.quantize(path, data=data, config=config)
+    assert any("equalization of 1 chain(s) left out" in note for note in result.notes)
+    assert not any("_equalized_gate" in t.name for t in result.model.graph.initializer)
+    assert sum(n.op_type == "Conv" for n in result.model.graph.node) == 3  # conv_a, dw, conv_b: no gate

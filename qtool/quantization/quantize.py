@@ -90,6 +90,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     if unreached:
         plan = _replan(model, options, plan, unreached)
         plan.notes += unreached_notes
+    model, plan = _unequalize_float_chains(model_path, model, plan, options, unreached)  # excluded, or dynamic
     check_finite_constants(model, plan, model_path)
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
@@ -141,10 +142,10 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
 
 def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig,
                              keep_float: list[str]) -> tuple[onnx.ModelProto, QuantPlan]:
-    """The graph without the activation equalization of chains the latency-aware choice made wholly
-    float: in float the rewrite only costs time (a depthwise 1x1 Conv where an Add was), and it is
-    exact, so the float chain computes the same without it; the ranges of the tensors around it
-    do not change."""
+    """The graph without the activation equalization of chains with no int8 node (excluded, left to a
+    dynamic strategy, or made float by the latency-aware choice): in float the rewrite only costs
+    time (a depthwise 1x1 Conv where an Add was), and it is exact, so the float chain computes the
+    same without it; the ranges of the tensors around it do not change."""
     scales = dict(options.smooth_scales)
     quantized = set(plan.quantized_nodes)
     undone = {t for t in equalized_tensors(model, scales) if not equalized_chain(model, t) & quantized}
@@ -155,8 +156,8 @@ def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, pla
     replanned = build_plan(model, fewer, keep_float=keep_float)
     replanned.notes = ([n for n in plan.notes if EQUALIZED_NOTE not in n]
                        + [n for n in prepared.notes if EQUALIZED_NOTE in n]
-                       + [f"the activation equalization of {len(undone)} chain(s) left out: the latency-aware "
-                          "choice keeps them float, where it costs time and changes nothing"])
+                       + [f"the activation equalization of {len(undone)} chain(s) left out: they stay float "
+                          "(excluded, or kept float for speed), where it costs time and changes nothing"])
     return model, replanned
 
 
