@@ -118,14 +118,14 @@ def test_a_chain_kept_wholly_float_is_left_unequalized(tmp_path, form):
     """The latency-aware choice may keep a chain float; there the rewrite only costs time, so the
     graph goes back to the chain as exported (same tensors, same ranges around it)."""
     from qtool.plan.planner import build_plan
-    from qtool.prepare.equalize import equalized_chain, equalized_tensors
+    from qtool.prepare.equalize import equalized_chains
     from qtool.quantization.quantize import _unequalize_float_chains
 
     path, data = _saved(tmp_path, form)
     options, equalized = _equalized(path, data)
     scales = dict(options.smooth_scales)
-    assert equalized_tensors(equalized, scales) == ["a"]
-    chain = equalized_chain(equalized, "a")
+    assert list(equalized_chains(equalized, scales)) == ["a"]
+    chain = equalized_chains(equalized, ["a"])["a"]
     assert {"conv_a", "dw"} <= chain and "conv_b" not in chain
     # part of the chain int8: nothing changes
     plan = build_plan(equalized, options, keep_float=["conv_a"])
@@ -134,7 +134,7 @@ def test_a_chain_kept_wholly_float_is_left_unequalized(tmp_path, form):
     # the whole chain float: the exported graph comes back, conv_b still int8
     plan = build_plan(equalized, options, keep_float=sorted(chain))
     model, replanned = _unequalize_float_chains(path, equalized, plan, options, sorted(chain))
-    assert equalized_tensors(model, scales) == [] and "conv_b" in replanned.quantized_nodes
+    assert equalized_chains(model, scales) == {} and "conv_b" in replanned.quantized_nodes
     assert not {"conv_a", "dw"} & set(replanned.quantized_nodes)
     assert any("equalization of 1 chain(s) left out" in note for note in replanned.notes)
     plain, _ = prepared_model(path, QuantizeConfig(latency_aware="off", equalize_activations=False))

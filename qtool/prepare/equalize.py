@@ -28,7 +28,7 @@ activations rather than the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 import numpy as np
 import onnx
@@ -73,15 +73,9 @@ def find_pairs(model: onnx.ModelProto) -> list[Pair]:
     index = GraphIndex(graph)
     inits, only_consumer = index.initializers, index.only_consumer
 
-    def own_weights(node: onnx.NodeProto) -> bool:
-        names = [n for n in node.input[1:3] if n]
-        return (node.op_type == "Conv" and node.domain in ("", "ai.onnx") and len(node.input) >= 2
-                and all(n in inits and len(index.consumers.get(n, [])) == 1 for n in names)
-                and inits[node.input[1]].data_type == onnx.TensorProto.FLOAT)
-
     pairs = []
     for node in graph.node:
-        if not own_weights(node) or not node.output:
+        if not _own_conv(node, index) or not node.output:
             continue
         nxt = only_consumer(node.output[0])
         act = None
@@ -91,7 +85,7 @@ def find_pairs(model: onnx.ModelProto) -> list[Pair]:
                 if bounds is None or bounds[0] != 0.0:
                     continue  # a lower bound other than 0 is not homogeneous at all
             act, nxt = nxt, only_consumer(nxt.output[0])
-        if nxt is None or not own_weights(nxt) or nxt.input[0] != (act or node).output[0]:
+        if nxt is None or not _own_conv(nxt, index) or nxt.input[0] != (act or node).output[0]:
             continue
         w1 = inits[node.input[1]]
         w2 = inits[nxt.input[1]]
@@ -209,32 +203,36 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
 MAX_GAIN = 256.0  # the most a channel is enlarged by (a dead channel's range is 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ActivationSite:
     tensor: str  # the first Conv's output: the activation's input
     channels: int
-    first: str  # label of the first Conv (its first output)
-    second: str  # label of the depthwise Conv (its first output)
+    first: onnx.NodeProto  # the Conv writing `tensor`
+    swish: tuple[onnx.NodeProto, ...]  # the hard-swish's nodes, the gate first, the last writing its result
+    second: onnx.NodeProto  # the depthwise Conv reading it
 
 
 def activation_sites(model: onnx.ModelProto) -> list[ActivationSite]:
     """Conv -> hard-swish (HardSwish, x * HardSigmoid(x), or written out as x * Clip(x + 3, 0, 6)
     then / 6 or * (1/6)) -> depthwise Conv chains whose activations can be equalized exactly."""
-    index = GraphIndex(model.graph)
+    return _sites(GraphIndex(model.graph))
+
+
+def _sites(index: GraphIndex) -> list[ActivationSite]:
     sites = []
-    for node in model.graph.node:
+    for node in index.graph.node:
         if not _own_conv(node, index) or not node.output:
             continue
         x = node.output[0]
-        form = _hard_swish(x, index)
-        if form is None:
+        swish = _hard_swish(x, index)
+        if swish is None:
             continue
-        second = index.only_consumer(form[-1].output[0])
+        second = index.only_consumer(swish[-1].output[0])
         channels = index.initializers[node.input[1]].dims[0]
-        if (second is None or not _own_conv(second, index) or second.input[0] != form[-1].output[0]
+        if (second is None or not _own_conv(second, index) or second.input[0] != swish[-1].output[0]
                 or attribute(second, "group", 1) != channels or index.initializers[second.input[1]].dims[1] != 1):
             continue
-        sites.append(ActivationSite(x, channels, node.output[0], second.output[0]))
+        sites.append(ActivationSite(x, channels, node, tuple(swish), second))
     return sites
 
 
@@ -292,40 +290,38 @@ def activation_scales(maxima: np.ndarray) -> tuple[float, ...]:
 def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, ...]]) -> int:
     """Rewrite every site of `model` whose tensor `scales` names (module comment above) in place, and
     take those entries out of `scales`; the number rewritten."""
-    sites = {site.tensor: site for site in activation_sites(model) if site.tensor in scales}
-    if not sites:
-        return 0
     index = GraphIndex(model.graph)
+    sites = [site for site in _sites(index) if site.tensor in scales]
     inits = index.initializers
     replaced: dict[str, list[onnx.NodeProto]] = {}
-    for tensor, site in sites.items():
-        s = np.asarray(scales.pop(tensor), dtype=np.float64)
+    for site in sites:
+        s = np.asarray(scales.pop(site.tensor), dtype=np.float64)
         if s.size != site.channels:
-            raise QtoolError(f"the calibration table equalizes tensor '{tensor}' over {s.size} channels, "
+            raise QtoolError(f"the calibration table equalizes tensor '{site.tensor}' over {s.size} channels, "
                              f"this graph has {site.channels} (the table was made for another model)")
-        first, second = index.producer[tensor], index.only_consumer(_hard_swish(tensor, index)[-1].output[0])
+        first, second = site.first, site.second
         w1 = numpy_helper.to_array(inits[first.input[1]]).astype(np.float64)
         _replace(inits[first.input[1]], w1 / s.reshape((-1,) + (1,) * (w1.ndim - 1)))
         if len(first.input) > 2 and first.input[2]:
             _replace(inits[first.input[2]], numpy_helper.to_array(inits[first.input[2]]).astype(np.float64) / s)
         w2 = numpy_helper.to_array(inits[second.input[1]]).astype(np.float64)
         _replace(inits[second.input[1]], _scale_second(w2, s, depthwise=True))
-        replaced.update(_gate_nodes(model, index, tensor, s, spatial=w1.ndim - 2))
-    nodes = []
-    for node in model.graph.node:
-        nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+        replaced.update(_gate_nodes(model, site, s, spatial=w1.ndim - 2))
+    if replaced:
+        nodes = []
+        for node in model.graph.node:
+            nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
     return len(sites)
 
 
-def _gate_nodes(model: onnx.ModelProto, index: GraphIndex, x: str, s: np.ndarray,
+def _gate_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray,
                 spatial: int) -> dict[str, list[onnx.NodeProto]]:
     """Output of the node to replace -> the nodes replacing it: the gate of hard-swish as a
     depthwise 1x1 Conv of x' (weight s * slope, bias offset) and, for the HardSwish op, the Clip and
     Mul it computed inside."""
-    nodes = _hard_swish(x, index)
-    gate = nodes[0]
+    x, gate = site.tensor, site.swish[0]
     if gate.op_type == "Add":
         slope, offset, top = 1.0, 3.0, None  # the Clip after it stays
     elif gate.op_type == "HardSigmoid":
@@ -334,7 +330,7 @@ def _gate_nodes(model: onnx.ModelProto, index: GraphIndex, x: str, s: np.ndarray
         slope, offset, top = 1.0 / 6.0, 0.5, 1.0
     name = f"{x}_equalized"
     weight = numpy_helper.from_array((s * slope).astype(np.float32).reshape((-1, 1) + (1,) * spatial),
-                                     f"{name}_gate_w")
+                                     _gate_weight(x))
     bias = numpy_helper.from_array(np.full(s.size, offset, np.float32), f"{name}_gate_b")
     model.graph.initializer.extend([weight, bias])
     label = gate.name or gate.output[0]
@@ -354,24 +350,31 @@ def _gate_nodes(model: onnx.ModelProto, index: GraphIndex, x: str, s: np.ndarray
     return {gate.output[0]: rewritten}
 
 
-def equalized_tensors(model: onnx.ModelProto, scales: dict[str, tuple[float, ...]]) -> list[str]:
-    """The tensors of `scales` that equalize_activations rewrote in `model` (their gate's weight is there)."""
+def _gate_weight(tensor: str) -> str:
+    """The name of an equalized chain's gate weight: how a rewritten graph shows which chains it has."""
+    return f"{tensor}_equalized_gate_w"
+
+
+def equalized_chains(model: onnx.ModelProto, tensors: Collection[str]) -> dict[str, set[str]]:
+    """For each of `tensors` that equalize_activations rewrote in `model` (its gate's weight is
+    there), the labels of its chain's nodes: the Conv writing the tensor, the gate and the rest of
+    the hard-swish, and the depthwise Conv reading its result."""
     names = {t.name for t in model.graph.initializer}
-    return [tensor for tensor in scales if f"{tensor}_equalized_gate_w" in names]
-
-
-def equalized_chain(model: onnx.ModelProto, tensor: str) -> set[str]:
-    """Labels of the nodes of an equalized chain in `model`: the Conv writing `tensor`, the gate and
-    the rest of the hard-swish, and the depthwise Conv reading its result."""
+    rewritten = [tensor for tensor in tensors if _gate_weight(tensor) in names]
+    if not rewritten:
+        return {}
     index = GraphIndex(model.graph)
-    found = {node_label(index.producer[tensor])} if tensor in index.producer else set()
-    frontier = list(index.consumers.get(tensor, []))
-    while frontier and len(found) < 16:
-        node = frontier.pop()
-        if node_label(node) in found:
-            continue
-        found.add(node_label(node))
-        if node.op_type == "Conv" and tensor not in node.input:
-            continue  # the depthwise Conv ends the chain
-        frontier.extend(r for name in node.output for r in index.consumers.get(name, []))
-    return found
+    chains = {}
+    for tensor in rewritten:
+        found = {node_label(index.producer[tensor])} if tensor in index.producer else set()
+        frontier = list(index.consumers.get(tensor, []))
+        while frontier and len(found) < 16:
+            node = frontier.pop()
+            if node_label(node) in found:
+                continue
+            found.add(node_label(node))
+            if node.op_type == "Conv" and tensor not in node.input:
+                continue  # the depthwise Conv ends the chain
+            frontier.extend(r for name in node.output for r in index.consumers.get(name, []))
+        chains[tensor] = found
+    return chains

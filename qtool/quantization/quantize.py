@@ -24,7 +24,7 @@ from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
 from qtool.plan.latency import enabled as latency_enabled
 from qtool.plan.planner import EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, unreached_bodies
-from qtool.prepare.equalize import equalized_chain, equalized_tensors
+from qtool.prepare.equalize import equalized_chains
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_with
 from qtool.quantization.stem_s2d import space_to_depth_stems
@@ -146,9 +146,9 @@ def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, pla
     dynamic strategy, or made float by the latency-aware choice): in float the rewrite only costs
     time (a depthwise 1x1 Conv where an Add was), and it is exact, so the float chain computes the
     same without it; the ranges of the tensors around it do not change."""
-    scales = dict(options.smooth_scales)
     quantized = set(plan.quantized_nodes)
-    undone = {t for t in equalized_tensors(model, scales) if not equalized_chain(model, t) & quantized}
+    chains = equalized_chains(model, [tensor for tensor, _ in options.smooth_scales])
+    undone = {tensor for tensor, chain in chains.items() if not chain & quantized}
     if not undone:
         return model, plan
     fewer = replace(options, smooth_scales=tuple((t, s) for t, s in options.smooth_scales if t not in undone))
