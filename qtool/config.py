@@ -145,9 +145,9 @@ class QuantizeConfig:
     # where their producer cannot take the division; None: off. Measured on MiniLM: embedding cosine
     # 0.992 -> 0.997 (qtool.plan.smooth_quant)
     smooth_dynamic: Optional[float] = 0.8
-    # Conv -> hard-swish -> depthwise Conv chains are rewritten exactly so that every channel of their
-    # activations spans the same range (qtool.prepare.equalize); measured on the calibration data, kept
-    # in the table's smoothing scales
+    # Conv -> activation (hard-swish, Relu, none) -> depthwise Conv chains are rescaled (a hard-swish
+    # rewritten) exactly so that every channel of their activations spans the same range
+    # (qtool.prepare.equalize); measured on the calibration data, kept in the table's smoothing scales
     equalize_activations: bool = True
     # The smoothing scales (tensor, per-channel factors): measured on the calibration data by calibrate,
     # read from the table by quantize; not a setting of the user's

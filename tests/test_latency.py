@@ -23,9 +23,11 @@ from tests import graphs
 ON = QuantizeConfig(latency_aware="on", exclude_op_types=("Sigmoid",))
 
 
-def _cost(model: onnx.ModelProto, table: dict[str, tuple[float, float]]) -> float:
-    """Milliseconds of a model by the table: op -> (int8, float) cost; a node is int8 when its weight
-    comes from a DequantizeLinear or a QuantizeLinear reads its output. Q/DQ nodes cost a little each."""
+def _cost(model: "onnx.ModelProto | str", table: dict[str, tuple[float, float]]) -> float:
+    """Milliseconds of a model (the fp32 one comes as its path) by the table: op -> (int8, float)
+    cost; a node is int8 when its weight comes from a DequantizeLinear or a QuantizeLinear reads its
+    output. Q/DQ nodes cost a little each."""
+    model = onnx.load(model) if isinstance(model, str) else model
     dq = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
     quantized = {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
     total = 0.0
@@ -50,6 +52,7 @@ def setup(tmp_path, monkeypatch):
     def run(costs: dict[str, tuple[float, float]], options: QuantizeConfig = ON):
         def measure(models):
             calls.append(len(models))
+            assert models.get("fp32", str(path)) == str(path)  # the model as given, not the prepared graph
             return {name: [_cost(m, costs)] for name, m in models.items()}
         monkeypatch.setattr(quantize_module, "timer", lambda feeds: measure)
         return quantize_module.quantize_model(path, table, options, latency=True)
@@ -142,6 +145,7 @@ def test_a_weighted_type_goes_float_with_the_elementwise_types_when_only_togethe
 
     def measure(models):
         def cost(model):
+            model = onnx.load(model) if isinstance(model, str) else model
             producers = {o: n.op_type for n in model.graph.node for o in n.output}
             quantized = {producers.get(n.input[0]) for n in model.graph.node if n.op_type == "QuantizeLinear"}
             return 10.0 if quantized & {"Conv", "Relu", "GlobalAveragePool"} else 1.0
@@ -185,6 +189,7 @@ def test_the_elementwise_types_go_float_together_after_a_weighted_type_went_alon
 
     def measure(models):
         def cost(model):
+            model = onnx.load(model) if isinstance(model, str) else model
             producers = {o: n.op_type for n in model.graph.node for o in n.output}
             dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
             quantized = {producers.get(n.input[0]) for n in model.graph.node if n.op_type == "QuantizeLinear"}

@@ -41,7 +41,7 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
                        options: QuantizeConfig) -> QuantizeConfig:
     """`options` with smooth_scales measured on `data` (the calibration samples) when SmoothQuant is
     on: asked for (smooth_quant), or by default for dynamic int8 MatMuls (smooth_dynamic); and with
-    the activation-equalization scales of Conv -> hard-swish -> depthwise Conv chains
+    the activation-equalization scales of Conv -> activation -> depthwise Conv chains
     (equalize_activations, qtool.prepare.equalize). Measured in one pass on `model` and `plan`, the
     prepared graph before smoothing; `options` itself when nothing is smoothed or equalized."""
     if options.smooth_scales:
@@ -52,9 +52,14 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
     equalized = activation_sites(model) if options.equalize_activations else []
     if not sites and not equalized:
         return options
-    names = [site.tensor for site in sites] + [site.tensor for site in equalized]
-    axes = [-1] * len(sites) + [1] * len(equalized)  # channels: last axis / NCHW's
-    channels = [site.channels for site in sites] + [site.channels for site in equalized]
+    # (key, tensor measured): a hard-swish's input; a Relu's output (the int8 tensor, the fused
+    # Conv's); and with an affine tail, the depthwise Conv's input for factors of its own
+    measured = [(site.tensor, site.tensor if site.hard_swish else site.output) for site in equalized]
+    measured += [(site.output, site.output) for site in equalized if site.tail]
+    names = [site.tensor for site in sites] + [name for _, name in measured]
+    axes = [-1] * len(sites) + [1] * len(measured)  # channels: last axis / NCHW's
+    count = {site.tensor: site.channels for site in equalized} | {site.output: site.channels for site in equalized}
+    channels = [site.channels for site in sites] + [count[name] for _, name in measured]
     session = create_session(with_outputs(model, names), label=str(model_path))
     source = open_data(data, input_specs(model), preprocess)
     maxima = {name: np.zeros(count) for name, count in zip(names, channels)}
@@ -63,7 +68,7 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
             if value.size:
                 flat = np.moveaxis(value, axis, -1).reshape(-1, count)
                 np.maximum(maxima[name], np.abs(flat).max(axis=0), out=maxima[name])
-    equal = tuple((site.tensor, activation_scales(maxima[site.tensor])) for site in equalized)
+    equal = tuple((key, activation_scales(maxima[name])) for key, name in measured)
     # an inserted Mul costs a pass over the tensor: only where outlier channels stretch its range
     sites = [site for site in sites if not site.readers or outlier_ratio(maxima[site.tensor]) >= OUTLIER_RATIO]
     inits = GraphIndex(model).initializers

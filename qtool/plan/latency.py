@@ -49,10 +49,11 @@ MARGIN = 0.05  # a float candidate must be this much faster than the int8 model 
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
-VERSION = 8  # of the decision procedure and of the int8 forms it times; part of the cache key
+VERSION = 9  # of the decision procedure and of the int8 forms it times; part of the cache key
 
-# {name: model} -> median seconds per run of each per feed set (batch 1, then the batch), timed together
-Measure = Callable[[Mapping[str, onnx.ModelProto]], dict[str, list[float]]]
+# {name: model (a proto or a path)} -> median seconds per run of each per feed set (batch 1, then
+# the batch), timed together
+Measure = Callable[[Mapping[str, "onnx.ModelProto | str"]], dict[str, list[float]]]
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,10 @@ def _ms(values: list[float]) -> str:
     return " / ".join(f"{v * 1e3:.2f}" for v in values) + " ms"
 
 
-def choose(fp32: onnx.ModelProto, quantized: Mapping[str, str], build: Callable[[list[str]], onnx.ModelProto],
+def choose(fp32: "onnx.ModelProto | str", quantized: Mapping[str, str], build: Callable[[list[str]], onnx.ModelProto],
            key: str, measure: Measure, cache_dir: Optional[Path] = None) -> LatencyChoice:
-    """quantized: node label -> op type of the nodes the plan quantizes; build(labels): the int8
+    """fp32: the model as the user gave it (a proto or a path), what the int8 model must beat;
+    quantized: node label -> op type of the nodes the plan quantizes; build(labels): the int8
     model with those nodes kept float; key: cache_key(...); cache_dir None: no cache."""
     by_type: dict[str, list[str]] = {}
     for label, op_type in quantized.items():
@@ -155,7 +157,7 @@ def _read(path: Optional[Path]) -> Optional[dict]:
         return None
 
 
-def _decide(fp32: onnx.ModelProto, by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],
+def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],
             measure: Measure) -> dict:
     """Greedy over op types; every choice is confirmed by a second, independent measurement (new
     sessions: two sessions of one model can differ by a few percent, and a neighbour's load comes

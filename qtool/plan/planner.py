@@ -494,8 +494,8 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
     if equalized:
-        plan.notes.append(f"{EQUALIZED_NOTE} in {equalized} Conv -> hard-swish -> depthwise Conv chain(s), "
-                          "by an exact rewrite (one int8 range per activation then fits every channel)")
+        plan.notes.append(f"{EQUALIZED_NOTE} in {equalized} Conv -> activation -> depthwise Conv chain(s), "
+                          "exactly (one int8 range per activation then fits every channel)")
     if scales:
         plan.notes.append(f"SmoothQuant (alpha {smoothing_alpha(options, strategy == 'dynamic')}): the activation "
                           f"ranges of {len(scales)} MatMul/Gemm inputs moved into their weights")

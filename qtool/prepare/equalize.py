@@ -20,8 +20,8 @@ not just the calibration data, at the price of equalizing fewer channels.
 Pairs are processed in graph order and the pass is repeated a few times, since a
 conv is the second member of one pair and the first of the next.
 
-Activation equalization (below: Conv -> hard-swish -> depthwise Conv, an exact rewrite of the
-hard-swish with factors measured on the calibration data) lives here too: the same idea, for the
+Activation equalization (below: Conv -> activation -> depthwise Conv with factors measured on the
+calibration data, a hard-swish by an exact rewrite) lives here too: the same idea, for the
 activations rather than the weights.
 """
 
@@ -181,7 +181,7 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
     return report
 
 
-# --- Activation equalization: Conv -> hard-swish -> depthwise Conv, with measured ranges ---------
+# --- Activation equalization: Conv -> activation -> depthwise Conv, with measured ranges --------
 #
 # A pointwise Conv of a MobileNet-style backbone can write channels whose ranges lie 30 times apart
 # (a PP-OCRv3 recognizer: one channel to 102, the median 3.3), and the depthwise Conv after its
@@ -199,6 +199,18 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
 # same form (Clip(s * alpha * x' + beta, 0, 1)). Per-channel activation weights cost nothing here:
 # both Convs' weights are quantized per output channel, and the depthwise Conv's channel c reads
 # only input channel c.
+#
+# PP-LCNetV3 (PP-OCRv4) puts a learnable scalar affine between the hard-swish and the depthwise
+# Conv: y = a * hardswish(x) + b. Its "+ b" cannot stay a scalar once the channels are rescaled,
+# so the affine (with the hard-swish's "/ 6") becomes one depthwise 1x1 Conv, and since that Conv
+# can scale each channel again, y gets factors t of its own, measured on y: y / t = a * s / (6 t) *
+# (x' * Clip(s * x' + 3, 0, 6)) + b / t, and the depthwise Conv's channel c is multiplied by t_c.
+#
+# With a homogeneous activation (Relu, LeakyRelu) or none between the Convs (PP-LCNetV3's stem:
+# Conv + BatchNorm, then a depthwise Conv, its output channels 1 to 23), act(x / s) = act(x) / s
+# and the factors alone do it, measured on the depthwise Conv's input (a Relu's output is the int8
+# tensor). Unlike cross-layer equalization above, which balances weight ranges for per-tensor
+# weights, this balances the activation between two per-channel Convs, where it costs nothing.
 
 MAX_GAIN = 256.0  # the most a channel is enlarged by (a dead channel's range is 0)
 
@@ -208,13 +220,23 @@ class ActivationSite:
     tensor: str  # the first Conv's output: the activation's input
     channels: int
     first: onnx.NodeProto  # the Conv writing `tensor`
-    swish: tuple[onnx.NodeProto, ...]  # the hard-swish's nodes, the gate first, the last writing its result
-    second: onnx.NodeProto  # the depthwise Conv reading it
+    swish: tuple[onnx.NodeProto, ...]  # the hard-swish's nodes, the gate first, the last writing its result;
+    # for a homogeneous activation (Relu, LeakyRelu) its node, or nothing for none
+    hard_swish: bool
+    tail: tuple[onnx.NodeProto, ...]  # a scalar affine after it (Mul, Add, or both), or nothing
+    affine: tuple[float, float]  # the tail's a and b (1, 0 without one)
+    second: onnx.NodeProto  # the depthwise Conv reading the result
+
+    @property
+    def output(self) -> str:
+        """The depthwise Conv's input: with a tail, equalized by factors of its own."""
+        return self.second.input[0]
 
 
 def activation_sites(model: onnx.ModelProto) -> list[ActivationSite]:
-    """Conv -> hard-swish (HardSwish, x * HardSigmoid(x), or written out as x * Clip(x + 3, 0, 6)
-    then / 6 or * (1/6)) -> depthwise Conv chains whose activations can be equalized exactly."""
+    """Conv -> activation -> depthwise Conv chains whose activations can be equalized exactly: a
+    hard-swish (HardSwish, x * HardSigmoid(x), or written out as x * Clip(x + 3, 0, 6) then / 6 or
+    * (1/6)), optionally followed by a scalar affine (* a, + b); Relu; LeakyRelu; or none."""
     return _sites(GraphIndex(model.graph))
 
 
@@ -225,15 +247,44 @@ def _sites(index: GraphIndex) -> list[ActivationSite]:
             continue
         x = node.output[0]
         swish = _hard_swish(x, index)
-        if swish is None:
-            continue
-        second = index.only_consumer(swish[-1].output[0])
+        hard_swish = swish is not None
+        if hard_swish:
+            tail, affine = _affine(swish[-1].output[0], index)
+        else:  # Conv -> (Relu | LeakyRelu | nothing) -> depthwise Conv: the factors alone, no rewrite
+            act = index.only_consumer(x)
+            swish = [act] if act is not None and act.op_type in HOMOGENEOUS else []
+            tail, affine = [], (1.0, 0.0)
+        result = (tail or swish)[-1].output[0] if tail or swish else x
+        second = index.only_consumer(result)
         channels = index.initializers[node.input[1]].dims[0]
-        if (second is None or not _own_conv(second, index) or second.input[0] != swish[-1].output[0]
+        if (second is None or not _own_conv(second, index) or second.input[0] != result
                 or attribute(second, "group", 1) != channels or index.initializers[second.input[1]].dims[1] != 1):
             continue
-        sites.append(ActivationSite(x, channels, node, tuple(swish), second))
+        sites.append(ActivationSite(x, channels, node, tuple(swish), hard_swish, tuple(tail), affine, second))
     return sites
+
+
+def _affine(h: str, index: GraphIndex) -> tuple[list[onnx.NodeProto], tuple[float, float]]:
+    """The nodes of a scalar affine a * h + b that alone read `h` (Mul then Add, or one of them), and
+    (a, b); no nodes and (1, 0) when there is none."""
+    nodes, a, b = [], 1.0, 0.0
+    for op_type in ("Mul", "Add"):
+        node = index.only_consumer(nodes[-1].output[0] if nodes else h)
+        if node is None or node.op_type != op_type:
+            continue
+        inputs = list(node.input)
+        current = nodes[-1].output[0] if nodes else h
+        if len(inputs) != 2 or inputs.count(current) != 1:
+            continue
+        value = index.scalar(inputs[1 - inputs.index(current)])
+        if value is None:
+            continue
+        nodes.append(node)
+        if op_type == "Mul":
+            a = value
+        else:
+            b = value
+    return nodes, (a, b)
 
 
 def _own_conv(node: onnx.NodeProto, index: GraphIndex) -> bool:
@@ -291,22 +342,28 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
     """Rewrite every site of `model` whose tensor `scales` names (module comment above) in place, and
     take those entries out of `scales`; the number rewritten."""
     index = GraphIndex(model.graph)
-    sites = [site for site in _sites(index) if site.tensor in scales]
+    sites = []
+    for site in _sites(index):
+        if site.tensor in scales:
+            sites.append(site)
+        elif site.tail:
+            scales.pop(site.output, None)  # a tail's factors go with their chain's
     inits = index.initializers
     replaced: dict[str, list[onnx.NodeProto]] = {}
     for site in sites:
-        s = np.asarray(scales.pop(site.tensor), dtype=np.float64)
-        if s.size != site.channels:
-            raise QtoolError(f"the calibration table equalizes tensor '{site.tensor}' over {s.size} channels, "
-                             f"this graph has {site.channels} (the table was made for another model)")
+        s = _factors(scales.pop(site.tensor), site.tensor, site)
+        t = _factors(scales.pop(site.output), site.output, site) if site.tail and site.output in scales else s
         first, second = site.first, site.second
         w1 = numpy_helper.to_array(inits[first.input[1]]).astype(np.float64)
         _replace(inits[first.input[1]], w1 / s.reshape((-1,) + (1,) * (w1.ndim - 1)))
         if len(first.input) > 2 and first.input[2]:
             _replace(inits[first.input[2]], numpy_helper.to_array(inits[first.input[2]]).astype(np.float64) / s)
         w2 = numpy_helper.to_array(inits[second.input[1]]).astype(np.float64)
-        _replace(inits[second.input[1]], _scale_second(w2, s, depthwise=True))
-        replaced.update(_gate_nodes(model, site, s, spatial=w1.ndim - 2))
+        _replace(inits[second.input[1]], _scale_second(w2, t, depthwise=True))
+        if site.hard_swish:
+            replaced.update(_gate_nodes(model, site, s, spatial=w1.ndim - 2))
+        if site.tail:
+            replaced.update(_tail_nodes(model, site, s, t, spatial=w1.ndim - 2))
     if replaced:
         nodes = []
         for node in model.graph.node:
@@ -314,6 +371,38 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
         del model.graph.node[:]
         model.graph.node.extend(nodes)
     return len(sites)
+
+
+def _factors(values: tuple[float, ...], tensor: str, site: ActivationSite) -> np.ndarray:
+    """The table's factors for `tensor` of `site`, checked against its channels."""
+    factors = np.asarray(values, dtype=np.float64)
+    if factors.size != site.channels:
+        raise QtoolError(f"the calibration table equalizes tensor '{tensor}' over {factors.size} channels, "
+                         f"this graph has {site.channels} (the table was made for another model)")
+    return factors
+
+
+def _tail_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray, t: np.ndarray,
+                spatial: int) -> dict[str, list[onnx.NodeProto]]:
+    """The scalar affine after the hard-swish (and the written-out form's "/ 6") as one depthwise 1x1
+    Conv from hardswish(x) / s, or 6 hardswish(x) / s, to y / t; the nodes it replaces go."""
+    a, b = site.affine
+    first = site.swish[-1]
+    if site.swish[0].op_type == "Add":  # x' * Clip(...) then / 6 or * (1/6): the Conv takes the / 6
+        a /= 6.0
+        source = first.input[0]
+        gone = [first, *site.tail[:-1]]
+    else:
+        source = first.output[0]
+        gone = list(site.tail[:-1])
+    weight = numpy_helper.from_array((a * s / t).astype(np.float32).reshape((-1, 1) + (1,) * spatial),
+                                     _tail_weight(site.tensor))
+    bias = numpy_helper.from_array((b / t).astype(np.float32), f"{site.tensor}_equalized_tail_b")
+    model.graph.initializer.extend([weight, bias])
+    last = site.tail[-1]
+    conv = helper.make_node("Conv", [source, weight.name, bias.name], [last.output[0]],
+                            name=last.name or last.output[0], group=s.size, kernel_shape=[1] * spatial)
+    return {**{node.output[0]: [] for node in gone}, last.output[0]: [conv]}
 
 
 def _gate_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray,
@@ -355,10 +444,16 @@ def _gate_weight(tensor: str) -> str:
     return f"{tensor}_equalized_gate_w"
 
 
+def _tail_weight(tensor: str) -> str:
+    """The name of the weight of the depthwise 1x1 Conv that replaces an equalized chain's tail."""
+    return f"{tensor}_equalized_tail_w"
+
+
 def equalized_chains(model: onnx.ModelProto, tensors: Collection[str]) -> dict[str, set[str]]:
-    """For each of `tensors` that equalize_activations rewrote in `model` (its gate's weight is
-    there), the labels of its chain's nodes: the Conv writing the tensor, the gate and the rest of
-    the hard-swish, and the depthwise Conv reading its result."""
+    """For each of `tensors` whose hard-swish equalize_activations rewrote in `model` (its gate's
+    weight is there), the labels of its chain's nodes: the Conv writing the tensor, the gate and the
+    rest of the hard-swish, its tail, and the depthwise Conv reading the result. (A chain through a
+    homogeneous activation keeps its nodes: rescaled, it costs nothing in float.)"""
     names = {t.name for t in model.graph.initializer}
     rewritten = [tensor for tensor in tensors if _gate_weight(tensor) in names]
     if not rewritten:
@@ -373,7 +468,7 @@ def equalized_chains(model: onnx.ModelProto, tensors: Collection[str]) -> dict[s
             if node_label(node) in found:
                 continue
             found.add(node_label(node))
-            if node.op_type == "Conv" and tensor not in node.input:
+            if node.op_type == "Conv" and node.input[1] not in (_gate_weight(tensor), _tail_weight(tensor)):
                 continue  # the depthwise Conv ends the chain
             frontier.extend(r for name in node.output for r in index.consumers.get(name, []))
         chains[tensor] = found

@@ -21,6 +21,7 @@ from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
 from qtool.graph.index import attribute, node_label, replace_nodes, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
+from qtool.graph.runtime import create_session
 from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
 from qtool.plan.latency import enabled as latency_enabled
 from qtool.plan.planner import EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, unreached_bodies
@@ -121,7 +122,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
                      + (f" (and with it {', '.join(along)})" if along else "")
                      + f", because onnxruntime cannot run the model with it in int8: {failure.reason}")
     if latency and latency_enabled(options) and ref.outputs is not None:  # timing needs inputs fp32 runs on
-        choice = _latency_choice(model, plan, op_type, [*unreached, *kept], steps, ref, options)
+        choice = _latency_choice(model_path, model, plan, op_type, [*unreached, *kept], steps, ref, options)
         if choice.labels:
             kept += choice.labels
             plan = _replan(model, options, plan, [*unreached, *kept])
@@ -182,12 +183,19 @@ def _replan(model: onnx.ModelProto, options: QuantizeConfig, plan: QuantPlan, ke
 MADE_UP_SIZES = (1, 64, 224)  # tried in turn for the open dims of made-up inputs until fp32 runs
 
 
-def _latency_choice(model: onnx.ModelProto, plan: QuantPlan, op_type: dict[str, str], kept: list[str],
-                    steps: "_Steps", ref: run_check.Reference, options: QuantizeConfig) -> LatencyChoice:
-    """The op types onnxruntime runs faster float on this CPU, timed on the run check's batch."""
+def _latency_choice(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, op_type: dict[str, str],
+                    kept: list[str], steps: "_Steps", ref: run_check.Reference,
+                    options: QuantizeConfig) -> LatencyChoice:
+    """The op types onnxruntime runs faster float on this CPU, timed on the run check's batch
+    against the fp32 model as given (not the prepared graph, whose rewrites may cost time in float)."""
     quantized = {label: op_type[label] for label in plan.quantized_nodes}
     key = cache_key(model, quantized, ref.feeds, options)
-    return choose(model, quantized, lambda labels: steps.structure(
+    fp32: onnx.ModelProto | str = str(model_path)
+    try:
+        create_session(fp32, 1, fp32).run(None, ref.feeds)
+    except Exception:  # inputs the prepared graph takes and the file does not: time against the graph
+        fp32 = model
+    return choose(fp32, quantized, lambda labels: steps.structure(
         model, build_plan(model, options, keep_float=[*kept, *labels])), key, timer(ref.feeds), latency_cache_dir())
 
 
