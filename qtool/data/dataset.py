@@ -406,6 +406,23 @@ def _restricted(source: DataSource | MemorySource, lo: int, hi: int) -> DataSour
     return subset
 
 
+def spread_samples(source: DataSource | MemorySource, limit: Optional[int], count: int) -> DataSource | MemorySource:
+    """`count` samples spread evenly over the first `limit` of `source` (positions i * total // count),
+    so that a folder sorted by where its samples came from is measured on all of it; `source` as it
+    is when it has no more, or when its length is unknown until read (a generator: its first ones)."""
+    if isinstance(source, MemorySource) and not source.shippable():
+        return source
+    total = _count(source, limit)
+    if total <= count:
+        return source
+    picks = [i * total // count for i in range(count)]
+    if isinstance(source, DataSource):
+        return with_files(source, [source.files[i] for i in picks])
+    subset = copy.copy(source)
+    subset.data = [source.data[i] for i in picks]
+    return subset
+
+
 def _count(source: DataSource | MemorySource, limit: Optional[int]) -> int:
     count = len(source.files) if isinstance(source, DataSource) else len(source.data)
     return min(limit, count) if limit else count
