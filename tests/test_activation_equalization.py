@@ -208,3 +208,25 @@ def test_an_excluded_chain_is_quantized_as_exported(tmp_path):
     assert any("equalization of 1 chain(s) left out" in note for note in result.notes)
     assert not any("_equalized_gate" in t.name for t in result.model.graph.initializer)
     assert sum(n.op_type == "Conv" for n in result.model.graph.node) == 3  # conv_a, dw, conv_b: no gate
+
+
+@pytest.mark.parametrize("form", ["written_out", "written_out_affine", "linear"])
+def test_per_layer_error_leaves_out_the_rescaled_tensors(tmp_path, form):
+    """An equalized tensor keeps its name but holds x / s: paired with the fp32 x it would read as
+    a huge error (cosine far below the int8 model's). The int8 model names them in its metadata;
+    the per-layer error leaves them out and finds every other tensor close to fp32."""
+    from qtool.data.dataset import batches, open_data
+    from qtool.evaluation.layer_error import layer_errors
+    from qtool.graph.edit import rescaled_tensors
+    from qtool.graph.modelio import input_specs
+
+    path, data = _saved(tmp_path, form)
+    result = api.quantize(path, data=data, config={"calibration": {"method": "minmax"},
+                                                   "quantization": {"latency_aware": "off"}})
+    rescaled = rescaled_tensors(result.model)
+    assert {"a", _dw_input(form)} <= rescaled and "d" not in rescaled
+    fp32 = onnx.load(path)
+    errors = layer_errors(fp32, result.model, batches(open_data(data, input_specs(fp32), PreprocessConfig()), 4))
+    reported = {e.tensor for e in errors}
+    assert not reported & rescaled and {"x", "d"} <= reported
+    assert all(e.cosine > 0.99 for e in errors), [(e.tensor, e.cosine) for e in errors]

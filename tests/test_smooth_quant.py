@@ -130,7 +130,11 @@ def test_kit_ppocr_rec_fp32_unchanged():
     """The SVTR blocks of the PP-OCR v4 recognizer are pre-LN: their LayerNorms feed the qkv and fc1 MatMuls."""
     path = kit_path("models", "rapidocr_v4_rec.onnx")
     options = _assert_same_fp32(path, kit_path("inputs", "rapidocr_v4_rec", "calib"), samples=4)
-    assert len(options.smooth_scales) == 4
+    from qtool.prepare.equalize import activation_sites
+    # beside the activation equalization of its backbone's chains (exact too: the same check holds)
+    sites = activation_sites(prepared_model(path, QuantizeConfig())[0])
+    equalized = {site.tensor for site in sites} | {site.output for site in sites if site.tail}
+    assert len(sites) == 14 and len([t for t, _ in options.smooth_scales if t not in equalized]) == 4
 
 
 def test_option_flows_from_calibrate_to_quantize(tmp_path):
@@ -154,6 +158,8 @@ def test_option_flows_from_calibrate_to_quantize(tmp_path):
     gamma = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}["gamma"]
     original = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}["gamma"]
     np.testing.assert_allclose(gamma, original / np.array(document["smoothing"]["h"]), rtol=1e-6)
+    from qtool.graph.edit import rescaled_tensors
+    assert rescaled_tensors(onnx.load(out)) == {"h"}  # h / s under h's name: no per-layer twin
     result = runner.invoke(main, args)  # the table's ranges are of the smoothed graph: the option must match
     assert result.exit_code != 0 and "alpha 0.5" in result.output
     plain = api.calibrate(path, data, {"quantization": {"matmul": "static"}})
@@ -213,6 +219,8 @@ def test_dynamic_matmuls_read_an_outlier_input_through_an_inserted_mul(tmp_path)
     plain, _ = prepared_model(path, options)
     smoothed, _ = prepared_model(path, smoothed_options)
     assert [n.op_type for n in smoothed.graph.node if n.output[0] == "h_smoothed"] == ["Mul"]
+    from qtool.graph.edit import rescaled_tensors
+    assert rescaled_tensors(smoothed) == set()  # h keeps its values; h_smoothed is new
     feeds = [b.feeds for b in batches(open_data(data, input_specs(plain), PreprocessConfig()), 1, None)]
     for before, after in zip(_outputs(plain, feeds), _outputs(smoothed, feeds)):
         if before.dtype.kind == "f":

@@ -7,7 +7,10 @@ tensor's name (after the Cast, the Mul by the scales, and for merged MatMuls the
 models are run once over the same batches with those tensors exposed as extra outputs (exposing
 a DequantizeLinear output leaves onnxruntime's integer kernels and the final outputs unchanged). The
 error at T is cumulative: it includes everything quantized before T, which is what
-tells where in the graph the error grows.
+tells where in the graph the error grows. Tensors an exact rewrite rescaled per channel
+(activation equalization, SmoothQuant folded into a LayerNorm: their names are in the int8
+model's metadata, qtool.graph.edit.mark_rescaled) keep their names but not their values, and
+are left out.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import onnx
 from qtool.data.dataset import Batch
 from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import FidelityAccumulator
-from qtool.graph.edit import with_outputs
+from qtool.graph.edit import rescaled_tensors, with_outputs
 from qtool.quantization import dynamic_matmul
 from qtool.quantization.channel_pad import PAD_SUFFIX
 from qtool.quantization.stem_s2d import S2D_SUFFIX, undo
@@ -76,12 +79,15 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
     producers = GraphIndex(fp32).producer
     position = {id(node): i for i, node in enumerate(fp32.graph.node)}
     inputs = {i.name for i in fp32.graph.input} - {t.name for t in fp32.graph.initializer}
+    rescaled = rescaled_tensors(int8)  # same name, other values: no twin
     pairs = []
     for node in int8.graph.node:
         out = node.output[0] if node.output else ""
         if node.op_type != "DequantizeLinear" or not out.endswith(DQ_SUFFIX):
             continue
         tensor = out[: -len(DQ_SUFFIX)]
+        if tensor in rescaled:
+            continue
         if tensor.endswith(PAD_SUFFIX) and tensor[: -len(PAD_SUFFIX)] in inputs:
             # an input padded with zero channels (qtool.channel_pad): compared on its real channels
             pairs.append(TensorPair(tensor[: -len(PAD_SUFFIX)], "", "input", -1, out))
@@ -93,7 +99,7 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
         elif tensor in producers and producers[tensor].op_type != "Constant":
             producer = producers[tensor]
             pairs.append(TensorPair(tensor, node_label(producer), producer.op_type, position[id(producer)]))
-    named = {name for name, producer in producers.items() if producer.op_type != "Constant"}
+    named = {name for name, producer in producers.items() if producer.op_type != "Constant" and name not in rescaled}
     for tensor in sorted(_dynamic_outputs(int8, named)):
         producer = producers[tensor]
         pairs.append(TensorPair(tensor, node_label(producer), producer.op_type, position[id(producer)], tensor))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import itertools
+import json
 
 import numpy as np
 import onnx
@@ -163,3 +164,26 @@ def drop_unread(graph: onnx.GraphProto) -> None:
         kept_inits = [t for t in graph.initializer if t.name in read]
         del graph.initializer[:]
         graph.initializer.extend(kept_inits)
+
+
+RESCALED_KEY = "qtool.rescaled_tensors"  # metadata: tensors whose values a rewrite rescaled
+
+
+def mark_rescaled(model: onnx.ModelProto, names: Iterable[str]) -> None:
+    """Record in `model`'s metadata that the named tensors keep their names but no longer their
+    values (an exact rewrite divided them per channel, its factors taken up further on): a per-layer
+    comparison with the original model must not pair them. The quantized model inherits it."""
+    marked = rescaled_tensors(model) | set(names)
+    entries = [p for p in model.metadata_props if p.key != RESCALED_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(entries)
+    if marked:
+        model.metadata_props.add(key=RESCALED_KEY, value=json.dumps(sorted(marked)))
+
+
+def rescaled_tensors(model: onnx.ModelProto) -> set[str]:
+    """The tensors mark_rescaled recorded in `model`."""
+    for prop in model.metadata_props:
+        if prop.key == RESCALED_KEY:
+            return set(json.loads(prop.value))
+    return set()

@@ -32,6 +32,7 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.errors import QtoolError
+from qtool.graph.edit import mark_rescaled
 from qtool.graph.index import GraphIndex, attribute, replace_nodes
 from qtool.plan.ops.blocks import layer_norm_chains
 
@@ -220,6 +221,7 @@ def smooth(model: onnx.ModelProto, scales: Mapping[str, tuple[float, ...]], inse
             _scale(inits[name], s, axis)
         if site.readers:
             inserted[tensor] = _divide_for(model, site, s)
+    mark_rescaled(model, [tensor for tensor in scales if tensor not in inserted])  # the inserted Mul's is new
     if inserted:
         _insert(model, inserted)
 

@@ -35,6 +35,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.errors import QtoolError
+from qtool.graph.edit import mark_rescaled
 from qtool.graph.index import GraphIndex, attribute, node_label
 
 HOMOGENEOUS = ("Relu", "LeakyRelu")
@@ -213,6 +214,7 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
 # weights, this balances the activation between two per-channel Convs, where it costs nothing.
 
 MAX_GAIN = 256.0  # the most a channel is enlarged by (a dead channel's range is 0)
+GATE_OPS = ("Add", "Clip", "HardSigmoid")  # a hard-swish's gate: its values do not change
 
 
 @dataclass(frozen=True, eq=False)
@@ -370,6 +372,9 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
             nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
         del model.graph.node[:]
         model.graph.node.extend(nodes)
+    # x, the hard-swish's product and result (its gate's tensors keep their values), the tail's result
+    mark_rescaled(model, [name for site in sites for name in
+                          (site.tensor, site.output, *(n.output[0] for n in site.swish if n.op_type not in GATE_OPS))])
     return len(sites)
 
 
