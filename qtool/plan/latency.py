@@ -15,9 +15,13 @@ ops around it are worth another try). If the model is then still slower than fp3
 type is tried once more together with every elementwise type, and the elementwise types are
 tried together alone (the weighted type may have gone float on its own already): the Q/DQ pairs
 around a small classifier's Conv -> HardSigmoid -> Mul blocks go only when all of them are float,
-so no single type measures faster alone. The last weighted op type (Conv, Gemm, MatMul, LSTM) is
-never sent back: `quantize` writes an int8 model; if what is left still runs slower than the
-fp32 graph, a note says so with the times (keep the fp32 model where speed matters). The choice is
+so no single type measures faster alone. If it is still slower, the choice goes per node, by
+size (_largest_float): an int8 node pays per value of its tensors and gains per MAC, so the
+nodes whose outputs hold the most values (a CNN's high-resolution first stages, where a
+hard-swish's QLinearMul costs more than its Conv saves) go float, the largest first, while that
+is faster. The last weighted op type (Conv, Gemm, MatMul, LSTM) is never sent back: `quantize`
+writes an int8 model; if what is left still runs slower than the fp32 model (the file as given),
+a note says so with the times (keep the fp32 model where speed matters). The choice is
 cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
 the prepared graph, its quantized nodes, the batch's shapes, the options, onnxruntime's
 version and the CPU's flags, so the same inputs give the same model; delete the folder to
@@ -49,6 +53,7 @@ MARGIN = 0.05  # a float candidate must be this much faster than the int8 model 
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
+LARGEST_LEVELS = 6  # output sizes tried by _largest_float, the largest first
 VERSION = 9  # of the decision procedure and of the int8 forms it times; part of the cache key
 
 # {name: model (a proto or a path)} -> median seconds per run of each per feed set (batch 1, then
@@ -124,18 +129,21 @@ def _ms(values: list[float]) -> str:
 
 
 def choose(fp32: "onnx.ModelProto | str", quantized: Mapping[str, str], build: Callable[[list[str]], onnx.ModelProto],
-           key: str, measure: Measure, cache_dir: Optional[Path] = None) -> LatencyChoice:
+           key: str, measure: Measure, cache_dir: Optional[Path] = None,
+           sizes: Optional[Mapping[str, int]] = None) -> LatencyChoice:
     """fp32: the model as the user gave it (a proto or a path), what the int8 model must beat;
     quantized: node label -> op type of the nodes the plan quantizes; build(labels): the int8
-    model with those nodes kept float; key: cache_key(...); cache_dir None: no cache."""
+    model with those nodes kept float; key: cache_key(...); cache_dir None: no cache; sizes: node
+    label -> values in its output (per batch of the run check), for the last resort by size."""
     by_type: dict[str, list[str]] = {}
     for label, op_type in quantized.items():
         by_type.setdefault(op_type, []).append(label)
     path = cache_dir / f"{key}.json" if cache_dir is not None else None
     decision = _read(path)
-    cached = decision is not None and set(decision["float_op_types"]) <= set(by_type)
+    cached = (decision is not None and set(decision["float_op_types"]) <= set(by_type)
+              and set(decision.get("float_nodes", [])) <= set(quantized))
     if not cached:
-        decision = _decide(fp32, by_type, build, measure)
+        decision = _decide(fp32, by_type, build, measure, dict(sizes or {}))
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +151,7 @@ def choose(fp32: "onnx.ModelProto | str", quantized: Mapping[str, str], build: C
             except OSError:
                 path = None  # a read-only home still quantizes; the choice is only not remembered
     labels = tuple(label for t in decision["float_op_types"] for label in by_type[t])
+    labels += tuple(label for label in decision.get("float_nodes", []) if label not in labels)
     return LatencyChoice(labels,
                          tuple(decision["notes"]), path, cached)
 
@@ -158,7 +167,7 @@ def _read(path: Optional[Path]) -> Optional[dict]:
 
 
 def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],
-            measure: Measure) -> dict:
+            measure: Measure, sizes: dict[str, int]) -> dict:
     """Greedy over op types; every choice is confirmed by a second, independent measurement (new
     sessions: two sessions of one model can differ by a few percent, and a neighbour's load comes
     and goes), so noise alone rarely makes one."""
@@ -223,11 +232,54 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
                             lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
             if not slower:
                 break
+    float_nodes: list[str] = []
+    if slower and sizes:  # the last resort: the layers with the largest activations float
+        slower = _largest_float(fp32, by_type, build, measure, sizes, kept, current, slower, float_nodes, notes)
     if slower:
         notes.append(f"onnxruntime runs this int8 model slower than fp32 on this CPU: {_ms(slower['int8'])} "
                      f"against {_ms(slower['fp32'])} ({_BATCHES[len(slower['int8'])]}; 1 thread, median): keep the "
                      f"fp32 model where speed matters")
-    return {"float_op_types": float_types, "notes": notes}
+    return {"float_op_types": float_types, "float_nodes": float_nodes, "notes": notes}
+
+
+def _largest_float(fp32, by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],
+                   measure: Measure, sizes: dict[str, int], kept: list[str], current: onnx.ModelProto,
+                   slower: dict[str, list[float]], float_nodes: list[str], notes: list[str]) -> Optional[dict]:
+    """Still slower than fp32 with every op type choice made: per node, not per type. An int8 node
+    pays per value of its tensors (the Q/DQ around it, QLinearMul/QLinearAdd, a depthwise Conv's
+    few MACs per value) and gains per MAC, so the layers of the largest activations (a CNN's
+    high-resolution first stages) are the ones that can run slower than float. Every quantized node
+    whose output holds at least as many values as the k-th largest size goes float, k = 1, 2, ...
+    (LARGEST_LEVELS at most), each extension taken when 5% faster, twice, until the model is no
+    longer slower than fp32. The last weighted layers stay int8. Appends to float_nodes and notes;
+    returns the last comparison with fp32 if still slower, else None."""
+    weighted = {label for t, labels in by_type.items() if t in WEIGHTED for label in labels}
+    done = set(kept)
+    levels = sorted({size for label, size in sizes.items() if label not in done}, reverse=True)[:LARGEST_LEVELS]
+    for level in levels:
+        group = [label for label, size in sizes.items() if size >= level and label not in done]
+        if not group or (weighted and weighted <= done | set(group)):
+            break
+        try:
+            candidate = build([*kept, *float_nodes, *group])
+            faster = _twice(measure, {"int8": current, "float": candidate},
+                            lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
+        except Exception:
+            continue
+        if not faster:
+            continue  # a larger group may be: the Q/DQ between a float and an int8 stage go with it
+        float_nodes += group
+        done |= set(group)
+        current = candidate
+        notes.append(f"{len(float_nodes)} nodes whose outputs hold at least {level} values kept float "
+                     f"(latency-aware, by size): onnxruntime ran the model in {_ms(faster['float'])} with them "
+                     f"float against {_ms(faster['int8'])} with them int8 on this CPU "
+                     f"({_BATCHES[len(faster['int8'])]}; 1 thread, median)")
+        slower = _twice(measure, {"int8": current, "fp32": fp32},
+                        lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+        if not slower:
+            return None
+    return slower
 
 
 def _movement(op_type: str) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+import numpy as np
 import onnx
 
 from qtool.quantization.adaround import adaptive_rounding
@@ -22,6 +23,7 @@ from qtool.errors import InternalError, QtoolError
 from qtool.graph.index import attribute, node_label, replace_nodes, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.graph.runtime import create_session
+from qtool.graph.shapes import declared_shapes, inferred
 from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
 from qtool.plan.latency import enabled as latency_enabled
 from qtool.plan.planner import EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, unreached_bodies
@@ -195,8 +197,30 @@ def _latency_choice(model_path: str | Path, model: onnx.ModelProto, plan: QuantP
         create_session(fp32, 1, fp32).run(None, ref.feeds)
     except Exception:  # inputs the prepared graph takes and the file does not: time against the graph
         fp32 = model
-    return choose(fp32, quantized, lambda labels: steps.structure(
-        model, build_plan(model, options, keep_float=[*kept, *labels])), key, timer(ref.feeds), latency_cache_dir())
+
+    def build(labels: list[str]) -> onnx.ModelProto:
+        """The candidate as quantize would write it: an equalized chain it keeps wholly float goes
+        back to the form the model was exported in (which onnxruntime fuses into its Conv)."""
+        keep_float = [*kept, *labels]
+        candidate, plan = _unequalize_float_chains(model_path, model, build_plan(model, options, keep_float=keep_float),
+                                                   options, keep_float)
+        return steps.structure(candidate, plan)
+
+    return choose(fp32, quantized, build, key, timer(ref.feeds), latency_cache_dir(),
+                  sizes=_output_sizes(model, quantized, ref.feeds))
+
+
+def _output_sizes(model: onnx.ModelProto, labels: Iterable[str], feeds: dict) -> dict[str, int]:
+    """Values in each labelled node's first output on `feeds` (shape inference on their shapes);
+    nodes whose output shape stays unknown are left out."""
+    shapes = declared_shapes(inferred(model, data_prop=False, input_shapes={k: v.shape for k, v in feeds.items()}))
+    wanted = set(labels)
+    sizes = {}
+    for node in model.graph.node:
+        dims = shapes.get(node.output[0]) if node.output else None
+        if node_label(node) in wanted and dims and all(isinstance(d, int) and d > 0 for d in dims):
+            sizes[node_label(node)] = int(np.prod(dims))
+    return sizes
 
 
 def _reference(model: onnx.ModelProto, samples: list[Batch], data: Optional[Callable[[int], Iterable[Batch]]],
