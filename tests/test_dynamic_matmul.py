@@ -488,3 +488,65 @@ def test_int8_model_is_written_without_value_info_so_onnxruntime_keeps_add_and_l
     other = api.quantize(path, data=data, config=load_config({"quantization": {"target": "tensorrt"}}),
                          progress=False)
     assert other.model.graph.value_info  # other targets keep them
+
+
+def _embedded(rng, also_read: bool = False) -> onnx.ModelProto:
+    """tokens (int64) -> Gather from a [V, D] table -> MatMul -> Add bias -> Tanh -> y: an RNN
+    decoder's embedding and input projection. `also_read`: an Add reads the embedding too."""
+    nodes = [helper.make_node("Gather", ["table", "tokens"], ["e"], name="embed"),
+             helper.make_node("MatMul", ["e", "w"], ["p"], name="proj"),
+             helper.make_node("Add", ["p", "b"], ["pb"], name="proj_bias"),
+             helper.make_node("Tanh", ["pb"], ["y"], name="act")]
+    outputs = [graphs.tensor("y", None)]
+    if also_read:
+        nodes.append(helper.make_node("Add", ["e", "b"], ["side"], name="side"))
+        outputs.append(graphs.tensor("side", None))
+    inits = [graphs.init("table", rng.normal(0, 1.0, (40, D)).astype(np.float32)),
+             graphs.init("w", rng.normal(0, 0.3, (D, D)).astype(np.float32)),
+             graphs.init("b", rng.normal(0, 0.1, D).astype(np.float32))]
+    return graphs.model(nodes, [helper.make_tensor_value_info("tokens", onnx.TensorProto.INT64, [1, T])],
+                        outputs, inits)
+
+
+@pytest.mark.parametrize("also_read", [False, True])
+def test_rows_of_a_constant_table_feed_matmul_integer_as_gathered_codes(tmp_path, also_read):
+    """The table is stored as uint8 codes (one scale, as DynamicQuantizeLinear would quantize its
+    rows) and the MatMulInteger reads the gathered codes: no quantization at run time, the float
+    table gone. Where something else reads the rows too, they stay float and are quantized at run
+    time as before. The float fallback brings the float Gather back with the MatMul."""
+    from qtool.plan.planner import prepared_model
+    from qtool.quantization.float_fallback import restorable_layers, restore_float
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "model.onnx"
+    onnx.save(_embedded(rng, also_read), path)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(8):
+        np.save(data / f"s{i}.npy", rng.integers(0, 40, (1, T)).astype(np.int64))
+    result = api.quantize(path, data=data, config={"quantization": {"matmul": "dynamic", "latency_aware": "off"}},
+                          progress=False)
+    onnx.checker.check_model(result.model, full_check=True)
+    ops = Counter(n.op_type for n in result.model.graph.node)
+    inits = {t.name: t for t in result.model.graph.initializer}
+    assert ops["MatMulInteger"] == 1
+    if also_read:
+        assert ops["DynamicQuantizeLinear"] == 1 and "table" in inits
+        return
+    assert ops["DynamicQuantizeLinear"] == 0 and "table" not in inits and ops["Gather"] == 1
+    assert inits["table" + CODES].data_type == onnx.TensorProto.UINT8
+    assert any(note.startswith("1 embedding table(s) read by dynamic int8 MatMuls") for note in result.notes)
+    sessions = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
+                for m in (str(path), result.model.SerializeToString())]
+    for f in sorted(data.glob("*.npy")):
+        a, b = (s.run(None, {"tokens": np.load(f)})[0].ravel().astype(np.float64) for s in sessions)
+        assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.999
+    prepared, _ = prepared_model(path, QuantizeConfig(matmul="dynamic"))
+    restored = restore_float(result.model, prepared, [restorable_layers(result.model, prepared)["proj"]])
+    onnx.checker.check_model(restored, full_check=True)
+    ops = Counter(n.op_type for n in restored.graph.node)
+    assert ops["MatMulInteger"] == 0 and ops["MatMul"] == 1 and ops["Gather"] == 1
+    float_run = ort.InferenceSession(restored.SerializeToString(), providers=["CPUExecutionProvider"])
+    tokens = np.load(sorted(data.glob("*.npy"))[0])
+    np.testing.assert_allclose(float_run.run(None, {"tokens": tokens})[0], sessions[0].run(None, {"tokens": tokens})[0],
+                               rtol=1e-5, atol=1e-6)

@@ -247,7 +247,7 @@ def test_the_layers_of_the_largest_activations_go_float_when_no_op_type_helps(tm
     real_choose = quantize_module.choose
 
     def choose(*args, **kwargs):
-        sizes_seen.append(kwargs["sizes"])
+        sizes_seen.append(kwargs["sizes"]())
         return real_choose(*args, **kwargs)
     monkeypatch.setattr(quantize_module, "choose", choose)
     result = quantize_module.quantize_model(path, table, ON, latency=True)

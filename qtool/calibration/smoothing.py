@@ -58,8 +58,8 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
     measured += [(site.output, site.output) for site in equalized if site.tail]
     names = [site.tensor for site in sites] + [name for _, name in measured]
     axes = [-1] * len(sites) + [1] * len(measured)  # channels: last axis / NCHW's
-    count = {site.tensor: site.channels for site in equalized} | {site.output: site.channels for site in equalized}
-    channels = [site.channels for site in sites] + [count[name] for _, name in measured]
+    width = {site.tensor: site.channels for site in equalized} | {site.output: site.channels for site in equalized}
+    channels = [site.channels for site in sites] + [width[name] for _, name in measured]
     session = create_session(with_outputs(model, names), label=str(model_path))
     source = open_data(data, input_specs(model), preprocess)
     maxima = {name: np.zeros(count) for name, count in zip(names, channels)}

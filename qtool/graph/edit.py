@@ -1,7 +1,8 @@
 """Models derived from a model: extra outputs to read intermediate tensors (those inside If/Loop/
 Scan bodies too), or a sub-model of some of its nodes. Every stage that runs part of a graph
 (calibration, bias correction, adaptive rounding, per-layer error, sensitivity, verify-int) builds
-it here; the rewrites that leave nodes behind drop them here (drop_unread)."""
+it here; the rewrites that leave nodes behind drop them here (drop_unread); an exact rewrite that
+rescales tensors under their own names records them here (mark_rescaled)."""
 
 from __future__ import annotations
 

@@ -130,11 +130,11 @@ def _ms(values: list[float]) -> str:
 
 def choose(fp32: "onnx.ModelProto | str", quantized: Mapping[str, str], build: Callable[[list[str]], onnx.ModelProto],
            key: str, measure: Measure, cache_dir: Optional[Path] = None,
-           sizes: Optional[Mapping[str, int]] = None) -> LatencyChoice:
+           sizes: Optional[Callable[[], Mapping[str, int]]] = None) -> LatencyChoice:
     """fp32: the model as the user gave it (a proto or a path), what the int8 model must beat;
     quantized: node label -> op type of the nodes the plan quantizes; build(labels): the int8
-    model with those nodes kept float; key: cache_key(...); cache_dir None: no cache; sizes: node
-    label -> values in its output (per batch of the run check), for the last resort by size."""
+    model with those nodes kept float; key: cache_key(...); cache_dir None: no cache; sizes(): node
+    label -> values in its output (on the run check's batch), for the last resort by size."""
     by_type: dict[str, list[str]] = {}
     for label, op_type in quantized.items():
         by_type.setdefault(op_type, []).append(label)
@@ -143,7 +143,7 @@ def choose(fp32: "onnx.ModelProto | str", quantized: Mapping[str, str], build: C
     cached = (decision is not None and set(decision["float_op_types"]) <= set(by_type)
               and set(decision.get("float_nodes", [])) <= set(quantized))
     if not cached:
-        decision = _decide(fp32, by_type, build, measure, dict(sizes or {}))
+        decision = _decide(fp32, by_type, build, measure, sizes)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +167,7 @@ def _read(path: Optional[Path]) -> Optional[dict]:
 
 
 def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],
-            measure: Measure, sizes: dict[str, int]) -> dict:
+            measure: Measure, sizes: Optional[Callable[[], Mapping[str, int]]]) -> dict:
     """Greedy over op types; every choice is confirmed by a second, independent measurement (new
     sessions: two sessions of one model can differ by a few percent, and a neighbour's load comes
     and goes), so noise alone rarely makes one."""
@@ -233,8 +233,9 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
             if not slower:
                 break
     float_nodes: list[str] = []
-    if slower and sizes:  # the last resort: the layers with the largest activations float
-        slower = _largest_float(fp32, by_type, build, measure, sizes, kept, current, slower, float_nodes, notes)
+    if slower and sizes is not None:  # the last resort: the layers with the largest activations float
+        slower = _largest_float(fp32, by_type, build, measure, dict(sizes()), kept, current, slower, float_nodes,
+                                notes)
     if slower:
         notes.append(f"onnxruntime runs this int8 model slower than fp32 on this CPU: {_ms(slower['int8'])} "
                      f"against {_ms(slower['fp32'])} ({_BATCHES[len(slower['int8'])]}; 1 thread, median): keep the "

@@ -18,11 +18,16 @@ A fused com.microsoft Attention (qtool.plan.dynamic.fused_attention) becomes
 
 onnxruntime's integer attention: the Q/K/V projection in int8 (weight scales per column or per
 tensor as for the MatMuls), the scores and the Softmax in float as before.
+
+Where the input is rows gathered from a constant float table that nothing else reads (an RNN
+decoder's token embedding, smaller than the tables `embeddings` stores as int8 rows), the table
+is stored as uint8 codes with one scale and zero point, and the MatMulInteger reads the gathered
+codes: no DynamicQuantizeLinear at run time, as onnxruntime's quantize_dynamic does it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Collection
+from typing import Callable, Collection, Optional
 
 import numpy as np
 import onnx
@@ -34,6 +39,10 @@ from qtool.table import qparams as qp
 DYNAMIC_SUFFIX = "_dynamic"
 DYNAMIC_KERNELS = ("MatMulInteger", "QAttention")  # named after the node they replace
 CODES, SCALE = "_quantized", "_scale"  # suffixes of a weight's int8 codes and scales
+GATHERED = "_gathered_codes"  # suffix of rows gathered as uint8 codes
+
+# tensor -> (the Gather writing it, its float table) when the tensor is rows of a constant table
+Gathered = Callable[[str], Optional[tuple[onnx.NodeProto, np.ndarray]]]
 
 
 def inner_tensors(label: str) -> tuple[str, str, str, str]:
@@ -46,19 +55,31 @@ def inner_tensors(label: str) -> tuple[str, str, str, str]:
 class DynamicMatMuls:
     """Rewrites planned nodes one by one, in graph order; `add_init(array, name)` stores a constant."""
 
-    def __init__(self, add_init: Callable[[np.ndarray, str], str], weight_qmax: int, per_column: bool = True):
+    def __init__(self, add_init: Callable[[np.ndarray, str], str], weight_qmax: int, per_column: bool = True,
+                 gathered: Optional[Gathered] = None):
         self.add_init = add_init
         self.weight_qmax = weight_qmax
         self.axis = 1 if per_column else None
+        self.gathered = gathered
         self.activations: dict[str, tuple[str, str, str]] = {}  # tensor -> (codes, scale, zero point)
         self.weights: dict[str, tuple[str, str, str]] = {}  # (initializer, transposed) key -> names
+        self.tables = 0  # tables read as gathered codes
 
     def rewrite(self, node: onnx.NodeProto, weight: np.ndarray) -> list[onnx.NodeProto]:
         """The nodes replacing MatMul/Gemm (or fused Attention) `node` whose weight initializer holds `weight`."""
         label = node_label(node)
         nodes: list[onnx.NodeProto] = []
         data = node.input[0]
-        if data not in self.activations:
+        source = self.gathered(data) if self.gathered is not None and data not in self.activations else None
+        if source is not None:  # rows of a constant table: its uint8 codes, gathered
+            gather, table = source
+            codes = data + GATHERED
+            scale, zero = self._table(gather.input[0], table)
+            nodes.append(helper.make_node("Gather", [gather.input[0] + CODES, gather.input[1]], [codes],
+                                          name=node_label(gather) + GATHERED, axis=0))
+            self.activations[data] = (codes, scale, zero)
+            self.tables += 1
+        elif data not in self.activations:
             self.activations[data] = (data + DYNAMIC_SUFFIX + "_quantized", data + DYNAMIC_SUFFIX + "_scale",
                                       data + DYNAMIC_SUFFIX + "_zero_point")
             nodes.append(helper.make_node("DynamicQuantizeLinear", [data], list(self.activations[data]),
@@ -83,6 +104,18 @@ class DynamicMatMuls:
         if gemm_bias:
             nodes.append(helper.make_node("Add", [result, node.input[2]], [node.output[0]], name=label + "_bias"))
         return nodes
+
+    def _table(self, name: str, table: np.ndarray) -> tuple[str, str]:
+        """A float table as uint8 codes (stored as `name` + CODES), asymmetric with one scale over
+        the table's range (0 included), as DynamicQuantizeLinear would quantize its rows: (scale,
+        zero point) names."""
+        lo, hi = min(0.0, float(table.min())), max(0.0, float(table.max()))
+        scale = (hi - lo) / 255.0 if hi > lo else 1.0
+        zero = int(np.clip(np.round(-lo / scale), 0, 255))
+        codes = np.clip(np.round(table.astype(np.float64) / scale) + zero, 0, 255).astype(np.uint8)
+        self.add_init(codes, name + CODES)
+        return (self.add_init(np.array(scale, np.float32), name + SCALE),
+                self.add_init(np.array(zero, np.uint8), name + "_zero_point"))
 
     def _weight(self, node: onnx.NodeProto, weight: np.ndarray) -> tuple[str, str, str]:
         """int8 [K, N] (a Gemm's transB weight transposed), symmetric per column or per tensor, zero point 0."""

@@ -126,12 +126,21 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     whole = {label: fp32_nodes[label] for label, layer in by_label.items() if layer.whole}
     replaced = {name for label, source in dynamic.items() for name in (*inner_tensors(label), *source.output)}
     nodes = []
+    made = {name for node in graph.node for name in node.output} | {i.name for i in graph.input}
+    fp32_producers = GraphIndex(prepared).producer
     for node in graph.node:
         label = node_label(node)
         if label in dynamic and node.op_type in DYNAMIC_KERNELS:
             # the DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul group (or QAttention) back to the fp32 node
             node = onnx.NodeProto()
             node.CopyFrom(dynamic[label])
+            gather = fp32_producers.get(node.input[0])
+            if node.input[0] not in made and gather is not None:  # rows it read as gathered codes: the float Gather
+                nodes.append(gather)
+                made.add(node.input[0])
+                if gather.input[0] not in existing:
+                    added.append(fp32_inits[gather.input[0]])
+                    existing.add(gather.input[0])
         elif any(o in replaced for o in node.output):
             continue
         elif label in whole:

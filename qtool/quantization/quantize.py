@@ -202,12 +202,13 @@ def _latency_choice(model_path: str | Path, model: onnx.ModelProto, plan: QuantP
         """The candidate as quantize would write it: an equalized chain it keeps wholly float goes
         back to the form the model was exported in (which onnxruntime fuses into its Conv)."""
         keep_float = [*kept, *labels]
-        candidate, plan = _unequalize_float_chains(model_path, model, build_plan(model, options, keep_float=keep_float),
-                                                   options, keep_float)
-        return steps.structure(candidate, plan)
+        candidate, replanned = _unequalize_float_chains(model_path, model,
+                                                        build_plan(model, options, keep_float=keep_float),
+                                                        options, keep_float)
+        return steps.structure(candidate, replanned)
 
     return choose(fp32, quantized, build, key, timer(ref.feeds), latency_cache_dir(),
-                  sizes=_output_sizes(model, quantized, ref.feeds))
+                  sizes=lambda: _output_sizes(model, quantized, ref.feeds))
 
 
 def _output_sizes(model: onnx.ModelProto, labels: Iterable[str], feeds: dict) -> dict[str, int]:

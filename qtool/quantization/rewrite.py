@@ -19,12 +19,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.table import qparams as qp
-from qtool.graph.index import bodies, made_in, matches, names_read, node_label, replace_nodes, scoped_initializers
+from qtool.graph.edit import drop_unread
+from qtool.graph.index import (GraphIndex, attribute, bodies, made_in, matches, names_read, node_label, replace_nodes,
+                               scoped_initializers)
 from qtool.prepare.graph_prep import default_opset
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.weight_only import KERNELS, MS_DOMAIN, stored_once, use_kernel_domain
-from qtool.quantization.dynamic_matmul import DynamicMatMuls
+from qtool.quantization.dynamic_matmul import DynamicMatMuls, Gathered
 from qtool.config import QuantizeConfig
 from qtool.targets import SYMMETRIC_HALF_GRID, TARGETS, weight_qmax
 
@@ -210,9 +212,10 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
 
     quantized_nodes = set(plan.quantized_nodes)
     dynamic = {label: p for label, p in plan.dynamic.items() if label in quantized_nodes}
+    dynamic_matmuls = DynamicMatMuls(builder.add_init, weight_qmax, dynamic_per_column,
+                                     _gathered_rows(graph, plan, set(row_scales)))
     rewrite = _NodeRewrite(plan, params, set(activations), quantized_nodes, dynamic, float_inits, per_channel,
-                           weight_qmax, row_scales, DynamicMatMuls(builder.add_init, weight_qmax, dynamic_per_column),
-                           stored_once(builder.quantized_constant))
+                           weight_qmax, row_scales, dynamic_matmuls, stored_once(builder.quantized_constant))
     new_nodes = rewrite.nodes(graph, builder, constants)
     wide = sorted(name for name in activations if params[name].dtype in qp.SIXTEEN_BITS.values())
     if wide:
@@ -228,7 +231,36 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         notes.append(f"{len(dynamic)} recurrent layer(s) with int8 weights ({', '.join(kernels)}: weights int8 per "
                      f"{'gate column' if per_channel else 'direction'}, activations quantized at run time)")
     _install(graph, builder, new_nodes)
+    if dynamic_matmuls.tables:
+        drop_unread(graph)  # the float Gather and its table, read as codes now
+        notes.append(f"{dynamic_matmuls.tables} embedding table(s) read by dynamic int8 MatMuls stored as uint8 "
+                     "codes with one scale: the MatMuls read the gathered codes (no quantization at run time)")
     return out, notes
+
+
+def _gathered_rows(graph: onnx.GraphProto, plan: QuantPlan, int8_rows: set[str]) -> Gathered:
+    """Which dynamic MatMul inputs are rows of a constant table: written by a Gather (axis 0) of a
+    2-D float32 initializer that nothing else reads and that is not stored as int8 rows, and read
+    only as the first input of dynamic MatMul/Gemm layers."""
+    index = GraphIndex(graph)
+    dynamic = set(plan.dynamic_matmuls)
+
+    def rows(name: str) -> Optional[tuple[onnx.NodeProto, np.ndarray]]:
+        gather = index.producer.get(name)
+        if (gather is None or gather.op_type != "Gather" or gather.domain not in ("", "ai.onnx")
+                or attribute(gather, "axis", 0) != 0 or name in index.outputs):
+            return None
+        table = gather.input[0]
+        if (table not in index.initializers or table in int8_rows or len(index.consumers.get(table, [])) != 1
+                or index.initializers[table].data_type != onnx.TensorProto.FLOAT
+                or len(index.initializers[table].dims) != 2):
+            return None
+        readers = index.consumers.get(name, [])
+        if not readers or any(node_label(r) not in dynamic or r.op_type not in ("MatMul", "Gemm") or r.input[0] != name
+                              or attribute(r, "transA", 0) for r in readers):
+            return None
+        return gather, numpy_helper.to_array(index.initializers[table])
+    return rows
 
 
 def _install(graph: onnx.GraphProto, builder: "_Builder", new_nodes: list[onnx.NodeProto]) -> None:
