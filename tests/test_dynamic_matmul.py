@@ -530,7 +530,6 @@ def test_rows_of_a_constant_table_feed_matmul_integer_as_gathered_codes(tmp_path
     ops = Counter(n.op_type for n in result.model.graph.node)
     inits = {t.name: t for t in result.model.graph.initializer}
     assert ops["MatMulInteger"] == 1
-    assert result.model.graph.value_info  # no LayerNormalization: the shapes stay for onnxruntime to plan with
     if also_read:
         assert ops["DynamicQuantizeLinear"] == 1 and "table" in inits
         return
