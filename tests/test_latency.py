@@ -262,3 +262,22 @@ def test_the_layers_of_the_largest_activations_go_float_when_no_op_type_helps(tm
     # decided once: the cached choice gives the same model without measuring
     again = quantize_module.quantize_model(path, table, ON, latency=True)
     assert again.model.SerializeToString() == result.model.SerializeToString()
+
+
+def test_the_sessions_take_turns_each_first_in_turn():
+    """time_sessions: every session runs once per turn, and the first of a turn rotates, so that
+    none always runs right after the same other one."""
+    from qtool.graph.runtime import time_sessions
+
+    order: list[str] = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, outputs, feeds):
+            order.append(self.name)
+
+    times = time_sessions({name: Recorder(name) for name in "abc"}, {}, warmup=0, runs=4)
+    assert {name: len(values) for name, values in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert "".join(order) == "abc" + "bca" + "cab" + "abc"

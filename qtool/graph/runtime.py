@@ -140,14 +140,17 @@ def time_models(models: dict[str, "str | onnx.ModelProto"], feeds: dict[str, np.
 def time_sessions(sessions: dict[str, ort.InferenceSession], feeds: dict[str, np.ndarray], warmup: int,
                   runs: int) -> dict[str, list[float]]:
     """Seconds per run of each session: warm-up, then the sessions take turns run by run, so a
-    slowdown from a noisy neighbour hits all of them alike."""
+    slowdown from a noisy neighbour hits all of them alike, the first of each turn rotating (a
+    session run right after another one is not always the same one: on a 0.1 ms model, a fixed
+    order moved the medians by 10%)."""
     times: dict[str, list[float]] = {name: [] for name in sessions}
     for _ in range(warmup):
         for session in sessions.values():
             session.run(None, feeds)
-    for _ in range(runs):
-        for name, session in sessions.items():
+    names = list(sessions)
+    for turn in range(runs):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
             start = time.perf_counter()
-            session.run(None, feeds)
+            sessions[name].run(None, feeds)
             times[name].append(time.perf_counter() - start)
     return times
