@@ -126,7 +126,7 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     whole = {label: fp32_nodes[label] for label, layer in by_label.items() if layer.whole}
     replaced = {name for label, source in dynamic.items() for name in (*inner_tensors(label), *source.output)}
     nodes = []
-    made = {name for node in graph.node for name in node.output} | {i.name for i in graph.input}
+    made = set(producers) | {i.name for i in graph.input}
     fp32_producers = GraphIndex(prepared).producer
     for node in graph.node:
         label = node_label(node)
