@@ -198,11 +198,8 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
                 current, changed = candidate, True
                 count = len(by_type[op_type])
                 notes.append(f"{count} {op_type} node{'s' if count > 1 else ''} kept float (latency-aware): "
-                             f"onnxruntime ran the model in {_ms(faster['float'])} with them float against "
-                             f"{_ms(faster['int8'])} with them int8 on this CPU ({_BATCHES[len(faster['int8'])]}; "
-                             f"1 thread, median)")
-    slower = _twice(measure, {"int8": current, "fp32": fp32},
-                    lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+                             + _ran(faster))
+    slower = _slower(measure, current, fp32)
     # still slower than fp32: one op type at a time can miss it when the Q/DQ pairs around a
     # weighted type only go with the elementwise ops beside it (a small classifier's Conv ->
     # HardSigmoid -> Mul blocks); try each weighted type together with every elementwise type, and
@@ -225,11 +222,8 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
             float_types += group
             current = candidate
             count = sum(len(by_type[t]) for t in group)
-            notes.append(f"{count} nodes of types {', '.join(group)} kept float (latency-aware): onnxruntime ran "
-                         f"the model in {_ms(faster['float'])} with them float against {_ms(faster['int8'])} with "
-                         f"them int8 on this CPU ({_BATCHES[len(faster['int8'])]}; 1 thread, median)")
-            slower = _twice(measure, {"int8": current, "fp32": fp32},
-                            lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+            notes.append(f"{count} nodes of types {', '.join(group)} kept float (latency-aware): " + _ran(faster))
+            slower = _slower(measure, current, fp32)
             if not slower:
                 break
     float_nodes: list[str] = []
@@ -273,14 +267,23 @@ def _largest_float(fp32, by_type: dict[str, list[str]], build: Callable[[list[st
         done |= set(group)
         current = candidate
         notes.append(f"{len(float_nodes)} nodes whose outputs hold at least {level} values kept float "
-                     f"(latency-aware, by size): onnxruntime ran the model in {_ms(faster['float'])} with them "
-                     f"float against {_ms(faster['int8'])} with them int8 on this CPU "
-                     f"({_BATCHES[len(faster['int8'])]}; 1 thread, median)")
-        slower = _twice(measure, {"int8": current, "fp32": fp32},
-                        lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+                     "(latency-aware, by size): " + _ran(faster))
+        slower = _slower(measure, current, fp32)
         if not slower:
             return None
     return slower
+
+
+def _ran(times: dict[str, list[float]]) -> str:
+    """A choice's note: the times that made it."""
+    return (f"onnxruntime ran the model in {_ms(times['float'])} with them float against {_ms(times['int8'])} "
+            f"with them int8 on this CPU ({_BATCHES[len(times['int8'])]}; 1 thread, median)")
+
+
+def _slower(measure: Measure, current: onnx.ModelProto, fp32) -> Optional[dict[str, list[float]]]:
+    """The comparison with fp32 if the int8 model ran slower at either batch size, twice in a row."""
+    return _twice(measure, {"int8": current, "fp32": fp32},
+                  lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
 
 
 def _movement(op_type: str) -> bool:
