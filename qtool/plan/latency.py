@@ -128,10 +128,11 @@ def _ms(values: list[float]) -> str:
     return " / ".join(f"{v * 1e3:.2f}" for v in values) + " ms"
 
 
-def choose(fp32: "onnx.ModelProto | str", quantized: Mapping[str, str], build: Callable[[list[str]], onnx.ModelProto],
+def choose(fp32: Callable[[], "onnx.ModelProto | str"], quantized: Mapping[str, str], build: Callable[[list[str]], onnx.ModelProto],
            key: str, measure: Measure, cache_dir: Optional[Path] = None,
            sizes: Optional[Callable[[], Mapping[str, int]]] = None) -> LatencyChoice:
-    """fp32: the model as the user gave it (a proto or a path), what the int8 model must beat;
+    """fp32(): the model as the user gave it (a proto or a path), what the int8 model must beat,
+    asked for only when a decision is measured;
     quantized: node label -> op type of the nodes the plan quantizes; build(labels): the int8
     model with those nodes kept float; key: cache_key(...); cache_dir None: no cache; sizes(): node
     label -> values in its output (on the run check's batch), for the last resort by size."""
@@ -143,7 +144,7 @@ def choose(fp32: "onnx.ModelProto | str", quantized: Mapping[str, str], build: C
     cached = (decision is not None and set(decision["float_op_types"]) <= set(by_type)
               and set(decision.get("float_nodes", [])) <= set(quantized))
     if not cached:
-        decision = _decide(fp32, by_type, build, measure, sizes)
+        decision = _decide(fp32(), by_type, build, measure, sizes)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -224,10 +224,14 @@ class ActivationSite:
     first: onnx.NodeProto  # the Conv writing `tensor`
     swish: tuple[onnx.NodeProto, ...]  # the hard-swish's nodes, the gate first, the last writing its result;
     # for a homogeneous activation (Relu, LeakyRelu) its node, or nothing for none
-    hard_swish: bool
     tail: tuple[onnx.NodeProto, ...]  # a scalar affine after it (Mul, Add, or both), or nothing
     affine: tuple[float, float]  # the tail's a and b (1, 0 without one)
     second: onnx.NodeProto  # the depthwise Conv reading the result
+
+    @property
+    def hard_swish(self) -> bool:
+        """Whether the activation is a hard-swish (rewritten), not a homogeneous one (rescaled only)."""
+        return bool(self.swish) and self.swish[0].op_type not in HOMOGENEOUS
 
     @property
     def output(self) -> str:
@@ -249,8 +253,7 @@ def _sites(index: GraphIndex) -> list[ActivationSite]:
             continue
         x = node.output[0]
         swish = _hard_swish(x, index)
-        hard_swish = swish is not None
-        if hard_swish:
+        if swish is not None:
             tail, affine = _affine(swish[-1].output[0], index)
         else:  # Conv -> (Relu | LeakyRelu | nothing) -> depthwise Conv: the factors alone, no rewrite
             act = index.only_consumer(x)
@@ -262,7 +265,7 @@ def _sites(index: GraphIndex) -> list[ActivationSite]:
         if (second is None or not _own_conv(second, index) or second.input[0] != result
                 or attribute(second, "group", 1) != channels or index.initializers[second.input[1]].dims[1] != 1):
             continue
-        sites.append(ActivationSite(x, channels, node, tuple(swish), hard_swish, tuple(tail), affine, second))
+        sites.append(ActivationSite(x, channels, node, tuple(swish), tuple(tail), affine, second))
     return sites
 
 

@@ -192,11 +192,14 @@ def _latency_choice(model_path: str | Path, model: onnx.ModelProto, plan: QuantP
     against the fp32 model as given (not the prepared graph, whose rewrites may cost time in float)."""
     quantized = {label: op_type[label] for label in plan.quantized_nodes}
     key = cache_key(model, quantized, ref.feeds, options)
-    fp32: onnx.ModelProto | str = str(model_path)
-    try:
-        create_session(fp32, 1, fp32).run(None, ref.feeds)
-    except Exception:  # inputs the prepared graph takes and the file does not: time against the graph
-        fp32 = model
+
+    def fp32() -> onnx.ModelProto | str:
+        """The model file, once a decision is measured (a cached one needs no session of it)."""
+        try:
+            create_session(str(model_path), 1, str(model_path)).run(None, ref.feeds)
+        except Exception:  # inputs the prepared graph takes and the file does not: time against the graph
+            return model
+        return str(model_path)
 
     def build(labels: list[str]) -> onnx.ModelProto:
         """The candidate as quantize would write it: an equalized chain it keeps wholly float goes

@@ -213,7 +213,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     quantized_nodes = set(plan.quantized_nodes)
     dynamic = {label: p for label, p in plan.dynamic.items() if label in quantized_nodes}
     dynamic_matmuls = DynamicMatMuls(builder.add_init, weight_qmax, dynamic_per_column,
-                                     _gathered_rows(graph, plan, set(row_scales)))
+                                     _gathered_rows(graph, plan, set(row_scales)) if plan.dynamic_matmuls else None)
     rewrite = _NodeRewrite(plan, params, set(activations), quantized_nodes, dynamic, float_inits, per_channel,
                            weight_qmax, row_scales, dynamic_matmuls, stored_once(builder.quantized_constant))
     new_nodes = rewrite.nodes(graph, builder, constants)
