@@ -119,7 +119,7 @@ def _task(name: str, ref: list, got: list, gold: list[float]) -> str:
     if name == "silero_vad_16k_op15":
         agree = np.mean([(r[0].ravel() > 0.5) == (q[0].ravel() > 0.5) for r, q in zip(ref, got)])
         return f"{100 * agree:.0f}% speech decisions"
-    if name == "rapidocr_v4_det":  # DB binarizes its probability map at 0.3 (side_rapidocr_v4/config.yaml)
+    if name == "rapidocr_v4_det":
         text = [(r[0] > DB_THRESH, q[0] > DB_THRESH) for r, q in zip(ref, got)]
         union = sum(int(np.sum(a | b)) for a, b in text)
         return f"text-pixel IoU {sum(int(np.sum(a & b)) for a, b in text) / union:.3f}" if union else "-"

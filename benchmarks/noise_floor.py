@@ -10,7 +10,7 @@ level being the sample's input range / 255 (one 8-bit pixel step of an image tha
 range after the model's normalisation). The noisy outputs are scored against the clean ones with
 models.py's figures (cosine mean / min of the worst output, SQNR, the task kept), once per draw.
 Nothing is quantized: a quantized model cannot be held to a figure that fp32 misses under a
-perturbation smaller than the image's own rounding.
+perturbation the size of the image's own 8-bit rounding.
 """
 
 from __future__ import annotations
