@@ -15,6 +15,7 @@ from qtool.evaluation.metrics import sqnr_db
 from qtool.graph.index import GraphIndex
 from qtool.plan.ops import float_blocks
 from qtool.plan.planner import build_plan
+from qtool.quantization.gelu_form import NOTE as GELU_NOTE, fused_gelus
 from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
@@ -195,6 +196,68 @@ def test_gelu_chain_stays_float_between_int8_matmuls(tmp_path, form, nodes):
     assert "g" in plan.activations  # the GELU output is quantized where mm2 reads it
     _, sqnr = _quantize(tmp_path, m)
     assert sqnr > 25
+
+
+def _erf_gelu(form: str) -> list[onnx.NodeProto]:
+    """h -> g in the three orders exporters write: x / sqrt 2 ... (x * (1 + erf)) * 0.5, the same
+    with x * (1 / sqrt 2), and (0.5 * x) * (1 + erf)."""
+    scale = helper.make_node("Div", ["h", "sqrt2"], ["hs"], name="g_scale") if form != "mul" \
+        else helper.make_node("Mul", ["h", "rsqrt2"], ["hs"], name="g_scale")
+    head = [scale, helper.make_node("Erf", ["hs"], ["e"], name="g_erf"),
+            helper.make_node("Add", ["e", "one"], ["e1"], name="g_plus1")]
+    if form == "half_first":
+        return head + [helper.make_node("Mul", ["h", "half"], ["hh"], name="g_halfx"),
+                       helper.make_node("Mul", ["hh", "e1"], ["g"], name="g_mul")]
+    return head + [helper.make_node("Mul", ["h", "e1"], ["he"], name="g_mul"),
+                   helper.make_node("Mul", ["he", "half"], ["g"], name="g_half")]
+
+
+@pytest.mark.parametrize("form", ["div", "mul", "half_first"])
+def test_a_float_erf_gelu_after_a_dequantize_runs_as_onnxruntime_gelu(tmp_path, form):
+    rng = np.random.default_rng(0)
+    c = graphs.init
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"), *_erf_gelu(form),
+             helper.make_node("MatMul", ["g", "w2"], ["y"], name="mm2")]
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
+                     [_weight(rng, "w1", D, D), _weight(rng, "w2", D, D), c("one", np.float32(1.0)),
+                      c("half", np.float32(0.5)), c("sqrt2", np.float32(np.sqrt(2.0))),
+                      c("rsqrt2", np.float32(np.sqrt(0.5)))])
+    assert fused_gelus(onnx.ModelProto.FromString(m.SerializeToString())) == 0  # fp32: x is no DequantizeLinear
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (S, D), count=16)
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=8), STATIC, progress=False)
+    graph = quantize_model(path, table, STATIC)
+    onnx.checker.check_model(graph.model, full_check=True)
+    gelus = [n for n in graph.model.graph.node if n.op_type == "Gelu"]
+    assert len(gelus) == 1 and gelus[0].domain == "com.microsoft" and GELU_NOTE.format(1) in graph.notes
+    assert not any(n.op_type == "Erf" for n in graph.model.graph.node)
+    assert any(n.op_type == "Erf" for n in graph.canonical.graph.node)  # the table's tensors: the written-out chain
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert not any(n.op_type == "Erf" for n in onnx.load(tmp_path / "optimized.onnx").graph.node)
+    x = np.concatenate([np.load(f) for f in sorted(data.iterdir())])
+    canonical = ort.InferenceSession(graph.canonical.SerializeToString(), providers=["CPUExecutionProvider"])
+    got, ref = session.run(None, {"x": x})[0], canonical.run(None, {"x": x})[0]
+    # the same values up to float32 rounding, which can move a code of the GELU's int8 output
+    assert np.count_nonzero(np.abs(got - ref) > 1e-6) < 0.05 * got.size
+    assert np.abs(got - ref).max() < 0.02 * np.abs(ref).max()
+
+
+def test_an_erf_gelu_whose_inner_tensor_is_read_elsewhere_stays_written_out():
+    m = graphs.model([helper.make_node("DequantizeLinear", ["q", "s"], ["h"], name="dq"), *_erf_gelu("div"),
+                      helper.make_node("Relu", ["hs"], ["r"], name="other_reader")],
+                     [graphs.tensor("q", ["N", S, D], onnx.TensorProto.UINT8)],
+                     [graphs.tensor("g", None), graphs.tensor("r", None)],
+                     [graphs.init("s", np.float32(0.1)), graphs.init("one", np.float32(1.0)),
+                      graphs.init("half", np.float32(0.5)), graphs.init("sqrt2", np.float32(np.sqrt(2.0)))])
+    assert float_blocks(GraphIndex(m)).counts == {"GELU": 1}
+    assert fused_gelus(m) == 0  # x / sqrt 2 is read by the Relu too
+    assert sum(n.op_type == "Erf" for n in m.graph.node) == 1
+    m.graph.node.pop()  # without the other reader it is a Gelu
+    m.graph.output.pop()
+    assert fused_gelus(m) == 1 and [n.op_type for n in m.graph.node] == ["DequantizeLinear", "Gelu"]
 
 
 @pytest.mark.parametrize("mask", ["constant", "bert", "where"])

@@ -54,7 +54,7 @@ BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take 
 MIN_RUNS, MAX_RUNS = 7, 200
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
 LARGEST_LEVELS = 6  # output sizes tried by _largest_float, the largest first
-VERSION = 10  # of the decision procedure and of the int8 forms it times; part of the cache key
+VERSION = 11  # of the decision procedure and of the int8 forms it times; part of the cache key
 
 # {name: model (a proto or a path)} -> median seconds per run of each per feed set (batch 1, then
 # the batch), timed together

@@ -15,6 +15,7 @@ from qtool.quantization.bias_correction import correct_biases
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization import run_check
 from qtool.quantization.channel_pad import pad_input_channels
+from qtool.quantization.gelu_form import NOTE as GELU_NOTE, fused_gelus
 from qtool.quantization.hard_activations import (FLOAT_NOTE, FOLD_NOTE, NOTE as HARD_NOTE, float_hard_sigmoids,
                                                   folded_products, integer_forms)
 from qtool.data.dataset import Batch
@@ -325,14 +326,16 @@ SKIP_NOTE = ("{} SkipLayerNormalization node(s) written as Add and LayerNormaliz
 
 def _kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
     """onnxruntime's integer forms of hard-sigmoid/hard-swish (ort-cpu only; qtool.quantization.
-    hard_activations), in place, and the model's written form (written_form); their notes."""
+    hard_activations), its Gelu for the float Erf-GELUs after a DequantizeLinear (qtool.quantization.
+    gelu_form), in place, and the model's written form (written_form); their notes."""
     if options.target != "ort-cpu":
         return []
     hard, folded = integer_forms(qmodel), folded_products(qmodel)
     floats = float_hard_sigmoids(qmodel)  # the written-out blocks left in float
+    gelus = fused_gelus(qmodel)
     split = written_form(qmodel, options)
     return [note.format(count) for note, count in ((HARD_NOTE, hard), (FOLD_NOTE, folded), (FLOAT_NOTE, floats),
-                                                   (SKIP_NOTE, split)) if count]
+                                                   (GELU_NOTE, gelus), (SKIP_NOTE, split)) if count]
 
 
 def written_form(qmodel: onnx.ModelProto, options: QuantizeConfig) -> int:

@@ -114,7 +114,8 @@ def _gelu_tail(ctx: GraphIndex, start: onnx.NodeProto, x: str) -> Optional[list[
     return tail if len(tail) > 1 else None
 
 
-def _gelus(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+def gelu_chains(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """Each GELU written out (Erf or Tanh form): its nodes from the op after x to the last Mul."""
     for node in ctx.graph.node:
         if node.op_type == "Erf":
             scale = ctx.producer.get(node.input[0])  # x / sqrt 2 or x * (1 / sqrt 2)
@@ -232,7 +233,7 @@ def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 register_block(
     BlockRule("LayerNorm chain", layer_norm_chains),
     BlockRule("magnitude", _magnitudes),
-    BlockRule("GELU", _gelus),
+    BlockRule("GELU", gelu_chains),
     BlockRule("attention scores", _attention_scores),
     BlockRule("mask", _masks, never_quantized=lambda ctx: mask_tensors(ctx)[0]),
     BlockRule("residual Add", _residuals),
