@@ -147,6 +147,29 @@ def _float_convs(model):
     return {n.name for n in model.graph.node if n.op_type == "Conv" and n.input[1] not in dq}
 
 
+def test_auto_pad_becomes_the_pads_it_stands_for_where_the_input_size_does_not_matter():
+    rng = np.random.default_rng(0)
+    w = lambda name, k: graphs.init(name, rng.normal(0, 0.3, (4, 4, k, k)).astype(np.float32))  # noqa: E731
+    nodes = [helper.make_node("Conv", ["x", "w2"], ["a"], name="upper", auto_pad="SAME_UPPER"),  # 2x2: pads 0, 1
+             helper.make_node("Conv", ["a", "w2"], ["b"], name="lower", auto_pad="SAME_LOWER"),  # pads 1, 0
+             helper.make_node("MaxPool", ["b"], ["c"], name="maxpool", kernel_shape=[2, 3], auto_pad="SAME_LOWER"),
+             helper.make_node("AveragePool", ["c"], ["d"], name="valid", kernel_shape=[3, 3], auto_pad="VALID"),
+             helper.make_node("Conv", ["d", "w3"], ["y"], name="strided", auto_pad="SAME_UPPER", strides=[2, 2])]
+    model = graphs.model(nodes, [graphs.tensor("x", [1, 4, "H", "W"])], [graphs.tensor("y", None)],
+                         [w("w2", 2), w("w3", 3)])
+    prepared = prepare(model).model
+    attrs = {n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute} for n in prepared.graph.node}
+    assert attrs["upper"]["pads"] == [0, 0, 1, 1] and attrs["lower"]["pads"] == [1, 1, 0, 0]
+    assert attrs["maxpool"]["pads"] == [1, 1, 0, 1] and attrs["valid"]["pads"] == [0, 0, 0, 0]
+    assert not any("auto_pad" in attrs[name] for name in ("upper", "lower", "maxpool", "valid"))
+    assert attrs["strided"]["auto_pad"] == b"SAME_UPPER" and "pads" not in attrs["strided"]  # depends on H, W
+    run = lambda m, x: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"x": x})[0]
+    for shape in ((1, 4, 9, 10), (1, 4, 12, 7)):
+        x = rng.normal(0, 1, shape).astype(np.float32)
+        np.testing.assert_allclose(run(prepared, x), run(model, x), rtol=1e-5, atol=1e-5)
+
+
 def test_exclusions_on_the_cli_keep_nodes_float(qtool_cli, tmp_path):
     model, _ = _effnet_quantize(qtool_cli, tmp_path, "--exclude-nodes", "node_Conv_88*,node_Conv_802",
                                 "--exclude-op-types", "Gemm,ReduceMean")

@@ -80,6 +80,16 @@ def _head_model(op_type, rng):
     return graphs.model(nodes, [graphs.tensor("x", shape)], [graphs.tensor("y", None)], inits), shape[1:]
 
 
+def _same_upper_model(rng):
+    """x -> 2x2 Conv and 2x2 MaxPool with auto_pad SAME_UPPER at stride 1 (PP-OCRv6's detectors)."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], name="conv", auto_pad="SAME_UPPER"),
+             helper.make_node("MaxPool", ["conv"], ["pool"], name="pool", kernel_shape=[2, 2], auto_pad="SAME_UPPER"),
+             helper.make_node("Sigmoid", ["pool"], ["y"])]
+    inits = [graphs.init("w", rng.normal(0, 0.3, (8, 8, 2, 2)).astype(np.float32)),
+             graphs.init("b", rng.normal(0, 0.1, 8).astype(np.float32))]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 8, 12, 12])], [graphs.tensor("y", None)], inits), [8, 12, 12]
+
+
 CASES = {  # builder, the layer types verify-int must check
     "conv-clip-maxpool": (lambda rng: (graphs.conv_model(rng, activation="Clip", pool="MaxPool"), [8, 12, 12]),
                           {"Conv", "MaxPool"}),
@@ -89,6 +99,7 @@ CASES = {  # builder, the layer types verify-int must check
     "conv-globalavgpool": (lambda rng: (graphs.conv_model(rng, pool="GlobalAveragePool"), [8, 12, 12]),
                            {"Conv", "GlobalAveragePool"}),
     "add": (lambda rng: (graphs.add_model(rng), [8, 6, 6]), {"Conv", "Add"}),
+    "same-upper-conv-maxpool": (_same_upper_model, {"Conv", "MaxPool"}),
     "gemm": (lambda rng: _head_model("Gemm", rng), {"Gemm"}),
     "matmul": (lambda rng: _head_model("MatMul", rng), {"MatMul"}),
 }

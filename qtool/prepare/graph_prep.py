@@ -207,6 +207,43 @@ def remove_identities(model: onnx.ModelProto) -> None:
     replace_nodes(model.graph, keep)
 
 
+_PADDED = ("Conv", "MaxPool", "AveragePool", "LpPool")  # auto_pad as explicit pads (ConvTranspose's differs)
+
+
+def explicit_pads(model: onnx.ModelProto) -> None:
+    """auto_pad written as the pads it stands for, where they do not depend on the input's size:
+    VALID (no padding) and SAME_UPPER/SAME_LOWER at stride 1, whose total padding is
+    dilation * (kernel - 1) per axis (the odd one at the end, or at the start for SAME_LOWER).
+    Same outputs; the integer check, adaptive rounding and the stem rewrite read pads only. A
+    strided SAME op keeps auto_pad: its padding depends on the input's size."""
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        mode = attribute(node, "auto_pad", b"NOTSET")
+        mode = mode.decode() if isinstance(mode, bytes) else mode
+        if node.op_type not in _PADDED or node.domain not in ("", "ai.onnx") or mode == "NOTSET":
+            continue
+        kernel = attribute(node, "kernel_shape")
+        if kernel is None and node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in inits:
+            kernel = list(inits[node.input[1]].dims[2:])
+        if kernel is None:
+            continue
+        rank = len(kernel)
+        strides = attribute(node, "strides") or [1] * rank
+        dilations = attribute(node, "dilations") or [1] * rank
+        if mode == "VALID":
+            pads = [0] * (2 * rank)
+        elif mode in ("SAME_UPPER", "SAME_LOWER") and all(s == 1 for s in strides):
+            totals = [d * (k - 1) for k, d in zip(kernel, dilations)]
+            small = [t // 2 for t in totals]
+            begins = small if mode == "SAME_UPPER" else [t - b for t, b in zip(totals, small)]
+            pads = begins + [t - b for t, b in zip(totals, begins)]
+        else:
+            continue
+        kept = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+        del node.attribute[:]
+        node.attribute.extend(kept + [onnx.helper.make_attribute("pads", pads)])
+
+
 def divisions_to_multiplications(model: onnx.ModelProto) -> None:
     """Div by a float constant becomes Mul by its reciprocal (PP-OCR's HardSwish ends in "/ 6").
 
@@ -273,6 +310,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     halves = widen_float16(prepared)
     constants_to_initializers(prepared)
     fold_constant_moves(prepared)
+    explicit_pads(prepared)
     remove_identities(prepared)
     fused = write_out_fused_activations(prepared, default_opset(prepared))
     fold_batchnorm(prepared)
