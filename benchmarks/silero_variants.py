@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import qtool  # noqa: E402
 from qtool.graph.runtime import create_session, time_models  # noqa: E402
+from kit import wheel_files  # noqa: E402
 from recurrent import speech_chunks  # noqa: E402  (the kit's speech, chunked as silero streams it)
 
 WHEEL = "silero-vad==6.2.3"
@@ -46,14 +45,7 @@ EVERY, WINDOW = 7, 8
 
 
 def wheel_models(wheel: Path | None, folder: Path) -> Path:
-    if wheel is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", WHEEL, "--no-deps", "-q", "-d", str(folder)],
-                       check=True)
-        wheel = next(folder.glob("silero_vad-*.whl"))
-    with zipfile.ZipFile(wheel) as archive:
-        for name in archive.namelist():
-            if name.endswith(".onnx"):
-                archive.extract(name, folder)
+    wheel_files(WHEEL, wheel, folder, lambda name: name.endswith(".onnx"))
     return folder / "silero_vad" / "data"
 
 
