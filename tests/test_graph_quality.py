@@ -170,6 +170,24 @@ def test_auto_pad_becomes_the_pads_it_stands_for_where_the_input_size_does_not_m
         np.testing.assert_allclose(run(prepared, x), run(model, x), rtol=1e-5, atol=1e-5)
 
 
+def test_valid_auto_pad_becomes_zero_pads_unless_ceil_mode_sizes_the_output():
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["a"], name="conv", auto_pad="VALID", strides=[2, 2]),
+             helper.make_node("MaxPool", ["a"], ["y"], name="ceil", kernel_shape=[2, 2], strides=[2, 2],
+                              auto_pad="VALID", ceil_mode=1)]
+    model = graphs.model(nodes, [graphs.tensor("x", [1, 4, "H", "W"])], [graphs.tensor("y", None)],
+                         [graphs.init("w", rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32))])
+    prepared = prepare(model).model
+    attrs = {n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute} for n in prepared.graph.node}
+    assert attrs["conv"]["pads"] == [0, 0, 0, 0] and "auto_pad" not in attrs["conv"]
+    assert attrs["ceil"]["auto_pad"] == b"VALID"
+    for shape in ((1, 4, 11, 13), (1, 4, 12, 9)):
+        x = rng.normal(0, 1, shape).astype(np.float32)
+        got, ref = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                    for m in (prepared, model))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_exclusions_on_the_cli_keep_nodes_float(qtool_cli, tmp_path):
     model, _ = _effnet_quantize(qtool_cli, tmp_path, "--exclude-nodes", "node_Conv_88*,node_Conv_802",
                                 "--exclude-op-types", "Gemm,ReduceMean")

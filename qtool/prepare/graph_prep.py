@@ -230,8 +230,8 @@ def explicit_pads(model: onnx.ModelProto) -> None:
         rank = len(kernel)
         strides = attribute(node, "strides") or [1] * rank
         dilations = attribute(node, "dilations") or [1] * rank
-        if mode == "VALID":
-            pads = [0] * (2 * rank)
+        if mode == "VALID" and not (attribute(node, "ceil_mode", 0) and any(s != 1 for s in strides)):
+            pads = [0] * (2 * rank)  # (a strided pooling op's ceil_mode sizes its output differently there)
         elif mode in ("SAME_UPPER", "SAME_LOWER") and all(s == 1 for s in strides):
             totals = [d * (k - 1) for k, d in zip(kernel, dilations)]
             small = [t // 2 for t in totals]
