@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -168,22 +169,27 @@ def _gold(kit: Path, name: str) -> list[float]:
     return [float(r["gold_score_0_5"]) for r in evals[::2]]
 
 
+def data_split(kit: Path, model: Path, work: Path) -> tuple[Path, Path, PreprocessConfig, tuple, Optional[int]]:
+    """(calibration data, held-out data, preprocessing, further quantize arguments, held-out samples
+    to use) of a kit model: eval/, else every fourth calibration file held back (in `work`);
+    EfficientNet-Lite0 with the kit's photos and its config, 64 dev photos held out."""
+    name = model.stem
+    if name == "efficientnet_lite0_dyn":
+        config = ROOT / "configs" / "efficientnet_lite0.yaml"
+        return (kit / "data" / "calib" / "images", kit / "data" / "imagenet_dev" / "images",
+                load_config(config).preprocess, ("--config", config), EVAL_PHOTOS)
+    calib, held = kit / "inputs" / name / "calib", kit / "inputs" / name / "eval"
+    if not held.is_dir():
+        calib, held = _split(calib, work)
+    return calib, held, PreprocessConfig(), (), None
+
+
 def run_model(kit: Path, model: Path, work: Path, extra: dict[str, Path]) -> dict:
     """extra: label -> YAML config of a further qtool row."""
     name = model.stem
     paths = {"fp32": model, **{v: work / f"{v}.onnx" for v in (*VARIANTS, *extra)}}
     row: dict = {"model": name, "errors": {}, "seconds": {}}
-    if name == "efficientnet_lite0_dyn":
-        config = ROOT / "configs" / "efficientnet_lite0.yaml"
-        preprocess = load_config(config).preprocess
-        calib = kit / "data" / "calib" / "images"
-        held = kit / "data" / "imagenet_dev" / "images"
-        args = ("--config", config)
-    else:
-        preprocess, args = PreprocessConfig(), ()
-        calib, held = kit / "inputs" / name / "calib", kit / "inputs" / name / "eval"
-        if not held.is_dir():
-            calib, held = _split(calib, work)
+    calib, held, preprocess, args, limit = data_split(kit, model, work)
     start = time.perf_counter()
     done = _qtool("quantize", model, "--data", calib, *args, "-o", paths["qtool"])
     row["seconds"]["qtool"] = time.perf_counter() - start
@@ -200,7 +206,7 @@ def run_model(kit: Path, model: Path, work: Path, extra: dict[str, Path]) -> dic
         row["seconds"][kind], error = _quantize_ort(kind, model, paths[kind], calib_feeds)
         if error:
             row["errors"][kind] = error
-    eval_feeds = _samples(held, model, preprocess, EVAL_PHOTOS if name == "efficientnet_lite0_dyn" else None)
+    eval_feeds = _samples(held, model, preprocess, limit)
     ok = {v: p for v, p in paths.items() if v not in row["errors"]}
     outputs = {}
     for variant, path in ok.items():

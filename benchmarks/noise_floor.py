@@ -26,9 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import _split  # noqa: E402
-from models import EVAL_PHOTOS, _figures, _gold, _samples  # noqa: E402
-from qtool.config import PreprocessConfig, load_config  # noqa: E402
+from models import _figures, _gold, _samples, data_split  # noqa: E402
 from qtool.graph.modelio import input_specs, load_model  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
 
@@ -40,22 +38,12 @@ def _image_input(model: Path) -> str | None:
     return None
 
 
-def _held(kit: Path, model: Path, work: Path) -> list[dict]:
-    name = model.stem
-    if name == "efficientnet_lite0_dyn":
-        preprocess = load_config(ROOT / "configs" / "efficientnet_lite0.yaml").preprocess
-        return _samples(kit / "data" / "imagenet_dev" / "images", model, preprocess, EVAL_PHOTOS)
-    held = kit / "inputs" / name / "eval"
-    if not held.is_dir():
-        _, held = _split(kit / "inputs" / name / "calib", work)
-    return _samples(held, model, PreprocessConfig())
-
-
 def run_model(kit: Path, model: Path, work: Path, draws: int) -> dict | None:
     image = _image_input(model)
     if image is None:
         return None
-    feeds = _held(kit, model, work)
+    _, held, preprocess, _, limit = data_split(kit, model, work)
+    feeds = _samples(held, model, preprocess, limit)
     session = create_session(str(model), 1, str(model))
     names = [o.name for o in session.get_outputs() if o.type == "tensor(float)"]
     outputs = {"fp32": [session.run(names, f) for f in feeds]}

@@ -121,6 +121,24 @@ def test_batch_one_is_measured_beside_the_batch():
     assert len(latency.feed_sets({"x": x, "sr": np.array(16000)})) == 1  # a scalar input: not batched
 
 
+def _classifier(tmp_path, rng, body: list, inits: list, size: int):
+    """`body` (x [N, 8, size, size] -> ... -> "feat", 16 channels) -> GlobalAveragePool -> Flatten ->
+    Gemm (its weight drawn from `rng` after the body's) -> Softsign, saved and calibrated on 8
+    random samples: (path, table)."""
+    from onnx import helper
+
+    nodes = [*body, helper.make_node("GlobalAveragePool", ["feat"], ["pool"], name="pool"),
+             helper.make_node("Flatten", ["pool"], ["flat"], name="flatten"),
+             helper.make_node("Gemm", ["flat", "wg"], ["fc"], name="fc", transB=1),
+             helper.make_node("Softsign", ["fc"], ["y"], name="out")]
+    inits = [*inits, graphs.init("wg", rng.normal(0, 0.3, (4, 16)).astype(np.float32))]
+    path = tmp_path / "m.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 8, size, size])], [graphs.tensor("y", ["N", 4])], inits),
+              path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, size, size), count=8)
+    return path, calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=4), ON, progress=False)
+
+
 def test_a_weighted_type_goes_float_with_the_elementwise_types_when_only_together_faster(tmp_path, monkeypatch):
     """Conv -> Relu -> pool -> Gemm where the Q/DQ pairs (the cost here) go only when the Conv, the
     Relu and the pool are all float: no single type measures faster, the group does; the Gemm, the
@@ -169,23 +187,14 @@ def test_the_elementwise_types_go_float_together_after_a_weighted_type_went_alon
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     # (the Relu keeps the Add and Mul apart from the Conv: an affine right after a Conv is folded into it)
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c"], ["r"], name="relu"),
-             helper.make_node("Add", ["r", "shift"], ["a"], name="add"),
-             helper.make_node("Mul", ["a", "gain"], ["m"], name="mul"),
-             helper.make_node("GlobalAveragePool", ["m"], ["pool"], name="pool"),
-             helper.make_node("Flatten", ["pool"], ["flat"], name="flatten"),
-             helper.make_node("Gemm", ["flat", "wg"], ["fc"], name="fc", transB=1),
-             helper.make_node("Softsign", ["fc"], ["y"], name="out")]
+    body = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c"], ["r"], name="relu"),
+            helper.make_node("Add", ["r", "shift"], ["a"], name="add"),
+            helper.make_node("Mul", ["a", "gain"], ["feat"], name="mul")]
     inits = [graphs.init("w", rng.normal(0, 0.3, (16, 8, 3, 3)).astype(np.float32)),
              graphs.init("shift", rng.normal(0, 0.3, (1, 16, 1, 1)).astype(np.float32)),
-             graphs.init("gain", rng.uniform(0.5, 1.5, (1, 16, 1, 1)).astype(np.float32)),
-             graphs.init("wg", rng.normal(0, 0.3, (4, 16)).astype(np.float32))]
-    path = tmp_path / "m.onnx"
-    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 8, 12, 12])], [graphs.tensor("y", ["N", 4])], inits),
-              path)
-    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
-    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=4), ON, progress=False)
+             graphs.init("gain", rng.uniform(0.5, 1.5, (1, 16, 1, 1)).astype(np.float32))]
+    path, table = _classifier(tmp_path, rng, body, inits, 12)
 
     def measure(models):
         def cost(model):
@@ -216,22 +225,13 @@ def test_the_layers_of_the_largest_activations_go_float_when_no_op_type_helps(tm
 
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv_big", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c1"], ["r1"], name="relu_big"),
-             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv_small", pads=[1, 1, 1, 1], strides=[2, 2]),
-             helper.make_node("Relu", ["c2"], ["r2"], name="relu_small"),
-             helper.make_node("GlobalAveragePool", ["r2"], ["pool"], name="pool"),
-             helper.make_node("Flatten", ["pool"], ["flat"], name="flatten"),
-             helper.make_node("Gemm", ["flat", "wg"], ["fc"], name="fc", transB=1),
-             helper.make_node("Softsign", ["fc"], ["y"], name="out")]
+    body = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv_big", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c1"], ["r1"], name="relu_big"),
+            helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv_small", pads=[1, 1, 1, 1], strides=[2, 2]),
+            helper.make_node("Relu", ["c2"], ["feat"], name="relu_small")]
     inits = [graphs.init("w1", rng.normal(0, 0.3, (16, 8, 3, 3)).astype(np.float32)),
-             graphs.init("w2", rng.normal(0, 0.3, (16, 16, 3, 3)).astype(np.float32)),
-             graphs.init("wg", rng.normal(0, 0.3, (4, 16)).astype(np.float32))]
-    path = tmp_path / "m.onnx"
-    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 8, 24, 24])], [graphs.tensor("y", ["N", 4])], inits),
-              path)
-    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 24, 24), count=8)
-    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=4), ON, progress=False)
+             graphs.init("w2", rng.normal(0, 0.3, (16, 16, 3, 3)).astype(np.float32))]
+    path, table = _classifier(tmp_path, rng, body, inits, 24)
     # (int8, float) cost: all int8 7.0, fp32 6.8, Convs float 6.8 (not 5% faster), the big stage float 4.0
     costs = {"conv_big": (5.0, 2.0), "conv_small": (1.0, 3.8), "fc": (1.0, 1.0)}
     sizes_seen, measured = [], []

@@ -187,12 +187,7 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
             if (weighted and weighted <= {*float_types, op_type}) or (op_type, len(float_types)) in tried:
                 continue  # the last weighted layers stay int8: the model must still be an int8 model
             tried.add((op_type, len(float_types)))
-            try:
-                candidate = build(kept + by_type[op_type])
-                faster = _twice(measure, {"int8": current, "float": candidate},
-                                lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
-            except Exception:  # a candidate onnxruntime cannot build or run is simply not taken
-                continue
+            candidate, faster = _faster(build, measure, current, kept + by_type[op_type])
             if faster:
                 kept += by_type[op_type]
                 float_types.append(op_type)
@@ -212,12 +207,7 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
         group += [op_type] if op_type is not None else []
         if not group:
             continue
-        try:
-            candidate = build(kept + [label for t in group for label in by_type[t]])
-            faster = _twice(measure, {"int8": current, "float": candidate},
-                            lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
-        except Exception:
-            continue
+        candidate, faster = _faster(build, measure, current, kept + [label for t in group for label in by_type[t]])
         if faster:
             kept += [label for t in group for label in by_type[t]]
             float_types += group
@@ -229,8 +219,9 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
                 break
     float_nodes: list[str] = []
     if slower and sizes is not None:  # the last resort: the layers with the largest activations float
-        slower = _largest_float(fp32, by_type, build, measure, dict(sizes()), kept, current, slower, float_nodes,
-                                notes)
+        slower, float_nodes, by_size = _largest_float(fp32, by_type, build, measure, dict(sizes()), kept, current,
+                                                      slower)
+        notes += by_size
     if slower:
         notes.append(f"onnxruntime runs this int8 model slower than fp32 on this CPU: {_ms(slower['int8'])} "
                      f"against {_ms(slower['fp32'])} ({_BATCHES[len(slower['int8'])]}; 1 thread, median): keep the "
@@ -240,28 +231,25 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
 
 def _largest_float(fp32, by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],
                    measure: Measure, sizes: dict[str, int], kept: list[str], current: onnx.ModelProto,
-                   slower: dict[str, list[float]], float_nodes: list[str], notes: list[str]) -> Optional[dict]:
+                   slower: dict[str, list[float]]) -> tuple[Optional[dict], list[str], list[str]]:
     """Still slower than fp32 with every op type choice made: per node, not per type. An int8 node
     pays per value of its tensors (the Q/DQ around it, QLinearMul/QLinearAdd, a depthwise Conv's
     few MACs per value) and gains per MAC, so the layers of the largest activations (a CNN's
     high-resolution first stages) are the ones that can run slower than float. Every quantized node
     whose output holds at least as many values as the k-th largest size goes float, k = 1, 2, ...
     (LARGEST_LEVELS at most), each extension taken when 5% faster, twice, until the model is no
-    longer slower than fp32. The last weighted layers stay int8. Appends to float_nodes and notes;
-    returns the last comparison with fp32 if still slower, else None."""
+    longer slower than fp32. The last weighted layers stay int8. Returns (the last comparison with
+    fp32 if still slower, else None; the nodes sent float; the notes of those choices)."""
     weighted = {label for t, labels in by_type.items() if t in WEIGHTED for label in labels}
     done = set(kept)
+    float_nodes: list[str] = []
+    notes: list[str] = []
     levels = sorted({size for label, size in sizes.items() if label not in done}, reverse=True)[:LARGEST_LEVELS]
     for level in levels:
         group = [label for label, size in sizes.items() if size >= level and label not in done]
         if not group or (weighted and weighted <= done | set(group)):
             break
-        try:
-            candidate = build([*kept, *float_nodes, *group])
-            faster = _twice(measure, {"int8": current, "float": candidate},
-                            lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
-        except Exception:
-            continue
+        candidate, faster = _faster(build, measure, current, [*kept, *float_nodes, *group])
         if not faster:
             continue  # a larger group may be: the Q/DQ between a float and an int8 stage go with it
         float_nodes += group
@@ -271,8 +259,22 @@ def _largest_float(fp32, by_type: dict[str, list[str]], build: Callable[[list[st
                      "(latency-aware, by size): " + _ran(faster))
         slower = _slower(measure, current, fp32)
         if not slower:
-            return None
-    return slower
+            return None, float_nodes, notes
+    return slower, float_nodes, notes
+
+
+def _faster(build: Callable[[list[str]], onnx.ModelProto], measure: Measure, current: onnx.ModelProto,
+            labels: list[str]) -> tuple[Optional[onnx.ModelProto], Optional[dict[str, list[float]]]]:
+    """(the candidate with `labels` float, its comparison with `current`) when it ran more than MARGIN
+    faster twice in a row; (None, None) when not, or when onnxruntime cannot build or run it (a
+    candidate that fails is simply not taken)."""
+    try:
+        candidate = build(labels)
+        faster = _twice(measure, {"int8": current, "float": candidate},
+                        lambda times: _ratio(times, "float", "int8") < 1 - MARGIN)
+    except Exception:
+        return None, None
+    return (candidate, faster) if faster else (None, None)
 
 
 def _ran(times: dict[str, list[float]]) -> str:

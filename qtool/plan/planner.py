@@ -312,12 +312,17 @@ def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: Quantize
     return tables
 
 
-def _row_gather(node: onnx.NodeProto, table: str, ctx: GraphIndex, options: QuantizeConfig,
-                only: Optional[Collection[str]]) -> bool:
+def row_gather(node: onnx.NodeProto, table: str, ctx: GraphIndex) -> bool:
+    """Whether `node` is a Gather of rows (axis 0) of `table` at computed indices: an embedding lookup."""
     return (node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2
             and node.input[0] == table and node.input[1] != table and not ctx.is_constant(node.input[1])
-            and attribute(node, "axis", 0) in (0, -ctx.rank(table))
-            and not _excluded(node, options) and (only is None or node_label(node) in only))
+            and attribute(node, "axis", 0) in (0, -ctx.rank(table)))
+
+
+def _row_gather(node: onnx.NodeProto, table: str, ctx: GraphIndex, options: QuantizeConfig,
+                only: Optional[Collection[str]]) -> bool:
+    return (row_gather(node, table, ctx) and not _excluded(node, options)
+            and (only is None or node_label(node) in only))
 
 
 def _planned_outputs(node: onnx.NodeProto, rule: OpRule) -> list[str]:

@@ -110,7 +110,8 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     if not layers:
         return out
     graph = out.graph
-    fp32_inits = GraphIndex(prepared).initializers
+    fp32_index = GraphIndex(prepared)
+    fp32_inits = fp32_index.initializers
     by_label = {layer.node: layer for layer in layers}
     producers = GraphIndex(graph).producer
     existing = {t.name for t in graph.initializer}
@@ -127,14 +128,13 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     replaced = {name for label, source in dynamic.items() for name in (*inner_tensors(label), *source.output)}
     nodes = []
     made = set(producers) | {i.name for i in graph.input}
-    fp32_producers = GraphIndex(prepared).producer
     for node in graph.node:
         label = node_label(node)
         if label in dynamic and node.op_type in DYNAMIC_KERNELS:
             # the DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul group (or QAttention) back to the fp32 node
             node = onnx.NodeProto()
             node.CopyFrom(dynamic[label])
-            gather = fp32_producers.get(node.input[0])
+            gather = fp32_index.producer.get(node.input[0])
             if node.input[0] not in made and gather is not None:  # rows it read as gathered codes: the float Gather
                 nodes.append(gather)
                 made.add(node.input[0])

@@ -24,7 +24,7 @@ from qtool.graph.index import (GraphIndex, attribute, bodies, made_in, matches, 
                                scoped_initializers)
 from qtool.prepare.graph_prep import default_opset
 from qtool.plan.ops import rule_for
-from qtool.plan.planner import QuantPlan
+from qtool.plan.planner import QuantPlan, row_gather
 from qtool.quantization.weight_only import KERNELS, MS_DOMAIN, stored_once, use_kernel_domain
 from qtool.quantization.dynamic_matmul import DynamicMatMuls, Gathered
 from qtool.config import QuantizeConfig
@@ -239,16 +239,15 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
 
 
 def _gathered_rows(graph: onnx.GraphProto, plan: QuantPlan, int8_rows: set[str]) -> Gathered:
-    """Which dynamic MatMul inputs are rows of a constant table: written by a Gather (axis 0) of a
-    2-D float32 initializer that nothing else reads and that is not stored as int8 rows, and read
-    only as the first input of dynamic MatMul/Gemm layers."""
+    """Which dynamic MatMul inputs are rows of a constant table: written by a row Gather
+    (planner.row_gather) of a 2-D float32 initializer that nothing else reads and that is not
+    stored as int8 rows, and read only as the first input of dynamic MatMul/Gemm layers."""
     index = GraphIndex(graph)
     dynamic = set(plan.dynamic_matmuls)
 
     def rows(name: str) -> Optional[tuple[onnx.NodeProto, np.ndarray]]:
         gather = index.producer.get(name)
-        if (gather is None or gather.op_type != "Gather" or gather.domain not in ("", "ai.onnx")
-                or attribute(gather, "axis", 0) != 0 or name in index.outputs):
+        if gather is None or name in index.outputs or not row_gather(gather, gather.input[0], index):
             return None
         table = gather.input[0]
         if (table not in index.initializers or table in int8_rows or len(index.consumers.get(table, [])) != 1
