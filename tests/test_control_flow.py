@@ -13,6 +13,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool import api
+from qtool.calibration.observer import Observer
+from qtool.graph.edit import with_body_outputs
 from qtool.graph.index import bodies, scoped_nodes
 from tests.conftest import kit_path, run_qtool
 
@@ -245,6 +247,63 @@ def test_loop_body_is_observed_over_every_iteration_and_quantized(tmp_path):
     assert {"QuantizeLinear", "DequantizeLinear", "MatMul"} <= set(ops), ops
     assert _body_initializers(result.model, "body")["W_quantized"].dtype == np.int8
     _close(model, result.model, data[0], 0.05)
+
+
+@pytest.mark.parametrize("opset", [17, 12])
+@pytest.mark.parametrize("steps", [STEPS, 0])
+def test_a_loop_body_tensor_is_routed_out_with_every_iteration_s_values(opset, steps):
+    """From opset 13 a Loop carries a sequence: each iteration appends its values and one
+    ConcatFromSequence joins them after the loop; before it a carried tensor grows by Concat. Both
+    give every iteration's values in order (none when the loop does not run), and the routed model
+    keeps the original outputs. The Loop is also nested in an outer Loop of two iterations."""
+    inner, w, b = _loop(np.random.default_rng(9))
+    for model, runs in ((inner, 1), (_nested(inner), 2)):
+        model.opset_import[0].version = opset
+        model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(steps, np.int64), "M"))
+        routed, routes = with_body_outputs(model, ["pre"])
+        ops = [n.op_type for n in scoped_nodes(routed.graph)]
+        assert ("SequenceInsert" in ops, "ConcatFromSequence" in ops) == ((opset >= 13,) * 2), ops
+        assert ("Concat" in ops) == (opset < 13), ops
+        x = np.random.default_rng(10).normal(0, 1, (1, WIDTH)).astype(np.float32)
+        session = ort.InferenceSession(routed.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+        expected = []
+        for _ in range(runs):  # the outer loop runs the inner one twice, from x each time
+            h = x.astype(np.float64)
+            for _ in range(steps):
+                expected.append(h @ w + b)
+                h = np.maximum(expected[-1], 0)
+        flat = np.concatenate([e.ravel() for e in expected]) if expected else np.zeros(0)
+        np.testing.assert_allclose(got[routes["pre"]], flat, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["h"], _run(model, {"x": x})[0], rtol=1e-6)
+
+
+def test_a_loop_body_tensor_is_observed_one_sample_per_run():
+    """The values of every iteration leave a Loop together: observing them for a batch would hold
+    them for all its samples at once, so such tensors are observed one sample per run."""
+    model, _, _ = _loop(np.random.default_rng(9))
+    assert Observer(model, ["h_in"]).batch_size(8) == 1
+    assert Observer(_nested(model), ["pre"]).batch_size(8) == 1
+    assert Observer(model, ["h"]).batch_size(8) == 8  # the Loop's own output: made outside the body
+
+
+def _nested(inner: onnx.ModelProto) -> onnx.ModelProto:
+    """`inner`'s Loop run twice, from x each time, by an outer Loop that carries nothing."""
+    loop = inner.graph.node[0]
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["go_in"], ["go_out"], name="outer_cond"),
+         helper.make_node("Loop", list(loop.input), ["h_i", "hs_i"], name="inner", body=dict(bodies(loop))["body"])],
+        "outer_body", [helper.make_tensor_value_info("j", TensorProto.INT64, []),
+                       helper.make_tensor_value_info("go_in", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("go_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_i", TensorProto.FLOAT, [1, WIDTH])])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["twice", ""], ["hs_outer"], name="outer", body=body),
+         helper.make_node("Gather", ["hs_outer", "last"], ["h"], name="last_h", axis=0)], "nested",
+        list(inner.graph.input), [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, WIDTH])],
+        [*inner.graph.initializer, numpy_helper.from_array(np.array(2, np.int64), "twice"),
+         numpy_helper.from_array(np.array(1, np.int64), "last")])
+    return _model(graph, check=False)
 
 
 def test_scan_body_is_observed_over_every_step_and_quantized(tmp_path):

@@ -39,7 +39,7 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, 
             seen += len(batch)
             bar.update(len(batch))
 
-        stats = observer.run(batches(source, calib.batch_size, limit), on_batch=advance)
+        stats = observer.run(batches(source, observer.batch_size(calib.batch_size), limit), on_batch=advance)
     if warn:
         warn_nonfinite(stats)
     return stats, seen

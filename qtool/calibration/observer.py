@@ -47,6 +47,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool.calibration import saturation
 from qtool.data.dataset import Batch
 from qtool.graph.edit import with_body_outputs, with_outputs
+from qtool.graph.index import bodies, made_in, scoped_nodes
 from qtool.graph.runtime import SharedWeights, create_session
 from qtool.graph.shapes import elem_types, inferred_shapes
 from qtool.calibration.statistics import SAMPLE_LIMIT, TensorStats
@@ -205,6 +206,7 @@ class Observer:
     def __init__(self, model: onnx.ModelProto, tensors: list[str], histogram_for: Collection[str] = (),
                  threads: int = 0, sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()):
         # tensors inside If/Loop/Scan bodies are observed through the graph outputs that carry them out
+        self.in_loops = _made_in_loops(model, tensors)
         model, self.routes = with_body_outputs(model, tensors)
         self.model, self.tensors, self.threads, self.sample_limit = model, tensors, threads, sample_limit
         self.histogram_for = {self.routes.get(t, t) for t in histogram_for}
@@ -220,6 +222,12 @@ class Observer:
         self.weights = SharedWeights(model)  # the observing sessions are variants of one model: its weights held once
         self._sessions: OrderedDict[tuple, tuple] = OrderedDict()
         self._fallback = None
+
+    def batch_size(self, requested: int) -> int:
+        """Samples per observing run: 1 when a Loop body makes an observed tensor (the values of
+        all its iterations leave the loop together, so a run holds them for every sample of the
+        batch: hundreds of MB per sample for a decoder looping 500 times)."""
+        return 1 if self.in_loops else requested
 
     def _session(self, active: list[str], known: list[str]):
         """The session observing `active` (and sampling `known`), built once; the least recently used
@@ -293,6 +301,14 @@ class Observer:
         for s in stats.values():
             s.flush()
         return {t: stats[self.routes.get(t, t)] for t in self.tensors}
+
+
+def _made_in_loops(model: onnx.ModelProto, tensors: Collection[str]) -> bool:
+    """Whether a Loop body, or a body nested in one, makes one of `tensors`."""
+    wanted = set(tensors)
+    loops = [body for node in scoped_nodes(model.graph) if node.op_type == "Loop" for _, body in bodies(node)]
+    inside = [*loops, *(inner for body in loops for node in scoped_nodes(body) for _, inner in bodies(node))]
+    return any(t in wanted for body in inside for t in made_in(body))
 
 
 def _observing_session(weights: SharedWeights, names: list[str], histogram_for: Collection[str],

@@ -47,7 +47,9 @@ def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     outputs may differ in shape between branches), so an empty value means "this branch did not
     run". A Loop carries the values of every iteration out, flattened and concatenated (a loop-
     carried value may grow; an iteration that skips the tensor, in an If inside the body, adds
-    nothing), empty when the body never ran. A Scan outputs it as an extra scan output, stacked
+    nothing), empty when the body never ran: from opset 13 (a Loop may carry a sequence) each
+    iteration appends to a sequence concatenated once after the loop, time linear in the values;
+    before it a carried tensor is concatenated at each iteration. A Scan outputs it as an extra scan output, stacked
     over the iterations (its state cannot change shape, and scan outputs must keep theirs, so only
     the Scan body's own tensors leave it: the bodies nested in it are not observed). Nested bodies
     route it out level by level."""
@@ -59,7 +61,8 @@ def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     types = {v.name: v.type.tensor_type.elem_type for node in scoped_nodes(routed.graph)
              for _, body in bodies(node) for v in [*body.value_info, *body.output]
              if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
-    routes = _route(routed.graph, wanted, types, itertools.count())
+    sequences = _opset(routed) >= 13
+    routes = _route(routed.graph, wanted, types, itertools.count(), sequences)
     if not routes:
         return model, {}
     for tensor, name in routes.items():
@@ -68,19 +71,28 @@ def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     return routed, routes
 
 
-def _route(graph: onnx.GraphProto, wanted: set[str], types: dict[str, int], fresh) -> dict[str, str]:
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def _route(graph: onnx.GraphProto, wanted: set[str], types: dict[str, int], fresh,
+           sequences: bool) -> dict[str, str]:
     """{wanted tensor computed in a body of a node of `graph`: the name carrying it in `graph`};
     edits the bodies and nodes (and adds `graph` initializers) to carry them."""
     routes: dict[str, str] = {}
-    for node in graph.node:
+    around: dict[int, tuple[list[onnx.NodeProto], list[onnx.NodeProto]]] = {}
+    for at, node in enumerate(graph.node):
         if node.op_type not in ("If", "Loop", "Scan") or node.domain not in ("", "ai.onnx"):
             continue
         inner = {attr: {**{t: t for t in made_in(body) if t in wanted},
-                        **(_route(body, wanted, types, fresh) if node.op_type != "Scan" else {})}
+                        **(_route(body, wanted, types, fresh, sequences) if node.op_type != "Scan" else {})}
                  for attr, body in bodies(node)}
         tensors = list(dict.fromkeys(t for carried in inner.values() for t in carried))
         if node.op_type == "Loop" and tensors:
-            routes.update(_accumulate(graph, node, inner["body"], types, fresh))
+            accumulated, before, after = _accumulate(graph, node, inner["body"], types, fresh, sequences)
+            routes.update(accumulated)
+            if before or after:
+                around[at] = (before, after)
             continue
         for tensor in tensors:
             elem = types.get(tensor, onnx.TensorProto.FLOAT)
@@ -98,37 +110,58 @@ def _route(graph: onnx.GraphProto, wanted: set[str], types: dict[str, int], fres
                         set_attribute(node, name, [*attribute(node, name), 0])
             routes[tensor] = f"{ROUTE_PREFIX}_{next(fresh)}"
             node.output.append(routes[tensor])
+    if around:
+        nodes = list(graph.node)
+        del graph.node[:]
+        for at, node in enumerate(nodes):
+            before, after = around.get(at, ([], []))
+            graph.node.extend([*before, node, *after])
     return routes
 
 
 def _accumulate(graph: onnx.GraphProto, loop: onnx.NodeProto, carried: dict[str, str], types: dict[str, int],
-                fresh) -> dict[str, str]:
-    """Extra loop-carried values of `loop`, one per tensor: empty at first, then at each iteration
-    Concat(previous, Reshape(tensor, [-1])); {tensor: the Loop output holding them all}."""
+                fresh, sequences: bool) -> tuple[dict[str, str], list[onnx.NodeProto], list[onnx.NodeProto]]:
+    """Extra loop-carried values of `loop`, one per tensor: ({tensor: the tensor holding the values
+    of every iteration, flattened}, the nodes to put before the loop, the nodes to put after it).
+    With `sequences`, a sequence that starts as [empty] and gets Reshape(tensor, [-1]) appended at
+    each iteration, concatenated after the loop (onnxruntime appends without copying the values
+    gathered so far; a Loop carries a sequence from opset 13); otherwise a tensor that starts empty
+    and becomes Concat(previous, Reshape(tensor, [-1])) at each iteration, which copies everything
+    gathered so far each time."""
     body = dict(bodies(loop))["body"]
     state = len(loop.input) - 2  # the carried values so far: body inputs 2.., outputs 1.., node outputs 0..
     flat = f"{ROUTE_PREFIX}_{next(fresh)}"
     body.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), flat))
     inputs, outputs, node_outputs = list(body.input), list(body.output), list(loop.output)
     added_in, added_out, added_node_out = [], [], []
+    before_loop, after_loop = [], []
     routes = {}
     for tensor, name in carried.items():
         elem = types.get(tensor, onnx.TensorProto.FLOAT)
-        start, before, values, after = (f"{ROUTE_PREFIX}_{next(fresh)}" for _ in range(4))
-        graph.initializer.append(_empty(start, elem))
+        empty, start, before, values, after, out, joined = (f"{ROUTE_PREFIX}_{next(fresh)}" for _ in range(7))
+        graph.initializer.append(_empty(empty, elem))
+        body.node.append(helper.make_node("Reshape", [name, flat], [values], name=values))
+        if sequences:
+            before_loop.append(helper.make_node("SequenceConstruct", [empty], [start], name=start))
+            body.node.append(helper.make_node("SequenceInsert", [before, values], [after], name=after))
+            after_loop.append(helper.make_node("ConcatFromSequence", [out], [joined], name=joined, axis=0))
+            routes[tensor] = joined
+            value_info = helper.make_tensor_sequence_value_info
+        else:
+            start = empty
+            body.node.append(helper.make_node("Concat", [before, values], [after], name=after, axis=0))
+            routes[tensor] = out
+            value_info = helper.make_tensor_value_info
         loop.input.append(start)
-        body.node.extend([helper.make_node("Reshape", [name, flat], [values], name=values),
-                          helper.make_node("Concat", [before, values], [after], name=after, axis=0)])
-        added_in.append(helper.make_tensor_value_info(before, elem, None))
-        added_out.append(helper.make_tensor_value_info(after, elem, None))
-        routes[tensor] = f"{ROUTE_PREFIX}_{next(fresh)}"
-        added_node_out.append(routes[tensor])
+        added_in.append(value_info(before, elem, None))
+        added_out.append(value_info(after, elem, None))
+        added_node_out.append(out)
     splices = ((body.input, inputs, added_in, 2 + state), (body.output, outputs, added_out, 1 + state),
                (loop.output, node_outputs, added_node_out, state))
     for field, items, extra, at in splices:  # after the carried values, before the scan outputs
         del field[:]
         field.extend(items[:at] + extra + items[at:])
-    return routes
+    return routes, before_loop, after_loop
 
 
 def _empty(name: str, elem: int) -> onnx.TensorProto:
