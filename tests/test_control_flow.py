@@ -403,3 +403,58 @@ def test_if_inside_a_loop_is_observed_on_the_iterations_that_take_each_branch(tm
     ops = _body_ops(result.model)["body"]
     assert ops.count("MatMul") == 2 and ops.count("QuantizeLinear") == 2, ops  # h_in, down_mm
     _close(model, result.model, data[0], 0.05)
+
+
+def _counted_loop(rng) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A decoder-like Loop that counts in float, as Paddle exports write it: at iteration i it reads
+    row int(i * 50 + 1) of a table (Cast -> Mul -> Add -> Cast back to int64 -> Gather) into its
+    state h; beside it, a uint8 image cast to float and scaled by 1/255 feeds a Conv."""
+    table = rng.normal(0, 1, (300, WIDTH)).astype(np.float32)
+    body = helper.make_graph([
+        helper.make_node("Cast", ["i"], ["step"], name="step", to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["step", "fifty"], ["scaled"], name="scale_step"),
+        helper.make_node("Add", ["scaled", "one"], ["position"], name="next_position"),
+        helper.make_node("Cast", ["position"], ["row_index"], name="row_index", to=TensorProto.INT64),
+        helper.make_node("Gather", ["table", "row_index"], ["row"], name="row", axis=0),
+        helper.make_node("Add", ["h_in", "row"], ["h_out"], name="accumulate"),
+        helper.make_node("Identity", ["cond_in"], ["cond_out"], name="go_on")],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("h_in", TensorProto.FLOAT, [1, WIDTH])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [1, WIDTH])],
+        [numpy_helper.from_array(np.array(50, np.float32), "fifty"),
+         numpy_helper.from_array(np.array(1, np.float32), "one")])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["M", "", "x"], ["h"], name="loop", body=body),
+         helper.make_node("Cast", ["image"], ["pixels"], name="pixels", to=TensorProto.FLOAT),
+         helper.make_node("Mul", ["pixels", "inv255"], ["scaled_image"], name="scale_image"),
+         helper.make_node("Conv", ["scaled_image", "K"], ["y"], name="conv", pads=[1, 1, 1, 1])], "counted",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, WIDTH]),
+         helper.make_tensor_value_info("image", TensorProto.UINT8, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, WIDTH]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [numpy_helper.from_array(np.array(6, np.int64), "M"), numpy_helper.from_array(table, "table"),
+         numpy_helper.from_array(np.array(1 / 255, np.float32), "inv255"),
+         numpy_helper.from_array(rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32), "K")])
+    return _model(graph), table
+
+
+def test_a_count_kept_in_float_inside_a_loop_is_never_quantized(tmp_path):
+    """An int8 range over the positions 1..251 has a step of about 1: quantized, they truncate to
+    the wrong row. The count stays float (the Cast from the step to the Cast back to int64), so
+    every iteration reads the row fp32 reads; the image cast from uint8 is data and its Conv int8."""
+    model, table = _counted_loop(np.random.default_rng(13))
+    onnx.save(model, tmp_path / "counted.onnx")
+    rng = np.random.default_rng(14)
+    data = [{"x": rng.normal(0, 1, (1, WIDTH)).astype(np.float32),
+             "image": rng.integers(0, 256, (1, 3, 8, 8), dtype=np.uint8)} for _ in range(8)]
+    result = api.quantize(tmp_path / "counted.onnx", data=data, progress=False)
+    assert any("1 count in float" in note for note in result.notes), result.notes
+    readers = {n.input[0] for n in scoped_nodes(result.model.graph) if n.op_type == "QuantizeLinear"}
+    assert not readers & {"step", "scaled", "position"}, readers
+    assert "scaled_image" in readers  # the Conv's input
+    feeds = {"x": np.zeros((1, WIDTH), np.float32), "image": data[0]["image"]}
+    expected = sum(table[int(i * 50 + 1)] for i in range(6))
+    h = _run(result.model, feeds)[0]
+    assert np.abs(h - expected).max() < 0.1, np.abs(h - expected).max()  # a wrong row is off by ~1

@@ -27,6 +27,12 @@ the MatMul that reads it), so the int8 MatMuls and Convs around the block keep t
   chain) stays float: the stream carries the few outlier channels that one static range cannot
   hold together with the rest (qtool.plan.dynamic); its readers quantize the normalized values
   instead.
+- Counts kept in float: a Cast of an integer or bool tensor to float (or a float Range) whose
+  values go, through arithmetic with constants and moves alone, to a Cast back to integers: that
+  path is never quantized. Exporters (Paddle's loops above all) compute step counters and indices
+  this way: an int8 range over 0..500 has a step of 2, so a decoder loop would write each step's
+  result to the wrong row. An image cast from uint8 and normalized for a Conv is data: it goes
+  to no such Cast and is quantized as usual.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 import onnx
+from onnx import TensorProto
 
-from qtool.graph.index import GraphIndex, node_label
+from qtool.graph.index import GraphIndex, attribute, node_label
 from qtool.plan.ops import BlockRule, register_block
 
 MASK_LIMIT = -1e4  # a constant at or below this is a mask's "minus infinity"
@@ -230,6 +237,54 @@ def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
                 yield chain
 
 
+_INTEGERS = {TensorProto.BOOL, TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16,
+             TensorProto.INT32, TensorProto.UINT32, TensorProto.INT64, TensorProto.UINT64}
+_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
+# what keeps a value computed from integers one: arithmetic, and moves of whole values
+_INTEGER_ARITHMETIC = ("Add", "Sub", "Mul", "Div", "Neg", "Abs", "Floor", "Ceil", "Round", "Min", "Max", "Mod",
+                       "Clip", "Sign", "Concat", "Slice", "Gather", "Tile", "Split", "Where", *_MOVERS)
+
+
+def _cast(ctx: GraphIndex, node: onnx.NodeProto, into: set[int]) -> bool:
+    return node.op_type == "Cast" and attribute(node, "to") in into
+
+
+def _from_integers(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """Per Cast of an integer tensor to float (or float Range) whose values, through arithmetic with
+    constants alone, reach a Cast back to integers: the nodes on those paths, in graph order. (An
+    image cast from uint8 and normalized for a Conv is data, not a count: it reaches no such Cast.)"""
+    nodes = list(ctx.graph.node)
+    for start, seed in enumerate(nodes):
+        if seed.op_type == "Range":
+            if not (seed.output and ctx.elem_type.get(seed.output[0]) in _FLOATS):
+                continue
+        elif not (_cast(ctx, seed, _FLOATS) and ctx.elem_type.get(seed.input[0]) in _INTEGERS):
+            continue
+        values, made_by = {o for o in seed.output if o}, {o: seed for o in seed.output if o}
+        ends = []
+        for node in nodes[start + 1:]:
+            floats = [i for i in node.input if i and ctx.is_float(i) and not ctx.is_constant(i)]
+            if not floats or not all(i in values for i in floats):
+                continue
+            if _cast(ctx, node, _INTEGERS):
+                ends.append(node)
+            elif node.op_type in _INTEGER_ARITHMETIC and node.output:
+                values.update(o for o in node.output if o)
+                made_by.update({o: node for o in node.output if o})
+        on_paths, pending = {}, [i for end in ends for i in end.input]
+        while pending:
+            node = made_by.get(pending.pop())
+            if node is not None and node_label(node) not in on_paths:
+                on_paths[node_label(node)] = node
+                pending.extend(node.input)
+        if on_paths:
+            yield [n for n in nodes if node_label(n) in on_paths]
+
+
+def _integer_values(ctx: GraphIndex) -> set[str]:
+    return {o for chain in _from_integers(ctx) for node in chain for o in node.output if o and ctx.is_float(o)}
+
+
 register_block(
     BlockRule("LayerNorm chain", layer_norm_chains),
     BlockRule("magnitude", _magnitudes),
@@ -237,4 +292,5 @@ register_block(
     BlockRule("attention scores", _attention_scores),
     BlockRule("mask", _masks, never_quantized=lambda ctx: mask_tensors(ctx)[0]),
     BlockRule("residual Add", _residuals),
+    BlockRule("count in float", _from_integers, never_quantized=_integer_values),
 )
