@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import attribute, bodies, made_in, names_read, replace_nodes, scoped_nodes, set_attribute
+from qtool.graph.index import (attribute, bodies, default_opset, made_in, names_read, replace_nodes, scoped_nodes,
+                               set_attribute)
 from qtool.graph.shapes import elem_types, inferred
 
 
@@ -49,10 +50,10 @@ def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     carried value may grow; an iteration that skips the tensor, in an If inside the body, adds
     nothing), empty when the body never ran: from opset 13 (a Loop may carry a sequence) each
     iteration appends to a sequence concatenated once after the loop, time linear in the values;
-    before it a carried tensor is concatenated at each iteration. A Scan outputs it as an extra scan output, stacked
-    over the iterations (its state cannot change shape, and scan outputs must keep theirs, so only
-    the Scan body's own tensors leave it: the bodies nested in it are not observed). Nested bodies
-    route it out level by level."""
+    before it a carried tensor is concatenated at each iteration. A Scan outputs it as an extra
+    scan output, stacked over the iterations (its state cannot change shape, and scan outputs
+    must keep theirs, so only the Scan body's own tensors leave it: the bodies nested in it are
+    not observed). Nested bodies route it out level by level."""
     wanted = set(names)
     if not any(bodies(node) for node in model.graph.node):
         return model, {}
@@ -61,7 +62,7 @@ def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
     types = {v.name: v.type.tensor_type.elem_type for node in scoped_nodes(routed.graph)
              for _, body in bodies(node) for v in [*body.value_info, *body.output]
              if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
-    sequences = _opset(routed) >= 13
+    sequences = default_opset(routed) >= 13
     routes = _route(routed.graph, wanted, types, itertools.count(), sequences)
     if not routes:
         return model, {}
@@ -69,10 +70,6 @@ def with_body_outputs(model: onnx.ModelProto, names: Iterable[str]) -> tuple[onn
         routed.graph.output.append(helper.make_tensor_value_info(name, types.get(tensor, onnx.TensorProto.FLOAT),
                                                                  None))
     return routed, routes
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 def _route(graph: onnx.GraphProto, wanted: set[str], types: dict[str, int], fresh,

@@ -96,6 +96,14 @@ class GraphIndex:
         return users[0] if len(users) == 1 and name not in self.outputs else None
 
 
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's ai.onnx opset version (0 when it imports none)."""
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return 0
+
+
 def matches(name: str, patterns: Iterable[str]) -> bool:
     """Whether a node or tensor `name` is one of `patterns`, names or glob patterns as options give them."""
     return any(name == pattern or fnmatch.fnmatchcase(name, pattern) for pattern in patterns)

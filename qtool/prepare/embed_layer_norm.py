@@ -21,7 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.graph.index import GraphIndex, attribute, node_label, replace_nodes
-from qtool.prepare.graph_prep import default_opset
+from qtool.graph.index import default_opset
 
 REDUCE_AXES_INPUT_OPSET = 13  # ReduceSum takes its axes as an input from here on
 

@@ -16,7 +16,8 @@ import numpy as np
 import onnx
 from onnx import inliner, numpy_helper, version_converter
 
-from qtool.graph.index import attribute, bodies, body_reads, names_read, rename_reads, replace_nodes, scoped_nodes
+from qtool.graph.index import (attribute, bodies, body_reads, default_opset, names_read, rename_reads, replace_nodes,
+                               scoped_nodes)
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
@@ -26,13 +27,6 @@ from qtool.errors import QtoolError
 
 MIN_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist
 MIN_PER_CHANNEL_OPSET = 13  # DequantizeLinear gets its `axis` attribute
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    for entry in model.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return entry.version
-    return 0
 
 
 def inline_functions(model: onnx.ModelProto, path: object = None) -> tuple[onnx.ModelProto, Optional[str]]:

@@ -24,7 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.graph.index import GraphIndex, body_reads, node_label, replace_nodes
-from qtool.prepare.graph_prep import default_opset
+from qtool.graph.index import default_opset
 
 MERGED_SUFFIX = "_merged"
 SPLIT_INPUT_OPSET = 13  # Split takes its sizes as an input (older opsets are left alone: rare, and unmeasured)

@@ -245,7 +245,7 @@ _INTEGER_ARITHMETIC = ("Add", "Sub", "Mul", "Div", "Neg", "Abs", "Floor", "Ceil"
                        "Clip", "Sign", "Concat", "Slice", "Gather", "Tile", "Split", "Where", *_MOVERS)
 
 
-def _cast(ctx: GraphIndex, node: onnx.NodeProto, into: set[int]) -> bool:
+def _cast(node: onnx.NodeProto, into: set[int]) -> bool:
     return node.op_type == "Cast" and attribute(node, "to") in into
 
 
@@ -258,7 +258,7 @@ def _from_integers(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
         if seed.op_type == "Range":
             if not (seed.output and ctx.elem_type.get(seed.output[0]) in _FLOATS):
                 continue
-        elif not (_cast(ctx, seed, _FLOATS) and ctx.elem_type.get(seed.input[0]) in _INTEGERS):
+        elif not (_cast(seed, _FLOATS) and ctx.elem_type.get(seed.input[0]) in _INTEGERS):
             continue
         values, made_by = {o for o in seed.output if o}, {o: seed for o in seed.output if o}
         ends = []
@@ -266,7 +266,7 @@ def _from_integers(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
             floats = [i for i in node.input if i and ctx.is_float(i) and not ctx.is_constant(i)]
             if not floats or not all(i in values for i in floats):
                 continue
-            if _cast(ctx, node, _INTEGERS):
+            if _cast(node, _INTEGERS):
                 ends.append(node)
             elif node.op_type in _INTEGER_ARITHMETIC and node.output:
                 values.update(o for o in node.output if o)
