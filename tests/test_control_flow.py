@@ -1,6 +1,8 @@
 """Control flow: tensors inside If/Loop/Scan bodies are observed during calibration (each If branch
 on the samples that take it) and quantized in place; a branch the data never reached stays float
-with a note. Ranges are checked against an fp32 computation that does not go through qtool."""
+with a note. Ranges are checked against an fp32 computation that does not go through qtool. A
+Loop's values leave it through a sequence (opset 13+) or a growing tensor, one sample per run; a
+step counter kept in float inside a Loop is never quantized."""
 
 from __future__ import annotations
 
