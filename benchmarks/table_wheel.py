@@ -127,7 +127,7 @@ _PEAK = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]);
 
 def _quantize(model: Path, calib: Path, out: Path, flags: tuple, cache: Path) -> tuple[subprocess.CompletedProcess, float]:
     """qtool quantize in a process of its own, with an empty latency cache (the latency-aware
-    choice is measured, as on a first run): (the finished process, its peak memory in GB)."""
+    choice is measured, as on a first run): (the finished process, its peak memory in GiB)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), QTOOL_CACHE_DIR=str(cache))
     command = [sys.executable, "-m", "qtool", "quantize", str(model), "--data", str(calib), "-o", str(out), *flags]
     done = subprocess.run([sys.executable, "-c", _PEAK, *command], env=env, capture_output=True, text=True)
@@ -156,7 +156,7 @@ def main() -> None:
                 print(f"| {label} | fails: {(done.stderr.strip().splitlines() or [''])[-1][:120]} | | | | | |")
                 continue
             r = figures(folder / MODEL, out, held)
-            print(f"| {label} | {seconds:.0f} s | {peak_gb:.1f} GB | {r['kept']} / {len(held)} | "
+            print(f"| {label} | {seconds:.0f} s | {peak_gb:.1f} GiB | {r['kept']} / {len(held)} | "
                   f"{r['cos_mean']:.4f} / {r['cos_min']:.4f} | {r['box_px']:.2f} | "
                   f"{r['speedup']:.2f}x ({r['fp32_ms']:.0f}) |", flush=True)
 
