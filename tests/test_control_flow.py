@@ -280,13 +280,30 @@ def test_a_loop_body_tensor_is_routed_out_with_every_iteration_s_values(opset, s
         np.testing.assert_allclose(got["h"], _run(model, {"x": x})[0], rtol=1e-6)
 
 
-def test_a_loop_body_tensor_is_observed_one_sample_per_run():
+def test_a_loop_body_tensor_is_observed_one_sample_per_run(tmp_path, monkeypatch):
     """The values of every iteration leave a Loop together: observing them for a batch would hold
     them for all its samples at once, so such tensors are observed one sample per run."""
     model, _, _ = _loop(np.random.default_rng(9))
     assert Observer(model, ["h_in"]).batch_size(8) == 1
     assert Observer(_nested(model), ["pre"]).batch_size(8) == 1
     assert Observer(model, ["h"]).batch_size(8) == 8  # the Loop's own output: made outside the body
+    # and calibration feeds it so: the batched model's 8 samples reach the observer one by one
+    batched = onnx.ModelProto()
+    batched.CopyFrom(model)
+    body = dict(bodies(batched.graph.node[0]))["body"]
+    for value in [*batched.graph.input, batched.graph.output[0], *body.input[2:], *body.output[1:]]:
+        value.type.tensor_type.shape.dim[0].dim_param = "N"  # the batch axis
+    batched.graph.output[1].type.tensor_type.shape.dim[1].dim_param = "N"  # the steps stacked before it
+    seen = []
+    run = Observer.run
+    monkeypatch.setattr(Observer, "run", lambda self, batches, on_batch=None: run(
+        self, (seen.append(len(b)) or b for b in batches), on_batch))
+    rng = np.random.default_rng(15)
+    data = [{"x": rng.normal(0, 1, (1, WIDTH)).astype(np.float32)} for _ in range(8)]
+    onnx.save(batched, tmp_path / "batched.onnx")
+    api.calibrate(tmp_path / "batched.onnx", data, {"calibration": {"method": "minmax", "batch_size": 8}},
+                  progress=False)
+    assert seen == [1] * 8, seen
 
 
 def _nested(inner: onnx.ModelProto) -> onnx.ModelProto:

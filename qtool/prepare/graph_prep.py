@@ -17,7 +17,7 @@ import onnx
 from onnx import inliner, numpy_helper, version_converter
 
 from qtool.graph.index import (attribute, bodies, body_reads, default_opset, names_read, rename_reads, replace_nodes,
-                               scoped_nodes)
+                               scoped_nodes, set_attribute)
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
@@ -233,9 +233,10 @@ def explicit_pads(model: onnx.ModelProto) -> None:
             pads = begins + [t - b for t, b in zip(totals, begins)]
         else:
             continue
-        kept = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+        kept = [a for a in node.attribute if a.name != "auto_pad"]
         del node.attribute[:]
-        node.attribute.extend(kept + [onnx.helper.make_attribute("pads", pads)])
+        node.attribute.extend(kept)
+        set_attribute(node, "pads", pads)
 
 
 def divisions_to_multiplications(model: onnx.ModelProto) -> None:

@@ -20,9 +20,8 @@ from onnx import helper, numpy_helper
 
 from qtool.table import qparams as qp
 from qtool.graph.edit import drop_unread
-from qtool.graph.index import (GraphIndex, attribute, bodies, made_in, matches, names_read, node_label, replace_nodes,
-                               scoped_initializers)
-from qtool.graph.index import default_opset
+from qtool.graph.index import (GraphIndex, attribute, bodies, default_opset, made_in, matches, names_read, node_label,
+                               replace_nodes, scoped_initializers)
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan, row_gather
 from qtool.quantization.weight_only import KERNELS, MS_DOMAIN, stored_once, use_kernel_domain
