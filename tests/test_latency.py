@@ -121,6 +121,27 @@ def test_batch_one_is_measured_beside_the_batch():
     assert len(latency.feed_sets({"x": x, "sr": np.array(16000)})) == 1  # a scalar input: not batched
 
 
+@pytest.mark.parametrize("seconds, expected", [(0.1, (1, latency.MIN_RUNS)), (0.4, (1, latency.MIN_RUNS)),
+                                                (0.5, (0, latency.FEW_RUNS)), (3.0, (0, latency.FEW_RUNS))])
+def test_models_that_run_for_seconds_are_timed_with_few_runs(monkeypatch, seconds, expected):
+    """timer: after a probe run, a pair of models whose one run each takes SLOW_S or more together
+    is timed FEW_RUNS runs with no second warm-up; a faster pair MIN_RUNS or more after a warm-up;
+    at batch 1 and at the batch alike. time_sessions is replaced by a clock that says each run
+    takes `seconds`."""
+    calls: list[tuple[int, int]] = []
+
+    def clock(sessions, feeds, warmup, runs):
+        calls.append((warmup, runs))
+        return {name: [seconds] * runs for name in sessions}
+
+    monkeypatch.setattr(latency, "time_sessions", clock)
+    model = graphs.conv_model(np.random.default_rng(0))
+    x = np.zeros((4, 8, 12, 12), np.float32)
+    medians = latency.timer({"x": x})({"int8": model, "float": model})
+    assert medians == {"int8": [seconds, seconds], "float": [seconds, seconds]}
+    assert calls == [(1, 1), expected] * 2
+
+
 def _classifier(tmp_path, rng, body: list, inits: list, size: int):
     """`body` (x [N, 8, size, size] -> ... -> "feat", 16 channels) -> GlobalAveragePool -> Flatten ->
     Gemm (its weight drawn from `rng` after the body's) -> Softsign, saved and calibrated on 8

@@ -52,6 +52,7 @@ from qtool.targets import cpu_flags
 MARGIN = 0.05  # a float candidate must be this much faster than the int8 model it replaces, twice
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
+SLOW_S, FEW_RUNS = 1.0, 3  # models taking SLOW_S together for one run each: FEW_RUNS runs
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
 LARGEST_LEVELS = 6  # output sizes tried by _largest_float, the largest first
 VERSION = 11  # of the decision procedure and of the int8 forms it times; part of the cache key
@@ -106,14 +107,20 @@ def feed_sets(feeds: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
 
 def timer(feeds: Mapping[str, np.ndarray]) -> Measure:
     """Per feed set (feed_sets), median seconds per run, the models taking turns; enough runs for
-    about BUDGET_S per feed set."""
+    about BUDGET_S per feed set, at least MIN_RUNS. Where one run of each takes SLOW_S or more (a
+    table recogniser's 500-step decoder at batch 8), FEW_RUNS runs after the probe, which warmed
+    them: a run of seconds averages over thousands of kernels, and MIN_RUNS runs of such models
+    made up most of their time to quantize."""
     def measure(models: Mapping[str, onnx.ModelProto]) -> dict[str, list[float]]:
         sessions = {name: create_session(model, 1, name) for name, model in models.items()}
         medians: dict[str, list[float]] = {name: [] for name in models}
         for batch in feed_sets(feeds):
-            probe = time_sessions(sessions, batch, warmup=1, runs=1)
-            runs = int(min(MAX_RUNS, max(MIN_RUNS, BUDGET_S / max(sum(t[0] for t in probe.values()), 1e-6))))
-            for name, values in time_sessions(sessions, batch, warmup=1, runs=runs).items():
+            once = sum(t[0] for t in time_sessions(sessions, batch, warmup=1, runs=1).values())
+            if once >= SLOW_S:
+                warmup, runs = 0, FEW_RUNS
+            else:
+                warmup, runs = 1, int(min(MAX_RUNS, max(MIN_RUNS, BUDGET_S / max(once, 1e-6))))
+            for name, values in time_sessions(sessions, batch, warmup=warmup, runs=runs).items():
                 medians[name].append(statistics.median(values))
         return medians
     return measure
