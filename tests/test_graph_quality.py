@@ -210,6 +210,29 @@ def test_exclusions_in_the_config(tmp_path):
     assert q.target == "litert" and q.activation_dtype == "uint8"  # the explicit key wins over the preset
 
 
+def test_an_unnamed_node_is_excluded_by_its_label(tmp_path):
+    """Reports name a node without a name by its first output; --exclude-nodes takes that label too."""
+    from qtool.calibration.calibrate import calibrate
+    from qtool.config import CalibrationConfig, PreprocessConfig
+    from qtool.quantization.quantize import quantize_model
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["a"]), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Conv", ["r", "wb"], ["b"]), helper.make_node("Relu", ["b"], ["y"])]
+    path = tmp_path / "m.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 4, 6, 6])], [graphs.tensor("y", None)],
+                           [graphs.init(w, rng.normal(0, 0.3, (4, 4, 1, 1)).astype(np.float32)) for w in ("wa", "wb")]),
+              path)
+    data = graphs.write_samples(tmp_path / "data", rng, (4, 6, 6), count=4)
+    options = QuantizeConfig(latency_aware="off", exclude_nodes=("b",))
+    table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
+    result = quantize_model(path, table, options)
+    dq = {n.output[0] for n in result.model.graph.node if n.op_type == "DequantizeLinear"}
+    convs = {n.output[0]: n.input[1] in dq for n in result.model.graph.node if n.op_type == "Conv"}
+    assert convs == {"a": True, "b": False}  # int8 weights for the first only
+    assert not any(note.startswith("--exclude-nodes") for note in result.notes)
+
+
 def test_presets_and_one_by_one_overrides():
     assert QuantizeConfig().activation_dtype == "uint8"  # ort-cpu is the default: measured fastest on x86
     trt = QuantizeConfig(target="tensorrt")

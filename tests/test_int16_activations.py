@@ -123,3 +123,19 @@ def test_the_search_chooses_16_bit_activations_when_offered(outliers):
     # not offered: the same target needs float layers
     plain = search(path, table, OPTIONS, goal, evals, None, 2).chosen
     assert plain.float_layers and not plain.int16_layers
+
+
+def test_patterns_that_name_nothing_get_a_note(outliers):
+    """A 16-bit or exclusion pattern that names no quantized activation, node or op type of the
+    prepared model changes nothing: a note says so, one per pattern; the patterns that match do."""
+    _, path, table, _, _ = outliers
+    options = QuantizeConfig(latency_aware="off", int16_activations=("a", "nosuch*"), exclude_nodes=("gone",),
+                             exclude_op_types=("Softmax",))
+    result = quantize_model(path, table, options)
+    unmatched = [note for note in result.notes if note.startswith("--")]
+    assert unmatched == [
+        "--exclude-op-types Softmax: the prepared model has no Softmax node",
+        "--exclude-nodes gone: no node of the prepared model is named so (folded or fused nodes are gone)",
+        "--int16-activations nosuch*: the plan quantizes no activation so named, so nothing goes to 16 bits for it "
+        "(qtool evaluate --per-layer lists the quantized tensors)"]
+    assert any(note.startswith("1 activation(s) in 16 bits") for note in result.notes)  # 'a' matched

@@ -92,7 +92,7 @@ class QuantPlan:
 def _excluded(node: onnx.NodeProto, options: QuantizeConfig) -> bool:
     if node.op_type in options.exclude_op_types:
         return True
-    return matches(node.name, options.exclude_nodes)
+    return matches(node_label(node), options.exclude_nodes)
 
 
 def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[Collection[str]] = None,
@@ -509,8 +509,27 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
                           "MatMul/Gemm layers only (a residual Add beside them keeps its range)")
     if chosen:
         plan.notes.append(chosen)
+    plan.notes.extend(unmatched_options(model, plan, options))
     _check_something_to_quantize(model, plan, model_path)
     return model, plan
+
+
+def unmatched_options(model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig) -> list[str]:
+    """A note per exclusion or 16-bit pattern that names nothing here: a misspelt name, or one of a
+    node that preparation folded away (a BatchNormalization into its Conv) or of a tensor the plan
+    does not quantize, would otherwise change nothing without a word. Not an error: one config may
+    serve several models."""
+    nodes = list(scoped_nodes(model.graph))
+    labels = [node_label(n) for n in nodes]
+    types = {n.op_type for n in nodes}
+    notes = [f"--exclude-op-types {op}: the prepared model has no {op} node" for op in options.exclude_op_types
+             if op not in types]
+    notes += [f"--exclude-nodes {p}: no node of the prepared model is named so (folded or fused nodes are gone)"
+              for p in options.exclude_nodes if not any(matches(label, (p,)) for label in labels)]
+    notes += [f"--int16-activations {p}: the plan quantizes no activation so named, so nothing goes to 16 bits "
+              "for it (qtool evaluate --per-layer lists the quantized tensors)"
+              for p in options.int16_activations if not any(matches(name, (p,)) for name in plan.activations)]
+    return notes
 
 
 def _check_something_to_quantize(model: onnx.ModelProto, plan: QuantPlan, path: object) -> None:
