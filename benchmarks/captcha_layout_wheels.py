@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kit import wheel_files  # noqa: E402
 from models import _figures, _quantize_ort, timed_medians  # noqa: E402
+from qtool.evaluation.detection import iou_matrix, nms  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
 
 CALIB, HELD = 32, 16
@@ -170,23 +171,6 @@ def ctc_text(logits: np.ndarray) -> tuple[int, ...]:
     return tuple(int(c) for i, c in enumerate(best) if c and (i == 0 or c != best[i - 1]))
 
 
-def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
-    x1, y1 = np.maximum(box[0], boxes[:, 0]), np.maximum(box[1], boxes[:, 1])
-    x2, y2 = np.minimum(box[2], boxes[:, 2]), np.minimum(box[3], boxes[:, 3])
-    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
-    area = lambda b: (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])  # noqa: E731
-    return inter / np.maximum(area(box) + area(boxes) - inter, 1e-9)
-
-
-def _nms(boxes: np.ndarray, scores: np.ndarray, threshold: float) -> list[int]:
-    order, kept = list(np.argsort(-scores)), []
-    while order:
-        kept.append(order[0])
-        rest = np.array(order[1:], int)
-        order = list(rest[_iou(boxes[order[0]], boxes[rest]) <= threshold]) if rest.size else []
-    return kept
-
-
 def yolox_boxes(outputs: list[np.ndarray], side: int = 416) -> tuple[np.ndarray, np.ndarray]:
     """(xyxy boxes, classes) as ddddocr decodes them: grid + stride, exp sizes, score > 0.1, NMS 0.45."""
     grids, strides = [], []
@@ -201,7 +185,7 @@ def yolox_boxes(outputs: list[np.ndarray], side: int = 416) -> tuple[np.ndarray,
     best = scores.max(1)
     keep = best > 0.1
     boxes = np.concatenate([centres - sizes / 2, centres + sizes / 2], 1)[keep]
-    kept = _nms(boxes, best[keep], 0.45)
+    kept = nms(boxes, best[keep], 0.45)
     return boxes[kept], np.zeros(len(kept), int)
 
 
@@ -224,7 +208,7 @@ def picodet_boxes(outputs: list[np.ndarray], size: tuple[int, int] = (800, 608))
     found_boxes, found_classes = [], []
     for cls in range(scores.shape[1]):
         keep = scores[:, cls] > 0.5
-        for i in _nms(boxes[keep], scores[keep, cls], 0.5):
+        for i in nms(boxes[keep], scores[keep, cls], 0.5):
             found_boxes.append(boxes[keep][i])
             found_classes.append(cls)
     return np.array(found_boxes).reshape(-1, 4), np.array(found_classes, int)
@@ -236,7 +220,8 @@ def boxes_found(ref: list, got: list, decode) -> tuple[int, int]:
     for r, g in zip(ref, got):
         (rb, rc), (gb, gc) = decode(r), decode(g)
         total += len(rb)
-        found += sum(bool(len(gb)) and bool(((_iou(b, gb) >= 0.5) & (gc == c)).any()) for b, c in zip(rb, rc))
+        if len(rb) and len(gb):
+            found += int(((iou_matrix(rb, gb) >= 0.5) & (rc[:, None] == gc[None, :])).any(1).sum())
     return found, total
 
 
