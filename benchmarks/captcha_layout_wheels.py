@@ -31,8 +31,6 @@ at opset 11-12 it writes per-channel DequantizeLinear nodes that onnxruntime ref
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,9 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import wheel_files  # noqa: E402
+from kit import _qtool, wheel_files  # noqa: E402
 from models import _figures, _quantize_ort, timed_medians  # noqa: E402
 from qtool.evaluation.detection import iou_matrix, nms  # noqa: E402
+from qtool.graph.index import default_opset  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
 
 CALIB, HELD = 32, 16
@@ -249,10 +248,6 @@ def task(label: str, ref: list, got: list) -> str:
     return f"{found}/{total} boxes"
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-
-
 def measure(label: str, model: Path, feeds: list[np.ndarray], input_name: str, work: Path) -> list[str]:
     calib = work / "calib"
     calib.mkdir()
@@ -260,17 +255,15 @@ def measure(label: str, model: Path, feeds: list[np.ndarray], input_name: str, w
         np.save(calib / f"{i:03d}.npy", x)
     held = [{input_name: x} for x in feeds[CALIB:]]
     paths, seconds, errors = {"fp32": model}, {}, {}
-    env = dict(os.environ, PYTHONPATH=str(ROOT), QTOOL_CACHE_DIR=str(work / "cache"))
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(model), "--data", str(calib),
-                           "-o", str(work / "qtool.onnx")], env=env, capture_output=True, text=True)
+    done = _qtool("quantize", model, "--data", calib, "-o", work / "qtool.onnx", cache=work / "cache")
     seconds["qtool"] = time.perf_counter() - start
     if done.returncode:
         errors["qtool"] = f"fails: {(done.stderr.strip().splitlines() or [''])[-1][:100]}"
     else:
         paths["qtool"] = work / "qtool.onnx"
     given = onnx.load(str(model))
-    if _opset(given) < 13:  # onnxruntime writes per-channel Q/DQ (axis) that opset 11-12 lacks: convert first
+    if default_opset(given) < 13:  # onnxruntime writes per-channel Q/DQ (axis) that opset 11-12 lacks: convert first
         model = work / "opset13.onnx"
         onnx.save(version_converter.convert_version(given, 13), str(model))
     seconds["ort_static"], error = _quantize_ort("ort_static", model, work / "ort.onnx",

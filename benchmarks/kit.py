@@ -25,8 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _qtool(*args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def _qtool(*args, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """qtool in a process of its own; with `cache`, the latency-aware choice cached there (an empty
+    folder: measured, as on a first run)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"QTOOL_CACHE_DIR": str(cache)} if cache else {}))
     return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], env=env, capture_output=True, text=True)
 
 

@@ -135,10 +135,11 @@ def _accumulate(graph: onnx.GraphProto, loop: onnx.NodeProto, carried: dict[str,
     routes = {}
     for tensor, name in carried.items():
         elem = types.get(tensor, onnx.TensorProto.FLOAT)
-        empty, start, before, values, after, out, joined = (f"{ROUTE_PREFIX}_{next(fresh)}" for _ in range(7))
+        empty, before, values, after, out = (f"{ROUTE_PREFIX}_{next(fresh)}" for _ in range(5))
         graph.initializer.append(_empty(empty, elem))
         body.node.append(helper.make_node("Reshape", [name, flat], [values], name=values))
         if sequences:
+            start, joined = (f"{ROUTE_PREFIX}_{next(fresh)}" for _ in range(2))
             before_loop.append(helper.make_node("SequenceConstruct", [empty], [start], name=start))
             body.node.append(helper.make_node("SequenceInsert", [before, values], [after], name=after))
             after_loop.append(helper.make_node("ConcatFromSequence", [out], [joined], name=joined, axis=0))

@@ -20,8 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import GraphIndex, attribute, node_label, replace_nodes
-from qtool.graph.index import default_opset
+from qtool.graph.index import GraphIndex, attribute, default_opset, node_label, replace_nodes
 
 REDUCE_AXES_INPUT_OPSET = 13  # ReduceSum takes its axes as an input from here on
 

@@ -23,8 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import GraphIndex, body_reads, node_label, replace_nodes
-from qtool.graph.index import default_opset
+from qtool.graph.index import GraphIndex, body_reads, default_opset, node_label, replace_nodes
 
 MERGED_SUFFIX = "_merged"
 SPLIT_INPUT_OPSET = 13  # Split takes its sizes as an input (older opsets are left alone: rare, and unmeasured)
