@@ -1,5 +1,6 @@
-"""Block rules on small transformer graphs: the decomposed LayerNorm chain, GELU (Erf and tanh forms),
-attention scores with an additive mask (-1e4, float32 min, or -inf through Where), residual Adds."""
+"""Block rules on small graphs: the decomposed LayerNorm chain and other normalizations written
+out, GELU (Erf and tanh forms), attention scores with an additive mask (-1e4, float32 min, or -inf
+through Where), residual Adds, magnitudes and log spectra."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
@@ -67,6 +68,28 @@ def _gelu_model(rng, form: str) -> onnx.ModelProto:
                 helper.make_node("Mul", ["h", "e1"], ["he"], name="g_mul"),
                 helper.make_node("Mul", ["he", "half"], ["g"], name="g_half")]
         inits = [c("sqrt2", np.float32(np.sqrt(2.0)))]
+    elif form == "tanh_jax":  # jax2tf: sqrt(2/pi) * (x + x * (x * (0.044715 * x)))
+        gelu = [helper.make_node("Mul", ["k", "h"], ["hk"], name="g_coeff"),
+                helper.make_node("Mul", ["h", "hk"], ["h2k"], name="g_square"),
+                helper.make_node("Mul", ["h", "h2k"], ["h3k"], name="g_cube"),
+                helper.make_node("Add", ["h", "h3k"], ["inner"], name="g_inner"),
+                helper.make_node("Mul", ["s2pi", "inner"], ["arg"], name="g_scale"),
+                helper.make_node("Tanh", ["arg"], ["t"], name="g_tanh"),
+                helper.make_node("Add", ["one", "t"], ["e1"], name="g_plus1"),
+                helper.make_node("Mul", ["half", "e1"], ["e1h"], name="g_half"),
+                helper.make_node("Mul", ["h", "e1h"], ["g"], name="g_mul")]
+        inits = [c("k", np.float32(0.044715)), c("s2pi", np.float32(np.sqrt(2 / np.pi)))]
+    elif form == "tanh_factored":  # x * (1 + 0.044715 x^2) * sqrt(2/pi)
+        gelu = [helper.make_node("Mul", ["h", "h"], ["h2"], name="g_square"),
+                helper.make_node("Mul", ["h2", "k"], ["h2k"], name="g_coeff"),
+                helper.make_node("Add", ["h2k", "one"], ["f"], name="g_factor"),
+                helper.make_node("Mul", ["h", "f"], ["inner"], name="g_inner"),
+                helper.make_node("Mul", ["inner", "s2pi"], ["arg"], name="g_scale"),
+                helper.make_node("Tanh", ["arg"], ["t"], name="g_tanh"),
+                helper.make_node("Add", ["t", "one"], ["e1"], name="g_plus1"),
+                helper.make_node("Mul", ["h", "e1"], ["he"], name="g_mul"),
+                helper.make_node("Mul", ["he", "half"], ["g"], name="g_half")]
+        inits = [c("k", np.float32(0.044715)), c("s2pi", np.float32(np.sqrt(2 / np.pi)))]
     else:
         gelu = [helper.make_node("Pow", ["h", "three"], ["h3"], name="g_cube"),
                 helper.make_node("Mul", ["h3", "k"], ["h3k"], name="g_coeff"),
@@ -177,6 +200,92 @@ def test_a_residual_add_into_a_layer_norm_op_stays_float(norm, domain):
     assert "residual" in _float(plan) and {"mm1", "mm2"} <= set(plan.quantized_nodes)
 
 
+def _normalization(form: str, x: str, out: str) -> tuple[list, list, list[str]]:
+    """x -> out normalized over the last axis as other exporters write it: (nodes, constants, the
+    nodes that must stay float). tf: jax2tf's mean(x^2) - mean(x)^2 from ReduceSums, Max 0,
+    Reciprocal(Sqrt); keras: Mul(d, d) squares and beta - mean * scale; rms: x / sqrt(mean(x^2))."""
+    c, m = graphs.init, helper.make_node
+    inits = [c("inv_n", np.float32(1.0 / D)), c("epsilon", np.float32(1e-5)), c("zero", np.float32(0.0)),
+             c("g", np.linspace(0.5, 2.0, D, dtype=np.float32)), c("b", np.full(D, 0.1, np.float32)),
+             c("axes", np.array([-1], np.int64))]
+    if form == "tf":
+        nodes = [m("ReduceSum", [x, "axes"], ["s1"], name="sum", keepdims=1),
+                 m("Mul", [x, x], ["x2"], name="square"),
+                 m("ReduceSum", ["x2", "axes"], ["s2"], name="sum_sq", keepdims=1),
+                 m("Mul", ["s1", "inv_n"], ["mu"], name="mean"),
+                 m("Mul", ["s2", "inv_n"], ["m2"], name="mean_sq"),
+                 m("Mul", ["mu", "mu"], ["mu2"], name="mean_2"),
+                 m("Sub", ["m2", "mu2"], ["v0"], name="var"),
+                 m("Max", ["zero", "v0"], ["v"], name="clamp"),
+                 m("Add", ["v", "epsilon"], ["ve"], name="eps"),
+                 m("Sqrt", ["ve"], ["sd"], name="sqrt"),
+                 m("Reciprocal", ["sd"], ["r"], name="rsqrt"),
+                 m("Mul", ["r", "g"], ["rg"], name="gamma"),
+                 m("Sub", [x, "mu"], ["d"], name="centre"),
+                 m("Mul", ["d", "rg"], ["n"], name="scale"),
+                 m("Add", ["n", "b"], [out], name="beta")]
+    elif form == "keras":
+        nodes = [m("ReduceMean", [x], ["mu"], name="mean", axes=[-1]),
+                 m("Sub", [x, "mu"], ["d"], name="centre"),
+                 m("Mul", ["d", "d"], ["d2"], name="square"),
+                 m("ReduceMean", ["d2"], ["v"], name="var", axes=[-1]),
+                 m("Add", ["v", "epsilon"], ["ve"], name="eps"),
+                 m("Sqrt", ["ve"], ["sd"], name="sqrt"),
+                 m("Reciprocal", ["sd"], ["r"], name="rsqrt"),
+                 m("Mul", ["r", "g"], ["rg"], name="gamma"),
+                 m("Mul", [x, "rg"], ["xs"], name="scale"),
+                 m("Mul", ["mu", "rg"], ["ms"], name="mean_scale"),
+                 m("Sub", ["b", "ms"], ["shift"], name="beta_shift"),
+                 m("Add", ["xs", "shift"], [out], name="beta")]
+    else:
+        nodes = [m("Pow", [x, "two"], ["x2"], name="square"),
+                 m("ReduceMean", ["x2"], ["ms"], name="mean_sq", axes=[-1]),
+                 m("Add", ["ms", "epsilon"], ["ve"], name="eps"),
+                 m("Sqrt", ["ve"], ["rms"], name="sqrt"),
+                 m("Div", [x, "rms"], ["n"], name="scale"),
+                 m("Mul", ["n", "g"], [out], name="gamma")]
+        inits.append(c("two", np.float32(2.0)))
+    return nodes, inits, [n.name for n in nodes]
+
+
+@pytest.mark.parametrize("form", ["tf", "keras", "rms"])
+def test_normalizations_written_in_other_forms_stay_float(tmp_path, form):
+    rng = np.random.default_rng(0)
+    norm, inits, names = _normalization(form, "res", "ln")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "x"], ["res"], name="residual"),
+             *norm,
+             helper.make_node("MatMul", ["ln", "w2"], ["y"], name="mm2")]
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
+                     [_weight(rng, "w1", D, D), _weight(rng, "w2", D, D), *inits])
+    assert float_blocks(GraphIndex(m)).counts == {"normalization": 1, "residual Add": 1}
+    plan = build_plan(m, STATIC)
+    assert set(names) | {"residual"} <= _float(plan)
+    assert {"mm1", "mm2"} <= set(plan.quantized_nodes)
+    inner = {o for n in norm for o in n.output} - {"ln"}
+    assert not inner & set(plan.activations) and "ln" in plan.activations
+    _, sqnr = _quantize(tmp_path, m)
+    assert sqnr > 25
+
+
+def test_a_mean_that_scales_without_a_square_root_is_no_normalization():
+    """x * mean(x) (a pooled gate) and x / sum(x) have no square root of a statistic: not normalizations."""
+    c, m = graphs.init, helper.make_node
+    nodes = [m("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             m("ReduceMean", ["h"], ["mu"], name="pool", axes=[-1]),
+             m("Sigmoid", ["mu"], ["gate"], name="gate"),
+             m("Mul", ["h", "gate"], ["hg"], name="apply"),
+             m("ReduceSum", ["hg", "axes"], ["s"], name="sum"),
+             m("Add", ["s", "eps"], ["se"], name="eps"),
+             m("Div", ["hg", "se"], ["ln"], name="share"),
+             m("MatMul", ["ln", "w2"], ["y"], name="mm2")]
+    rng = np.random.default_rng(0)
+    model = graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
+                         [_weight(rng, "w1", D, D), _weight(rng, "w2", D, D), c("eps", np.float32(1e-3)),
+                          c("axes", np.array([-1], np.int64))])
+    assert float_blocks(GraphIndex(model)).counts == {}
+
+
 def test_a_broken_chain_is_not_a_layer_norm():
     m = _ln_model(np.random.default_rng(0))
     pow_node = next(n for n in m.graph.node if n.op_type == "Pow")
@@ -186,7 +295,11 @@ def test_a_broken_chain_is_not_a_layer_norm():
 
 @pytest.mark.parametrize("form, nodes", [("erf", ["g_scale", "g_erf", "g_plus1", "g_mul", "g_half"]),
                                          ("tanh", ["g_cube", "g_coeff", "g_inner", "g_scale", "g_tanh",
-                                                   "g_plus1", "g_halfx", "g_mul"])])
+                                                   "g_plus1", "g_halfx", "g_mul"]),
+                                         ("tanh_jax", ["g_coeff", "g_square", "g_cube", "g_inner", "g_scale",
+                                                       "g_tanh", "g_plus1", "g_half", "g_mul"]),
+                                         ("tanh_factored", ["g_square", "g_coeff", "g_factor", "g_inner",
+                                                            "g_scale", "g_tanh", "g_plus1", "g_mul", "g_half"])])
 def test_gelu_chain_stays_float_between_int8_matmuls(tmp_path, form, nodes):
     m = _gelu_model(np.random.default_rng(0), form)
     assert float_blocks(GraphIndex(m)).counts == {"GELU": 1}
@@ -311,6 +424,56 @@ def test_magnitude_sqrt_of_squares_stays_float(tmp_path):
     assert sqnr > 25
     m.graph.node[2].input[1] = "eps"  # a ** 1e-6 is no square: no magnitude
     assert "magnitude" not in float_blocks(GraphIndex(m)).counts
+
+
+def _log_mel_model(rng, frames: int = 8, bins: int = 17, mels: int = 6) -> onnx.ModelProto:
+    """audio [N, 1, T] -> an STFT as two Convs (cos and sin windows) -> Transpose -> power ->
+    mel MatMul -> Clip 1e-10 -> Log -> dB (* 10 / ln 10) -> a floor 80 dB below the maximum
+    (ReduceMax, Sub 80, Cast, Clip's bound) -> y, as an audio front end exported from PyTorch writes it."""
+    c, m = graphs.init, helper.make_node
+    n = 2 * (bins - 1)
+    t = np.arange(n)
+    window = np.hanning(n)
+    cos = (np.cos(2 * np.pi * np.outer(np.arange(bins), t) / n) * window)[:, None, :].astype(np.float32)
+    sin = (-np.sin(2 * np.pi * np.outer(np.arange(bins), t) / n) * window)[:, None, :].astype(np.float32)
+    mel = np.abs(rng.normal(0, 1, (bins, mels))).astype(np.float32)
+    nodes = [m("Conv", ["x", "cos"], ["re"], name="stft_re", strides=[n // 2]),
+             m("Conv", ["x", "sin"], ["im"], name="stft_im", strides=[n // 2]),
+             m("Transpose", ["re"], ["re_t"], name="re_t", perm=[0, 2, 1]),
+             m("Transpose", ["im"], ["im_t"], name="im_t", perm=[0, 2, 1]),
+             m("Pow", ["re_t", "two"], ["re2"], name="re2"),
+             m("Pow", ["im_t", "two"], ["im2"], name="im2"),
+             m("Add", ["re2", "im2"], ["power"], name="power"),
+             m("MatMul", ["power", "mel"], ["mels"], name="mel"),
+             m("Clip", ["mels", "tiny", "huge"], ["clipped"], name="floor"),
+             m("Log", ["clipped"], ["ln"], name="log"),
+             m("Mul", ["ln", "ten"], ["ln10"], name="db_mul"),
+             m("Div", ["ln10", "ln_ten"], ["db"], name="db_div"),
+             m("ReduceMax", ["db"], ["top"], name="top", keepdims=0),
+             m("Sub", ["top", "range"], ["low"], name="low"),
+             m("Cast", ["low"], ["low_f"], name="low_cast", to=TensorProto.FLOAT),
+             m("Clip", ["db", "low_f"], ["y"], name="top_db")]
+    inits = [c("cos", cos), c("sin", sin), c("mel", mel), c("two", np.float32(2)), c("tiny", np.float32(1e-10)),
+             c("huge", np.float32(1e10)), c("ten", np.float32(10)), c("ln_ten", np.float32(np.log(10))),
+             c("range", np.float32(80))]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 1, n // 2 * (frames + 1)])], [graphs.tensor("y", None)],
+                        inits)
+
+
+def test_a_log_spectrum_stays_float_with_its_transform(tmp_path):
+    """The power spectrum spans twice the decades of the audio and the Log reads it relative to its
+    size: the STFT Convs, the squares, the mel MatMul and the Log stay float (int8 steps of the loudest
+    bin put the quiet ones tens of dB off), and the dB floor computed for the Clip's bound is float
+    with them: the model stays float, as given."""
+    m = _log_mel_model(np.random.default_rng(0))
+    assert float_blocks(GraphIndex(m)).counts == {"log spectrum": 1}
+    plan = build_plan(m, STATIC)
+    assert {"stft_re", "stft_im", "re2", "im2", "power", "mel", "floor", "log", "db_mul", "db_div", "low"} \
+        <= _float(plan)
+    assert not plan.activations and not plan.quantized_nodes
+    m.graph.node[4].input[1] = "ten"  # re ** 10 is no power: no block, the Convs go int8
+    assert "log spectrum" not in float_blocks(GraphIndex(m)).counts
+    assert {"stft_re", "stft_im"} <= set(build_plan(m, STATIC).quantized_nodes)
 
 
 def test_cnn_without_transformer_blocks_matches_nothing():

@@ -37,7 +37,7 @@ the MatMul that reads it), so the int8 MatMuls and Convs around the block keep t
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import onnx
@@ -100,6 +100,99 @@ def layer_norm_chains(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
         yield chain
 
 
+_REDUCTIONS = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2")
+_STATISTIC_OPS = ("Add", "Sub", "Mul", "Div", "Max", "Min", "Sqrt", "Reciprocal", "Pow", "Neg", *_MOVERS)
+
+
+def _float_values(ctx: GraphIndex, node: onnx.NodeProto) -> list[str]:
+    """The computed float inputs of `node` (not constants; of a move or a reduction, its data alone)."""
+    inputs = node.input[:1] if node.op_type in _MOVERS or node.op_type in _REDUCTIONS else node.input
+    return [i for i in inputs if i and ctx.is_float(i) and not ctx.is_constant(i)]
+
+
+def _statistics(ctx: GraphIndex) -> tuple[dict[str, onnx.NodeProto], set[str]]:
+    """Tensors computed from reductions of activations with constants alone ({tensor: its node}: a
+    mean, a variance, its inverse square root), and those among them that went through a square root."""
+    made: dict[str, onnx.NodeProto] = {}
+    rooted: set[str] = set()
+    for node in ctx.graph.node:
+        if not node.output or not node.output[0] or not ctx.is_float(node.output[0]):
+            continue
+        values = _float_values(ctx, node)
+        statistic = node.op_type in _REDUCTIONS or (node.op_type in _STATISTIC_OPS and all(i in made for i in values))
+        if not (values and statistic):
+            continue
+        made[node.output[0]] = node
+        exponent = ctx.scalar(node.input[1]) if node.op_type == "Pow" and len(node.input) > 1 else None
+        if node.op_type in ("Sqrt", "ReduceL2") or exponent in (0.5, -0.5) or any(i in rooted for i in values):
+            rooted.add(node.output[0])
+    return made, rooted
+
+
+def _square_of(ctx: GraphIndex, node: Optional[onnx.NodeProto]) -> Optional[str]:
+    """a, when `node` is Pow(a, 2) or Mul(a, a)."""
+    if node is not None and node.op_type == "Pow" and len(node.input) > 1 and ctx.scalar(node.input[1]) == 2.0:
+        return node.input[0]
+    if node is not None and node.op_type == "Mul" and len(node.input) == 2 and node.input[0] == node.input[1]:
+        return node.input[0]
+    return None
+
+
+def normalizations(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """A tensor multiplied or divided by a square root of its own statistics, written out in any of the
+    forms exporters write that `layer_norm_chains` does not match (TensorFlow's and JAX's
+    mean(x^2) - mean(x)^2 with Reciprocal or Rsqrt, a Mul(d, d) square, RMSNorm, x / ||x||): the
+    statistics, the squares and centring Subs that feed them, the Mul or Div, and an affine tail."""
+    made, rooted = _statistics(ctx)
+    chained = {node_label(chain[6]) for chain in layer_norm_chains(ctx)}
+    for node in ctx.graph.node:
+        if node.op_type not in ("Mul", "Div") or node_label(node) in chained:
+            continue
+        values = _float_values(ctx, node)
+        stats = [i for i in values if i in rooted]
+        full = [i for i in values if i not in made]
+        if len(stats) != 1 or len(full) != 1 or len(values) != 2:
+            continue
+        block: dict[str, onnx.NodeProto] = {}
+        pending = [stats[0], full[0]]
+        while pending:
+            name = pending.pop()
+            source = made.get(name) or ctx.producer.get(name)
+            if source is None or node_label(source) in block:
+                continue
+            if name in made:
+                block[node_label(source)] = source
+                if source.op_type in _REDUCTIONS:  # what it reduces: a square, a centred tensor
+                    pending.append(source.input[0])
+                else:
+                    pending += _float_values(ctx, source)
+                continue
+            square = _square_of(ctx, source)
+            if square is not None and not all(r.op_type in _REDUCTIONS for r in ctx.consumers.get(name, [])):
+                square = None  # a square the model uses for more than this statistic
+            centring = source.op_type in ("Sub", "Add") and any(i in made for i in _float_values(ctx, source))
+            if square is not None or centring:
+                block[node_label(source)] = source
+                pending += [square] if square is not None else _float_values(ctx, source)
+        block[node_label(node)] = node
+        last = node
+        for _ in range(3):  # gamma and beta, as constants or (TensorFlow's) beta - mean * scale
+            tail = _next(ctx, last, "Mul", "Add", "Sub")
+            other = _other_input(tail, last.output[0]) if tail is not None else None
+            if tail is None or not (ctx.is_constant(other) or other in made):
+                break
+            block[node_label(tail)] = tail
+            pending = [other] if other in made else []
+            while pending:
+                source = made.get(pending.pop())
+                if source is not None and node_label(source) not in block:
+                    block[node_label(source)] = source
+                    pending += _float_values(ctx, source)
+            last = tail
+        order = {node_label(n): i for i, n in enumerate(ctx.graph.node)}
+        yield sorted(block.values(), key=lambda n: order[node_label(n)])
+
+
 def _gelu_tail(ctx: GraphIndex, start: onnx.NodeProto, x: str) -> Optional[list[onnx.NodeProto]]:
     """erf/tanh -> Add 1 -> Mul (x or 0.5 x) [-> Mul 0.5]: the nodes after the nonlinearity."""
     plus_one = _next(ctx, start, "Add")
@@ -128,36 +221,56 @@ def gelu_chains(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
             scale = ctx.producer.get(node.input[0])  # x / sqrt 2 or x * (1 / sqrt 2)
             if scale is None or scale.op_type not in ("Div", "Mul") or ctx.scalar(scale.input[1]) is None:
                 continue
-            head, x = [scale], scale.input[0]
+            heads: Iterable[tuple[list[onnx.NodeProto], str]] = [([scale], scale.input[0])]
         elif node.op_type == "Tanh":
-            head = _tanh_gelu_head(ctx, node)
-            if head is None:
-                continue
-            x = head[0].input[0]
+            heads = _tanh_gelu_heads(ctx, node)
         else:
             continue
-        tail = _gelu_tail(ctx, node, x)
-        if tail is not None:
-            yield head + [node] + tail
+        for head, x in heads:
+            tail = _gelu_tail(ctx, node, x)
+            if tail is not None:
+                yield head + [node] + tail
+                break
 
 
-def _tanh_gelu_head(ctx: GraphIndex, tanh: onnx.NodeProto) -> Optional[list[onnx.NodeProto]]:
-    """Pow(x, 3) -> Mul 0.044715 -> Add x -> Mul sqrt(2/pi) -> Tanh: the nodes before the Tanh."""
-    scale = ctx.producer.get(tanh.input[0])
-    if scale is None or scale.op_type != "Mul":
-        return None
-    inner = next((ctx.producer.get(i) for i in scale.input if not ctx.is_constant(i)), None)
-    if inner is None or inner.op_type != "Add":
-        return None
-    for cubic_input in inner.input:
-        coeff = ctx.producer.get(cubic_input)
-        if coeff is None or coeff.op_type != "Mul":
+def _polynomial(ctx: GraphIndex, out: str, x: str) -> Optional[list[onnx.NodeProto]]:
+    """The Mul/Add/Pow nodes computing `out` from `x` and constants alone, read by nothing else but
+    the node after `out`, in graph order; None when another tensor enters."""
+    nodes: dict[str, onnx.NodeProto] = {}
+    pending = [out]
+    while pending:
+        name = pending.pop()
+        if name == x:
             continue
-        cube = next((ctx.producer.get(i) for i in coeff.input if not ctx.is_constant(i)), None)
-        if cube is not None and cube.op_type == "Pow" and ctx.scalar(cube.input[1]) == 3.0 \
-                and _other_input(inner, cubic_input) == cube.input[0]:
-            return [cube, coeff, inner, scale]
-    return None
+        node = ctx.producer.get(name)
+        if node is None or node.op_type not in ("Mul", "Add", "Pow") or len(nodes) > 6 or (
+                node.op_type == "Pow" and ctx.scalar(node.input[1]) not in (2.0, 3.0)):
+            return None
+        if node_label(node) not in nodes:
+            nodes[node_label(node)] = node
+            pending += [i for i in node.input[:1 if node.op_type == "Pow" else 2] if not ctx.is_constant(i)]
+    inner = {o for n in nodes.values() for o in n.output} - {out}
+    if any(node_label(r) not in nodes for o in inner for r in ctx.consumers.get(o, [])):
+        return None  # a part of it read elsewhere
+    return [n for n in ctx.graph.node if node_label(n) in nodes]
+
+
+def _tanh_gelu_heads(ctx: GraphIndex, tanh: onnx.NodeProto) -> Iterator[tuple[list[onnx.NodeProto], str]]:
+    """(the nodes before the Tanh, x) for each x from which they compute sqrt(2/pi) (x + 0.044715 x^3)
+    with constants alone, in any arrangement exporters write: Pow(x, 3) -> Mul 0.044715 -> Add x ->
+    Mul sqrt(2/pi); JAX's x + x * (x * (0.044715 x)); x * (1 + 0.044715 x^2)."""
+    seen, pending = set(), [tanh.input[0]]
+    while pending and len(seen) < 8:
+        node = ctx.producer.get(pending.pop(0))
+        if node is None or node.op_type not in ("Mul", "Add", "Pow"):
+            continue
+        for name in node.input:
+            if name and name not in seen and not ctx.is_constant(name):
+                seen.add(name)
+                pending.append(name)
+                head = _polynomial(ctx, tanh.input[0], name)
+                if head is not None and len(head) >= 3:
+                    yield head, name
 
 
 def _attention_scores(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
@@ -177,6 +290,7 @@ def _attention_scores(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 def _residuals(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """An Add of two activations read by a LayerNorm op (NORM_OPS) or by a decomposed chain's first ReduceMean."""
     starts = {node_label(chain[0]) for chain in layer_norm_chains(ctx)}
+    starts |= {node_label(node) for chain in normalizations(ctx) for node in chain}
     for node in ctx.graph.node:
         if node.op_type != "Add" or any(ctx.is_constant(i) for i in node.input) or not node.output:
             continue
@@ -215,10 +329,77 @@ def _masks(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
         yield nodes
 
 
+_SPECTRUM_OPS = ("Add", "Sub", "Mul", "Div", "Clip", "Max", "Min", "MatMul", "Gemm", "Sqrt", "Abs", "ReduceSum",
+                 "ReduceMean", *_MOVERS)
+_TRANSFORMS = ("Conv", "MatMul", "Gemm")
+
+
+def _transform_of(ctx: GraphIndex, name: str, inside: set[str]) -> list[onnx.NodeProto]:
+    """The linear transform (an STFT written as a Conv or a MatMul with constant weights) and the moves
+    from it to `name`, when nothing outside `inside` (the nodes reading `name`) reads them."""
+    path = []
+    while True:
+        node = ctx.producer.get(name)
+        if node is None or name in ctx.outputs or not all(node_label(r) in inside for r in ctx.consumers.get(name, [])):
+            return []
+        path.append(node)
+        inside = inside | {node_label(node)}
+        if node.op_type in _TRANSFORMS:
+            weights = [i for i in node.input[1:2] if ctx.is_constant(i)]
+            return path if weights else []
+        if node.op_type not in _MOVERS:
+            return []
+        name = node.input[0]
+
+
+def _log_spectra(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """log(power) and log(magnitude), as an audio front end computes its log-mel or log spectrogram:
+    every path into the Log (through a filterbank MatMul, a clamp, an epsilon, sums) ends in a square.
+    The squares span twice the decades of the spectrum and the Log reads them relative to their size,
+    where one int8 step of the loudest bin is tens of dB above the quiet ones; the weights of the
+    transform that the squares read (an STFT written as a Conv or MatMul) are a window of int8 steps
+    whose rounding leaks some 48 dB below the loudest bin into every other. All of it stays float,
+    up to the Log and its scaling to decibels."""
+    for log in (n for n in ctx.graph.node if n.op_type == "Log"):
+        block: dict[str, onnx.NodeProto] = {node_label(log): log}
+        pending, squared = [log.input[0]], []
+        while pending and len(block) < 24:
+            node = ctx.producer.get(pending.pop())
+            if node is None:
+                break
+            square = _square_of(ctx, node)
+            values = _float_values(ctx, node)
+            if square is None and (node.op_type not in _SPECTRUM_OPS or (
+                    node.op_type in ("Mul", "Div", "MatMul", "Gemm") and len(values) != 1)):
+                break
+            if node_label(node) not in block:
+                block[node_label(node)] = node
+                if square is not None:
+                    squared.append(square)
+                else:
+                    pending += values
+        else:
+            if not squared:
+                continue
+            for name in dict.fromkeys(squared):
+                readers = {node_label(r) for r in ctx.consumers.get(name, [])}
+                for node in _transform_of(ctx, name, readers & set(block)):
+                    block[node_label(node)] = node
+            last = log
+            for _ in range(3):  # to decibels: * 10 / ln 10, a reference level subtracted
+                scale = _next(ctx, last, "Mul", "Div", "Add", "Sub")
+                if scale is None or not ctx.is_constant(_other_input(scale, last.output[0])):
+                    break
+                block[node_label(scale)] = last = scale
+            order = {node_label(n): i for i, n in enumerate(ctx.graph.node)}
+            yield sorted(block.values(), key=lambda n: order[node_label(n)])
+
+
 def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """sqrt(a^2 + b^2 [+ eps]) and sqrt(ReduceSum/ReduceMean(x^2)): every path into the Sqrt through
     Add/ReduceSum/ReduceMean ends in a Pow 2 (outside a LayerNorm chain, which has its own rule)."""
     in_norms = {node_label(chain[5]) for chain in layer_norm_chains(ctx)}
+    in_norms |= {node_label(node) for rule in (normalizations, _log_spectra) for chain in rule(ctx) for node in chain}
     for sqrt in (n for n in ctx.graph.node if n.op_type == "Sqrt" and node_label(n) not in in_norms):
         chain, pending, squares = [sqrt], [sqrt.input[0]], 0
         while pending and len(chain) < 8:
@@ -287,6 +468,8 @@ def _integer_values(ctx: GraphIndex) -> set[str]:
 
 register_block(
     BlockRule("LayerNorm chain", layer_norm_chains),
+    BlockRule("normalization", normalizations),
+    BlockRule("log spectrum", _log_spectra),
     BlockRule("magnitude", _magnitudes),
     BlockRule("GELU", gelu_chains),
     BlockRule("attention scores", _attention_scores),
