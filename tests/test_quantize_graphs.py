@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
@@ -232,6 +232,43 @@ def test_an_if_on_the_way_to_the_outputs_passes_the_float_tail_on(tmp_path):
     probe.graph.output.append(onnx.ValueInfoProto(name="c" + DQ_SUFFIX))
     y, c = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(y, (1 / (1 + np.exp(-c.astype(np.float64)))).mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("reader", ["threshold", "argmax"])
+def test_a_reader_that_writes_no_float_passes_the_float_tail_on(tmp_path, reader):
+    """x -> Conv -> Sigmoid -> s, returned by the model, and s also read by an op that writes no
+    float tensor: a GreaterOrEqual with a threshold choosing an If's branch (a wake-word detector
+    runs its verifier above the threshold, else returns s), or an ArgMax. That reader takes the
+    float value as it is, so s gets no Q/DQ (a probability below 1/512 was read as 0)."""
+    rng = np.random.default_rng(0)
+    channels, width = (1, 1) if reader == "threshold" else (3, 6)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid")]
+    inits = [graphs.init("w", rng.normal(0, 0.5, (channels, 4, 1, 1)).astype(np.float32) - 1)]
+    if reader == "threshold":
+        def branch(name, op):
+            body = [helper.make_node(op, ["s"], [f"{name}_out"], name=name)]
+            return helper.make_graph(body, name, [], [graphs.tensor(f"{name}_out", None)])
+        nodes += [helper.make_node("GreaterOrEqual", ["s", "threshold"], ["hit"], name="hit"),
+                  helper.make_node("If", ["hit"], ["y"], name="verify", then_branch=branch("verified", "Sqrt"),
+                                   else_branch=branch("passed", "Identity"))]
+        inits.append(graphs.init("threshold", np.float32(0.5)))
+        outputs = [graphs.tensor("y", None)]
+    else:
+        nodes += [helper.make_node("Flatten", ["s"], ["y"], name="flatten"),
+                  helper.make_node("ArgMax", ["s"], ["z"], name="argmax", axis=1)]
+        outputs = [graphs.tensor("y", None), graphs.tensor("z", [1, 1, 1, width], TensorProto.INT64)]
+    m = graphs.model(nodes, [graphs.tensor("x", [1, 4, 1, width])], outputs, inits)
+    path, result, _ = _quantize(tmp_path, m, (4, 1, width))
+    quantized = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert quantized == {"x", "c"}, quantized
+    x = np.random.default_rng(1).normal(0, 1, (1, 4, 1, width)).astype(np.float32)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(result.model)
+    probe.graph.output.append(onnx.ValueInfoProto(name="c" + DQ_SUFFIX))
+    got = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got[0].reshape(-1), 1 / (1 + np.exp(-got[-1].astype(np.float64).reshape(-1))),
+                               rtol=1e-6)
 
 
 def test_a_movement_op_behind_an_int8_output_stays_int8_before_the_float_tail(tmp_path):

@@ -162,6 +162,7 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             node = nodes[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
+    _float_before_float(nodes, rules, ctx, plan)
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
     fused: set[str] = scope.fused  # the enclosing scopes' too: a body never quantizes a fused tensor
@@ -334,6 +335,28 @@ def _planned_outputs(node: onnx.NodeProto, rule: OpRule) -> list[str]:
 _CONTROL_FLOW = ("If", "Loop", "Scan")
 
 
+def _float_before_float(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, plan) -> None:
+    """An op without a weight that reads no int8 codes and whose outputs only float ops read (ops
+    without an int8 rule, or kept float; not the graph's outputs, which _float_tail sees to) has no
+    int8 neighbour to take codes from or hand them to: it computes in float with them (a floor 80 dB
+    below the loudest bin, computed in float for a Clip's bound), from the outputs back, so that a
+    chain of them goes together."""
+    position = {name: i for i, node in enumerate(nodes) for name in node.output}
+    in_bodies = {name for node in nodes for name in body_reads(node)}
+    for index in sorted(rules, reverse=True):
+        node, rule = nodes[index], rules[index]
+        if rule.weight is not None or rule.kernel is not None or rule.output == "tie" or any(
+                name in position and _int8_output(position[name], rules) for name in node.input if name):
+            continue  # it reads codes (a pooling or an activation after a Conv): its int8 kernel hands them on
+        outputs = [o for o in node.output if o]
+        readers = [r for o in outputs for r in ctx.consumers.get(o, [])]
+        if (outputs and readers and not any(o in ctx.outputs or o in in_bodies for o in outputs)
+                and all(r.op_type not in _CONTROL_FLOW and position.get(r.output[0] if r.output else "", -1)
+                        not in rules for r in readers)):
+            del rules[index]
+            plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
+
+
 def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: Collection[str]) -> set[str]:
     """Tensors that reach the graph's outputs only through ops computing in float: they get no Q/DQ,
     and the ops between them and the outputs run in float on dequantized inputs. A Q/DQ pair there
@@ -342,10 +365,12 @@ def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: C
     movement or elementwise ops follow. A tensor is in the tail when every reader is an op with an
     own, fixed or tie rule and no weight, or an If/Loop/Scan node (a body reading the tensor makes
     its node a reader), whose outputs are graph outputs or in the tail; Shape and Size read no
-    values. An op without an int8 rule, or kept float, ends the tail. The tensor's producer must not
-    be an op whose integer kernel writes int8 only (Conv, ConvTranspose, or the activation fused with
-    one): a Conv's output keeps its Q, and a Gemm's or MatMul's integer kernel writes float. A
-    movement op whose input carries int8 codes stays int8."""
+    values, and an op without an int8 rule that writes no float tensor (a comparison with a
+    threshold, an ArgMax) reads the float value as it is. Any other op without an int8 rule, or
+    an op kept float, ends the tail. The tensor's producer must not be an op whose integer kernel
+    writes int8 only (Conv, ConvTranspose, or the activation fused with one): a Conv's output keeps
+    its Q, and a Gemm's or MatMul's integer kernel writes float. A movement op whose input carries
+    int8 codes stays int8."""
     position = {name: i for i, node in enumerate(nodes) for name in node.output}
     readers: dict[str, list] = {name: list(users) for name, users in ctx.consumers.items()}
     for node in nodes:
@@ -361,8 +386,10 @@ def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: C
         if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
             return True
         rule = rules.get(position.get(node.output[0], -1)) if node.output else None
-        if rule is None:  # a control-flow node: what its bodies read is planned there
-            return node.op_type in _CONTROL_FLOW and bool(node.output) and settled(node.output)
+        if rule is None and node.op_type in _CONTROL_FLOW:  # what its bodies read is planned there
+            return bool(node.output) and settled(node.output)
+        if rule is None:  # a comparison with a threshold, an ArgMax: reads the value, writes no float
+            return bool(node.output) and not any(ctx.is_float(o) for o in node.output if o)
         return rule.kernel is None and rule.weight is None and settled(_planned_outputs(node, rule))
 
     def reaches_outputs_in_float(name: str) -> bool:
