@@ -162,7 +162,8 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             node = nodes[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
-    _float_before_float(nodes, rules, ctx, plan)
+    if TARGETS[options.target].float_outputs:  # not litert: its spec quantizes every op's output
+        _float_before_float(nodes, rules, ctx, plan)
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
     fused: set[str] = scope.fused  # the enclosing scopes' too: a body never quantizes a fused tensor
