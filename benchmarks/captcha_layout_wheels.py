@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import cv2
@@ -45,11 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import _qtool, wheel_files  # noqa: E402
-from models import _figures, _quantize_ort, timed_medians  # noqa: E402
+from kit import wheel_files  # noqa: E402
+from models import wheel_rows  # noqa: E402
 from qtool.evaluation.detection import iou_matrix, nms  # noqa: E402
 from qtool.graph.index import default_opset  # noqa: E402
-from qtool.graph.runtime import create_session  # noqa: E402
 
 CALIB, HELD = 32, 16
 LETTERS = "abcdefghijkmnpqrstuvwxyz23456789ABCDEFGHJKLMNPQRSTUVWXYZ"
@@ -249,46 +247,13 @@ def task(label: str, ref: list, got: list) -> str:
 
 
 def measure(label: str, model: Path, feeds: list[np.ndarray], input_name: str, work: Path) -> list[str]:
-    calib = work / "calib"
-    calib.mkdir()
-    for i, x in enumerate(feeds[:CALIB]):
-        np.save(calib / f"{i:03d}.npy", x)
-    held = [{input_name: x} for x in feeds[CALIB:]]
-    paths, seconds, errors = {"fp32": model}, {}, {}
-    start = time.perf_counter()
-    done = _qtool("quantize", model, "--data", calib, "-o", work / "qtool.onnx", cache=work / "cache")
-    seconds["qtool"] = time.perf_counter() - start
-    if done.returncode:
-        errors["qtool"] = f"fails: {(done.stderr.strip().splitlines() or [''])[-1][:100]}"
-    else:
-        paths["qtool"] = work / "qtool.onnx"
+    ort_model = None
     given = onnx.load(str(model))
     if default_opset(given) < 13:  # onnxruntime writes per-channel Q/DQ (axis) that opset 11-12 lacks: convert first
-        model = work / "opset13.onnx"
-        onnx.save(version_converter.convert_version(given, 13), str(model))
-    seconds["ort_static"], error = _quantize_ort("ort_static", model, work / "ort.onnx",
-                                                 [{input_name: x} for x in feeds[:CALIB]])
-    if error:
-        errors["ort_static"] = error
-    else:
-        paths["ort_static"] = work / "ort.onnx"
-    outputs = {}
-    for variant, path in paths.items():
-        session = create_session(str(path), 1, str(path))
-        outputs[variant] = [session.run(None, f) for f in held]
-    figures = _figures(label, outputs, [])
-    medians = timed_medians(paths, held)
-    rows = []
-    for variant in ("qtool", "ort_static"):
-        name = f"{label} (fp32 {medians['fp32'] * 1e3:.1f} ms)" if variant == "qtool" else ""
-        if variant in errors:
-            rows.append(f"| {name} | {variant} | {errors[variant]} | | | |")
-            continue
-        f = figures[variant]
-        rows.append(f"| {name} | {variant} | {f['cos_mean']:.4f} / {f['cos_min']:.4f} | "
-                    f"{task(label, outputs['fp32'], outputs[variant])} | {medians['fp32'] / medians[variant]:.2f}x | "
-                    f"{seconds[variant]:.1f} s |")
-    return rows
+        ort_model = work / "opset13.onnx"
+        onnx.save(version_converter.convert_version(given, 13), str(ort_model))
+    return wheel_rows(label, model, [{input_name: x} for x in feeds], CALIB, work, ("ort_static",),
+                      lambda ref, got: task(label, ref, got), ort_model)
 
 
 def main() -> None:

@@ -34,7 +34,6 @@ import random
 import sys
 import sysconfig
 import tempfile
-import time
 import wave
 from pathlib import Path
 
@@ -44,8 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import _qtool, wheel_files  # noqa: E402
-from models import _figures, _quantize_ort, timed_medians  # noqa: E402
+from kit import wheel_files  # noqa: E402
+from models import wheel_rows  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
 
 MAGIKA, WAKE = "magika==1.0.3", "openwakeword==0.4.0"
@@ -107,48 +106,6 @@ def task(label: str, ref: list, got: list) -> str:
     return ""
 
 
-def measure(label: str, model: Path, feeds: list[np.ndarray], input_name: str, work: Path) -> list[str]:
-    cut = 2 * len(feeds) // 3
-    calib = work / "calib"
-    calib.mkdir()
-    for i, x in enumerate(feeds[:cut]):
-        np.save(calib / f"{i:03d}.npy", x)
-    held = [{input_name: x} for x in feeds[cut:]]
-    paths, seconds, errors = {"fp32": model}, {}, {}
-    start = time.perf_counter()
-    done = _qtool("quantize", model, "--data", calib, "-o", work / "qtool.onnx", cache=work / "cache")
-    seconds["qtool"] = time.perf_counter() - start
-    if done.returncode:
-        errors["qtool"] = f"fails: {(done.stderr.strip().splitlines() or [''])[-1][:100]}"
-    else:
-        paths["qtool"] = work / "qtool.onnx"
-    for kind in ("ort_static", "ort_dynamic"):
-        seconds[kind], error = _quantize_ort(kind, model, work / f"{kind}.onnx",
-                                             [{input_name: x} for x in feeds[:cut]])
-        if error:
-            errors[kind] = error
-        else:
-            paths[kind] = work / f"{kind}.onnx"
-    outputs = {}
-    for variant, path in paths.items():
-        session = create_session(str(path), 1, str(path))
-        outputs[variant] = [session.run(None, f) for f in held]
-    figures = _figures(label, outputs, [])
-    medians = timed_medians(paths, held)
-    rows = []
-    for variant in ("qtool", "ort_static", "ort_dynamic"):
-        name = f"{label} (fp32 {medians['fp32'] * 1e3:.2f} ms; {cut} / {len(held)} samples)" \
-            if variant == "qtool" else ""
-        if variant in errors:
-            rows.append(f"| {name} | {variant} | {errors[variant]} | | | |")
-            continue
-        f = figures[variant]
-        rows.append(f"| {name} | {variant} | {f['cos_mean']:.4f} / {f['cos_min']:.4f} | "
-                    f"{task(label, outputs['fp32'], outputs[variant])} | {medians['fp32'] / medians[variant]:.2f}x | "
-                    f"{seconds[variant]:.1f} s |")
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
@@ -169,7 +126,9 @@ def main() -> None:
             feeds = magika_samples() if label.startswith("magika") else wake[Path(path).stem.split("_v0")[0]]
             work = folder / f"model{i}"
             work.mkdir()
-            for row in measure(label, folder / path, feeds, input_name, work):
+            rows = wheel_rows(label, folder / path, [{input_name: x} for x in feeds], 2 * len(feeds) // 3, work,
+                              ("ort_static", "ort_dynamic"), lambda ref, got, label=label: task(label, ref, got))
+            for row in rows:
                 print(row, flush=True)
 
 

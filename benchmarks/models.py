@@ -242,6 +242,50 @@ def timed_medians(paths: dict[str, Path], samples: list[dict], warmup: int = 2) 
     return {v: float(np.median(t)) for v, t in times.items()}
 
 
+def wheel_rows(label: str, model: Path, feeds: list[dict], cut: int, work: Path, kinds: tuple[str, ...], task,
+               ort_model: Optional[Path] = None) -> list[str]:
+    """Table rows of one model from outside the kit: qtool's plain command (an empty latency cache)
+    and onnxruntime's quantizers `kinds` (given `ort_model`, a converted copy, where the file as
+    given does not suit them), calibrated on feeds[:cut] and compared with fp32 on the rest:
+    cosine mean / min, task(fp32 outputs, int8 outputs), speedup, time to quantize."""
+    calib = work / "calib"
+    calib.mkdir()
+    for i, sample in enumerate(feeds[:cut]):
+        np.savez(calib / f"{i:03d}.npz", **sample)
+    held = feeds[cut:]
+    paths, seconds, errors = {"fp32": model}, {}, {}
+    start = time.perf_counter()
+    done = _qtool("quantize", model, "--data", calib, "-o", work / "qtool.onnx", cache=work / "cache")
+    seconds["qtool"] = time.perf_counter() - start
+    if done.returncode:
+        errors["qtool"] = f"fails: {(done.stderr.strip().splitlines() or [''])[-1][:100]}"
+    else:
+        paths["qtool"] = work / "qtool.onnx"
+    for kind in kinds:
+        seconds[kind], error = _quantize_ort(kind, ort_model or model, work / f"{kind}.onnx", feeds[:cut])
+        if error:
+            errors[kind] = error
+        else:
+            paths[kind] = work / f"{kind}.onnx"
+    outputs = {}
+    for variant, path in paths.items():
+        session = create_session(str(path), 1, str(path))
+        outputs[variant] = [session.run(None, f) for f in held]
+    figures = _figures(label, outputs, [])
+    medians = timed_medians(paths, held)
+    rows = []
+    for variant in ("qtool", *kinds):
+        name = f"{label} (fp32 {medians['fp32'] * 1e3:.2f} ms)" if variant == "qtool" else ""
+        if variant in errors:
+            rows.append(f"| {name} | {variant} | {errors[variant]} | | | |")
+            continue
+        f = figures[variant]
+        rows.append(f"| {name} | {variant} | {f['cos_mean']:.4f} / {f['cos_min']:.4f} | "
+                    f"{task(outputs['fp32'], outputs[variant])} | {medians['fp32'] / medians[variant]:.2f}x | "
+                    f"{seconds[variant]:.1f} s |")
+    return rows
+
+
 def _cell(row: dict, variant: str) -> str:
     if variant in row["errors"]:
         return f"{row['errors'][variant]} |" + " |" * 4

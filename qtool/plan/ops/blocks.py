@@ -1,5 +1,5 @@
-"""Blocks that exporters write as chains of primitive ops (transformer layers, an STFT magnitude),
-recognised as a whole.
+"""Blocks that exporters write as chains of primitive ops (transformer layers, normalizations, an
+STFT magnitude, a log-mel front end), recognised as a whole.
 
 Each op of these chains has (or lacks) its own rule, but quantizing the chain op by op puts an
 int8 range on tensors that one range cannot hold: a LayerNorm's squared deviations span several
@@ -11,10 +11,18 @@ the MatMul that reads it), so the int8 MatMuls and Convs around the block keep t
 - LayerNorm, decomposed as PyTorch/Paddle exports it: ReduceMean -> Sub -> Pow 2 -> ReduceMean ->
   Add eps -> Sqrt -> Div, with the affine Mul gamma / Add beta after it: all float, like the
   LayerNormalization op (which has no rule: it is float already).
+- Other normalizations written out: a tensor multiplied or divided by a square root of its own
+  statistics (TensorFlow's and JAX's mean(x^2) - mean(x)^2, Keras's Mul(d, d), RMSNorm,
+  x / ||x||): the statistics, the squares and centring Subs feeding them, the Mul or Div and the
+  affine tail stay float.
+- Log spectra: a Log every path into which ends in a square (an audio front end's log-mel): the
+  transform the squares read (an STFT as a Conv or MatMul), the squares, the filterbank, the Log
+  and its scaling to dB stay float.
 - Magnitudes, sqrt(a^2 + b^2) (an STFT's, silero's front end) or sqrt(sum x^2): the squares span
   twice the decades of their inputs, so the Pows, the sum and the Sqrt stay float.
-- GELU, x * 0.5 * (1 + erf(x / sqrt 2)) and 0.5 * x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
-  float from the op after x to the last Mul. The Gelu op has no rule: float already.
+- GELU, x * 0.5 * (1 + erf(x / sqrt 2)) and 0.5 * x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+  the polynomial in any arrangement: float from the op after x to the last Mul. The Gelu op has no
+  rule: float already.
 - Attention scores: a MatMul of two activations (Q K^T) and what leads from it to the Softmax
   (scale Mul/Div, mask Add or Where, Reshape/Transpose) stay float with the Softmax; the
   probabilities get their own calibrated range where the P V MatMul reads them, and that MatMul
