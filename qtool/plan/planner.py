@@ -162,7 +162,9 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             node = nodes[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
-    if TARGETS[options.target].float_outputs:  # not litert: its spec quantizes every op's output
+    # not on litert (its spec quantizes every op's output), nor where layers are quantized alone on
+    # purpose (the sensitivity ranking's one-layer models)
+    if TARGETS[options.target].float_outputs and only is None:
         _float_before_float(nodes, rules, ctx, plan)
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
