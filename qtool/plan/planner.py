@@ -139,12 +139,15 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
         found = ", ".join(f"{count} {name}" for name, count in blocks.counts.items())
         plan.notes.append(f"blocks kept float ({len(blocks.nodes)} nodes): {found}")
     rules: dict[int, OpRule] = {}
+    chosen_float: set[int] = set()  # float by the options, the search or the latency choice
     for index, node in enumerate(graph.node):
         rule = rule_for(node.op_type, node.domain)
         label = node_label(node)
-        if (rule is None or _excluded(node, options) or (only is not None and label not in only)
-                or label in keep_float or label in blocks.nodes):
+        chosen = _excluded(node, options) or (only is not None and label not in only) or label in keep_float
+        if rule is None or chosen or label in blocks.nodes:
             plan.float_nodes.append(f"{label} ({node.op_type})")
+            if chosen:
+                chosen_float.add(index)
             continue
         note = _float_note(node, rule, ctx, options.target)
         if note is not None or (rule.applies and not rule.applies(node, ctx)):
@@ -162,10 +165,8 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             node = nodes[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
-    # not on litert (its spec quantizes every op's output), nor where layers are quantized alone on
-    # purpose (the sensitivity ranking's one-layer models)
-    if TARGETS[options.target].float_outputs and only is None:
-        _float_before_float(nodes, rules, ctx, plan)
+    if TARGETS[options.target].float_outputs:  # not litert: its spec quantizes every op's output
+        _float_before_float(nodes, rules, chosen_float, ctx, plan)
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
     fused: set[str] = scope.fused  # the enclosing scopes' too: a body never quantizes a fused tensor
@@ -338,24 +339,33 @@ def _planned_outputs(node: onnx.NodeProto, rule: OpRule) -> list[str]:
 _CONTROL_FLOW = ("If", "Loop", "Scan")
 
 
-def _float_before_float(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, plan) -> None:
+def _float_before_float(nodes: list, rules: dict[int, OpRule], chosen_float: set[int], ctx: GraphIndex,
+                        plan) -> None:
     """An op without a weight that reads no int8 codes and whose outputs only float ops read (ops
-    without an int8 rule, or kept float; not the graph's outputs, which _float_tail sees to) has no
-    int8 neighbour to take codes from or hand them to: it computes in float with them (a floor 80 dB
-    below the loudest bin, computed in float for a Clip's bound), from the outputs back, so that a
-    chain of them goes together."""
+    without an int8 rule or in a float block; not the graph's outputs, which _float_tail sees to) has
+    no int8 neighbour to take codes from or hand them to: it computes in float with them (a floor 80
+    dB below the loudest bin, computed in float for a Clip's bound), from the outputs back, so that a
+    chain of them goes together. Nodes in `chosen_float` (excluded, kept float by the search or the
+    latency choice, outside the layers quantized alone) count neither as such readers nor as float
+    producers: those choices keep their neighbours as they were, so a layer's sensitivity equals its
+    model with the rest excluded."""
     position = {name: i for i, node in enumerate(nodes) for name in node.output}
     in_bodies = {name for node in nodes for name in body_reads(node)}
+
+    def _float_op(index: int) -> bool:
+        return index not in rules and index not in chosen_float
+
     for index in sorted(rules, reverse=True):
         node, rule = nodes[index], rules[index]
+        producers = [position[name] for name in node.input if name in position]
         if rule.weight is not None or rule.kernel is not None or rule.output == "tie" or any(
-                name in position and _int8_output(position[name], rules) for name in node.input if name):
+                _int8_output(i, rules) or i in chosen_float for i in producers):
             continue  # it reads codes (a pooling or an activation after a Conv): its int8 kernel hands them on
         outputs = [o for o in node.output if o]
         readers = [r for o in outputs for r in ctx.consumers.get(o, [])]
         if (outputs and readers and not any(o in ctx.outputs or o in in_bodies for o in outputs)
-                and all(r.op_type not in _CONTROL_FLOW and position.get(r.output[0] if r.output else "", -1)
-                        not in rules for r in readers)):
+                and all(r.op_type not in _CONTROL_FLOW and _float_op(position.get(r.output[0] if r.output else "", -1))
+                        for r in readers)):
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
 
