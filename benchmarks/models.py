@@ -6,7 +6,8 @@
 set otherwise).
 
 qtool: the plain command of benchmarks/kit.py (`qtool quantize MODEL --data <calib> -o out.onnx`,
-EfficientNet-Lite0 with the kit's photos and its config), latency-aware fallback included.
+EfficientNet-Lite0 with the kit's photos and its config), latency-aware fallback included, its
+choices measured in the run (an empty cache in each model's work folder).
 onnxruntime: `quantize_static` (QDQ, per-channel, its defaults otherwise: MinMax, uint8
 activations, int8 weights) with a CalibrationDataReader over the same calibration samples,
 read by qtool's data loading (the kit's preprocessing), and `quantize_dynamic` with default
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -190,14 +192,16 @@ def run_model(kit: Path, model: Path, work: Path, extra: dict[str, Path]) -> dic
     paths = {"fp32": model, **{v: work / f"{v}.onnx" for v in (*VARIANTS, *extra)}}
     row: dict = {"model": name, "errors": {}, "seconds": {}}
     calib, held, preprocess, args, limit = data_split(kit, model, work)
+    cache = work / "latency-cache"  # emptied: the latency-aware choices are measured in the run
+    shutil.rmtree(cache, ignore_errors=True)
     start = time.perf_counter()
-    done = _qtool("quantize", model, "--data", calib, *args, "-o", paths["qtool"])
+    done = _qtool("quantize", model, "--data", calib, *args, "-o", paths["qtool"], cache=cache)
     row["seconds"]["qtool"] = time.perf_counter() - start
     if done.returncode:
         row["errors"]["qtool"] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"
     for label, config in extra.items():
         start = time.perf_counter()
-        done = _qtool("quantize", model, "--data", calib, "--config", config, "-o", paths[label])
+        done = _qtool("quantize", model, "--data", calib, "--config", config, "-o", paths[label], cache=cache)
         row["seconds"][label] = time.perf_counter() - start
         if done.returncode:
             row["errors"][label] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"

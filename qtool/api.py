@@ -28,6 +28,7 @@ from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_dat
 from qtool.data.labels import labels_for
 from qtool.errors import QtoolError
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
+from qtool.evaluation.form_choice import choose_hard_forms
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
 from qtool.evaluation.range_choice import choose_ranges
 from qtool.evaluation.weight_choice import choose_dynamic_weights
@@ -170,6 +171,9 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
         if data is not None and not isinstance(data, Iterator):
             options, weight_notes = choose_dynamic_weights(model, fp32_model, data, table, cfg)
             cfg = replace(cfg, quantization=options)
+            options, form_notes = choose_hard_forms(model, fp32_model, data, table, cfg)
+            cfg = replace(cfg, quantization=options)
+            weight_notes += form_notes
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         outcome = None
         if search is not None:

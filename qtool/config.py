@@ -34,6 +34,8 @@ EMBEDDING_AUTO_BYTES = 1 << 20
 MATMUL_STRATEGIES = ("auto", "static", "dynamic")
 DYNAMIC_WEIGHTS = ("auto", "column", "tensor")  # auto: measured (qtool.evaluation.weight_choice), else column
 LATENCY_AWARE = ("auto", "on", "off")  # auto: on for target ort-cpu (qtool.plan.latency)
+# auto: measured (qtool.evaluation.form_choice) where quantize has calibration data, else integer
+HARD_ACTIVATIONS = ("auto", "integer", "float")
 ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 
 
@@ -138,6 +140,11 @@ class QuantizeConfig:
     dynamic_weights: str = "auto"
     # Op types whose int8 form onnxruntime runs slower than float on this CPU stay float (measured, cached)
     latency_aware: str = "auto"
+    # HardSigmoid/HardSwish between uint8 tensors (ort-cpu): integer, written as onnxruntime's integer
+    # kernels (QLinearAdd, QLinearMul: faster, with the gate rounded to 1/255); float, left between their
+    # DequantizeLinear and QuantizeLinear (exact codes); auto: integer unless the calibration data
+    # measures the all-int8 model below 0.99 mean cosine and the float form closer to fp32
+    hard_activations: str = "auto"
     # SmoothQuant alpha in [0, 1]: per-channel activation ranges of the tensors a LayerNorm or a linear
     # layer feeds to MatMul/Gemm layers move into their weights before calibration; None: off
     smooth_quant: Optional[float] = None
@@ -170,6 +177,7 @@ class QuantizeConfig:
         _one_of("matmul", self.matmul, MATMUL_STRATEGIES)
         _one_of("dynamic_weights", self.dynamic_weights, DYNAMIC_WEIGHTS)
         _one_of("latency_aware", self.latency_aware, LATENCY_AWARE)
+        _one_of("hard_activations", self.hard_activations, HARD_ACTIVATIONS)
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
         for name in ("smooth_quant", "smooth_dynamic"):

@@ -11,17 +11,19 @@ op type with that type's nodes kept float (the planner then drops the Q/DQ pairs
 served them). A type goes float when that is faster by more than MARGIN (noise on a shared
 machine must not flip a choice), greedily, cheap elementwise types before weighted ones. The
 greedy pass runs again while it makes a choice (once a weighted type is float, the elementwise
-ops around it are worth another try). If the model is then still slower than fp32, each weighted
+ops around it are worth another try). If the model is then not faster than fp32 by MARGIN at
+both batch sizes in two measurements in a row (slower, or level with it: a model at fp32's speed
+measures ahead on a lucky run and behind on the next), each weighted
 type is tried once more together with every elementwise type, and the elementwise types are
 tried together alone (the weighted type may have gone float on its own already): the Q/DQ pairs
 around a small classifier's Conv -> HardSigmoid -> Mul blocks go only when all of them are float,
-so no single type measures faster alone. If it is still slower, the choice goes per node, by
+so no single type measures faster alone. If it is still not MARGIN faster, the choice goes per node, by
 size (_largest_float): an int8 node pays per value of its tensors and gains per MAC, so the
 nodes whose outputs hold the most values (a CNN's high-resolution first stages, where a
 hard-swish's QLinearMul costs more than its Conv saves) go float, the largest first, while that
 is faster. The last weighted op type (Conv, Gemm, MatMul, LSTM) is never sent back: `quantize`
-writes an int8 model; if what is left still runs slower than the fp32 model (the file as given),
-a note says so with the times (keep the fp32 model where speed matters). The choice is
+writes an int8 model; if what is left still runs no more than MARGIN faster than the fp32 model (the
+file as given), a note says so with the times (keep the fp32 model where speed matters). The choice is
 cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
 the prepared graph, its quantized nodes, the batch's shapes, the options, onnxruntime's
 version and the CPU's flags, so the same inputs give the same model; delete the folder to
@@ -49,13 +51,14 @@ from qtool.plan.ops import rule_for
 from qtool.graph.runtime import create_session, time_sessions
 from qtool.targets import cpu_flags
 
-MARGIN = 0.05  # a float candidate must be this much faster than the int8 model it replaces, twice
+MARGIN = 0.05  # a float candidate must be this much faster than the int8 model it replaces, twice;
+# and the int8 model this much faster than fp32, or the fallback goes on
 BUDGET_S = 0.3  # timing per comparison: runs are chosen so the two models take about this long
 MIN_RUNS, MAX_RUNS = 7, 200
 SLOW_S, FEW_RUNS = 1.0, 3  # models taking SLOW_S together for one run each: FEW_RUNS runs
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
 LARGEST_LEVELS = 6  # output sizes tried by _largest_float, the largest first
-VERSION = 11  # of the decision procedure and of the int8 forms it times; part of the cache key
+VERSION = 12  # of the decision procedure and of the int8 forms it times; part of the cache key
 
 # {name: model (a proto or a path)} -> median seconds per run of each per feed set (batch 1, then
 # the batch), timed together
@@ -203,7 +206,7 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
                 notes.append(f"{count} {op_type} node{'s' if count > 1 else ''} kept float (latency-aware): "
                              + _ran(faster))
     slower = _slower(measure, current, fp32)
-    # still slower than fp32: one op type at a time can miss it when the Q/DQ pairs around a
+    # still not MARGIN faster than fp32: one op type at a time can miss it when the Q/DQ pairs around a
     # weighted type only go with the elementwise ops beside it (a small classifier's Conv ->
     # HardSigmoid -> Mul blocks); try each weighted type together with every elementwise type, and
     # every elementwise type alone (the weighted type may have gone float already, on its own)
@@ -230,7 +233,8 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
                                                       slower)
         notes += by_size
     if slower:
-        notes.append(f"onnxruntime runs this int8 model slower than fp32 on this CPU: {_ms(slower['int8'])} "
+        notes.append(f"onnxruntime runs this int8 model no more than {MARGIN:.0%} faster than fp32 on this CPU: "
+                     f"{_ms(slower['int8'])} "
                      f"against {_ms(slower['fp32'])} ({_BATCHES[len(slower['int8'])]}; 1 thread, median): keep the "
                      f"fp32 model where speed matters")
     return {"float_op_types": float_types, "float_nodes": float_nodes, "notes": notes}
@@ -239,14 +243,14 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
 def _largest_float(fp32, by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],
                    measure: Measure, sizes: dict[str, int], kept: list[str], current: onnx.ModelProto,
                    slower: dict[str, list[float]]) -> tuple[Optional[dict], list[str], list[str]]:
-    """Still slower than fp32 with every op type choice made: per node, not per type. An int8 node
-    pays per value of its tensors (the Q/DQ around it, QLinearMul/QLinearAdd, a depthwise Conv's
+    """Still not MARGIN faster than fp32 with every op type choice made: per node, not per type. An
+    int8 node pays per value of its tensors (the Q/DQ around it, QLinearMul/QLinearAdd, a depthwise Conv's
     few MACs per value) and gains per MAC, so the layers of the largest activations (a CNN's
     high-resolution first stages) are the ones that can run slower than float. Every quantized node
     whose output holds at least as many values as the k-th largest size goes float, k = 1, 2, ...
     (LARGEST_LEVELS at most), each extension taken when 5% faster, twice, until the model is no
-    longer slower than fp32. The last weighted layers stay int8. Returns (the last comparison with
-    fp32 if still slower, else None; the nodes sent float; the notes of those choices)."""
+    longer within MARGIN of fp32. The last weighted layers stay int8. Returns (the last comparison with
+    fp32 if still within MARGIN of it, else None; the nodes sent float; the notes of those choices)."""
     weighted = {label for t, labels in by_type.items() if t in WEIGHTED for label in labels}
     done = set(kept)
     float_nodes: list[str] = []
@@ -291,9 +295,16 @@ def _ran(times: dict[str, list[float]]) -> str:
 
 
 def _slower(measure: Measure, current: onnx.ModelProto, fp32) -> Optional[dict[str, list[float]]]:
-    """The comparison with fp32 if the int8 model ran slower at either batch size, twice in a row."""
-    return _twice(measure, {"int8": current, "fp32": fp32},
-                  lambda times: any(q > f for q, f in zip(times["int8"], times["fp32"])))
+    """A comparison with fp32 where the int8 model ran slower than fp32, or less than MARGIN faster, at
+    either batch size; None when it ran MARGIN faster at both in two measurements in a row. Being
+    ahead of fp32 must be shown twice, like every float choice: one lucky run of an int8 model
+    level with fp32 would otherwise end the fallback."""
+    models = {"int8": current, "fp32": fp32}
+    for _ in range(2):
+        times = measure(models)
+        if any(q > (1 - MARGIN) * f for q, f in zip(times["int8"], times["fp32"])):
+            return times
+    return None
 
 
 def _movement(op_type: str) -> bool:

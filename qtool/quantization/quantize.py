@@ -325,12 +325,13 @@ SKIP_NOTE = ("{} SkipLayerNormalization node(s) written as Add and LayerNormaliz
 
 
 def _kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
-    """onnxruntime's integer forms of hard-sigmoid/hard-swish (ort-cpu only; qtool.quantization.
-    hard_activations), its Gelu for the float Erf-GELUs after a DequantizeLinear (qtool.quantization.
+    """onnxruntime's integer forms of hard-sigmoid/hard-swish (ort-cpu only, unless the options keep
+    them float; qtool.quantization.hard_activations), its Gelu for the float Erf-GELUs after a DequantizeLinear (qtool.quantization.
     gelu_form), in place, and the model's written form (written_form); their notes."""
     if options.target != "ort-cpu":
         return []
-    hard, folded = integer_forms(qmodel), folded_products(qmodel)
+    hard = integer_forms(qmodel) if options.hard_activations != "float" else 0
+    folded = folded_products(qmodel)
     floats = float_hard_sigmoids(qmodel)  # the written-out blocks left in float
     gelus = fused_gelus(qmodel)
     split = written_form(qmodel, options)
