@@ -167,13 +167,13 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
         fp32_model = load_model(model) if data is not None or search is not None else None
         specs = input_specs(fp32_model) if fp32_model is not None else None
-        weight_notes: tuple[str, ...] = ()
+        choice_notes: tuple[str, ...] = ()  # the weight scales and hard-activation forms chosen by measurement
         if data is not None and not isinstance(data, Iterator):
             options, weight_notes = choose_dynamic_weights(model, fp32_model, data, table, cfg)
             cfg = replace(cfg, quantization=options)
             options, form_notes = choose_hard_forms(model, fp32_model, data, table, cfg)
             cfg = replace(cfg, quantization=options)
-            weight_notes += form_notes
+            choice_notes = weight_notes + form_notes
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         outcome = None
         if search is not None:
@@ -184,7 +184,7 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
                                    latency=True)
     plan = graph.plan
     # how the table was made (the range method `auto` chose) before what quantizing it did
-    notes = tuple(n for n in table.notes if n not in graph.notes) + tuple(graph.notes) + weight_notes
+    notes = tuple(n for n in table.notes if n not in graph.notes) + tuple(graph.notes) + choice_notes
     return QuantizeResult(graph.model, table, notes, len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
                           outcome)
