@@ -237,6 +237,16 @@ def test_the_form_chosen_by_measurement(quantized, monkeypatch, keep, margin, fo
     assert ops["HardSwish"] == (1 if form == "float" else 0)
 
 
+def test_a_model_without_hard_activations_is_not_quantized_to_find_out(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(form_choice, "quantize_model", lambda *a, **k: calls.append(a))
+    path = tmp_path / "m.onnx"
+    onnx.save(graphs.conv_model(np.random.default_rng(0), activation="Relu"), path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
+    result = api.quantize(path, data=data, config=Config(quantization=PLAIN), progress=False)
+    assert not calls and result.int8_weights > 0
+
+
 def test_without_calibration_data_the_integer_form(quantized):
     _, path, _, result = quantized
     from_table = api.quantize(path, table=result.table, config=Config(quantization=PLAIN), progress=False)

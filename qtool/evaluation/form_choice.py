@@ -15,8 +15,9 @@ already chosen: the all-int8 model with the integer forms is quantized (ranges o
 with fp32 on 16 calibration samples. At a mean cosine of `KEEP` or more it stays as it is, faster;
 below, the model with the float forms is measured too and kept when it is closer to fp32 by
 `MARGIN_DB` (mean of -10 log10(1 - cosine)), the margin a range method must gain over min-max. A
-model without such nodes, or without calibration data (quantize --table), keeps the integer forms
-unmeasured; the latency-aware fallback then times whichever form was chosen.
+model without such nodes (seen in the fp32 graph: nothing is quantized to find out), or without
+calibration data (quantize --table), keeps the integer forms unmeasured; the latency-aware
+fallback then times whichever form was chosen.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import onnx
 from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import DataLike
 from qtool.evaluation.range_choice import KEEP, MARGIN_DB, measurer, ranges_only
+from qtool.graph.index import attribute
 from qtool.graph.modelio import input_specs
 from qtool.quantization.hard_activations import HARD
 from qtool.quantization.quantize import quantize_model
@@ -39,6 +41,14 @@ def _hard_nodes(model: onnx.ModelProto) -> int:
     return sum(node.op_type in HARD and node.domain in ("", "ai.onnx") for node in model.graph.node)
 
 
+def _may_have_hard_nodes(model: onnx.ModelProto) -> bool:
+    """The fp32 model has a main-graph HardSigmoid/HardSwish, as an op or as the activation of
+    onnxruntime's FusedConv/FusedGemm (written out when the model is prepared): the only ones the
+    integer forms rewrite. Most models have none, and then nothing is quantized to find out."""
+    return any(node.op_type in HARD or attribute(node, "activation", b"") == b"HardSigmoid"
+               for node in model.graph.node)
+
+
 def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: DataLike, table: CalibrationTable,
                       cfg: Config) -> tuple[QuantizeConfig, tuple[str, ...]]:
     """(cfg.quantization with `hard_activations` settled to integer or float, the note saying what was
@@ -46,7 +56,7 @@ def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Data
     `model_path`, loaded."""
     options = cfg.quantization
     integer = replace(options, hard_activations="integer")
-    if options.hard_activations != "auto" or options.target != "ort-cpu":
+    if options.hard_activations != "auto" or options.target != "ort-cpu" or not _may_have_hard_nodes(model):
         return (integer if options.hard_activations == "auto" else options), ()
     graph = quantize_model(model_path, table, ranges_only(integer), allow_missing=True)
     written = _hard_nodes(graph.canonical or graph.model) - _hard_nodes(graph.model)
