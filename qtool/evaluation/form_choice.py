@@ -13,7 +13,8 @@ held-out samples 0.988 with the integer forms, 0.994 with the float ones).
 So the forms are measured like the range methods (qtool.evaluation.range_choice), with the ranges
 already chosen: the all-int8 model with the integer forms is quantized (ranges only) and compared
 with fp32 on 16 calibration samples. At a mean cosine of `KEEP` or more it stays as it is, faster;
-below, the model with the float forms is measured too and kept when it is closer to fp32 by
+below, the same model with the float forms (its kernel forms written again from the model before
+them, without the integer ones) is measured too and kept when it is closer to fp32 by
 `MARGIN_DB` (mean of -10 log10(1 - cosine)), the margin a range method must gain over min-max. A
 model without such nodes (seen in the fp32 graph: nothing is quantized to find out), or without
 calibration data (quantize --table), keeps the integer forms unmeasured; the latency-aware
@@ -33,7 +34,7 @@ from qtool.evaluation.range_choice import KEEP, MARGIN_DB, measurer, ranges_only
 from qtool.graph.index import attribute
 from qtool.graph.modelio import input_specs
 from qtool.quantization.hard_activations import HARD
-from qtool.quantization.quantize import quantize_model
+from qtool.quantization.quantize import kernel_forms, quantize_model
 from qtool.table.table import CalibrationTable
 
 
@@ -59,7 +60,7 @@ def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Data
     if options.hard_activations != "auto" or options.target != "ort-cpu" or not _may_have_hard_nodes(model):
         return (integer if options.hard_activations == "auto" else options), ()
     graph = quantize_model(model_path, table, ranges_only(integer), allow_missing=True)
-    written = _hard_nodes(graph.canonical or graph.model) - _hard_nodes(graph.model)
+    written = _hard_nodes(graph.canonical) - _hard_nodes(graph.model)
     if written <= 0:
         return integer, ()  # no HardSigmoid/HardSwish between uint8 tensors: nothing to choose
     evaluate, count = measurer(model_path, input_specs(model), data, cfg)
@@ -67,7 +68,10 @@ def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Data
     if with_integer["cosine"] >= KEEP:
         return integer, ()
     floats = replace(options, hard_activations="float")
-    with_float = evaluate(quantize_model(model_path, table, ranges_only(floats), allow_missing=True).model)[0]
+    float_model = onnx.ModelProto()
+    float_model.CopyFrom(graph.canonical)  # the same int8 model before its kernel forms
+    kernel_forms(float_model, ranges_only(floats))
+    with_float = evaluate(float_model)[0]
     chosen, kind = ((floats, "float") if with_float["cosine_db"] >= with_integer["cosine_db"] + MARGIN_DB
                     else (integer, "integer"))
     return chosen, (f"{written} HardSigmoid/HardSwish node(s) in {kind} form: the all-int8 model's distance to fp32 "

