@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import onnx
+import yaml
 
 from qtool.calibration.calibrate import calibrate as run_calibration, calibrate_methods
 from qtool.calibration.ranges import AUTO
@@ -28,11 +29,12 @@ from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_dat
 from qtool.data.labels import labels_for
 from qtool.errors import QtoolError
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
-from qtool.evaluation.form_choice import choose_hard_forms
+from qtool.choices import Decision, apply, built, settle
+from qtool.choices.ranges import choose_ranges
+from qtool.config import config_mapping
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
-from qtool.evaluation.range_choice import choose_ranges
-from qtool.evaluation.weight_choice import choose_dynamic_weights
 from qtool.evaluation.report import EvaluationReport
+from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
@@ -100,11 +102,29 @@ class QuantizeResult:
     external_data: bool = False  # the source model keeps its tensors in a side file: so does save()
     int8_embeddings: int = 0  # embedding tables stored int8 per row
     search: Optional[SearchOutcome] = None  # with a MixedPrecisionSearch
+    decisions: tuple[Decision, ...] = ()  # every `auto` settled, in order (qtool.choices)
+    settled: Optional[Config] = None  # the config with those values: replays this model, measuring nothing
 
     def save(self, path: str | Path) -> None:
         """Write the model atomically (a failure leaves no partial file); tensors go to
         `<name>.data` beside it when the source had external data or the model is over 2 GiB."""
         save_model(self.model, path, external=self.external_data)
+
+    def save_config(self, path: str | Path) -> None:
+        """Write the settled config as YAML: `quantize` with it and the same model, data and versions
+        writes the same bytes without measuring anything."""
+        write_text(path, yaml.safe_dump(config_mapping(self.settled), sort_keys=False))
+
+    def to_dict(self) -> dict:
+        """The summary `quantize --json` prints: counts, notes, decisions, the search's outcome."""
+        return {"quantized_nodes": self.quantized_nodes, "int8_weights": self.int8_weights,
+                "activations": self.activations, "float_nodes": self.float_nodes,
+                "int8_embeddings": self.int8_embeddings, "notes": list(self.notes),
+                "decisions": [d.to_dict() for d in self.decisions],
+                "search": None if self.search is None else {
+                    "float_layers": list(self.search.float_layers), "dynamic_layers": list(self.search.dynamic_layers),
+                    "int16_layers": list(self.search.int16_layers), "method": self.search.method,
+                    "int8_mac_fraction": self.search.int8_mac_fraction, "figures": self.search.figures}}
 
 
 def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
@@ -119,14 +139,18 @@ def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
         return _calibrated(model, data, cfg, progress, engine)[0]
 
 
-def _calibrated(model: str | Path, data: DataLike, cfg: Config, progress: bool,
-                engine: Optional[Engine]) -> tuple[CalibrationTable, list[CalibrationTable]]:
-    """The table of `data` and the tables of the other range methods measured with it: with method
-    `auto`, the method measured best (qtool.evaluation.range_choice), unless the data can be read
-    only once (a generator: minmax, nothing else)."""
-    if cfg.calibration.method == AUTO and not isinstance(data, Iterator):
-        return choose_ranges(model, data, cfg, progress, engine)
-    return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine), []
+def _calibrated(model: str | Path, data: DataLike, cfg: Config, progress: bool, engine: Optional[Engine]
+                ) -> tuple[CalibrationTable, list[CalibrationTable], Optional[Decision]]:
+    """The table of `data`, the tables of the other range methods measured with it, and the range
+    method's decision: with method `auto`, the method measured best (qtool.choices.ranges), unless
+    the data can be read only once (a generator: minmax, nothing else)."""
+    if cfg.calibration.method == AUTO:
+        if not isinstance(data, Iterator):
+            return choose_ranges(model, data, cfg, progress, engine)
+        cfg = replace(cfg, calibration=replace(cfg.calibration, method="minmax"))
+        table = run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine)
+        return table, [], Decision("calibration.method", "minmax", "data read once (an iterator): nothing measured")
+    return run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine), [], None
 
 
 @contextlib.contextmanager
@@ -158,36 +182,37 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
     sharded = table is None or search is not None  # what runs on an engine: the calibration, the search
     with _engine(executor, cfg.calibration.dask, cfg.calibration.workers) if sharded \
             else contextlib.nullcontext() as engine:
-        table_path, measured = None, []
+        table_path, measured, ranges = None, [], None
         if table is None:
-            table, measured = _calibrated(model, data, cfg, progress, engine)
+            table, measured, ranges = _calibrated(model, data, cfg, progress, engine)
         elif not isinstance(table, CalibrationTable):
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
-        fp32_model = load_model(model) if data is not None or search is not None else None
-        specs = input_specs(fp32_model) if fp32_model is not None else None
-        choice_notes: tuple[str, ...] = ()  # the weight scales and hard-activation forms chosen by measurement
-        if data is not None and not isinstance(data, Iterator):
-            options, weight_notes = choose_dynamic_weights(model, fp32_model, data, table, cfg)
-            cfg = replace(cfg, quantization=options)
-            options, form_notes = choose_hard_forms(model, fp32_model, data, table, cfg)
-            cfg = replace(cfg, quantization=options)
-            choice_notes = weight_notes + form_notes
+        fp32_model = load_model(model)
+        specs = input_specs(fp32_model)
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
+        measurable = data if data is not None and not isinstance(data, Iterator) else None
+        cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges)
         outcome = None
         if search is not None:
             graph, outcome, table = _search(model, specs, table, measured, data, cfg, search, calib_data,
                                             log or (lambda message: None), engine, progress)
         else:
-            graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data,
-                                   latency=True)
+            graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data)
+    settled, after = built(graph, cfg)
+    decisions += after
     plan = graph.plan
     # how the table was made (the range method `auto` chose) before what quantizing it did
-    notes = tuple(n for n in table.notes if n not in graph.notes) + tuple(graph.notes) + choice_notes
+    if outcome is not None:  # the search's float layers and range method replay as settled options
+        decisions.append(Decision("quantization.float_nodes", outcome.float_layers, "mixed-precision search"))
+        settled = apply(replace(settled, calibration=replace(settled.calibration, method=outcome.method)),
+                        decisions[-1:])
+    notes = tuple(dict.fromkeys([*table.notes, *graph.notes,
+                                 *(d.note() for d in decisions if d.measured or d.details)]))
     return QuantizeResult(graph.model, table, notes, len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
-                          outcome)
+                          outcome, tuple(decisions), settled)
 
 
 def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigLike = None, *,

@@ -7,6 +7,7 @@ table conversion and the integer tools call their stage modules, which are folde
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import time
 import traceback
@@ -21,7 +22,7 @@ import click
 from qtool import __version__
 
 from qtool import interrupt
-from qtool.atomic import check_output_path
+from qtool.atomic import check_output_path, write_text
 from qtool.config import TASKS, load_config, override
 from qtool.errors import EXIT_BUG, EXIT_THRESHOLD, QtoolError
 
@@ -243,9 +244,14 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 @click.option("--int16-activations", multiple=True, metavar="NAMES",
               help="Quantize these activation tensors (names or glob patterns; comma-separated or repeated) to "
                    "16 bits over their calibrated ranges; onnxruntime runs their readers and writers in float.")
-@click.option("--latency-aware/--no-latency-aware", "latency_aware", default=None,
-              help="Keep float the op types onnxruntime runs slower in int8 than in float on this CPU, measured "
-                   "and cached (default: on with target ort-cpu; config quantization.latency_aware).")
+@click.option("--latency-aware", "latency_aware", is_flag=True, default=None,
+              help="Opt-in tuning: time candidates on this machine and keep float the nodes onnxruntime runs "
+                   "faster in float (the outcome depends on the machine: save it with --save-config).")
+@click.option("--save-config", type=click.Path(path_type=Path),
+              help="Also write the settled config (every auto replaced by its value): quantize with it to "
+                   "replay this model without measuring.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path),
+              help="Write the summary, notes and decisions as JSON.")
 @click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")
 @click.option("--labels", type=str, help="Labels of --eval-data ('filename<TAB>class_index' file, or 'folders').")
 @click.option("--target-agreement", type=click.FloatRange(0, 100),
@@ -270,7 +276,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
              activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
              smooth_quant, save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
-             embeddings, int16_activations, latency_aware, eval_data, labels, target_agreement, target_top1_drop,
+             embeddings, int16_activations, latency_aware, save_config, json_path, eval_data, labels, target_agreement, target_top1_drop,
              target_sqnr, target_cosine, max_float_layers, search_int16, min_int8_macs, search_ranges):
     """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
     from qtool import api
@@ -284,7 +290,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
                      weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings,
                      int16_activations=_names(int16_activations),
-                     latency_aware=None if latency_aware is None else ("on" if latency_aware else "off"))
+                     latency_aware="on" if latency_aware else None)
     cfg = replace(cfg, quantization=quant)
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "
@@ -306,8 +312,9 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     if search_int16 and search is None:
         raise click.UsageError("--search-int16 goes with a --target-* search")
     check_output_path(output, model, table_path)
-    if save_table:
-        check_output_path(save_table, model, output)
+    for extra in (save_table, save_config, json_path):
+        if extra:
+            check_output_path(extra, model, output)
     warning = vnni_warning(quant, cpu_has_vnni())
     if warning:
         click.echo(f"warning: {warning}", err=True)
@@ -322,9 +329,13 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
         click.echo(result.search.describe())
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
+    result.save(output)
     if save_table:
         result.table.save(save_table)
-    result.save(output)
+    if save_config:
+        result.save_config(save_config)
+    if json_path:
+        write_text(json_path, json.dumps(result.to_dict(), indent=1) + "\n")
     tables = f"{result.int8_embeddings} int8 embedding tables, " if result.int8_embeddings else ""
     click.echo(f"quantized {result.quantized_nodes} nodes ({result.int8_weights} int8 weights, {tables}"
                f"{result.activations} activations, {result.float_nodes} nodes left float) "

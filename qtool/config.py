@@ -32,9 +32,9 @@ EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUT
 EMBEDDING_AUTO_BYTES = 1 << 20
 # auto: dynamic for transformer graphs (qtool.plan.dynamic), static otherwise
 MATMUL_STRATEGIES = ("auto", "static", "dynamic")
-DYNAMIC_WEIGHTS = ("auto", "column", "tensor")  # auto: measured (qtool.evaluation.weight_choice), else column
-LATENCY_AWARE = ("auto", "on", "off")  # auto: on for target ort-cpu (qtool.plan.latency)
-# auto: measured (qtool.evaluation.form_choice) where quantize has calibration data, else integer
+DYNAMIC_WEIGHTS = ("auto", "column", "tensor")  # auto: measured (qtool.choices.dynamic_weights), else column
+LATENCY_AWARE = ("off", "on")  # on: the opt-in timing search of qtool.choices.latency
+# auto: measured (qtool.choices.hard_forms) where quantize has calibration data, else integer
 HARD_ACTIVATIONS = ("auto", "integer", "float")
 ACIQ_DISTRIBUTIONS = ("laplace", "gaussian")
 
@@ -79,7 +79,7 @@ class PreprocessConfig:
 @dataclass(frozen=True)
 class CalibrationConfig:
     # auto: minmax, mse and percentile measured on the calibration data when quantizing or calibrating
-    # a model, the closest to fp32 kept (qtool.evaluation.range_choice); minmax where nothing measures
+    # a model, the closest to fp32 kept (qtool.choices.ranges); minmax where nothing measures
     method: str = "auto"
     num_samples: Optional[int] = None  # None: every sample in the data folder
     batch_size: int = 8
@@ -138,8 +138,13 @@ class QuantizeConfig:
     # kernel rescales a per-column product in an extra pass); auto: per tensor when the calibration
     # data measures no loss from it, else per column
     dynamic_weights: str = "auto"
-    # Op types whose int8 form onnxruntime runs slower than float on this CPU stay float (measured, cached)
-    latency_aware: str = "auto"
+    # on: time candidate models on this machine and keep float the nodes whose int8 form runs slower
+    # (qtool.choices.latency); opt-in, since its outcome depends on the machine. The nodes it
+    # chooses are written to float_nodes in the settled config (quantize --save-config)
+    latency_aware: str = "off"
+    # Nodes (exact labels: name, or first output) kept float, as settled by the latency tuning and by
+    # the run check (nodes onnxruntime cannot run in int8); unlike exclude_nodes, no patterns
+    float_nodes: tuple[str, ...] = ()
     # HardSigmoid/HardSwish between uint8 tensors (ort-cpu): integer, written as onnxruntime's integer
     # kernels (QLinearAdd, QLinearMul: faster, with the gate rounded to 1/255); float, left between their
     # DequantizeLinear and QuantizeLinear (exact codes); auto: integer unless the calibration data
@@ -381,3 +386,20 @@ def override(section, **values):
         return type(section)(**{**base, **given})
     except ValueError as exc:
         raise QtoolError(str(exc)) from None
+
+
+def config_mapping(cfg: Config) -> dict:
+    """The config as the YAML file holds it: every section's keys a user may set (not the fields a
+    target preset filled, which follow the target), tuples as lists; load_config reads it back."""
+    def plain(value):
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        return value
+
+    sections = {}
+    for section in dataclasses.fields(cfg):
+        options = getattr(cfg, section.name)
+        filled = getattr(options, "from_target", ())
+        sections[section.name] = {f.name: plain(getattr(options, f.name)) for f in dataclasses.fields(options)
+                                  if f.init and not f.metadata.get("internal") and f.name not in filled}
+    return sections

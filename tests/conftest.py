@@ -21,21 +21,6 @@ CALIB_SAMPLES = ROOT / "calib_samples"
 RANGES_ONLY = ("--bias-correction", "off", "--weight-rounding", "nearest")
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _no_latency_timing(tmp_path_factory):
-    """Quantized outputs must not depend on timings: the latency-aware fallback is off unless a test
-    turns it on (tests/test_latency.py), and its cache goes to a temporary folder, not the user's."""
-    saved = {k: os.environ.get(k) for k in ("QTOOL_LATENCY_AWARE", "QTOOL_CACHE_DIR")}
-    os.environ["QTOOL_LATENCY_AWARE"] = "off"
-    os.environ["QTOOL_CACHE_DIR"] = str(tmp_path_factory.mktemp("qtool-cache"))
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def kit_path(*parts: str) -> Path:
     """A path inside the bench kit. No kit at all (a user's fresh clone) skips the test; a kit
     that is there but lacks the file is a broken kit, which must fail rather than hide as a skip."""

@@ -26,9 +26,10 @@ LEVELS = {
     "table": 5,
     "calibration": 6, "quantization": 6, "integer": 6,
     "evaluation": 7,
-    "api": 8, "__init__": 8,
-    "cli": 9,
-    "__main__": 10,
+    "choices": 8,
+    "api": 9, "__init__": 9,
+    "cli": 10,
+    "__main__": 11,
 }
 
 

@@ -15,7 +15,7 @@ from onnx import helper
 from qtool import api
 from qtool.cli import main
 from qtool.config import Config, QuantizeConfig, load_config
-from qtool.evaluation import weight_choice
+from qtool.choices import dynamic_weights as weight_choice
 from qtool.evaluation.macs import int8_macs
 from qtool.quantization.dynamic_matmul import CODES, SCALE
 from tests import graphs
@@ -223,9 +223,9 @@ def _even_columns(model: onnx.ModelProto) -> onnx.ModelProto:
 def test_dynamic_weights_per_tensor_when_measured_lossless(tmp_path):
     path, result, data = _quantize(tmp_path, _even_columns(_block(np.random.default_rng(0))))
     assert _weight_scales(result.model) == [(), ()]
-    chosen = [n for n in result.notes if n.startswith("weight scales")]
-    assert len(chosen) == 1 and "per tensor for the 2 dynamic MatMul(s)" in chosen[0]
-    assert re.search(r"per column \d\.\d{5}, per tensor \d\.\d{5}$", chosen[0])
+    [chosen] = [d for d in result.decisions if d.option == "quantization.dynamic_weights"]
+    assert chosen.value == "tensor" and [c for c, _ in chosen.measured] == ["column", "tensor"]
+    assert chosen.samples > 0 and chosen.note() in result.notes
     assert _cosine_to_fp32(path, result.model, data) > 0.999
 
 
@@ -233,8 +233,8 @@ def test_dynamic_weights_stay_per_column_when_measured_worse(tmp_path, monkeypat
     monkeypatch.setattr(weight_choice, "TOLERANCE", -1.0)  # per tensor would have to beat per column by 1
     _, result, _ = _quantize(tmp_path, _even_columns(_block(np.random.default_rng(0))))
     assert _weight_scales(result.model) == [(2 * D,), (D,)]  # q and k merged
-    assert any(n.startswith("weight scales per column") and re.search(r"per tensor \d\.\d{5}$", n)
-               for n in result.notes)
+    [chosen] = [d for d in result.decisions if d.option == "quantization.dynamic_weights"]
+    assert chosen.value == "column" and [c for c, _ in chosen.measured] == ["column", "tensor"]
 
 
 def test_dynamic_weights_per_column_without_measuring_where_a_column_is_large(tmp_path, monkeypatch):
@@ -248,14 +248,15 @@ def test_dynamic_weights_per_column_without_measuring_where_a_column_is_large(tm
     monkeypatch.setattr(weight_choice, "measurer", lambda *a: measured.append(a))
     _, result, _ = _quantize(tmp_path, model)
     assert not measured and _weight_scales(result.model) == [(2 * D,), (D,)]
-    assert any(n.startswith("weight scales per column") and "keep an SQNR of" in n for n in result.notes)
+    [chosen] = [d for d in result.decisions if d.option == "quantization.dynamic_weights"]
+    assert chosen.value == "column" and not chosen.measured and "SQNR" in chosen.rule
 
 
 @pytest.mark.parametrize("options", [{"dynamic_weights": "tensor"}, {"per_channel": False}])
 def test_dynamic_weights_per_tensor_when_asked(tmp_path, options):
     path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), **options)
     assert _weight_scales(result.model) == [(), ()]
-    assert not any(n.startswith("weight scales") for n in result.notes)  # asked for, not chosen
+    assert not any(d.option == "quantization.dynamic_weights" and d.measured for d in result.decisions)
     assert _cosine_to_fp32(path, result.model, data) > 0.99
 
 
@@ -275,7 +276,8 @@ def test_kit_gru_decoder_takes_per_tensor_weights(tmp_path):
         (calib / f.name).symlink_to(f)
     result = api.quantize(model, data=calib, progress=False)
     assert _weight_scales(result.model) == [()] * 7
-    assert any(n.startswith("weight scales per tensor for the 7") for n in result.notes)
+    [chosen] = [d for d in result.decisions if d.option == "quantization.dynamic_weights"]
+    assert chosen.value == "tensor" and "7 dynamic MatMuls" in chosen.rule
 
 
 def _with_conv_stem(model: onnx.ModelProto, convs: int) -> onnx.ModelProto:

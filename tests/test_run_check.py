@@ -148,7 +148,6 @@ def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
     from qtool.quantization.quantize import quantize_model
     from tests import graphs
 
-    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
              helper.make_node("Relu", ["c"], ["r"], name="relu"),
@@ -164,7 +163,11 @@ def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
     sizes = []
     made_up = run_check.made_up_feeds
     monkeypatch.setattr(run_check, "made_up_feeds", lambda specs, size=1: sizes.append(size) or made_up(specs, size))
-    result = quantize_model(path, table, options, latency=True)
-    assert sizes == [1, 64]  # 1x1 fails the 3x3 convs, 64x64 runs
+    import qtool.choices as choices
+    from qtool.config import Config
+
+    settled, _ = choices.settle(path, onnx.load(path), table, None, Config(quantization=options))
+    assert sizes == [1, 64]  # 1x1 fails the 3x3 convs, 64x64 runs: the tuning timed those
+    result = quantize_model(path, table, settled.quantization)
     assert not any("does not run" in note for note in result.notes)
     assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)

@@ -150,7 +150,7 @@ def test_option_flows_from_calibrate_to_quantize(tmp_path):
     document = json.loads(table_path.read_text())
     assert document["settings"]["smooth_quant"] == 0.5 and set(document["smoothing"]) == {"h"}
     out = tmp_path / "q.onnx"
-    args = ["quantize", str(path), "--table", str(table_path), "--matmul", "static", "--no-latency-aware",
+    args = ["quantize", str(path), "--table", str(table_path), "--matmul", "static",
             "-o", str(out)]
     result = runner.invoke(main, [*args, "--smooth-quant", "0.5"])
     assert result.exit_code == 0, result.output

@@ -45,10 +45,12 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 def _quantize_settings(options: QuantizeConfig) -> dict:
     """The quantization options; keep_opset, `embeddings` (it never changes the table: embedding
     tables are weights) and `matmul` only where they differ from the default, so tables of default
-    settings keep their bytes; `smooth_quant` where on. `latency_aware` never: it is chosen when quantizing, from the table's ranges;
-    nor `int16_activations`: 16-bit activations take the table's ranges as they are."""
+    settings keep their bytes; `smooth_quant` where on. `latency_aware` and `float_nodes` never: they are
+    settled when quantizing, from the table's ranges; nor `int16_activations`: 16-bit activations take
+    the table's ranges as they are."""
     settings = asdict(options)
     del settings["latency_aware"]
+    del settings["float_nodes"]
     del settings["int16_activations"]
     del settings["smooth_scales"]  # the table's "smoothing"
     if options.smooth_quant is None:
@@ -101,6 +103,7 @@ def _statistics(model_path, data: DataLike, preprocess: PreprocessConfig, calib:
                 options: QuantizeConfig, progress: bool, engine: Optional[Engine], all_histograms: bool):
     """(prepared model, plan, options with their smoothing scales, statistics, samples seen) of one
     pass over `data`, here or on the engine's workers."""
+    options = replace(options, float_nodes=())  # settled from the table's ranges: the table has them all
     model, plan = prepared_model(model_path, options)  # before smoothing: what smoothing measures on
     smoothed = measured_smoothing(model_path, model, plan, data, preprocess, calib, options)
     if smoothed is not options:

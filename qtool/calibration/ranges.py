@@ -313,7 +313,7 @@ METHODS: dict[str, RangeMethod] = {"minmax": minmax, "percentile": percentile, "
 HISTOGRAM_METHODS = frozenset(METHODS) - {"minmax"}
 
 
-AUTO = "auto"  # chosen by measurement where a model can be quantized (qtool.evaluation.range_choice), else minmax
+AUTO = "auto"  # chosen by measurement where a model can be quantized (qtool.choices.ranges), else minmax
 
 
 def check_method(method: str) -> str:

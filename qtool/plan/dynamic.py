@@ -7,7 +7,7 @@ handful of codes: static int8 QDQ keeps a sentence embedding at cosine ~0.80 (~0
 transformer blocks kept float, qtool.plan.ops.blocks). Quantizing
 each MatMul input at run time (DynamicQuantizeLinear: min/max of that very tensor) with the
 weight int8 per output column (or per tensor where measured lossless,
-qtool.evaluation.weight_choice) keeps it at ~0.99; LayerNorm, Softmax, GELU, the attention
+qtool.choices.dynamic_weights) keeps it at ~0.99; LayerNorm, Softmax, GELU, the attention
 MatMuls of two activations and the residual adds stay float, as in onnxruntime's
 quantize_dynamic. No calibrated range is needed.
 """

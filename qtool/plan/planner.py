@@ -100,7 +100,8 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     """`only`: quantize just these nodes (names, or first output for unnamed nodes); every
     other node is treated as excluded. The sensitivity ranking quantizes one layer at a time.
     `keep_float`: nodes (same labels) treated as excluded, those whose int8 form onnxruntime
-    cannot run (qtool.quantization.run_check)."""
+    cannot run (qtool.quantization.run_check); the options' settled `float_nodes` join them."""
+    keep_float = {*keep_float, *options.float_nodes}
     ctx = GraphIndex(model)
     if matmul_strategy(model, ctx, options)[0] == "dynamic":
         return _dynamic_plan(model, ctx, options, only, keep_float)

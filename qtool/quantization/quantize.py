@@ -25,8 +25,6 @@ from qtool.graph.index import attribute, node_label, replace_nodes, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.graph.runtime import create_session
 from qtool.graph.shapes import declared_shapes, inferred
-from qtool.plan.latency import LatencyChoice, cache_key, choose, latency_cache_dir, timer
-from qtool.plan.latency import enabled as latency_enabled
 from qtool.plan.planner import EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, unreached_bodies
 from qtool.prepare.equalize import equalized_chains
 from qtool.table.resolve import params_from_table
@@ -45,6 +43,8 @@ class QuantizedGraph:
     source: Optional[onnx.ModelProto] = None  # the prepared fp32 graph `model` was quantized from
     canonical: Optional[onnx.ModelProto] = None  # `model` before onnxruntime's kernel forms (hard_activations)
     form_notes: tuple[str, ...] = ()  # the notes of those kernel forms (among `notes`)
+    kept_float: tuple[str, ...] = ()  # nodes the run check kept float: onnxruntime cannot run them in int8
+    data_steps: dict = field(default_factory=dict)  # bias_correction, weight_rounding: what ran
 
 
 def needs_data(options: QuantizeConfig) -> bool:
@@ -73,19 +73,35 @@ def _optional(setting: str, what: str, notes: list[str], step: Callable):
         return None
 
 
-def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
-                   table_path: object = None, allow_missing: bool = False,
-                   data: Optional[Callable[[int], Iterable[Batch]]] = None, latency: bool = False) -> QuantizedGraph:
-    """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them).
-    `latency`: run the latency-aware float fallback where the options enable it (qtool.plan.latency);
-    the quantize job does, internal re-quantizations (search candidates) do not.
+@dataclass
+class _Prepared:
+    """The prepared graph and the plan the back end builds from, after the run check: what every
+    build of the model with these options shares (the job's, and a tuning step's candidates)."""
 
-    The model is run once in onnxruntime before it is returned (qtool.quantization.run_check);
-    a node whose int8 form onnxruntime cannot run is kept float with a note, and a model that
-    still does not run after MAX_KEPT_FLOAT such nodes is an InternalError."""
+    model_path: str | Path
+    model: onnx.ModelProto
+    plan: QuantPlan
+    options: QuantizeConfig
+    steps: "_Steps"
+    ref: run_check.Reference
+    samples: list[Batch]
+    bias_correction: str
+    rounding_mode: str
+    unreached: list[str]
+    kept: list[str]  # nodes the run check kept float
+    fixes: list[str]  # the notes of those
+    first: tuple  # steps.quantize's result for `plan`
+
+    @property
+    def op_type(self) -> dict[str, str]:
+        return {node_label(n): n.op_type for n in scoped_nodes(self.model.graph)}
+
+
+def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig, table_path: object,
+             allow_missing: bool, data: Optional[Callable[[int], Iterable[Batch]]]) -> _Prepared:
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
-                      f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=2)
+                      f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=3)
     options = smoothed_options(options, table)  # the table's SmoothQuant scales: the graph it was made on
     model, plan = prepared_model(model_path, options)  # the graph calibration saw, equalized if asked
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
@@ -103,8 +119,8 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     kept: list[str] = []
     fixes: list[str] = []
     while True:
-        qmodel, notes, canonical, forms = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
-        failure = run_check.check(qmodel, ref)
+        built = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
+        failure = run_check.check(built[0], ref)
         if failure is None:
             break
         found = None
@@ -124,24 +140,76 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
         fixes.append(f"'{found}' ({op_type[found]}) kept in float"
                      + (f" (and with it {', '.join(along)})" if along else "")
                      + f", because onnxruntime cannot run the model with it in int8: {failure.reason}")
-    if latency and latency_enabled(options) and ref.outputs is not None:  # timing needs inputs fp32 runs on
-        choice = _latency_choice(model_path, model, plan, op_type, [*unreached, *kept], steps, ref, options)
-        if choice.labels:
-            kept += choice.labels
-            plan = _replan(model, options, plan, [*unreached, *kept])
-            model, plan = _unequalize_float_chains(model_path, model, plan, options, [*unreached, *kept])
-            qmodel, notes, canonical, forms = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
-            failure = run_check.check(qmodel, ref)
-            if failure is not None:
-                raise InternalError(f"the model with the latency-aware float nodes does not pass onnxruntime's "
-                                    f"run check: {failure.reason}")
-        fixes += choice.notes
-        if choice.notes and choice.cache_file is not None:
-            fixes.append(f"latency-aware choice {'read from' if choice.cached else 'saved to'} {choice.cache_file} "
-                         f"(delete it to measure again; --no-latency-aware quantizes every node)")
-    if ref.skipped:
-        notes.append(f"the int8 model was only loaded, not run: {ref.skipped}")
-    return QuantizedGraph(qmodel, plan, fixes + notes, model, canonical, forms)
+    return _Prepared(model_path, model, plan, options, steps, ref, samples, bias_correction, rounding_mode,
+                     unreached, kept, fixes, built)
+
+
+def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
+                   table_path: object = None, allow_missing: bool = False,
+                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizedGraph:
+    """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them).
+    The back end builds what the options say and measures nothing: every choice is settled before
+    (qtool.choices).
+
+    The model is run once in onnxruntime before it is returned (qtool.quantization.run_check);
+    a node whose int8 form onnxruntime cannot run is kept float with a note (QuantizedGraph.kept_float),
+    and a model that still does not run after MAX_KEPT_FLOAT such nodes is an InternalError."""
+    prepared = _prepare(model_path, table, options, table_path, allow_missing, data)
+    qmodel, notes, canonical, forms, ran = prepared.first
+    if prepared.ref.skipped:
+        notes.append(f"the int8 model was only loaded, not run: {prepared.ref.skipped}")
+    return QuantizedGraph(qmodel, prepared.plan, prepared.fixes + notes, prepared.model, canonical, forms,
+                          tuple(prepared.kept), ran)
+
+
+@dataclass
+class Candidates:
+    """What a tuning step needs to build ranges-only int8 candidates of one model quickly: the
+    prepared graph and its plan are made once (qtool.choices.latency)."""
+
+    prepared: _Prepared
+
+    @property
+    def quantized(self) -> dict[str, str]:
+        """Label -> op type of the nodes the plan quantizes."""
+        op_type = self.prepared.op_type
+        return {label: op_type[label] for label in self.prepared.plan.quantized_nodes}
+
+    @property
+    def feeds(self) -> Optional[dict]:
+        """The run check's batch, which fp32 runs on (None: no inputs it runs on)."""
+        return self.prepared.ref.feeds if self.prepared.ref.outputs is not None else None
+
+    def build(self, labels: list[str]) -> onnx.ModelProto:
+        """The candidate with `labels` kept float, as quantize would write it: an equalized chain it
+        keeps wholly float goes back to the form the model was exported in."""
+        p = self.prepared
+        keep_float = [*p.unreached, *p.kept, *labels]
+        candidate, replanned = _unequalize_float_chains(p.model_path, p.model,
+                                                        build_plan(p.model, p.options, keep_float=keep_float),
+                                                        p.options, keep_float)
+        return p.steps.structure(candidate, replanned)
+
+    def sizes(self) -> dict[str, int]:
+        """Values in each quantized node's first output on the run check's batch."""
+        return _output_sizes(self.prepared.model, self.quantized, self.feeds)
+
+    def fp32(self) -> onnx.ModelProto | str:
+        """The model file as given, what the int8 model must beat (the prepared graph where the file
+        does not take the batch)."""
+        path = str(self.prepared.model_path)
+        try:
+            create_session(path, 1, path).run(None, self.feeds)
+        except Exception:
+            return self.prepared.model
+        return path
+
+
+def candidates(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
+               data: Optional[Callable[[int], Iterable[Batch]]] = None) -> Candidates:
+    """The prepared model of `options` (ranges only) ready to build candidates from."""
+    ranges_only = replace(options, bias_correction="off", weight_rounding="nearest")
+    return Candidates(_prepare(model_path, table, ranges_only, None, True, data))
 
 
 def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig,
@@ -186,35 +254,6 @@ def _replan(model: onnx.ModelProto, options: QuantizeConfig, plan: QuantPlan, ke
 MADE_UP_SIZES = (1, 64, 224)  # tried in turn for the open dims of made-up inputs until fp32 runs
 
 
-def _latency_choice(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, op_type: dict[str, str],
-                    kept: list[str], steps: "_Steps", ref: run_check.Reference,
-                    options: QuantizeConfig) -> LatencyChoice:
-    """The op types onnxruntime runs faster float on this CPU, timed on the run check's batch
-    against the fp32 model as given (not the prepared graph, whose rewrites may cost time in float)."""
-    quantized = {label: op_type[label] for label in plan.quantized_nodes}
-    key = cache_key(model, quantized, ref.feeds, options)
-
-    def fp32() -> onnx.ModelProto | str:
-        """The model file, once a decision is measured (a cached one needs no session of it)."""
-        try:
-            create_session(str(model_path), 1, str(model_path)).run(None, ref.feeds)
-        except Exception:  # inputs the prepared graph takes and the file does not: time against the graph
-            return model
-        return str(model_path)
-
-    def build(labels: list[str]) -> onnx.ModelProto:
-        """The candidate as quantize would write it: an equalized chain it keeps wholly float goes
-        back to the form the model was exported in (which onnxruntime fuses into its Conv)."""
-        keep_float = [*kept, *labels]
-        candidate, replanned = _unequalize_float_chains(model_path, model,
-                                                        build_plan(model, options, keep_float=keep_float),
-                                                        options, keep_float)
-        return steps.structure(candidate, replanned)
-
-    return choose(fp32, quantized, build, key, timer(ref.feeds), latency_cache_dir(),
-                  sizes=lambda: _output_sizes(model, quantized, ref.feeds))
-
-
 def _output_sizes(model: onnx.ModelProto, labels: Iterable[str], feeds: dict) -> dict[str, int]:
     """Values in each labelled node's first output on `feeds` (shape inference on their shapes);
     nodes whose output shape stays unknown are left out."""
@@ -255,17 +294,20 @@ class _Steps:
     allow_missing: bool
 
     def quantize(self, model: onnx.ModelProto, plan: QuantPlan, samples: list[Batch], bias_correction: str,
-                 rounding_mode: str) -> tuple[onnx.ModelProto, list[str], onnx.ModelProto, tuple[str, ...]]:
-        """(the int8 model, its notes, the same model before onnxruntime's kernel forms, their notes)."""
+                 rounding_mode: str) -> tuple[onnx.ModelProto, list[str], onnx.ModelProto, tuple[str, ...], dict]:
+        """(the int8 model, its notes, the same model before onnxruntime's kernel forms, their notes,
+        the data-driven steps that ran: bias_correction and weight_rounding as settled values)."""
         options = self.options
         params = params_from_table(plan, self.table, options, self.table_path, self.allow_missing)
         notes: list[str] = []
+        ran = {"bias_correction": "off", "weight_rounding": "nearest"}  # the data-driven steps that ran
         rounding = None
         if rounding_mode == "adaptive":
             rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
                                  lambda: adaptive_rounding(model, plan, params, samples, options))
         try:
             qmodel, graph_notes = quantize_with(model, plan, params, options, rounding)
+            ran["weight_rounding"] = "adaptive" if rounding is not None else "nearest"
         except Exception as exc:
             if rounding is None or options.weight_rounding != "auto":
                 raise
@@ -279,6 +321,7 @@ class _Steps:
                                lambda: correct_biases(model, corrected, plan, samples))
             if report is not None:
                 qmodel = corrected
+                ran["bias_correction"] = "fast"
                 notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
                              f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
         notes += _target_rewrites(qmodel, options)
@@ -295,7 +338,7 @@ class _Steps:
         canonical = onnx.ModelProto()
         canonical.CopyFrom(qmodel)
         forms = kernel_forms(qmodel, options)
-        return qmodel, notes + forms, canonical, tuple(forms)
+        return qmodel, notes + forms, canonical, tuple(forms), ran
 
     def structure(self, model: onnx.ModelProto, plan: QuantPlan) -> onnx.ModelProto:
         options = self.options

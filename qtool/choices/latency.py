@@ -1,55 +1,27 @@
-"""Latency-aware float fallback: op types whose int8 form onnxruntime runs slower than float stay float.
+"""Latency tuning (opt-in, `quantization.latency_aware: on`): nodes whose int8 form onnxruntime
+runs slower than float on this machine stay float.
 
-An int8 layer is fast only where onnxruntime has an integer kernel that outweighs the
-QuantizeLinear/DequantizeLinear around it. On small layers (a 48x192 text-line classifier's
-convs, a GRU encoder's one Gemm) or where a float activation sits between the int8 ops
-(HardSwish between DequantizeLinear and QuantizeLinear), the int8 model can run slower than
-fp32. Which it is depends on the CPU (VNNI or not), onnxruntime's version and the shapes,
-so it is measured, not guessed: the whole model is timed on the run check's batch (1 thread,
-the candidates taking turns run by run, median), once with every quantized node and once per
-op type with that type's nodes kept float (the planner then drops the Q/DQ pairs that only
-served them). A type goes float when that is faster by more than MARGIN (noise on a shared
-machine must not flip a choice), greedily, cheap elementwise types before weighted ones. The
-greedy pass runs again while it makes a choice (once a weighted type is float, the elementwise
-ops around it are worth another try). If the model is then not faster than fp32 by MARGIN at
-both batch sizes in two measurements in a row (slower, or level with it: a model at fp32's speed
-measures ahead on a lucky run and behind on the next), each weighted type is tried once more
-together with every elementwise type, and the elementwise types are tried together alone (the
-weighted type may have gone float on its own already): the Q/DQ pairs around a small
-classifier's Conv -> HardSigmoid -> Mul blocks go only when all of them are float, so no single
-type measures faster alone. If it is still not MARGIN faster, the choice goes per node, by
-size (_largest_float): an int8 node pays per value of its tensors and gains per MAC, so the
-nodes whose outputs hold the most values (a CNN's high-resolution first stages, where a
-hard-swish's QLinearMul costs more than its Conv saves) go float, the largest first, while that
-is faster. The last weighted op type (Conv, Gemm, MatMul, LSTM) is never sent back: `quantize`
-writes an int8 model; if what is left still runs no more than MARGIN faster than the fp32 model
-(the file as given), a note says so with the times (keep the fp32 model where speed matters). The
-choice is cached on disk (latency_cache_dir(): QTOOL_CACHE_DIR or the user cache dir) under a key of
-the prepared graph, its quantized nodes, the batch's shapes, the options, onnxruntime's
-version and the CPU's flags, so the same inputs give the same model; delete the folder to
-measure again, or quantize with --no-latency-aware (config quantization.latency_aware: off).
+Whether an int8 layer pays depends on the CPU, onnxruntime's version and the shapes, so this step
+times whole candidate models (1 thread, the candidates taking turns, medians) and keeps a float
+choice only when it measures MARGIN faster twice in a row: op types greedily, cheap elementwise
+types first; then each weighted type with the elementwise types; then the nodes with the largest
+outputs. The last weighted op type always stays int8. Its outcome depends on the machine and its
+load, so it is never a default: the nodes it keeps float are a Decision on `quantization.float_nodes`,
+which a settled config replays anywhere without timing.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import platform
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
-from qtool.atomic import write_text
-from qtool.plan.ops import rule_for
 from qtool.graph.runtime import create_session, time_sessions
-from qtool.targets import cpu_flags
+from qtool.plan.ops import rule_for
 
 MARGIN = 0.05  # a float candidate must be this much faster than the int8 model it replaces, twice;
 # and the int8 model this much faster than fp32, or the fallback goes on
@@ -58,7 +30,6 @@ MIN_RUNS, MAX_RUNS = 7, 200
 SLOW_S, FEW_RUNS = 1.0, 3  # models taking SLOW_S together for one run each: FEW_RUNS runs
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM")  # tried last: where int8 usually pays
 LARGEST_LEVELS = 6  # output sizes tried by _largest_float, the largest first
-VERSION = 12  # of the decision procedure and of the int8 forms it times; part of the cache key
 
 # {name: model (a proto or a path)} -> median seconds per run of each per feed set (batch 1, then
 # the batch), timed together
@@ -69,34 +40,6 @@ Measure = Callable[[Mapping[str, "onnx.ModelProto | str"]], dict[str, list[float
 class LatencyChoice:
     labels: tuple[str, ...]  # the nodes kept float
     notes: tuple[str, ...]  # one per choice
-    cache_file: Optional[Path]
-    cached: bool  # read from the cache, nothing measured
-
-
-def enabled(options) -> bool:
-    """`auto` is on for target ort-cpu only: the measurement is onnxruntime CPU's; other runtimes
-    fuse and schedule differently. QTOOL_LATENCY_AWARE=off|on in the environment decides `auto`
-    where a command line cannot be changed (a CI script, a test suite that needs timing-free output)."""
-    setting = options.latency_aware
-    if setting == "auto":
-        setting = os.environ.get("QTOOL_LATENCY_AWARE", "auto")
-    return setting == "on" or (setting == "auto" and options.target == "ort-cpu")
-
-
-def latency_cache_dir() -> Path:
-    root = os.environ.get("QTOOL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qtool")
-    return Path(root) / "latency"
-
-
-def cache_key(model: onnx.ModelProto, quantized: Mapping[str, str], feeds: Mapping[str, np.ndarray],
-              options: object) -> str:
-    digest = hashlib.sha256()
-    digest.update(model.SerializeToString(deterministic=True))
-    for part in (sorted(quantized.items()), sorted((k, v.shape, str(v.dtype)) for k, v in feeds.items()),
-                 repr(options), ort.__version__, platform.machine(), sorted(cpu_flags() or ()), VERSION):
-        digest.update(repr(part).encode())
-    return digest.hexdigest()
 
 
 def feed_sets(feeds: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -138,43 +81,20 @@ def _ms(values: list[float]) -> str:
     return " / ".join(f"{v * 1e3:.2f}" for v in values) + " ms"
 
 
-def choose(fp32: Callable[[], "onnx.ModelProto | str"], quantized: Mapping[str, str], build: Callable[[list[str]], onnx.ModelProto],
-           key: str, measure: Measure, cache_dir: Optional[Path] = None,
+def choose(fp32: Callable[[], "onnx.ModelProto | str"], quantized: Mapping[str, str],
+           build: Callable[[list[str]], onnx.ModelProto], measure: Measure,
            sizes: Optional[Callable[[], Mapping[str, int]]] = None) -> LatencyChoice:
-    """fp32(): the model as the user gave it (a proto or a path), what the int8 model must beat,
-    asked for only when a decision is measured;
+    """fp32(): the model as the user gave it (a proto or a path), what the int8 model must beat;
     quantized: node label -> op type of the nodes the plan quantizes; build(labels): the int8
-    model with those nodes kept float; key: cache_key(...); cache_dir None: no cache; sizes(): node
-    label -> values in its output (on the run check's batch), for the last resort by size."""
+    model with those nodes kept float; sizes(): node label -> values in its output (on the run
+    check's batch), for the last resort by size."""
     by_type: dict[str, list[str]] = {}
     for label, op_type in quantized.items():
         by_type.setdefault(op_type, []).append(label)
-    path = cache_dir / f"{key}.json" if cache_dir is not None else None
-    decision = _read(path)
-    cached = (decision is not None and set(decision["float_op_types"]) <= set(by_type)
-              and set(decision.get("float_nodes", [])) <= set(quantized))
-    if not cached:
-        decision = _decide(fp32(), by_type, build, measure, sizes)
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_text(path, json.dumps(decision, indent=1))
-            except OSError:
-                path = None  # a read-only home still quantizes; the choice is only not remembered
+    decision = _decide(fp32(), by_type, build, measure, sizes)
     labels = tuple(label for t in decision["float_op_types"] for label in by_type[t])
-    labels += tuple(label for label in decision.get("float_nodes", []) if label not in labels)
-    return LatencyChoice(labels,
-                         tuple(decision["notes"]), path, cached)
-
-
-def _read(path: Optional[Path]) -> Optional[dict]:
-    if path is None or not path.is_file():
-        return None
-    try:
-        decision = json.loads(path.read_text())
-        return decision if {"float_op_types", "notes"} <= set(decision) else None
-    except (OSError, ValueError):
-        return None
+    labels += tuple(label for label in decision["float_nodes"] if label not in labels)
+    return LatencyChoice(labels, tuple(decision["notes"]))
 
 
 def _decide(fp32: "onnx.ModelProto | str", by_type: dict[str, list[str]], build: Callable[[list[str]], onnx.ModelProto],

@@ -1,0 +1,90 @@
+"""Settle, then build: every `auto` of the config is decided here, before the back end runs.
+
+The order is written once, in `settle`: each choice sees the ones before it. A choice decided
+from the data measures quantized candidates (qtool.choices.measure); one decided from the graph
+reads it. Each gives a Decision (qtool.choices.decision) whose value goes into the config, so
+the settled config (quantize --save-config) replays the same model without measuring anything.
+Timing the quantizing machine (qtool.choices.latency) runs only when asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import onnx
+
+from qtool.choices.decision import Decision, apply, replaced
+from qtool.choices.dynamic_weights import choose_dynamic_weights
+from qtool.choices.hard_forms import choose_hard_forms
+from qtool.choices.latency import choose as choose_latency, timer
+from qtool.config import Config
+from qtool.data.dataset import Batch, DataLike
+from qtool.graph.index import GraphIndex
+from qtool.plan.dynamic import matmul_strategy
+from qtool.quantization.quantize import QuantizedGraph, candidates
+from qtool.table.table import CalibrationTable
+
+__all__ = ["Decision", "apply", "settle", "built"]
+
+
+def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTable, data: Optional[DataLike],
+           cfg: Config, calib_data: Optional[Callable[[int], Iterable[Batch]]] = None,
+           ranges: Optional[Decision] = None) -> tuple[Config, list[Decision]]:
+    """(cfg with every `auto` the back end would meet replaced by a value, the decisions in order).
+    `model`: the one at `model_path`, loaded; `data`: the calibration data (None: only the table);
+    `ranges`: the range method's decision, made with the table (qtool.choices.ranges)."""
+    decisions = [ranges] if ranges is not None else []
+    if cfg.calibration.method == "auto" and ranges is None:
+        decisions.append(Decision("calibration.method", table.method, "the table's"))
+    measurable = data  # what the measured choices may score candidates on
+    # 1. dynamic MatMuls' weight scales (measured)
+    if measurable is not None:
+        options, decision = choose_dynamic_weights(model_path, model, measurable, table, cfg)
+        decisions += [decision] if decision else []
+        cfg = replace(cfg, quantization=options)
+    # 2. HardSigmoid/HardSwish form (measured)
+    options, decision = choose_hard_forms(model_path, model, measurable, table, cfg)
+    decisions += [decision] if decision else []
+    cfg = replace(cfg, quantization=options)
+    # 3. MatMul strategy (the graph)
+    if cfg.quantization.matmul == "auto":
+        strategy, why = matmul_strategy(model, GraphIndex(model), cfg.quantization)
+        decisions.append(Decision("quantization.matmul", strategy, why or "no transformer or recurrent structure"))
+    cfg = apply(cfg, decisions)
+    # 4. latency tuning (opt-in: it times candidates on this machine)
+    if cfg.quantization.latency_aware == "on":
+        decisions.append(_latency(model_path, table, cfg, calib_data))
+        cfg = apply(cfg, decisions[-1:])
+    return _settled(cfg), decisions
+
+
+def _latency(model_path, table: CalibrationTable, cfg: Config,
+             calib_data: Optional[Callable[[int], Iterable[Batch]]]) -> Decision:
+    built = candidates(model_path, table, cfg.quantization, calib_data)
+    if built.feeds is None:
+        return Decision("quantization.float_nodes", (), "latency tuning: no inputs the model runs on")
+    choice = choose_latency(built.fp32, built.quantized, built.build, timer(built.feeds), built.sizes)
+    return Decision("quantization.float_nodes", choice.labels,
+                    "latency tuning: faster in float on this machine (1 thread, medians)", details=choice.notes)
+
+
+def _settled(cfg: Config) -> Config:
+    """Nothing left to measure: the latency tuning's outcome is in float_nodes."""
+    return replace(cfg, quantization=replaced(cfg.quantization, "latency_aware", "off"))
+
+
+def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
+    """What the build settled: the data-driven weight steps `auto` ran (on with calibration data,
+    unless the step fails on the graph), and the nodes the run check kept float (onnxruntime
+    cannot run them in int8). The config returned replays the build with nothing left `auto`."""
+    decisions = []
+    for option, value in graph.data_steps.items():
+        if getattr(cfg.quantization, option) == "auto":
+            decisions.append(Decision(f"quantization.{option}", value, "auto: on with calibration data, unless it "
+                                      "fails on the graph"))
+    if graph.kept_float:
+        decisions.append(Decision("quantization.float_nodes", graph.kept_float,
+                                  "onnxruntime cannot run them in int8 (run check)"))
+    return apply(cfg, decisions), decisions

@@ -1,0 +1,67 @@
+"""Per-column or per-tensor weight scales for dynamic int8 MatMuls, chosen by measurement
+(quantization option `dynamic_weights: auto`, the default).
+
+onnxruntime rescales a product with per-column weight scales in an extra pass over its output,
+a large share of a small layer's time at batch 1; per-tensor scales cost precision where the
+columns' ranges differ. So both are measured (qtool.choices.measure) and per tensor is kept only
+when the mean worst-output cosine falls by less than TOLERANCE. Not measured: a model without
+dynamic MatMuls, and one where per-tensor scales would leave a weight's median column below
+MIN_WEIGHT_SQNR (qtool.quantization.dynamic_matmul.per_tensor_sqnr), which keeps per column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import onnx
+
+from qtool.choices.decision import Decision
+from qtool.choices.measure import figures, measurer, ranges_only
+from qtool.config import Config, QuantizeConfig
+from qtool.data.dataset import DataLike
+from qtool.graph.index import GraphIndex
+from qtool.graph.modelio import input_specs
+from qtool.plan.dynamic import matmul_strategy
+from qtool.plan.planner import prepared_model
+from qtool.quantization.dynamic_matmul import per_tensor_sqnr
+from qtool.quantization.quantize import quantize_model
+from qtool.table.table import CalibrationTable, smoothed_options
+
+TOLERANCE = 1e-4  # mean cosine per-tensor weights may lose against per-column ones
+MIN_WEIGHT_SQNR = 20.0  # dB; per column about 40
+OPTION = "quantization.dynamic_weights"
+
+
+def choose_dynamic_weights(model_path: str | Path, model: onnx.ModelProto, data: DataLike, table: CalibrationTable,
+                           cfg: Config) -> tuple[QuantizeConfig, Optional[Decision]]:
+    """(cfg.quantization with `dynamic_weights` settled to column or tensor, the decision); the
+    options unchanged and no decision when they already say column or tensor. `model`: the one at
+    `model_path`, loaded."""
+    options = cfg.quantization
+    if options.dynamic_weights != "auto":
+        return options, None
+    column = replace(options, dynamic_weights="column")
+    if not options.per_channel:
+        return column, Decision(OPTION, "column", "weights per tensor already (per_channel off)")
+    if matmul_strategy(model, GraphIndex(model), options)[0] != "dynamic":
+        return column, Decision(OPTION, "column", "no dynamic MatMul")
+    prepared, plan = prepared_model(model_path, smoothed_options(column, table))  # the graph quantize_model makes
+    layers = len(plan.dynamic_matmuls)
+    if not layers:
+        return column, Decision(OPTION, "column", "no dynamic MatMul")
+    weight_sqnr = per_tensor_sqnr(prepared, set(plan.dynamic_matmuls))
+    if weight_sqnr < MIN_WEIGHT_SQNR:
+        return column, Decision(OPTION, "column", f"per tensor, a weight's median column of the {layers} dynamic "
+                                f"MatMul(s) would keep an SQNR of {weight_sqnr:.1f} dB, below {MIN_WEIGHT_SQNR}")
+    graph = quantize_model(model_path, table, ranges_only(column), allow_missing=True)
+    evaluate, count = measurer(model_path, input_specs(model), data, cfg)
+    tensor = replace(options, dynamic_weights="tensor")
+    per_column = evaluate(graph.model)[0]
+    per_tensor = evaluate(quantize_model(model_path, table, ranges_only(tensor), allow_missing=True).model)[0]
+    chosen, kind = ((tensor, "tensor") if per_tensor["cosine"] >= per_column["cosine"] - TOLERANCE
+                    else (column, "column"))
+    return chosen, Decision(OPTION, kind, f"per tensor unless it loses {TOLERANCE} of mean cosine "
+                            f"({layers} dynamic MatMuls)",
+                            (("column", figures(per_column)), ("tensor", figures(per_tensor))), count)

@@ -1,0 +1,75 @@
+"""The form of HardSigmoid/HardSwish between uint8 tensors, chosen by measurement (quantization
+option `hard_activations: auto`, the default, target ort-cpu).
+
+onnxruntime has no int8 HardSigmoid or HardSwish; qtool writes them as QLinearAdd (+ QLinearMul)
+integer kernels (qtool.quantization.hard_activations), faster, with the gate rounded to 1/255,
+which many such layers in a row can feel. The all-int8 model with the integer forms is measured
+(qtool.choices.measure); at a mean cosine of KEEP it stays; below, the same model with the float
+forms is measured too and kept when MARGIN_DB closer to fp32. A model without such nodes in its
+fp32 graph, or without calibration data, keeps the integer forms unmeasured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import onnx
+
+from qtool.choices.decision import Decision
+from qtool.choices.measure import KEEP, MARGIN_DB, figures, measurer, ranges_only
+from qtool.config import Config, QuantizeConfig
+from qtool.data.dataset import DataLike
+from qtool.graph.index import attribute
+from qtool.graph.modelio import input_specs
+from qtool.quantization.hard_activations import HARD
+from qtool.quantization.quantize import kernel_forms, quantize_model
+from qtool.table.table import CalibrationTable
+
+OPTION = "quantization.hard_activations"
+
+
+def _hard_nodes(model: onnx.ModelProto) -> int:
+    return sum(node.op_type in HARD and node.domain in ("", "ai.onnx") for node in model.graph.node)
+
+
+def _may_have_hard_nodes(model: onnx.ModelProto) -> bool:
+    """The fp32 model has a main-graph HardSigmoid/HardSwish, as an op or as the activation of
+    onnxruntime's FusedConv/FusedGemm (written out when the model is prepared): the only ones the
+    integer forms rewrite."""
+    return any(node.op_type in HARD or attribute(node, "activation", b"") == b"HardSigmoid"
+               for node in model.graph.node)
+
+
+def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Optional[DataLike],
+                      table: CalibrationTable, cfg: Config) -> tuple[QuantizeConfig, Optional[Decision]]:
+    """(cfg.quantization with `hard_activations` settled to integer or float, the decision); the
+    options unchanged and no decision when they already say integer or float. `model`: the one at
+    `model_path`, loaded; `data` None: nothing to measure on."""
+    options = cfg.quantization
+    if options.hard_activations != "auto":
+        return options, None
+    integer = replace(options, hard_activations="integer")
+    if options.target != "ort-cpu" or not _may_have_hard_nodes(model):
+        return integer, Decision(OPTION, "integer", "no HardSigmoid/HardSwish written as onnxruntime kernels")
+    if data is None:
+        return integer, Decision(OPTION, "integer", "no calibration data to measure the float form on")
+    graph = quantize_model(model_path, table, ranges_only(integer), allow_missing=True)
+    written = _hard_nodes(graph.canonical) - _hard_nodes(graph.model)
+    if written <= 0:
+        return integer, Decision(OPTION, "integer", "no HardSigmoid/HardSwish between uint8 tensors")
+    evaluate, count = measurer(model_path, input_specs(model), data, cfg)
+    with_integer = evaluate(graph.model)[0]
+    if with_integer["cosine"] >= KEEP:
+        return integer, Decision(OPTION, "integer", f"the integer forms reach a mean cosine of {KEEP}",
+                                 (("integer", figures(with_integer)),), count)
+    floats = replace(options, hard_activations="float")
+    float_model = onnx.ModelProto()
+    float_model.CopyFrom(graph.canonical)  # the same int8 model before its kernel forms
+    kernel_forms(float_model, ranges_only(floats))
+    with_float = evaluate(float_model)[0]
+    chosen, kind = ((floats, "float") if with_float["cosine_db"] >= with_integer["cosine_db"] + MARGIN_DB
+                    else (integer, "integer"))
+    return chosen, Decision(OPTION, kind, f"{written} node(s); the float form must be {MARGIN_DB} dB closer to fp32",
+                            (("integer", figures(with_integer)), ("float", figures(with_float))), count)

@@ -1,0 +1,62 @@
+"""The range method chosen by measurement (calibration method `auto`, the default).
+
+No one range method suits every model (docs/accuracy.md, "Range methods"). One calibration pass
+keeps a histogram of every tensor and builds the table of each candidate method from it; the
+model is quantized with each (qtool.choices.measure) and the table whose int8 model is closest
+to fp32 is kept. Min-max comes first and stays when it already reaches a mean cosine of KEEP
+(the others are then not quantized at all) or when no other method gains MARGIN_DB over it: it
+clips nothing, and the rare large values other methods clip can matter more to a task than to
+the cosine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+from qtool.calibration.calibrate import calibrate_methods
+from qtool.choices.decision import Decision
+from qtool.choices.measure import KEEP, MARGIN_DB, figures, measurer, ranges_only
+from qtool.config import Config
+from qtool.data.dataset import DataLike
+from qtool.graph.executor import Engine
+from qtool.graph.modelio import input_specs, load_model
+from qtool.quantization.quantize import quantize_model
+from qtool.table.table import CalibrationTable
+
+CANDIDATES = ("minmax", "mse", "percentile")  # the first is kept on ties
+OPTION = "calibration.method"
+
+
+def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress: bool = True,
+                  engine: Optional[Engine] = None) -> tuple[CalibrationTable, list[CalibrationTable], Decision]:
+    """(the table of the candidate method whose int8 model measures closest to fp32 on the
+    calibration data, its notes saying what was measured; every candidate's table; the decision)."""
+    tables = calibrate_methods(model_path, data, cfg.preprocess, cfg.calibration, cfg.quantization,
+                               list(CANDIDATES), progress, engine)
+    first = tables[0]
+    if all(t.tensors == first.tensors for t in tables[1:]):  # no activation ranges, or all methods agree
+        return first, tables, Decision(OPTION, first.method, "every candidate method gives the same ranges")
+    evaluate, count = measurer(model_path, input_specs(load_model(model_path)), data, cfg)
+    measured = []
+    for table in tables:
+        measured.append(evaluate(quantize_model(model_path, table, ranges_only(cfg.quantization),
+                                                allow_missing=True).model)[0])
+        if measured[0]["cosine"] >= KEEP:
+            decision = Decision(OPTION, first.method, f"the first candidate reaches a mean cosine of {KEEP}",
+                                ((first.method, figures(measured[0])),), count)
+            return first, tables, decision
+    best = 0
+    for i, candidate in enumerate(measured[1:], 1):
+        if candidate["cosine_db"] > measured[best]["cosine_db"] + MARGIN_DB:
+            best = i
+    decision = Decision(OPTION, tables[best].method,
+                        f"closest to fp32 (another method must gain {MARGIN_DB} dB over {first.method})",
+                        tuple((t.method, figures(f)) for t, f in zip(tables, measured)), count)
+    notes = [decision.note()] if best else []
+    if measured[best]["cosine"] < KEEP:
+        notes.append(f"the all-int8 model's mean cosine to fp32 on {count} calibration samples is "
+                     f"{measured[best]['cosine']:.4f}, below {KEEP}: quantize --eval-data DIR --target-cosine {KEEP} "
+                     f"keeps the layers that need it in float")
+    return replace(tables[best], notes=tables[best].notes + tuple(notes)), tables, decision

@@ -1,0 +1,90 @@
+"""Settle, then build: the plain command's choices are data (decisions in the API and in --json,
+each note rendered from one), the settled config replays the same bytes in a fresh process with
+another environment and measures nothing, and the plain command writes the same bytes when the
+machine is loaded (nothing is timed by default)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import CALIB_SAMPLES, EFFNET, ROOT, run_qtool
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The plain command on the shipped model and photos, with --json and --save-config."""
+    folder = tmp_path_factory.mktemp("plain")
+    out, report, settled = folder / "q.onnx", folder / "q.json", folder / "settled.yaml"
+    done = run_qtool("quantize", EFFNET, "--data", CALIB_SAMPLES, "-o", out, "--json", report,
+                     "--save-config", settled)
+    assert done.returncode == 0, done.stderr
+    return out, json.loads(report.read_text()), settled, done
+
+
+def test_every_auto_is_a_decision_in_the_json_and_its_note_is_rendered_from_it(plain):
+    _, report, settled, done = plain
+    options = [d["option"] for d in report["decisions"]]
+    # the range method (measured), then the choices the plain command meets on a CNN, in order
+    assert options[:4] == ["calibration.method", "quantization.dynamic_weights", "quantization.hard_activations",
+                           "quantization.matmul"]
+    method = report["decisions"][0]
+    assert method["measured"] and method["measured"][0]["candidate"] == "minmax" and method["samples"] == 10
+    assert all({"cosine", "cosine_db"} <= set(m) for m in method["measured"])
+    # every auto of the config has its value in the settled config
+    config = yaml.safe_load(settled.read_text())
+    for decision in report["decisions"]:
+        section, key = decision["option"].split(".")
+        value = config[section][key]
+        assert (value == decision["value"] or
+                (isinstance(value, list) and set(decision["value"]) <= set(value))), decision
+    autos = [f"{s}.{k}" for s in ("calibration", "quantization") for k, v in config[s].items() if v == "auto"]
+    assert autos == [] or autos == ["quantization.embeddings"], autos  # embeddings: a per-table rule, no measurement
+    assert config["quantization"]["latency_aware"] == "off"
+    # a measured decision's note is one of the note lines, made from its record
+    from qtool.choices.decision import Decision
+    record = Decision(method["option"], method["value"], method["rule"],
+                      tuple((m["candidate"], {k: v for k, v in m.items() if k != "candidate"})
+                            for m in method["measured"]), method["samples"])
+    assert f"note: {record.note()}" in done.stderr.splitlines()
+
+
+def test_the_settled_config_replays_the_same_bytes_in_a_fresh_environment(plain, tmp_path):
+    out, _, settled, _ = plain
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PYTHONPATH": str(ROOT),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    replay, report = tmp_path / "replay.onnx", tmp_path / "replay.json"
+    done = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(EFFNET), "--data", str(CALIB_SAMPLES),
+                           "--config", str(settled), "-o", str(replay), "--json", str(report)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert _sha(replay) == _sha(out)
+    decisions = json.loads(report.read_text())["decisions"]
+    assert not any(d["measured"] or d["details"] for d in decisions), decisions  # nothing measured
+
+
+def test_the_plain_command_writes_the_same_bytes_beside_a_process_that_loads_both_cores(plain, tmp_path):
+    out, _, _, _ = plain
+    spin = "import time\nend = time.time() + 300\nwhile time.time() < end: pass\n"
+    load = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 2)]
+    try:
+        again = tmp_path / "loaded.onnx"
+        done = run_qtool("quantize", EFFNET, "--data", CALIB_SAMPLES, "-o", again)
+    finally:
+        for process in load:
+            process.kill()
+            process.wait()
+    assert done.returncode == 0, done.stderr
+    assert _sha(again) == _sha(out)
