@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from qtool import api
 from qtool.calibration.smoothing import measured_smoothing
@@ -230,3 +230,54 @@ def test_per_layer_error_leaves_out_the_rescaled_tensors(tmp_path, form):
     reported = {e.tensor for e in errors}
     assert not reported & rescaled and {"x", "d"} <= reported
     assert all(e.cosine > 0.99 for e in errors), [(e.tensor, e.cosine) for e in errors]
+
+
+MULTIPLIER = 2  # depthwise channel multiplier: output channel o reads input channel o // MULTIPLIER
+
+
+def _multiplier_chain(rng) -> onnx.ModelProto:
+    """x -> conv_a (a: channels whose ranges lie 100x apart) -> Relu -> depthwise conv with channel
+    multiplier 2 (group = C, 2C output channels, the two of input channel c next to each other) -> y."""
+    wa = rng.normal(0, 0.5, (C, 3, 3, 3)).astype(np.float32) * GAINS.reshape(-1, 1, 1, 1)
+    ba = rng.normal(0, 0.5, C).astype(np.float32) * GAINS
+    # every output channel its own range, so a factor applied to the wrong one shows
+    wd = rng.normal(0, 0.5, (MULTIPLIER * C, 1, 3, 3)).astype(np.float32) \
+        * np.linspace(0.5, 3.0, MULTIPLIER * C, dtype=np.float32).reshape(-1, 1, 1, 1)
+    bd = rng.normal(0, 0.1, MULTIPLIER * C).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["h"], name="relu"),
+             helper.make_node("Conv", ["h", "wd", "bd"], ["y"], name="dw", group=C, pads=[1, 1, 1, 1])]
+    return model(nodes, [tensor("x", ["N", 3, 8, 8])], [tensor("y", ["N", MULTIPLIER * C, 8, 8])],
+                 [init("wa", wa), init("ba", ba), init("wd", wd), init("bd", bd)])
+
+
+@pytest.mark.parametrize("how", ["cross_layer", "activations"])
+def test_a_depthwise_channel_multiplier_keeps_the_fp32_outputs(tmp_path, how):
+    """Conv -> Relu -> depthwise Conv with channel multiplier 2: input channel c's factor goes to
+    the depthwise Conv's output channels 2c and 2c + 1 (np.repeat, not np.tile), so the graph that
+    calibration and quantization see computes what the exported one does. Both ways a user
+    equalizes: cross-layer equalization (`equalize: true`) and activation equalization (the default)."""
+    from qtool.config import load_config
+    from qtool.table.table import smoothed_options
+
+    rng = np.random.default_rng(7)
+    path = tmp_path / "m.onnx"
+    onnx.save(_multiplier_chain(rng), path)
+    data = write_samples(tmp_path / "data", rng, [3, 8, 8], count=8, scale=2.0)
+    quantization = {"latency_aware": "off", "equalize": how == "cross_layer",
+                    "equalize_activations": how == "activations"}
+    config = {"calibration": {"method": "minmax"}, "quantization": quantization}
+    table = api.calibrate(path, data, config, progress=False)
+    # the fp32 graph quantize works on: prepared with the options and the table's equalization scales
+    options = smoothed_options(load_config(config).quantization, table)
+    assert (list(table.smoothing) == ["a"]) == (how == "activations")
+    prepared, _ = prepared_model(path, options)
+    weights = {t.name: numpy_helper.to_array(t) for t in prepared.graph.initializer}
+    original = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    # equalization did rescale the pair, by factors that differ from channel to channel
+    ratio = (weights["wa"].reshape(C, -1) / original["wa"].reshape(C, -1))[:, 0]
+    assert ratio.max() / ratio.min() > 2
+    x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
+    ref = create_session(str(path)).run(None, {"x": x})[0]
+    got = create_session(prepared).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
 
@@ -16,7 +17,7 @@ from qtool.calibration.observer import observe
 from qtool.data.dataset import Batch
 from qtool.calibration.statistics import TensorStats
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG
-from tests.graphs import conv_model
+from tests.graphs import conv_model, write_samples
 
 BASE = ["--config", str(EFFNET_CONFIG), "--batch-size", "2"]
 
@@ -131,3 +132,72 @@ def test_statistics_travel_to_and_from_workers_whole_and_small():
     assert copy.hist.dtype == np.int64 and np.array_equal(copy.hist, stats.hist) and copy.sampled == stats.sampled
     assert len(pickle.dumps(stats)) < stats.hist.nbytes // 8
     assert pickle.loads(pickle.dumps(TensorStats())).hist is None
+
+
+# ---- a partial last batch, without the kit and without Dask --------------------------------------
+# 9 samples in batches of 2 make 5 batches, the last of one sample; the last sample is the loudest,
+# so a shard that dropped it would change the ranges as well as the sample count.
+PARTIAL = 9
+
+
+def _partial_batch_data(tmp_path):
+    """A small Conv model and PARTIAL samples whose last one holds the largest values: (model, folder)."""
+    rng = np.random.default_rng(3)
+    model = tmp_path / "m.onnx"
+    onnx.save(conv_model(rng, c_in=3, c_out=4, activation="Relu", size=6), model)
+    data = write_samples(tmp_path / "data", rng, (3, 6, 6), count=PARTIAL)
+    last = sorted(data.iterdir())[-1]
+    np.save(last, np.load(last) * 10)
+    return model, data
+
+
+def _single_table(tmp_path, model, data) -> dict:
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--data", str(data), "--batch-size", "2",
+                                       "--method", "minmax", "-o", str(tmp_path / "single.json")])
+    assert result.exit_code == 0, result.output
+    single = json.loads((tmp_path / "single.json").read_text())
+    assert single["num_samples"] == len(list(data.iterdir())) == PARTIAL
+    return single
+
+
+def test_shards_with_a_partial_last_batch_merge_to_the_single_run(tmp_path):
+    """--shard K/3 then --merge, in this process: the last shard ends with the partial batch."""
+    model, data = _partial_batch_data(tmp_path)
+    single = _single_table(tmp_path, model, data)
+    files = []
+    for k in range(3):  # 5 batches over 3 shards: 1, 2 and 2 batches, the last of them 1 sample
+        files.append(tmp_path / f"s{k}.npz")
+        result = CliRunner().invoke(main, ["calibrate", str(model), "--data", str(data), "--batch-size", "2",
+                                           "--shard", f"{k}/3", "-o", str(files[-1])])
+        assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--batch-size", "2", "--method", "minmax",
+                                       "--merge", *map(str, files), "-o", str(tmp_path / "merged.json")])
+    assert result.exit_code == 0, result.output
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["num_samples"] == PARTIAL
+    assert merged["tensors"] == single["tensors"]
+    assert (tmp_path / "merged.json").read_bytes() == (tmp_path / "single.json").read_bytes()
+
+
+def test_workers_with_a_partial_last_batch_equal_the_single_run(tmp_path):
+    """The data cut into runs of whole batches for workers (split_shard): local processes
+    (--workers 2) over a folder, and a thread pool (executor=) over the same samples in memory."""
+    import concurrent.futures
+
+    from qtool import api
+
+    model, data = _partial_batch_data(tmp_path)
+    single = _single_table(tmp_path, model, data)
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--data", str(data), "--batch-size", "2",
+                                       "--method", "minmax", "--workers", "2", "-o", str(tmp_path / "w2.json")])
+    assert result.exit_code == 0, result.output
+    workers = json.loads((tmp_path / "w2.json").read_text())
+    assert workers["num_samples"] == PARTIAL and workers["tensors"] == single["tensors"]
+    assert (tmp_path / "w2.json").read_bytes() == (tmp_path / "single.json").read_bytes()
+    samples = [{"x": np.load(f)} for f in sorted(data.iterdir())]
+    config = {"calibration": {"batch_size": 2, "method": "minmax"}}
+    alone = api.calibrate(model, samples, config, progress=False)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pooled = api.calibrate(model, samples, config, progress=False, executor=pool)
+    assert alone.num_samples == pooled.num_samples == PARTIAL
+    assert pooled.to_json_text() == alone.to_json_text()

@@ -321,3 +321,32 @@ def test_the_sessions_take_turns_each_first_in_turn():
     times = time_sessions({name: Recorder(name) for name in "abc"}, {}, warmup=0, runs=4)
     assert {name: len(values) for name, values in times.items()} == {"a": 4, "b": 4, "c": 4}
     assert "".join(order) == "abc" + "bca" + "cab" + "abc"
+
+
+FAST, LEVEL = 1 - 2 * latency.MARGIN, 1.0  # int8 time over fp32's: well ahead of the margin, or level
+
+
+@pytest.mark.parametrize("at_batch_one, at_the_batch", [(FAST, FAST), (FAST, LEVEL), (LEVEL, FAST), (LEVEL, LEVEL)])
+def test_the_int8_model_must_be_ahead_of_fp32_at_both_batch_sizes(at_batch_one, at_the_batch):
+    """choose() with an injected measurement of two feed sets (batch 1, the calibration batch): the
+    int8 model counts as ahead of fp32 only when it is more than MARGIN faster at both; ahead at one
+    and level at the other, the fallback goes on and (the one weighted type staying int8) the note
+    says it is no more than 5% faster. Nothing is timed."""
+    fp32_times = [2.0e-3, 8.0e-3]
+    int8_times = [at_batch_one * fp32_times[0], at_the_batch * fp32_times[1]]
+    calls = []
+
+    def measure(models):
+        calls.append(dict(models))
+        times = {"fp32": fp32_times, "int8": int8_times}
+        return {name: list(times[name]) for name in models}
+
+    choice = latency.choose(lambda: "fp32", {"conv": "Conv"}, lambda labels: "int8", "key", measure)
+    assert calls and all(c == {"int8": "int8", "fp32": "fp32"} for c in calls)  # only int8 against fp32
+    ahead = at_batch_one == at_the_batch == FAST
+    assert choice.labels == ()  # the last weighted layer stays int8 either way
+    notes = [n for n in choice.notes if n.startswith("onnxruntime runs this int8 model no more than 5% faster")]
+    assert bool(notes) == (not ahead), choice.notes
+    assert len(calls) == (2 if ahead else 1)  # ahead must be shown twice; behind once is enough
+    if notes:
+        assert "(batch 1 / the calibration batch;" in notes[0]

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 import qtool
 from qtool.errors import QtoolError
 from tests.conftest import kit_path, run_qtool
+from tests.graphs import conv_model, write_samples
 
 CORPUS = Path(__file__).resolve().parent / "bad_inputs"
 OK_DATA = CORPUS / "data" / "ok"
@@ -125,6 +126,40 @@ def test_converter_failure_falls_back_to_per_tensor_weights(tmp_path):
     got = ort.InferenceSession(result.model.SerializeToString()).run(None, {"x": x})[0]
     assert np.abs(ref - got).max() < 0.05 * np.abs(ref).max()
 
+
+
+def test_a_model_at_exactly_opset_13_gets_per_channel_weights(tmp_path):
+    """Opset 13 is the first with per-channel DequantizeLinear (its `axis`): such a model is neither
+    converted nor left per-tensor. A Conv whose output channels' weights span ranges 50x apart gets
+    one scale per output channel (axis 0), each rounding its own channel to within half its step."""
+    rng = np.random.default_rng(2)
+    built = conv_model(rng, c_in=3, c_out=6, activation="Relu", size=8)
+    built.opset_import[0].version = 13  # Conv, Relu and Softsign are the same ops there
+    weight = next(t for t in built.graph.initializer if t.name == "w")
+    gains = np.array([1.0, 0.02, 0.3, 5.0, 0.1, 1.5], np.float32).reshape(-1, 1, 1, 1)
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * gains, "w"))
+    onnx.checker.check_model(built, full_check=True)
+    path = tmp_path / "m13.onnx"
+    onnx.save(built, path)
+    data = write_samples(tmp_path / "data", rng, (3, 8, 8), count=8)
+    result = qtool.quantize(path, data=data, config={"calibration": {"method": "minmax"},
+                                                     "quantization": {"latency_aware": "off"}}, progress=False)
+    assert _opset(result.model) == 13
+    assert not any("opset" in note or "per-tensor" in note for note in result.notes), result.notes
+    inits = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    conv = next(n for n in result.model.graph.node if n.op_type == "Conv")
+    dq = next(n for n in result.model.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == conv.input[1])
+    axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)  # DequantizeLinear's default axis is 1
+    scale, zero = inits[dq.input[1]], inits[dq.input[2]]
+    assert axis == 0 and scale.shape == (6,) and zero.shape == (6,)
+    w = numpy_helper.to_array(weight)
+    dequantized = (inits[dq.input[0]].astype(np.float32) - zero.reshape(-1, 1, 1, 1)) * scale.reshape(-1, 1, 1, 1)
+    error = np.abs(dequantized - w).reshape(6, -1).max(axis=1)
+    assert (error <= scale * 0.5 * (1 + 1e-5)).all()
+    # each channel's step follows its own range (a per-tensor step would be the largest for all)
+    ranges = np.abs(w).reshape(6, -1).max(axis=1)
+    assert scale.argmax() == ranges.argmax() and scale.argmin() == ranges.argmin()
+    assert scale.max() / scale.min() > 0.5 * ranges.max() / ranges.min()
 
 @pytest.mark.parametrize("command", ["calibrate", "quantize"])
 def test_help_documents_keep_opset_and_the_deprecated_alias(command):

@@ -500,3 +500,51 @@ def test_kit_transformer_blocks_are_recognised(name, found):
     if name == "minilm_l6_v2_sentence.onnx":  # no range anywhere near float32 min
         masked = float_blocks(GraphIndex(model)).tensors
         assert masked and not masked & set(plan.activations)
+
+
+def _bert_mask_attention(rng) -> onnx.ModelProto:
+    """Single-head attention whose additive mask is BERT's (1 - m) * -10000 on a mask input m:
+    the constant is exactly -1e4, the value at which the mask rule begins (MASK_LIMIT)."""
+    c = graphs.init
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="q"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="k"),
+             helper.make_node("MatMul", ["x", "wv"], ["v"], name="v"),
+             helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+             helper.make_node("Mul", ["s", "scale"], ["ss"], name="scale"),
+             helper.make_node("Sub", ["one", "m"], ["inv"], name="inv"),
+             helper.make_node("Mul", ["inv", "minus"], ["bias"], name="mask_mul"),
+             helper.make_node("Add", ["ss", "bias"], ["sm"], name="mask_add"),
+             helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    inits = [_weight(rng, n, D, D) for n in ("wq", "wk", "wv")] + [
+        c("scale", np.float32(D ** -0.5)), c("one", np.float32(1.0)), c("minus", np.float32(-10000.0))]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", S, D]), graphs.tensor("m", ["N", 1, S])],
+                        [graphs.tensor("y", None)], inits)
+
+
+def test_bert_mask_of_exactly_minus_ten_thousand_is_a_mask(tmp_path):
+    """(1 - m) * -10000: the Mul writing the mask is kept float by the mask rule alone (the
+    attention-scores rule covers MatMul -> Softmax, not the mask's own nodes), and no int8 range
+    of the quantized model reaches the mask's -1e4."""
+    rng = np.random.default_rng(0)
+    m = _bert_mask_attention(rng)
+    plan = build_plan(m, STATIC)
+    assert not {"bias", "sm"} & set(plan.activations) and "mask_mul" in _float(plan)
+    assert float_blocks(GraphIndex(m)).counts.get("mask") == 1
+    assert {"q", "k", "v", "pv"} <= set(plan.quantized_nodes)
+    keep = np.ones((1, 1, S), np.float32)
+    keep[..., -2:] = 0  # the last two key positions masked out
+    samples = [{"x": rng.normal(0, 1, (1, S, D)).astype(np.float32), "m": keep} for _ in range(16)]
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    table = calibrate(path, samples, PreprocessConfig(), CalibrationConfig(batch_size=8, method="minmax"), STATIC,
+                      progress=False)
+    qmodel = quantize_model(path, table, STATIC).model
+    widths = _quantize_scales(qmodel)
+    assert "p" in widths and max(widths.values()) < 1e3  # no range holds -1e4
+    feeds = {"x": np.concatenate([s["x"] for s in samples]), "m": np.repeat(keep, len(samples), axis=0)}
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ort.InferenceSession(qmodel.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    assert sqnr_db(float(np.sum(ref ** 2)), float(np.sum((ref - got) ** 2))) > 20
