@@ -341,7 +341,7 @@ def test_the_int8_model_must_be_ahead_of_fp32_at_both_batch_sizes(at_batch_one, 
         times = {"fp32": fp32_times, "int8": int8_times}
         return {name: list(times[name]) for name in models}
 
-    choice = latency.choose(lambda: "fp32", {"conv": "Conv"}, lambda labels: "int8", "key", measure)
+    choice = latency.choose(lambda: "fp32", {"conv": "Conv"}, lambda labels: "int8", measure)
     assert calls and all(c == {"int8": "int8", "fp32": "fp32"} for c in calls)  # only int8 against fp32
     ahead = at_batch_one == at_the_batch == FAST
     assert choice.labels == ()  # the last weighted layer stays int8 either way
