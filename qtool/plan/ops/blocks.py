@@ -52,7 +52,7 @@ import onnx
 from onnx import TensorProto
 
 from qtool.graph.index import GraphIndex, attribute, node_label
-from qtool.plan.ops import BlockRule, register_block
+from qtool.plan.ops.rule import BlockRule
 
 MASK_LIMIT = -1e4  # a constant at or below this is a mask's "minus infinity"
 _MOVERS = ("Reshape", "Flatten", "Transpose", "Unsqueeze", "Squeeze", "Cast", "Expand", "Identity")
@@ -477,7 +477,7 @@ def _integer_values(ctx: GraphIndex) -> set[str]:
     return {o for chain in _from_integers(ctx) for node in chain for o in node.output if o and ctx.is_float(o)}
 
 
-register_block(
+RULES = (
     BlockRule("LayerNorm chain", layer_norm_chains),
     BlockRule("normalization", normalizations),
     BlockRule("log spectrum", _log_spectra),

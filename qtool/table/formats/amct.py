@@ -29,7 +29,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 from google.protobuf.message import DecodeError
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import entry_from_qparams, to_dtype
 from qtool.table.formats.model_view import LayerEntries, shown, warn_uncovered
 from qtool.table.qparams import QParams
@@ -170,7 +170,9 @@ def _write_binary(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return build_record(table, ctx).SerializeToString()
 
 
-register(TableFormat("amct", "Huawei AMCT record, protobuf text (per layer)", _detect_text, _read_text, _write_text,
-                     by_layer=True))
-register(TableFormat("amct-binary", "Huawei AMCT record, binary protobuf (per layer)", _detect_binary, _read_binary,
-                     _write_binary, by_layer=True))
+FORMATS = (
+    TableFormat("amct", "Huawei AMCT record, protobuf text (per layer)", _detect_text, _read_text, _write_text,
+                by_layer=True),
+    TableFormat("amct-binary", "Huawei AMCT record, binary protobuf (per layer)", _detect_binary, _read_binary,
+                _write_binary, by_layer=True),
+)

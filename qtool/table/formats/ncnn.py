@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import (decode_text, entry_from_symmetric, f64_text, is_integer, is_number, parse_float,
                                   symmetric_scale, text_rows, warn_widened)
 from qtool.table.formats.model_view import LayerEntries, warn_uncovered
@@ -64,4 +64,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return ("\n".join(weight_lines + blob_lines) + "\n").encode("utf-8")
 
 
-register(TableFormat("ncnn", "ncnn int8 table (layer 127/amax, per layer)", _detect, _read, _write, by_layer=True))
+FORMATS = (TableFormat("ncnn", "ncnn int8 table (layer 127/amax, per layer)", _detect, _read, _write, by_layer=True),)

@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import entry_from_range
 from qtool.table.formats.common import imported_table
 from qtool.table.table import CalibrationTable
@@ -102,4 +102,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return json.dumps(document).encode("utf-8")
 
 
-register(TableFormat("onnxruntime", "onnxruntime's calibration cache (TensorsData JSON)", _detect, _read, _write))
+FORMATS = (TableFormat("onnxruntime", "onnxruntime's calibration cache (TensorsData JSON)", _detect, _read, _write),)

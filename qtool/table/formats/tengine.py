@@ -16,7 +16,7 @@ Tengine tool that writes such files.
 from __future__ import annotations
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import (decode_text, entry_from_qparams, f32_text, imported_table, is_integer, is_number,
                                   parse_float, text_rows)
 from qtool.table.qparams import QParams
@@ -60,4 +60,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
-register(TableFormat("tengine", "Tengine calibration table (tensor scale zero_point)", _detect, _read, _write))
+FORMATS = (TableFormat("tengine", "Tengine calibration table (tensor scale zero_point)", _detect, _read, _write),)

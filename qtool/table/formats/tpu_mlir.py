@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import (decode_text, entry_from_qparams, entry_from_range, f64_text, imported_table,
                                   is_number, is_symmetric, parse_float)
 from qtool.table.qparams import QParams
@@ -110,4 +110,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
-register(TableFormat("tpu-mlir", "TPU-MLIR calibration table (name threshold min max)", _detect, _read, _write))
+FORMATS = (TableFormat("tpu-mlir", "TPU-MLIR calibration table (name threshold min max)", _detect, _read, _write),)
