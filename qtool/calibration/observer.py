@@ -21,18 +21,18 @@ the same single pass as the real outputs:
              of rows and columns, on the NCHWc layout), so they still need no full reorder
 
 Python receives a few scalars and bounded samples per tensor and batch, and folds them
-into fixed-size summaries (qtool.statistics) before the next batch. The odd step keeps
+into fixed-size summaries (qtool.calibration.statistics) before the next batch. The odd step keeps
 the sample from locking onto one channel or column of a power-of-two layout. A batch
 whose extremes are not finite (NaN/Inf) is re-run with the offending tensors exposed
 whole so their non-finite values can be counted and excluded exactly. A tensor bounded by
 construction (a Clip output) whose extremes have reached its bounds stops having them
 reduced: the session is rebuilt without its max/min (and, for plain min-max, without
-anything else of it; qtool.saturation). A saturated tensor with a histogram keeps its
+anything else of it; qtool.calibration.saturation). A saturated tensor with a histogram keeps its
 sample, and its count comes from the sample's source: the size of the pooled grid times
 H x W over the grid's positions, or the size of the flattened tensor, so its statistics
 stay exactly what they would have been (the extremes are the bounds). The observing
 sessions are variants of one model: they share its weights, held once as onnxruntime
-values (qtool.runtime.SharedWeights), so a (re)build serialises only the graph.
+values (qtool.graph.runtime.SharedWeights), so a (re)build serialises only the graph.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     min is "" for a provably non-negative 4-D tensor (its low end is 0), size is "" when the
     count comes from the channel maxima times `spatial` (static H x W), sample is "" when no
     histogram is needed. `known`: sampled tensors whose extremes are known already (saturated,
-    see qtool.saturation): only their sample and count are computed, min and max are ""; the
+    see qtool.calibration.saturation): only their sample and count are computed, min and max are ""; the
     count is int(size) * spatial // per_size (per_size: the positions of the pooled grid
     sample, whose size is then the one computed; 0 when size is the tensor's own)."""
     reduced = onnx.ModelProto()
@@ -185,9 +185,9 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
 
     `saturate`: tensors whose table entry needs only their overall extremes, plus their
     histogram for those in `histogram_for` (any method but the averaged min-max:
-    qtool.saturation.saturable). Those bounded by construction stop having their extremes
+    qtool.calibration.saturation.saturable). Those bounded by construction stop having their extremes
     reduced once they reach their bounds; the ones with a histogram keep being sampled
-    (qtool.saturation)."""
+    (qtool.calibration.saturation)."""
     return Observer(model, tensors, histogram_for, threads, sample_limit, saturate).run(batches, on_batch)
 
 

@@ -7,9 +7,9 @@ histogram counts), which is what sharded and multi-process calibration rely on.
 
 A summary holds the exact extremes of every value seen, the sums of per-batch
 extremes (for the averaged min-max method), and, for tensors whose range method
-needs a distribution, a 65,536-key histogram (qtool.histogram) of a bounded strided
+needs a distribution, a 65,536-key histogram (qtool.calibration.histogram) of a bounded strided
 sample of each batch (the observer takes at most a fixed number of values per
-tensor and batch; see qtool.observer).
+tensor and batch; see qtool.calibration.observer).
 """
 
 from __future__ import annotations

@@ -89,10 +89,10 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
         if tensor in rescaled:
             continue
         if tensor.endswith(PAD_SUFFIX) and tensor[: -len(PAD_SUFFIX)] in inputs:
-            # an input padded with zero channels (qtool.channel_pad): compared on its real channels
+            # an input padded with zero channels (qtool.quantization.channel_pad): compared on its real channels
             pairs.append(TensorPair(tensor[: -len(PAD_SUFFIX)], "", "input", -1, out))
         elif tensor.endswith(S2D_SUFFIX) and tensor[: -len(S2D_SUFFIX)] in inputs:
-            # an input rearranged into 2x2 blocks (qtool.stem_s2d): compared in the input's layout
+            # an input rearranged into 2x2 blocks (qtool.quantization.stem_s2d): compared in the input's layout
             pairs.append(TensorPair(tensor[: -len(S2D_SUFFIX)], "", "input", -1, out))
         elif tensor in inputs:
             pairs.append(TensorPair(tensor, "", "input", -1))

@@ -32,7 +32,7 @@
    output SQNR, or the mean over samples of the worst output's cosine, on the first
    `focus_samples` samples.
 
-Precisions change inside the finished int8 model (qtool.float_fallback), so each candidate
+Precisions change inside the finished int8 model (qtool.quantization.float_fallback), so each candidate
 costs one onnxruntime session and a run over the focus samples, bias correction and adaptive
 rounding of the int8 layers stay as they were measured, and the model that is verified on the
 evaluation data and written is exactly the one that was measured.

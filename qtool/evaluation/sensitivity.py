@@ -3,7 +3,7 @@
 For each quantizable layer L, the model is quantized with only L in int8 (its inputs,
 weights, bias and output through Q/DQ, everything else fp32) and run on a few samples;
 the SQNR of the model outputs against fp32 is L's sensitivity. Unlike the per-layer
-error of the fully quantized model (qtool.layer_error), this isolates L from the error
+error of the fully quantized model (qtool.evaluation.layer_error), this isolates L from the error
 its predecessors feed it, so the ranking says what keeping L in float would buy.
 
 A layer is a compute node together with the Relu/Clip it absorbs (they run as one

@@ -15,7 +15,7 @@ its int8 consumers, so every other layer computes exactly as in the int8 model; 
 weight and bias are the prepared fp32 graph's own. A dynamic int8 MatMul/Gemm
 (qtool.quantization.dynamic_matmul) becomes its fp32 node again, and its
 DynamicQuantizeLinear goes when no other layer reads it. The Max is the identity guard of
-qtool.rewrite.float_guard: without it onnxruntime's WeightBiasQuantization would
+qtool.quantization.rewrite.float_guard: without it onnxruntime's WeightBiasQuantization would
 quantize the float weight again behind our back.
 
 Float weights alone leave a layer's activations quantized, and a model whose loss sits in its

@@ -1,0 +1,56 @@
+"""Every dotted `qtool.x.y` a docstring names exists: the longest prefix that imports as a module,
+then attributes for the rest. Modules move; a docstring pointing at the old place sends the reader
+nowhere, and nothing else notices."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "qtool"
+
+# `qtool.` not inside a path or a longer name (configs/qtool.yaml, my_qtool.x).
+NAME = re.compile(r"(?<![\w/.-])qtool(?:\.[A-Za-z_]\w*)+")
+
+
+def _docstrings(tree: ast.Module):
+    """(line, text) of the module's, each class's and each function's docstring."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                yield first.value.lineno, first.value.value
+
+
+def named():
+    """(file:line, dotted name) for every qtool name in a docstring."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for line, text in _docstrings(ast.parse(path.read_text(), str(path))):
+            for match in NAME.finditer(text):
+                where = f"{path.relative_to(PACKAGE.parent)}:{line + text.count(chr(10), 0, match.start())}"
+                yield where, match.group(0)
+
+
+def resolves(name: str) -> bool:
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+def test_every_name_a_docstring_gives_exists():
+    names = list(named())
+    stale = [f"{where}: {name}" for where, name in names if not resolves(name)]
+    assert not stale, f"{len(stale)} names in docstrings that do not import:\n" + "\n".join(stale)
+    assert len(names) > 20  # the test reads real docstrings
