@@ -1,6 +1,6 @@
 """Every dotted `qtool.x.y` a docstring names exists: the longest prefix that imports as a module,
-then attributes for the rest. Modules move; a docstring pointing at the old place sends the reader
-nowhere, and nothing else notices."""
+then attributes for the rest; and every file path `qtool/x/y.py` it names is a file. Modules move;
+a docstring pointing at the old place sends the reader nowhere, and nothing else notices."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import importlib
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "qtool"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "qtool"
 
 # `qtool.` not inside a path or a longer name (configs/qtool.yaml, my_qtool.x).
 NAME = re.compile(r"(?<![\w/.-])qtool(?:\.[A-Za-z_]\w*)+")
+PATH = re.compile(r"(?<![\w/.-])qtool/[\w/]+\.\w+")  # relative to the repository
 
 
 def _docstrings(tree: ast.Module):
@@ -25,12 +27,12 @@ def _docstrings(tree: ast.Module):
                 yield first.value.lineno, first.value.value
 
 
-def named():
-    """(file:line, dotted name) for every qtool name in a docstring."""
+def named(pattern: re.Pattern = NAME):
+    """(file:line, name) for every match of `pattern` in a docstring."""
     for path in sorted(PACKAGE.rglob("*.py")):
         for line, text in _docstrings(ast.parse(path.read_text(), str(path))):
-            for match in NAME.finditer(text):
-                where = f"{path.relative_to(PACKAGE.parent)}:{line + text.count(chr(10), 0, match.start())}"
+            for match in pattern.finditer(text):
+                where = f"{path.relative_to(ROOT)}:{line + text.count(chr(10), 0, match.start())}"
                 yield where, match.group(0)
 
 
@@ -54,3 +56,10 @@ def test_every_name_a_docstring_gives_exists():
     stale = [f"{where}: {name}" for where, name in names if not resolves(name)]
     assert not stale, f"{len(stale)} names in docstrings that do not import:\n" + "\n".join(stale)
     assert len(names) > 20  # the test reads real docstrings
+
+
+def test_every_file_a_docstring_gives_exists():
+    paths = list(named(PATH))
+    stale = [f"{where}: {path}" for where, path in paths if not (ROOT / path).is_file()]
+    assert not stale, f"{len(stale)} file paths in docstrings that do not exist:\n" + "\n".join(stale)
+    assert paths  # the test reads real docstrings

@@ -7,7 +7,7 @@ integer inputs onnxruntime gave it (so differences never accumulate from layer t
 layer) and compared code for code with onnxruntime's output, in two forms:
 
 - fixed: int32 accumulation, int32 bias, a 31-bit multiplier and shift per output
-  channel (qtool/fixed_point.py), zero point, clamp: the integer-only arithmetic a
+  channel (qtool/integer/fixed_point.py), zero point, clamp: the integer-only arithmetic a
   fixed-point accelerator performs;
 - ort: the same integer accumulation requantized the way onnxruntime's MLAS kernels do
   it (float32 multiplier, round half to even), which should match exactly and shows

@@ -1,4 +1,4 @@
-"""qtool's own JSON table (qtool/table.py): canonical and lossless."""
+"""qtool's own JSON table (qtool/table/table.py): canonical and lossless."""
 
 from __future__ import annotations
 
