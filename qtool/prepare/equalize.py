@@ -185,14 +185,14 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
 # both Convs' weights are quantized per output channel, and the depthwise Conv's channel c reads
 # only input channel c.
 #
-# PP-LCNetV3 puts a learnable scalar affine between the hard-swish and the depthwise
+# Some backbones (PP-LCNetV3) put a learnable scalar affine between the hard-swish and the depthwise
 # Conv: y = a * hardswish(x) + b. Its "+ b" cannot stay a scalar once the channels are rescaled,
 # so the affine (with the hard-swish's "/ 6") becomes one depthwise 1x1 Conv, and since that Conv
 # can scale each channel again, y gets factors t of its own, measured on y: y / t = a * s / (6 t) *
 # (x' * Clip(s * x' + 3, 0, 6)) + b / t, and the depthwise Conv's channel c is multiplied by t_c.
 #
-# With a homogeneous activation (Relu, LeakyRelu) or none between the Convs (PP-LCNetV3's stem:
-# Conv + BatchNorm, then a depthwise Conv, its output channels 1 to 23), act(x / s) = act(x) / s
+# With a homogeneous activation (Relu, LeakyRelu) or none between the Convs (a stem of
+# Conv + BatchNorm, then a depthwise Conv), act(x / s) = act(x) / s
 # and the factors alone do it, measured on the depthwise Conv's input (a Relu's output is the int8
 # tensor). Unlike cross-layer equalization above, which balances weight ranges for per-tensor
 # weights, this balances the activation between two per-channel Convs, where it costs nothing.
