@@ -1,6 +1,7 @@
 """Every dotted `qtool.x.y` a docstring names exists: the longest prefix that imports as a module,
-then attributes for the rest; and every file path `qtool/x/y.py` it names is a file. Modules move;
-a docstring pointing at the old place sends the reader nowhere, and nothing else notices."""
+then attributes for the rest; and every file under qtool/, docs/, benchmarks/ or tests/ it names
+exists. Modules move; a docstring pointing at the old place sends the reader nowhere, and nothing
+else notices."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ PACKAGE = ROOT / "qtool"
 
 # `qtool.` not inside a path or a longer name (configs/qtool.yaml, my_qtool.x).
 NAME = re.compile(r"(?<![\w/.-])qtool(?:\.[A-Za-z_]\w*)+")
-PATH = re.compile(r"(?<![\w/.-])qtool/[\w/]+\.\w+")  # relative to the repository
+PATH = re.compile(r"(?<![\w/.-])(?:qtool|docs|benchmarks|tests)/[\w/-]+\.\w+")  # relative to the repository
 
 
 def _docstrings(tree: ast.Module):
@@ -39,9 +40,12 @@ def named(pattern: re.Pattern = NAME):
 def resolves(name: str) -> bool:
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
         try:
-            found = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and not (module + ".").startswith(exc.name + "."):
+                raise  # the module exists; something it imports does not
             continue
         for attribute in parts[cut:]:
             if not hasattr(found, attribute):

@@ -171,9 +171,10 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
 #
 # A pointwise Conv of a MobileNet-style backbone can write channels whose ranges lie 30 times apart,
 # and the depthwise Conv after its hard-swish multiplies the small ones by up to 125: one per-tensor
-# int8 range loses them (docs/accuracy.md, "Activation equalization"). Hard-swish is not homogeneous, so the rescale above does
-# not apply, but an exact rewrite does. With x' = x / s (s_c folded into the first Conv's weights
-# and bias) and s_c multiplied into the depthwise Conv's channel c:
+# int8 range loses them (docs/accuracy.md, "Activation equalization"). Hard-swish is not
+# homogeneous, so the rescale above does not apply, but an exact rewrite does. With x' = x / s
+# (s_c folded into the first Conv's weights and bias) and s_c multiplied into the depthwise Conv's
+# channel c:
 #
 #     hardswish(x) / s = x' * Clip(s * x' + 3, 0, 6) / 6
 #

@@ -2,9 +2,9 @@
 
 One module per format, each defining its TableFormat (`FORMATS`): how to recognise the
 file from its content, how to read it into qtool's CalibrationTable, and how to write a
-table out; FORMATS below lists them in detection order. `read_table` detects the format unless one is forced; `write_table`
-writes the named one. Formats keyed by layer rather than tensor (ncnn, AMCT) need
-the model to map layers to tensors; so does writing them.
+table out; FORMATS below lists them in detection order. `read_table` detects the format
+unless one is forced; `write_table` writes the named one. Formats keyed by layer rather
+than tensor (ncnn, AMCT) need the model to map layers to tensors; so does writing them.
 """
 
 from __future__ import annotations
