@@ -6,16 +6,8 @@ Data flows one way through the package:
     (dataset,         (observer,       (ranges, qparams,     (plan, ops/,          (evaluate,
      preprocess)       statistics)      table)                rewrite)              metrics, report)
 
-The public face (docs/api.md):
-
-    import qtool
-    table = qtool.calibrate("model.onnx", data, config="config.yaml")
-    result = qtool.quantize("model.onnx", table=table, config="config.yaml")
-    result.save("model.int8.onnx")
-    report = qtool.evaluate("model.onnx", "model.int8.onnx", data, config="config.yaml")
-
-Names are imported on first use (PEP 562), so `import qtool` and `qtool --help` do not
-load onnx, onnxruntime or numpy.
+The public face (qtool.calibrate, qtool.quantize, qtool.evaluate: docs/api.md) is imported on
+first use (PEP 562), so `import qtool` and `qtool --help` do not load onnx, onnxruntime or numpy.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def test_models_over_the_protobuf_limit(tmp_path, monkeypatch):
                                  str(tmp_path / "large.json"), "-o", str(tmp_path / "large.onnx")])
     assert large.exit_code == 0, large.output
     # sessions/checker (the observer's sessions need no file: they share the weights in memory,
-    # qtool.runtime.SharedWeights), and prepare x2
+    # qtool.graph.runtime.SharedWeights), and prepare x2
     assert calls["on_disk"] >= 1 and calls["shapes_only"] >= 2
     assert (tmp_path / "large.onnx.data").exists()
     assert _external_locations(tmp_path / "large.onnx") == {"large.onnx.data"}

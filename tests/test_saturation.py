@@ -1,4 +1,4 @@
-"""Early saturation (qtool.saturation): min-max tables stay byte-identical, and the rule stops
+"""Early saturation (qtool.calibration.saturation): min-max tables stay byte-identical, and the rule stops
 observing a bounded tensor only once its extremes have reached both of its bounds."""
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """A fixed, exactly mergeable histogram of float32 values keyed on their top 16 bits.
 
-The top 16 bits of an IEEE float32 (sign, 8 exponent bits, 7 mantissa bits: the
-bfloat16 of the value, truncated) split the whole finite float line into 65,280
-bins whose width is at most 1/128 of the values they hold (~0.4% on average). So
-
-* no range has to be known in advance and nothing is ever re-binned while
-  streaming: a tensor whose range grows batch after batch just fills other bins;
-* two histograms of disjoint data merge by adding their counts, exactly, which is
-  what sharded (`--shard`) and multi-process (`--workers`) calibration rely on;
-* the summary is 65,536 counters (512 KB) per tensor whatever the number of samples.
-
-The range methods work on the classic linear histogram of |x| (2048 bins from 0 to
-max |x|, the TensorRT recipe): `abs_linear` re-bins into it by interpolating the
-cumulative count, i.e. spreading each bfloat16 bin's count evenly over its span.
-Keys of NaN and +-Inf (exponent all ones) are ignored: those values are counted and
-excluded by the statistics before any range is chosen.
+The top 16 bits of a float32 (its truncated bfloat16) split the finite float line into 65,280 bins
+no wider than 1/128 of the values they hold. So no range is needed in advance and nothing is
+re-binned while streaming, two histograms merge by adding counts, exactly (sharded and
+multi-process calibration rely on it), and a tensor costs 65,536 counters whatever the number of
+samples. `abs_linear` re-bins into the range methods' linear histogram of |x| (2048 bins up to
+max |x|, the TensorRT recipe) by interpolating the cumulative count. NaN and +-Inf keys are
+ignored: the statistics count and exclude them first. Design: docs/design/histogram.md.
 """
 
 from __future__ import annotations

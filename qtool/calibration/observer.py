@@ -1,38 +1,13 @@
 """Running calibration data through the fp32 graph and summarising the tensors the plan needs.
 
-Reducing inside the graph. Fetching ~60 full activations per batch as extra session
-outputs costs more than the inference itself (onnxruntime copies each one out, cannot
-reuse its buffers, and must convert each from its blocked NCHWc layout), and numpy then
-reads each twice more for its min and max. So the observer adds, for each observed
-tensor, a few nodes to a copy of the model, and onnxruntime's C++ kernels reduce in
-the same single pass as the real outputs:
-
-    max      4-D float tensors: GlobalMaxPool (channel maxima; it runs on the NCHWc
-             layout, so the tensor is read once and never reordered); others: ReduceMax
-    min      ReduceMin of Reshape(t, [-1]); skipped for a 4-D output of Relu or of Clip
-             with a constant min >= 0: such a tensor's range starts at 0 whatever its
-             minimum (the grid must hold 0 exactly), so its minimum can never change the
-             table; the statistics record 0 as its min. This spares the reorder of most
-             of the activation bytes of a ReLU/ReLU6 network.
-    count    Size of the flattened tensor, or channel maxima x the static H x W
-    sample   only for tensors whose method needs a histogram: Slice(flat, step = s - s % 2
-             + 1, s = Size // K), a strided sample of ~K values (K/2..2K) per batch; for the
-             non-negative 4-D tensors above, of MaxPool(t, 1x1 window, stride 2 or 4: a grid
-             of rows and columns, on the NCHWc layout), so they still need no full reorder
-
-Python receives a few scalars and bounded samples per tensor and batch, and folds them
-into fixed-size summaries (qtool.statistics) before the next batch. The odd step keeps
-the sample from locking onto one channel or column of a power-of-two layout. A batch
-whose extremes are not finite (NaN/Inf) is re-run with the offending tensors exposed
-whole so their non-finite values can be counted and excluded exactly. A tensor bounded by
-construction (a Clip output) whose extremes have reached its bounds stops having them
-reduced: the session is rebuilt without its max/min (and, for plain min-max, without
-anything else of it; qtool.saturation). A saturated tensor with a histogram keeps its
-sample, and its count comes from the sample's source: the size of the pooled grid times
-H x W over the grid's positions, or the size of the flattened tensor, so its statistics
-stay exactly what they would have been (the extremes are the bounds). The observing
-sessions are variants of one model: they share its weights, held once as onnxruntime
-values (qtool.runtime.SharedWeights), so a (re)build serialises only the graph.
+Fetching every observed activation as a session output costs more than the inference itself
+(copies, no buffer reuse, a reorder out of onnxruntime's NCHWc layout per tensor), so the observer
+adds a few reduction nodes per tensor to a copy of the model (max, min, count, and a strided
+sample where a histogram is needed) and onnxruntime's kernels reduce in the same pass. Python
+folds each batch's scalars and bounded samples into fixed-size summaries
+(qtool.calibration.statistics). A batch with non-finite extremes is re-run with those tensors
+whole, so their NaN/Inf are counted and excluded exactly; a saturated Clip output stops being
+reduced (qtool.calibration.saturation). The nodes, and why: docs/design/observer.md.
 """
 
 from __future__ import annotations
@@ -92,7 +67,7 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     min is "" for a provably non-negative 4-D tensor (its low end is 0), size is "" when the
     count comes from the channel maxima times `spatial` (static H x W), sample is "" when no
     histogram is needed. `known`: sampled tensors whose extremes are known already (saturated,
-    see qtool.saturation): only their sample and count are computed, min and max are ""; the
+    see qtool.calibration.saturation): only their sample and count are computed, min and max are ""; the
     count is int(size) * spatial // per_size (per_size: the positions of the pooled grid
     sample, whose size is then the one computed; 0 when size is the tensor's own)."""
     reduced = onnx.ModelProto()
@@ -185,9 +160,9 @@ def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch]
 
     `saturate`: tensors whose table entry needs only their overall extremes, plus their
     histogram for those in `histogram_for` (any method but the averaged min-max:
-    qtool.saturation.saturable). Those bounded by construction stop having their extremes
+    qtool.calibration.saturation.saturable). Those bounded by construction stop having their extremes
     reduced once they reach their bounds; the ones with a histogram keep being sampled
-    (qtool.saturation)."""
+    (qtool.calibration.saturation)."""
     return Observer(model, tensors, histogram_for, threads, sample_limit, saturate).run(batches, on_batch)
 
 

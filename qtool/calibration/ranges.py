@@ -1,18 +1,12 @@
 """Choosing a quantization range from a tensor's statistics.
 
-A method maps one tensor's streaming summary to the (low, high) interval that the
-int8 grid will cover. Values outside are clipped; a narrower range means finer
-steps for the values that matter.
-
-    minmax      the observed extremes (optionally the average of per-batch extremes,
-                optionally symmetric about 0); never clips a calibration value
-    percentile  the given percentile (default 99.99) of |x| (symmetric) or of both tails
-    entropy     TensorRT's KL-divergence recipe on a 2048-bin histogram of |x|
-    mse         the threshold minimizing expected clipping plus rounding error
-    aciq        Banner et al.'s analytic clipping for a Laplace (or Gaussian) fit
-
-The histogram methods choose a threshold t on |x| and return the observed range cut
-to [-t, t], so a non-negative tensor keeps its full uint8 grid on [0, t].
+A method maps one tensor's streaming summary to the (low, high) interval the int8 grid covers;
+values outside are clipped, and a narrower range gives finer steps to the values that matter.
+minmax takes the observed extremes (optionally averaged per batch, or symmetric) and never clips a
+calibration value; percentile, entropy (TensorRT's KL recipe), mse (least expected clipping plus
+rounding error) and aciq (Banner et al.'s Laplace/Gaussian fit) choose a threshold t on |x| from
+the histogram and return the observed range cut to [-t, t], so a non-negative tensor keeps its
+full uint8 grid on [0, t]. The registry is METHODS; figures: docs/accuracy.md, "Range methods".
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Early saturation: tensors whose extremes can no longer change stop having them reduced.
 
-A tensor bounded by construction (the output of a Clip with constant bounds [lo, hi],
-ReLU6 being [0, 6]) can never hold a value below lo or above hi. Once its observed
-extremes have reached both bounds, no later batch can move its min or its max, so the
-observer may stop reducing them: on EfficientNet-Lite0 the 33 ReLU6 outputs, ~85% of the
-observed activation bytes, reach 6.0 in the first batch of 8 photos. onnxruntime computes
-every node of a session whatever outputs are requested, so the observer drops the
-reductions by building a new session (~0.07 s for EfficientNet-Lite0), and only when the
-saturated tensors hold a large share of the bytes it still reads (see `worth_rebuilding`).
-
-* plain min-max (no histogram): nothing of the tensor is computed any more.
-* the histogram methods (percentile, entropy, mse, aciq): its GlobalMaxPool/ReduceMin go,
-  its strided sample stays (for a non-negative 4-D tensor the cheap 1x1 MaxPool grid on
-  the NCHWc layout), so the histogram receives exactly the same values, and its count
-  grows exactly as before, computed from the sample source's size; only tensors whose
-  dims other than the batch are static qualify (`static`). Their extremes are the bounds
-  (a non-negative tensor's min is recorded as 0 either way), so tables are byte-identical.
-
-Valid only where nothing but the overall extremes (and the histogram) is used: not for the
-averaged (moving_average) min-max, which needs every batch's extremes (`saturable`). What a
-saturated tensor's statistics no longer track: the per-batch extremes sums (each batch then
-adds the bounds), for plain min-max its `count` and `batches` (they stop at the values
-seen until it saturated: nothing reads `count` but `seen`), and NaN/Inf appearing in it
-afterwards are not counted (a saturated histogram tensor's sample may then hold them: the
-range methods ignore non-finite keys). Shard files, which a later merge may give any
-method, are never saturated.
+A Clip output with constant bounds [lo, hi] (ReLU6: [0, 6]) cannot leave them, so once its observed
+extremes reach both, no later batch can move its min or max. onnxruntime computes every node of a
+session whatever outputs are fetched, so the observer drops those reductions by building a new
+session, when the saturated tensors hold a large share of the bytes it reads (`worth_rebuilding`).
+Plain min-max then computes nothing of the tensor; the histogram methods keep its strided sample
+and exact count (`static` dims only). Tables stay byte-identical. Not for the moving-average
+min-max, which needs every batch's extremes (`saturable`), nor for shard files, which a later
+merge may give any method. What a saturated tensor no longer tracks: docs/design/observer.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Statistics files and shards on workers: calibration data collected apart, merged by addition.
 
-A shard K/N is a contiguous run of whole batches (shard boundaries fall on multiples
-of the batch size), so the batches of all shards are exactly the batches of a single
-run. Min/max merge exactly; histograms are sums of per-batch counts of the same
-per-batch samples, so they merge exactly too and the merged table equals a
-single-process run (for models whose batches do not change shape mid-shard).
-
-Statistics file (.npz, written atomically): a JSON header (model sha256, tensors in
-plan order, samples, shard) and per tensor its extremes, counts and histogram. Shard
-files always carry histograms, so the range method can still be chosen at merge time.
-
-On an executor (--workers, --dask, the API's executor=; qtool.graph.executor) the shards
-are the same runs of whole batches, sent as lists of sample files (in-memory data: a
-sequence's slice): each worker reads its own samples and returns the shard's fixed-size
-statistics, no file in between.
+A shard K/N is a contiguous run of whole batches, so the shards' batches are exactly those of a
+single run; min/max and histograms (sums of per-batch counts) merge exactly, and the merged table
+equals a single-process run's (for models whose batches do not change shape mid-shard). A
+statistics file (.npz, written atomically) holds a JSON header (model sha256, tensors in plan
+order, samples, shard) and per tensor its extremes, counts and histogram, always, so the range
+method can still be chosen at merge time. On an executor (qtool.graph.executor) the shards are
+the same runs, sent as lists of sample files; each worker returns its statistics, no file in
+between. Usage: docs/scale-out.md.
 """
 
 from __future__ import annotations

@@ -24,9 +24,7 @@ from qtool.prepare.equalize import activation_scales, activation_sites
 
 # A tensor read through an inserted Mul is smoothed only when its largest channel maximum is at
 # least this many times the median one (a per-tensor range then leaves the typical channel three
-# bits fewer). Measured on MiniLM (ratios 2-17; the romanizer decoder's inputs 1-2): at 8, 10
-# inputs smoothed, embedding cosine 0.9973, 3.07x fp32 speed; at 4, 17 inputs, 0.9983, 2.74x
-# (the Muls on the 4-6x LayerNorm outputs cost more than they gain); none, 0.9917, 3.15x.
+# bits fewer); below that the Mul costs more time than it gains (docs/accuracy.md, "SmoothQuant").
 OUTLIER_RATIO = 8.0
 
 

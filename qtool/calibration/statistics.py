@@ -1,15 +1,11 @@
 """Streaming activation statistics: fixed-size summaries reduced batch by batch.
 
-Nothing here keeps an activation after the batch that produced it, so memory does
-not grow with the number of calibration samples. Summaries of disjoint shards merge
-into the summary of their union (min of mins, max of maxes, sums of counts, sums of
-histogram counts), which is what sharded and multi-process calibration rely on.
-
-A summary holds the exact extremes of every value seen, the sums of per-batch
-extremes (for the averaged min-max method), and, for tensors whose range method
-needs a distribution, a 65,536-key histogram (qtool.histogram) of a bounded strided
-sample of each batch (the observer takes at most a fixed number of values per
-tensor and batch; see qtool.observer).
+Nothing here keeps an activation after the batch that produced it, so memory does not grow with
+the number of calibration samples, and summaries of disjoint shards merge into the summary of
+their union (sharded and multi-process calibration rely on it). A summary holds the exact extremes
+of every value seen, the sums of per-batch extremes (for the averaged min-max), and, where the
+range method needs a distribution, a histogram (qtool.calibration.histogram) of the bounded strided
+sample the observer takes of each batch (qtool.calibration.observer).
 """
 
 from __future__ import annotations

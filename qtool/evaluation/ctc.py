@@ -1,6 +1,6 @@
 """Sequence-recognizer fidelity: greedy CTC decoding of both models' outputs, then the texts compared.
 
-A text-line recognizer (PP-OCR, CRNN, speech CTC heads) outputs [N, T, C] per-step class
+A text-line recognizer (CRNN-style OCR, speech CTC heads) outputs [N, T, C] per-step class
 scores, or [T, N, C] (time first, as a recurrent head exported from PyTorch often leaves them,
 told apart by the batch's sample count); its text is the greedy CTC decode: the argmax of every
 step, repeats collapsed, blanks dropped. The cosine of the scores says little about that text: a recognizer whose

@@ -1,16 +1,11 @@
 """Per-layer error of a quantized model: every int8 tensor against its fp32 twin, in one run.
 
-The QDQ rewrite names the DequantizeLinear output that stands for fp32 tensor T
-`T + DQ_SUFFIX`, so the twins are found by name. A dynamic int8 MatMul (or LSTM) quantizes its
-input at run time and has no DequantizeLinear: its twin is its output, which keeps the fp32
-tensor's name (after the Cast, the Mul by the scales, and for merged MatMuls the Split). Both
-models are run once over the same batches with those tensors exposed as extra outputs (exposing
-a DequantizeLinear output leaves onnxruntime's integer kernels and the final outputs unchanged). The
-error at T is cumulative: it includes everything quantized before T, which is what
-tells where in the graph the error grows. Tensors an exact rewrite rescaled per channel
-(activation equalization, SmoothQuant folded into a LayerNorm: their names are in the int8
-model's metadata, qtool.graph.edit.mark_rescaled) keep their names but not their values, and
-are left out.
+The QDQ rewrite names the DequantizeLinear output that stands for fp32 tensor T `T + DQ_SUFFIX`;
+a dynamic int8 MatMul (or LSTM) has none, and its output, which keeps the fp32 name, is the twin.
+Both models run once over the same batches with those tensors exposed (which leaves onnxruntime's
+integer kernels and the outputs unchanged). The error at T is cumulative, which shows where in the
+graph it grows. Tensors an exact rewrite rescaled per channel (their names in the int8 model's
+metadata, qtool.graph.edit.mark_rescaled) keep their names but not their values: left out.
 """
 
 from __future__ import annotations
@@ -89,10 +84,10 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
         if tensor in rescaled:
             continue
         if tensor.endswith(PAD_SUFFIX) and tensor[: -len(PAD_SUFFIX)] in inputs:
-            # an input padded with zero channels (qtool.channel_pad): compared on its real channels
+            # an input padded with zero channels (qtool.quantization.channel_pad): compared on its real channels
             pairs.append(TensorPair(tensor[: -len(PAD_SUFFIX)], "", "input", -1, out))
         elif tensor.endswith(S2D_SUFFIX) and tensor[: -len(S2D_SUFFIX)] in inputs:
-            # an input rearranged into 2x2 blocks (qtool.stem_s2d): compared in the input's layout
+            # an input rearranged into 2x2 blocks (qtool.quantization.stem_s2d): compared in the input's layout
             pairs.append(TensorPair(tensor[: -len(S2D_SUFFIX)], "", "input", -1, out))
         elif tensor in inputs:
             pairs.append(TensorPair(tensor, "", "input", -1))

@@ -1,41 +1,13 @@
 """Automatic mixed precision: keep the fewest layers in float that meet a quality target.
 
-1. The model is quantized once, all int8, with every data-driven step asked for (bias
-   correction, adaptive rounding), and evaluated on the evaluation data; if it meets the
-   target, nothing stays float.
-2. Otherwise layers change precision one at a time, greedily. A layer is int8 static, int8
-   dynamic (a MatMul/Gemm with a constant weight: activations quantized at run time, which
-   counts as int8 MACs) or float, and float is real: the layer goes float as a block with the
-   non-weighted ops its output alone feeds (or whose readers join again: an activation written
-   out), and the activation Q/DQ pairs between float nodes
-   go (qtool.quantization.float_fallback.mixed_model). Each step measures every possible move
-   (a layer still int8 to float, a static MatMul/Gemm to dynamic) from the layers already
-   chosen: the one-layer-at-a-time sensitivity in the direction mixed precision uses it
-   (evaluate --sensitivity measures the other direction, one layer alone in int8). The move
-   that helps most (ties: the one losing fewer int8 MACs) is kept, the model is evaluated on
-   the whole evaluation data, and the search stops as soon as the target holds, or fails
-   (ThresholdError) when --max-float-layers or the MAC budget (--min-int8-macs) runs out.
-   Asked for (`int16`, quantize --search-int16), a layer can also keep int8 weights with its
-   input and output activations in 16 bits (qtool.quantization.float_fallback), a step between
-   int8 and float. It is not offered by default: onnxruntime's CPU provider has no 16-bit
-   kernels and runs the nodes around a 16-bit Q/DQ pair in float, with the Q/DQ on top
-   (docs/accuracy.md: slower than float). Layers with 16-bit activations, and their neighbours
-   that read or write the same tensors, do not count as int8 MACs; the log gives their share.
-3. What a step measures: for an agreement or top-1 target, the evaluation samples at
-   stake (`focus_samples` of them): those whose fp32 top-1 wins by the smallest logit
-   margin, or whose fp32 class has the smallest (or a negative) margin in the all-int8
-   model. On EfficientNet-Lite0 the images that the int8 model flips are near-ties (fp32
-   probability margins below 0.5%), which is why the output SQNR of one layer alone in
-   int8 did not rank the layers that matter (measured: 8 layers kept float by that
-   ranking left agreement at 99.2%). The score is (top-1 flips among them, mean shortfall
-   of the int8 margin below half the fp32 margin). For an SQNR or cosine target: the worst
-   output SQNR, or the mean over samples of the worst output's cosine, on the first
-   `focus_samples` samples.
-
-Precisions change inside the finished int8 model (qtool.float_fallback), so each candidate
-costs one onnxruntime session and a run over the focus samples, bias correction and adaptive
-rounding of the int8 layers stay as they were measured, and the model that is verified on the
-evaluation data and written is exactly the one that was measured.
+The model is quantized once, all int8, and evaluated; if it misses the target, layers change
+precision greedily. Each step scores every move (an int8 layer to float, a static MatMul/Gemm to
+dynamic int8, and when asked for, to 16-bit activations) on the samples at stake (`focus_samples`:
+for an agreement or top-1 target the near-ties, which are the images int8 flips), keeps the move
+that helps most (ties: fewer int8 MACs lost), evaluates the whole set, and stops when the target
+holds, or fails (ThresholdError) when the float-layer or MAC budget runs out. Precisions change
+inside the finished int8 model (qtool.quantization.float_fallback), so a candidate costs one
+session and the model verified is the one written. Design: docs/design/mixed-precision.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Which layer costs the most accuracy: quantize one layer at a time, measure the output error.
 
-For each quantizable layer L, the model is quantized with only L in int8 (its inputs,
-weights, bias and output through Q/DQ, everything else fp32) and run on a few samples;
-the SQNR of the model outputs against fp32 is L's sensitivity. Unlike the per-layer
-error of the fully quantized model (qtool.layer_error), this isolates L from the error
-its predecessors feed it, so the ranking says what keeping L in float would buy.
-
-A layer is a compute node together with the Relu/Clip it absorbs (they run as one
-fused kernel, as in the fully quantized model). Movement ops (MaxPool, Reshape, ...)
-are not layers: alone they stay float because they only follow a quantized producer.
-
-Everything before the first node that L's quantization changes computes exactly as in
-fp32, so L's model is run from that node on, fed with fp32 tensors cached from one
-exposed fp32 run per chunk of layers: about half the work of whole-model runs, with
-the same figures.
+For each layer L (a compute node with the Relu/Clip it absorbs; movement ops are no layers), the
+model with only L in int8 runs on a few samples, and the output SQNR against fp32 is L's
+sensitivity. Unlike the per-layer error of the fully quantized model
+(qtool.evaluation.layer_error), this isolates L from the error its predecessors feed it, so the
+ranking says what keeping L in float would buy. Everything before the first node L's quantization
+changes computes as in fp32, so L's model runs from that node on, fed fp32 tensors cached from one
+exposed run per chunk of layers: about half the work, the same figures. Usage: docs/evaluation.md.
 """
 
 from __future__ import annotations

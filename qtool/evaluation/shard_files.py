@@ -1,17 +1,12 @@
 """Evaluation shard files: `evaluate --shard K/N` in separate jobs, then `evaluate --merge`.
 
-The engine-independent form of evaluation on workers (qtool.evaluation.shards), for a
-Slurm array, a Kubernetes Indexed Job or a CI pipeline that fans out: shard K/N is the
-same contiguous run of whole batches as `calibrate --shard`, and its file holds, per
-batch, the accumulators of that batch alone (sums and counts: a few numbers per output).
-Merged in shard and batch order they are the floats of one pass, so the merged report's
-figures equal a single `evaluate`'s.
-
-File (JSON, written atomically): both models' sha256, the shard, the task, the first
-batch's input shapes and types, and the per-batch accumulators. Merging refuses files of
-other models, of another N, a repeated or a missing shard. The merge has no data: the
-latency is measured by the merging process on random inputs of the first batch's shapes
-(the report says so); --per-layer and --sensitivity, which read samples, are not offered.
+The engine-independent form of evaluation on workers (qtool.evaluation.shards), for a batch system
+or a CI pipeline that fans out. Shard K/N is the same run of whole batches as `calibrate --shard`;
+its file (JSON, written atomically) holds both models' sha256, the shard, the task, the first
+batch's input shapes and types, and per batch the accumulators of that batch alone. Merged in shard
+and batch order they are the floats of one pass, so the report's figures equal one `evaluate`'s.
+Merging refuses files of other models, of another N, a repeated or a missing shard; it has no data,
+so latency is timed on random inputs of the first batch's shapes. Usage: docs/scale-out.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Evaluation on an executor's workers (evaluate --dask, the API's executor=): the same figures as one process.
 
-The data folder is cut into runs of whole batches, sent as lists of sample files (with
-the labels of those files only). A worker keeps both models' sessions per model hash,
-runs its batches and returns, per batch, the accumulators of that batch alone (sums and
-counts, a few numbers per output). Merged into the totals in batch order, they give the
-very floats of a single pass (FidelityAccumulator.merge). Latency is measured on one
-worker, alone (after the comparison), and the report says so. The per-layer error sends
-each worker a run of the first `layer_samples` samples' batches and merges their per-batch
-sums in order, as above. The sensitivity ranking sends each worker a run of consecutive
-layers; every worker reads the same first `layer_samples` samples, and the layers are
-ranked together exactly as in one run.
+The data is cut into runs of whole batches, sent as lists of sample files (with their labels). A
+worker keeps both models' sessions per model hash and returns, per batch, the accumulators of that
+batch alone (sums and counts); merged in batch order they give the very floats of a single pass
+(FidelityAccumulator.merge). Latency is measured on one worker, alone, after the comparison, and
+the report says so. The per-layer error splits the first `layer_samples` samples' batches the same
+way; the sensitivity ranking gives each worker a run of consecutive layers on the same samples, and
+the layers are ranked together exactly as in one run.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Where the shards of a long job run: local processes (--workers) or a Dask cluster (--dask).
 
-Every heavy verb splits its data into shards whose partial results are fixed-size and
-merge exactly (calibration statistics, evaluation sums), so what runs them only has to
-be a `concurrent.futures.Executor`: a process pool on this machine, Dask's
-`Client.get_executor()`, or whatever executor an API caller passes. A task's arguments
-are small (a model path and its sha256, a list of sample files, options); each worker
-loads its own samples and keeps what it built per model hash (`worker_cache`), so
-nothing the size of the dataset goes through the scheduler. What the coordinator built
-itself (the search's int8 model) goes to each worker once (`shared`), not with every task.
-
-Dask is optional (`pip install "qtool[dask]"`) and imported only when --dask is given.
-Dask re-runs the tasks of a worker that dies; a task that fails on bad input fails the
-job (QtoolError pickles by its message, so the user sees the usual one line).
+Every heavy verb splits its data into shards whose partial results are fixed-size and merge
+exactly, so what runs them only has to be a `concurrent.futures.Executor`: a process pool, Dask's
+`Client.get_executor()`, or an API caller's. A task's arguments are small (a model path and its
+sha256, sample files, options); each worker loads its own samples and keeps what it built per model
+hash (`worker_cache`), and what the coordinator built itself goes to each worker once (`shared`), so
+nothing the size of the dataset goes through the scheduler. Dask is optional and imported only for
+--dask; it re-runs the tasks of a dead worker, and a task failing on bad input fails the job
+(QtoolError pickles by its message). Usage: docs/scale-out.md.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class SharedWeights:
     sessions of variants of one model (the observer's) without serialising and parsing the
     weights each time: `light` is the model with their payloads replaced by a reference
     that `create_session(..., weights=)` resolves to these values (onnxruntime's external
-    initializers), so a session costs ~30 ms less on EfficientNet-Lite0 (18 MB of weights)."""
+    initializers), so a session build serialises the graph alone."""
 
     MIN_BYTES = 1024  # smaller initializers (shape constants, Clip bounds) stay in the graph
     # element types whose numpy array is the tensor's own layout (not sub-byte, bfloat16 or strings)

@@ -6,7 +6,7 @@ runtimes hold M as M0 * 2^-31 * 2^-n with M0 in [2^30, 2^31) (TFLite's
 QuantizeMultiplier, TPU-MLIR's multiplier/rshift: 0.1234 = 2119995857 / 2^34), and
 apply it as ruy's reference does: add 2^(s-1), shift right arithmetically by s = 31 + n
 (round half up). `export_params` writes these integers for every quantized layer of a
-QDQ model; qtool/verify_int.py executes them and compares with onnxruntime.
+QDQ model; qtool/integer/verify_int.py executes them and compares with onnxruntime.
 """
 
 from __future__ import annotations

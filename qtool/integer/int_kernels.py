@@ -7,7 +7,7 @@ sum identity
     sum_k (x_k - zx)(w_k - zw) = sum x w - zw sum x - zx sum w + K zx zw,
 
 where padding is filled with zx (it stands for real 0). Requantization has two forms:
-`requantize_fixed` applies an int32 multiplier and shift (qtool/fixed_point.py), the
+`requantize_fixed` applies an int32 multiplier and shift (qtool/integer/fixed_point.py), the
 integer-only form; `requantize_float` reproduces onnxruntime's MLAS kernels, which
 multiply the float32 accumulator by a float32 scale and round half to even.
 """

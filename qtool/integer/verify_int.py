@@ -1,19 +1,13 @@
 """Integer-only reference check: run a QDQ model's layers in pure integer numpy and
 compare each with what onnxruntime computed for it.
 
-onnxruntime executes the QDQ model once per batch with every layer's integer input and
-output tensor exposed as an extra graph output. Each layer is then recomputed from the
-integer inputs onnxruntime gave it (so differences never accumulate from layer to
-layer) and compared code for code with onnxruntime's output, in two forms:
-
-- fixed: int32 accumulation, int32 bias, a 31-bit multiplier and shift per output
-  channel (qtool/fixed_point.py), zero point, clamp: the integer-only arithmetic a
-  fixed-point accelerator performs;
-- ort: the same integer accumulation requantized the way onnxruntime's MLAS kernels do
-  it (float32 multiplier, round half to even), which should match exactly and shows
-  that any difference of the fixed form is the requantization, not the layer mapping.
-
-Add layers are also run in TPU-MLIR's int16 form (int8 multipliers) for reference.
+onnxruntime runs the QDQ model once per batch with every layer's integer input and output
+exposed; each layer is recomputed from the integer inputs onnxruntime gave it (so differences
+never accumulate) and compared code for code, in two forms: fixed (int32 accumulation and bias,
+a 31-bit multiplier and shift per output channel, qtool/integer/fixed_point.py: what a
+fixed-point accelerator does) and ort (the same accumulation requantized as onnxruntime's MLAS
+kernels do), which should match exactly and shows that any difference of the fixed form is the
+requantization, not the layer mapping. Add layers also run in TPU-MLIR's int16 form.
 """
 
 from __future__ import annotations

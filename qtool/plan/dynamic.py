@@ -1,15 +1,11 @@
 """Which MatMul/Gemm run with dynamic int8 activations, and when `auto` chooses that.
 
-Static int8 gives each activation one calibrated range. A transformer's residual stream
-carries a few channels 10-100x larger than the rest (MiniLM's first FFN output reaches 195
-where most values are within +-3), so one range either clips them or leaves the others a
-handful of codes: static int8 QDQ keeps a sentence embedding at cosine ~0.80 (~0.91 with the
-transformer blocks kept float, qtool.plan.ops.blocks). Quantizing
-each MatMul input at run time (DynamicQuantizeLinear: min/max of that very tensor) with the
-weight int8 per output column (or per tensor where measured lossless,
-qtool.choices.dynamic_weights) keeps it at ~0.99; LayerNorm, Softmax, GELU, the attention
-MatMuls of two activations and the residual adds stay float, as in onnxruntime's
-quantize_dynamic. No calibrated range is needed.
+A transformer's residual stream carries a few channels 10-100x larger than the rest, so one
+static range either clips them or leaves the others a handful of codes. Quantizing each MatMul
+input at run time (DynamicQuantizeLinear: min/max of that very tensor), with the weight int8 per
+output column (or per tensor where measured lossless), keeps them; LayerNorm, Softmax, GELU, the
+attention MatMuls of two activations and the residual adds stay float, as in onnxruntime's
+quantize_dynamic. No calibrated range is needed. Figures: docs/accuracy.md, "Dynamic int8 MatMul".
 """
 
 from __future__ import annotations
@@ -35,13 +31,11 @@ def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeCo
     `auto` takes dynamic for a transformer or a recurrent net: a graph with a LayerNorm (the
     LayerNormalization op, RMSNormalization, or onnxruntime's fused Skip/Embed/Simplified forms),
     attention (a MatMul of two activations, or an Attention op: ONNX's or onnxruntime's fused
-    ones) or an LSTM/GRU/RNN, MatMul/Gemm layers with a constant
-    weight (the romanizer encoder's one Gemm after two GRUs: 0.99x fp32 static, 1.01x dynamic,
-    onnxruntime quantize_dynamic 1.00-1.02x), and at most one Conv per `STEM_RATIO` of them: Convs
-    that are only a stem or a head (a speech encoder's Conv1d front end, a ViT's patch embedding)
-    stay float under dynamic. A Conv net with attention blocks (PP-OCR's SVTR recognizer: 38 Convs)
-    keeps static int8 for its Convs; dynamic int8 is measured on onnxruntime CPU only, so other
-    targets keep static."""
+    ones) or an LSTM/GRU/RNN, MatMul/Gemm layers with a constant weight (a single Gemm after
+    recurrent layers included), and at most one Conv per `STEM_RATIO` of them: Convs that are only
+    a stem or a head (a speech encoder's Conv1d front end, a ViT's patch embedding) stay float under
+    dynamic. A Conv net with attention blocks keeps static int8 for its Convs; dynamic int8 is
+    measured on onnxruntime CPU only, so other targets keep static."""
     if options.matmul != "auto":
         return options.matmul, None
     if options.target != "ort-cpu":

@@ -1,25 +1,14 @@
 """SmoothQuant (Xiao et al. 2023): migrate activation outliers into the following weights.
 
-A transformer's LayerNorm output has a few channels whose values are 10-100x the others; one
-per-tensor int8 scale for that activation rounds the other channels to a handful of levels.
+A few channels 10-100x the others leave the rest of a per-tensor int8 range a handful of levels.
 For a tensor X read only by MatMul/Gemm layers X @ W, dividing input channel j of X by s_j and
-multiplying row j of every W by s_j leaves X @ W unchanged. The division is folded exactly
-into the op that makes X: a LayerNorm's gamma and beta (the LayerNormalization op, or the
-decomposed chain qtool.plan.ops.blocks recognises) or a linear layer's weight columns and
-bias. With a = alpha, s_j = max|X_j|^a / max|W_j|^(1-a) balances the two ranges: alpha 0.5
-splits the difficulty evenly, a larger alpha moves more of it into the weights (which are
-per-channel int8, so their rows absorb it well).
-
-Where the producer cannot take the division (a GELU's output; a post-LN transformer's
-LayerNorm output, which the residual stream reads too), the MatMul/Gemm readers can read the
-tensor through an inserted Mul by 1/s instead (`insert`): one elementwise op. The dynamic int8
-MatMuls of a transformer use that by default (QuantizeConfig.smooth_dynamic): they quantize
-each input with one range per run, which a few outlier channels stretch just as they stretch a
-calibrated range (MiniLM's sentence embedding: cosine 0.992 without, 0.997 with alpha 0.8).
-
-The maxima come from the calibration data (qtool.calibration.smoothing); this module only
-finds the tensors that can be smoothed and folds given scales, so calibration and
-quantization apply the same scales to the same graph.
+multiplying row j of every W by s_j leaves X @ W unchanged; s_j = max|X_j|^a / max|W_j|^(1-a)
+(a = alpha) balances the two ranges (the weights are per-channel int8, so their rows absorb it).
+The division is folded into the op that makes X (a LayerNorm's gamma and beta, a linear layer's
+weight columns and bias) or, where that op cannot take it (a GELU; a LayerNorm the residual
+stream reads too), X is read through an inserted Mul by 1/s (`insert`). The maxima come from
+calibration (qtool.calibration.smoothing); this module finds the tensors and folds given scales,
+so calibration and quantization apply the same scales to the same graph. Figures: docs/accuracy.md.
 """
 
 from __future__ import annotations

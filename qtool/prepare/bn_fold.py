@@ -1,19 +1,13 @@
 """Fold inference-mode BatchNormalization, and per-channel Mul/Add by constants, into the
 Conv/ConvTranspose/Gemm before them.
 
-y = gamma * (x - mean) / sqrt(var + eps) + beta is a per-channel affine map; after a
-linear op it merges into that op's weight and bias:
-    W'[c] = W[c] * s[c],   b'[c] = (b[c] - mean[c]) * s[c] + beta[c],   s = gamma / sqrt(var + eps).
-Unfolded, the BN would stay in float between a DequantizeLinear and a QuantizeLinear
-(its own requantization, an extra rounding and a float kernel); folded, the whole layer
-is one integer Conv. The arithmetic is done in float64 and rounded once to float32, so
-the folded model's outputs match the original's to float32 rounding.
-
-Some exporters write the BN as its affine map instead (Paddle's PP-OCR models: Conv -> Mul by a
-[1, C, 1, 1] constant -> Add of another), and learnable affine layers look the same.
-`fold_affine` folds such a Mul (y = x * a: W' = W a, b' = b a) or Add (y = x + d: b' = b + d)
-of a constant that is a scalar or varies along the channel axis only, one op after another. On
-the PP-OCRv4 recognizer each block then quantizes one tensor where it quantized three.
+y = gamma * (x - mean) / sqrt(var + eps) + beta is a per-channel affine map that merges into the
+linear op's weight and bias (W'[c] = W[c] * s[c], b'[c] = (b[c] - mean[c]) * s[c] + beta[c],
+s = gamma / sqrt(var + eps)). Unfolded, the BN would stay float between a DequantizeLinear and a
+QuantizeLinear (a requantization, an extra rounding, a float kernel); folded, the layer is one
+integer Conv. Computed in float64, rounded once to float32. `fold_affine` does the same for the
+affine map some exporters write instead (Paddle's: Conv -> Mul by a [1, C, 1, 1] constant -> Add),
+so each such block quantizes one tensor where it quantized three.
 """
 
 from __future__ import annotations

@@ -5,13 +5,9 @@
          -> LayerNormalization(gamma, beta)
          mask_index = ReduceSum(Cast(mask, int32), axis 1)
 
-onnxruntime's transformer optimizer (and optimum's model_optimized.onnx) folds a BERT's embedding
-lookup into that one op, which reads its tables as float: the word table is about half such a
-model's file. Written out, each table is read by a Gather only, so the embedding rule stores it
-int8 per row like any other (qtool.plan.planner: embeddings), and the LayerNormalization and
-the adds compute what the fused op does (mask_index: the number of ones in each mask row, what
-the op returns for the Attention ops that read it). Left alone: a node whose mask_index is read
-but that has no mask input.
+The fused op reads its tables as float, and the word table is about half a BERT's file. Written
+out, each table is read by a Gather only, so the embedding rule stores it int8 per row
+(qtool.plan.planner: embeddings). Left alone: a node whose mask_index is read but has no mask input.
 """
 
 from __future__ import annotations

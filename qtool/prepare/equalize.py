@@ -1,28 +1,13 @@
 """Cross-layer equalization (DFQ, Nagel et al. 2019): balance per-channel weight ranges.
 
-For Conv1 -> act -> Conv2 where act is positively homogeneous (Relu, LeakyRelu, or
-nothing), act(x / s) = act(x) / s for s > 0, so dividing output channel c of Conv1
-(weights and bias) by s_c and multiplying input channel c of Conv2 by s_c leaves the
-model's function unchanged. With r1_c = max|W1[c]| and r2_c = max|W2[:, c]|, the choice
-s_c = sqrt(r1_c / r2_c) makes both ranges sqrt(r1_c r2_c): a channel whose weights
-dwarf its neighbours' (common in depthwise convs after BN folding) no longer sets a
-per-tensor scale that rounds the others to zero.
-
-Clip(0, M) (ReLU6) is not homogeneous: after the rescale a channel would need its own
-bound M / s_c, which one Clip cannot express. We keep the model exact instead of
-replacing ReLU6 by ReLU (AIMET's choice, which changes the fp32 outputs): a channel is
-rescaled only when interval arithmetic over the weights proves its pre-activation never
-exceeds M for any input in the range its input is clipped to (a preceding Clip), and
-then only with s_c >= bound_c / M, so that the clip stays inactive after the rescale
-too. Every other channel behind a Clip keeps s_c = 1. This is exact for every input,
-not just the calibration data, at the price of equalizing fewer channels.
-
-Pairs are processed in graph order and the pass is repeated a few times, since a
-conv is the second member of one pair and the first of the next.
-
-Activation equalization (below: Conv -> activation -> depthwise Conv with factors measured on the
-calibration data, a hard-swish by an exact rewrite) lives here too: the same idea, for the
-activations rather than the weights.
+For Conv1 -> act -> Conv2 with act positively homogeneous (Relu, LeakyRelu, or none), dividing
+output channel c of Conv1 by s_c and multiplying input channel c of Conv2 by s_c leaves the model
+unchanged; s_c = sqrt(r1_c / r2_c) gives both weight ranges sqrt(r1_c r2_c), so a channel whose
+weights dwarf its neighbours' no longer rounds theirs to zero under one per-tensor scale. Behind a
+Clip(0, M) (ReLU6) a channel is rescaled only where interval arithmetic proves the clip stays
+inactive (s_c >= bound_c / M): the fp32 model stays exact for every input, where AIMET replaces
+ReLU6 by ReLU. Pairs go in graph order, a few rounds. Activation equalization (below: the same
+idea for activations, with factors measured on the calibration data) lives here too.
 """
 
 from __future__ import annotations
@@ -184,12 +169,12 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
 
 # --- Activation equalization: Conv -> activation -> depthwise Conv, with measured ranges --------
 #
-# A pointwise Conv of a MobileNet-style backbone can write channels whose ranges lie 30 times apart
-# (a PP-OCRv3 recognizer: one channel to 102, the median 3.3), and the depthwise Conv after its
-# hard-swish multiplies the small ones by up to 125: one per-tensor int8 range loses them (its
-# all-int8 model returns blank text lines). Hard-swish is not homogeneous, so the rescale above does
-# not apply, but an exact rewrite does. With x' = x / s (s_c folded into the first Conv's weights
-# and bias) and s_c multiplied into the depthwise Conv's channel c:
+# A pointwise Conv of a MobileNet-style backbone can write channels whose ranges lie 30 times apart,
+# and the depthwise Conv after its hard-swish multiplies the small ones by up to 125: one per-tensor
+# int8 range loses them (docs/accuracy.md, "Activation equalization"). Hard-swish is not
+# homogeneous, so the rescale above does not apply, but an exact rewrite does. With x' = x / s
+# (s_c folded into the first Conv's weights and bias) and s_c multiplied into the depthwise Conv's
+# channel c:
 #
 #     hardswish(x) / s = x' * Clip(s * x' + 3, 0, 6) / 6
 #
@@ -201,14 +186,14 @@ def equalize(model: onnx.ModelProto, rounds: int = ROUNDS) -> EqualizeReport:
 # both Convs' weights are quantized per output channel, and the depthwise Conv's channel c reads
 # only input channel c.
 #
-# PP-LCNetV3 (PP-OCRv4) puts a learnable scalar affine between the hard-swish and the depthwise
+# Some backbones (PP-LCNetV3) put a learnable scalar affine between the hard-swish and the depthwise
 # Conv: y = a * hardswish(x) + b. Its "+ b" cannot stay a scalar once the channels are rescaled,
 # so the affine (with the hard-swish's "/ 6") becomes one depthwise 1x1 Conv, and since that Conv
 # can scale each channel again, y gets factors t of its own, measured on y: y / t = a * s / (6 t) *
 # (x' * Clip(s * x' + 3, 0, 6)) + b / t, and the depthwise Conv's channel c is multiplied by t_c.
 #
-# With a homogeneous activation (Relu, LeakyRelu) or none between the Convs (PP-LCNetV3's stem:
-# Conv + BatchNorm, then a depthwise Conv, its output channels 1 to 23), act(x / s) = act(x) / s
+# With a homogeneous activation (Relu, LeakyRelu) or none between the Convs (a stem of
+# Conv + BatchNorm, then a depthwise Conv), act(x / s) = act(x) / s
 # and the factors alone do it, measured on the depthwise Conv's input (a Relu's output is the int8
 # tensor). Unlike cross-layer equalization above, which balances weight ranges for per-tensor
 # weights, this balances the activation between two per-channel Convs, where it costs nothing.

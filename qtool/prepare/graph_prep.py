@@ -240,7 +240,7 @@ def explicit_pads(model: onnx.ModelProto) -> None:
 
 
 def divisions_to_multiplications(model: onnx.ModelProto) -> None:
-    """Div by a float constant becomes Mul by its reciprocal (PP-OCR's HardSwish ends in "/ 6").
+    """Div by a float constant becomes Mul by its reciprocal (Paddle's written-out hard-swish ends in "/ 6").
 
     Runtimes have integer kernels for Mul (onnxruntime QLinearMul, LiteRT MUL) but not for
     Div, which would stay in float between a DequantizeLinear and a QuantizeLinear. x * (1/c)
@@ -296,7 +296,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
             per_channel: bool = True, divisions: bool = True) -> Prepared:
     """Return a prepared copy; the input model is not modified. `divisions` False keeps Div by a
     constant as it is: where no Mul is quantized (dynamic MatMul strategy) the Mul gains nothing and
-    hides GELU's x / sqrt(2) from onnxruntime's Gelu fusion (measured on MiniLM: 6 Gelu kernels lost)."""
+    hides GELU's x / sqrt(2) from onnxruntime's Gelu fusion."""
     refuse_quantized(model, path)
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)

@@ -4,14 +4,10 @@
     x -> MatMul(W_k) [-> Add(b_k)]   ==>     -> Split(last axis, [N_q, N_k, N_v]) -> q, k, v
     x -> MatMul(W_v) [-> Add(b_v)]
 
-Exact in fp32 up to summation order: each output column is the same dot product. Run where
-MatMuls are quantized dynamically (qtool.plan.dynamic): the three already share one activation
-quantization, but onnxruntime pays a fixed cost per DynamicQuantizeMatMul call (the per-column
-weight scales' rescale among it), so one GEMM of N_q + N_k + N_v columns runs faster than three.
-The weights keep their per-column scales, so the quantized model computes the same numbers.
-Left alone: MatMuls whose weight another node (or an If/Loop/Scan body) reads too, whose output
-is a graph output or read by a body, or that the caller names (nodes the user excluded keep their
-own node).
+Exact in fp32 up to summation order. Run where MatMuls are quantized dynamically
+(qtool.plan.dynamic): onnxruntime pays a fixed cost per DynamicQuantizeMatMul call, so one GEMM
+runs faster than three, and the per-column weight scales keep the numbers the same. Left alone:
+MatMuls whose weight another node reads, whose output a graph output or a body reads, or excluded.
 """
 
 from __future__ import annotations

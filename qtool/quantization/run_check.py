@@ -1,18 +1,12 @@
 """The written model runs: one onnxruntime inference of the int8 model before quantize reports success.
 
-onnxruntime rewrites a QDQ model before it runs it (QDQ fusion into integer kernels, the
-NHWC layout transformer of its 8-bit kernels), and a rewritten form can fail although
-the fp32 graph runs. Found so far: a cubic Resize that scales down between two int8
-Convs. The Convs become NHWC QLinearConvs, the layout transformer pushes their Transposes
-through the Resize, and onnxruntime's cubic Resize rejects NHWC down-scaling ("'Cubic'
-mode only supports ..."), whether the Resize itself is int8 or float. The user would
-only meet such a failure on the first inference, so quantize runs the model once itself.
-
-The check runs one batch: the first calibration batch, or inputs made up from the input
-specs (random normal floats, zero integers, 1 for a symbolic dimension). The model must
-load and run, give outputs of fp32's shapes, and give finite outputs wherever fp32's are
-finite. fp32's outputs come from the prepared fp32 graph on the same batch. When the
-check fails, `locate` looks for one node whose float form makes the model pass.
+onnxruntime rewrites a QDQ model before it runs it (QDQ fusion, the NHWC layout transformer of its
+8-bit kernels), and a rewritten form can fail although the fp32 graph runs (found so far: a cubic
+Resize scaling down between int8 Convs; docs/guarantees.md). The user would meet such a failure
+only at the first inference, so quantize runs one batch itself: the first calibration batch, or
+inputs made up from the input specs. The model must load and run, give fp32's output shapes, and
+finite outputs wherever the prepared fp32 graph's are finite on the same batch. When it fails,
+`locate` looks for one node whose float form makes the model pass.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Space-to-depth stem: a 3x3 stride-2 convolution on a quantized RGB input becomes a 2x2
 stride-1 convolution on the input's 2x2 blocks (12 channels), for onnxruntime's int8 kernels.
 
-Why: onnxruntime runs an int8 Conv (MLAS ConvSym, channels last) through an indirection buffer,
-one pointer per output pixel and kernel tap, and that per-tap cost dominates a stem with few
-input channels: on EfficientNet-Lite0 (batch 8, 1 thread) the 4-channel padded stem cost as much
-in int8 as in fp32 (2.6 ms). Over 2x2 blocks the same convolution reads 4 taps of 12 channels
-instead of 9 taps of 3 (measured: stem 2.7 -> 1.8 ms; with the uint8 SpaceToDepth 0.45 ms and
-the smaller layout Transpose, about 0.8 ms less per batch; benchmarks/conv_paths.py).
-
-The rewrite: a SpaceToDepth (blocksize 2, DCR order: channel = (dy * 2 + dx) * C + c) between the
-input's QuantizeLinear and DequantizeLinear (a movement op: same scale and zero point), and the
-int8 weight rearranged: tap k of the 3x3 kernel reads block (k - pad_begin) // 2, phase
-(k - pad_begin) % 2; the tap that no original tap maps to gets a zero weight. The int32 sums are
-the same products, so the outputs are bit-identical. Padding stays the zero point (real 0) at
-the same positions. Applied only where the quantized input feeds nothing but such convolutions,
-with static even height and width, and only if the installed onnxruntime runs SpaceToDepth on
-uint8/int8 (older releases run it on float only). The rewritten tensor has a new name
-(suffix `_s2d`), so no tool mistakes it for the fp32 input; `undo` maps it back.
+onnxruntime's int8 Conv (MLAS ConvSym) walks an indirection buffer, one pointer per output pixel
+and kernel tap, and with few input channels that per-tap cost is the whole stem; 4 taps of 12
+channels cost less than 9 of 3. A SpaceToDepth (blocksize 2, DCR order) goes between the input's
+QuantizeLinear and DequantizeLinear (same scale and zero point) and the int8 weight is rearranged
+(`_blocked_weight`): the same products, so bit-identical outputs. Applied only where the quantized
+input feeds nothing but such convolutions, with static even height and width, and where the
+installed onnxruntime runs SpaceToDepth on 8-bit integers. The rewritten tensor is named with
+suffix `_s2d`; `undo` maps it back. Figures: benchmarks/README.md, "int8 conv kernel paths".
 """
 
 from __future__ import annotations
@@ -93,6 +85,9 @@ def _plan(conv, data_name, producer, inits, height, width):
 
 
 def _blocked_weight(weight: np.ndarray, pad_top: int, pad_left: int) -> np.ndarray:
+    """The 3x3 weight over 2x2 blocks (channel = (dy * 2 + dx) * C + c, DCR): tap k reads block
+    (k - pad_begin) // 2, phase (k - pad_begin) % 2; a tap no original tap maps to is 0. Padding
+    stays the zero point (real 0) at the same positions."""
     out, channels = weight.shape[:2]
     blocked = np.zeros((out, BLOCK, BLOCK, channels, BLOCK, BLOCK), weight.dtype)  # o, dy, dx, c, by, bx
     for ky in range(3):

@@ -4,9 +4,8 @@ to uint8 itself at every step, so no Q/DQ pair and no calibrated range is involv
 
 W [dirs, 4*hidden, input] and R [dirs, 4*hidden, hidden] are stored transposed, as the kernel
 wants them ([dirs, input, 4*hidden], [dirs, hidden, 4*hidden]), symmetric (zero point 0), with one
-scale per gate column per direction: the gates' rows differ in magnitude, and on silero VAD's
-LSTM streaming 434 chunks a scale per direction costs 7 dB of VAD-probability SQNR (51 dB per
-column against 44; benchmarks/recurrent.py). Without per-channel weights there is one per direction.
+scale per gate column per direction, because the gates' rows differ in magnitude (figures:
+docs/targets.md, "Recurrent layers"). Without per-channel weights there is one per direction.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ PRelu's slope stays a float constant (it is tiny and per channel; int8 would onl
 precision, and onnxruntime runs the op in float between DQ and Q either way).
 """
 
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
 
 def _constant_bounds(node, ctx) -> bool:
@@ -25,7 +25,7 @@ def _tanh_params(dtype: str) -> tuple[float, int]:
     return 1.0 / 128.0, (0 if dtype == "int8" else 128)
 
 
-register(
+RULES = (
     OpRule("Relu", fusable_activation=True),
     OpRule("Clip", fusable_activation=True, applies=_constant_bounds),
     OpRule("Sigmoid", output="fixed", fixed=_sigmoid_params),

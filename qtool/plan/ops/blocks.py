@@ -1,46 +1,12 @@
 """Blocks that exporters write as chains of primitive ops (transformer layers, normalizations, an
 STFT magnitude, a log-mel front end), recognised as a whole.
 
-Each op of these chains has (or lacks) its own rule, but quantizing the chain op by op puts an
-int8 range on tensors that one range cannot hold: a LayerNorm's squared deviations span several
-decades, an attention score map is exponentiated by the Softmax after it, an additive mask holds
--1e4 or -inf beside values near 0. Each block rule says which of its nodes stay float; the
-tensors at its boundary are quantized by the neighbouring ops as usual (a LayerNorm's output by
-the MatMul that reads it), so the int8 MatMuls and Convs around the block keep their kernels.
-
-- LayerNorm, decomposed as PyTorch/Paddle exports it: ReduceMean -> Sub -> Pow 2 -> ReduceMean ->
-  Add eps -> Sqrt -> Div, with the affine Mul gamma / Add beta after it: all float, like the
-  LayerNormalization op (which has no rule: it is float already).
-- Other normalizations written out: a tensor multiplied or divided by a square root of its own
-  statistics (TensorFlow's and JAX's mean(x^2) - mean(x)^2, Keras's Mul(d, d), RMSNorm,
-  x / ||x||): the statistics, the squares and centring Subs feeding them, the Mul or Div and the
-  affine tail stay float.
-- Log spectra: a Log every path into which ends in a square (an audio front end's log-mel): the
-  transform the squares read (an STFT as a Conv or MatMul), the squares, the filterbank, the Log
-  and its scaling to dB stay float.
-- Magnitudes, sqrt(a^2 + b^2) (an STFT's, silero's front end) or sqrt(sum x^2): the squares span
-  twice the decades of their inputs, so the Pows, the sum and the Sqrt stay float.
-- GELU, x * 0.5 * (1 + erf(x / sqrt 2)) and 0.5 * x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
-  the polynomial in any arrangement: float from the op after x to the last Mul. The Gelu op has no
-  rule: float already.
-- Attention scores: a MatMul of two activations (Q K^T) and what leads from it to the Softmax
-  (scale Mul/Div, mask Add or Where, Reshape/Transpose) stay float with the Softmax; the
-  probabilities get their own calibrated range where the P V MatMul reads them, and that MatMul
-  is int8 like the weighted ones.
-- Masks: a tensor computed from a constant of -1e4 or less (-inf, float32 min: BERT's
-  (1 - mask) * min, a Where filling -inf) is never quantized, nor anything computed from it up to
-  the Softmax or LogSoftmax that consumes it: an int8 range holding -1e4 leaves every real score
-  in one code.
-- Residual streams: an Add of two activations that feeds a LayerNorm (an op of NORM_OPS, or the
-  chain) stays float: the stream carries the few outlier channels that one static range cannot
-  hold together with the rest (qtool.plan.dynamic); its readers quantize the normalized values
-  instead.
-- Counts kept in float: a Cast of an integer or bool tensor to float (or a float Range) whose
-  values go, through arithmetic with constants and moves alone, to a Cast back to integers: that
-  path is never quantized. Exporters (Paddle's loops above all) compute step counters and indices
-  this way: an int8 range over 0..500 has a step of 2, so a decoder loop would write each step's
-  result to the wrong row. An image cast from uint8 and normalized for a Conv is data: it goes
-  to no such Cast and is quantized as usual.
+Quantizing such a chain op by op puts an int8 range on tensors that one range cannot hold: a
+LayerNorm's squared deviations span several decades, an attention score map is exponentiated by
+the Softmax after it, an additive mask holds -1e4 or -inf beside values near 0. Each block rule
+(RULES, at the end) says which nodes stay float, and each matcher's docstring why; the tensors at
+a block's boundary are quantized by the neighbouring ops as usual (a LayerNorm's output by the
+MatMul that reads it), so the int8 MatMuls and Convs around the block keep their kernels.
 """
 
 from __future__ import annotations
@@ -52,7 +18,7 @@ import onnx
 from onnx import TensorProto
 
 from qtool.graph.index import GraphIndex, attribute, node_label
-from qtool.plan.ops import BlockRule, register_block
+from qtool.plan.ops.rule import BlockRule
 
 MASK_LIMIT = -1e4  # a constant at or below this is a mask's "minus infinity"
 _MOVERS = ("Reshape", "Flatten", "Transpose", "Unsqueeze", "Squeeze", "Cast", "Expand", "Identity")
@@ -85,7 +51,10 @@ def _next(ctx: GraphIndex, node: onnx.NodeProto, *op_types: str) -> Optional[onn
 
 
 def layer_norm_chains(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
-    """From each Pow(d, 2) where d = x - ReduceMean(x): the chain to the Div and its affine tail."""
+    """From each Pow(d, 2) where d = x - ReduceMean(x): the chain to the Div and its affine tail.
+
+    A LayerNorm as PyTorch/Paddle export it (ReduceMean -> Sub -> Pow 2 -> ReduceMean -> Add eps ->
+    Sqrt -> Div, then Mul gamma / Add beta) stays float, like the LayerNormalization op (no rule)."""
     for pow_node in (n for n in ctx.graph.node if n.op_type == "Pow"):
         if len(pow_node.input) < 2 or ctx.scalar(pow_node.input[1]) != 2.0:
             continue
@@ -227,7 +196,10 @@ def _gelu_tail(ctx: GraphIndex, start: onnx.NodeProto, x: str) -> Optional[list[
 
 
 def gelu_chains(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
-    """Each GELU written out (Erf or Tanh form): its nodes from the op after x to the last Mul."""
+    """Each GELU written out (Erf or Tanh form): its nodes from the op after x to the last Mul.
+
+    x * 0.5 * (1 + erf(x / sqrt 2)) and 0.5 * x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the
+    polynomial in any arrangement; the Gelu op has no rule (float already)."""
     for node in ctx.graph.node:
         if node.op_type == "Erf":
             scale = ctx.producer.get(node.input[0])  # x / sqrt 2 or x * (1 / sqrt 2)
@@ -286,7 +258,10 @@ def _tanh_gelu_heads(ctx: GraphIndex, tanh: onnx.NodeProto) -> Iterator[tuple[li
 
 
 def _attention_scores(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
-    """A MatMul of two activations whose output reaches a Softmax through scale, mask and moves."""
+    """A MatMul of two activations whose output reaches a Softmax through scale, mask and moves.
+
+    Q K^T and what leads from it to the Softmax stay float with the Softmax; the probabilities get
+    their own range where the P V MatMul reads them, and that MatMul is int8 like the weighted ones."""
     for node in ctx.graph.node:
         if node.op_type != "MatMul" or any(ctx.is_constant(i) for i in node.input):
             continue
@@ -300,7 +275,10 @@ def _attention_scores(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 
 
 def _residuals(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
-    """An Add of two activations read by a LayerNorm op (NORM_OPS) or by a decomposed chain's first ReduceMean."""
+    """An Add of two activations read by a LayerNorm op (NORM_OPS) or by a decomposed chain's first ReduceMean.
+
+    The residual stream carries the few outlier channels one static range cannot hold together with
+    the rest (qtool.plan.dynamic); its readers quantize the normalized values instead."""
     starts = {node_label(chain[0]) for chain in layer_norm_chains(ctx)}
     starts |= {node_label(node) for chain in normalizations(ctx) for node in chain}
     for node in ctx.graph.node:
@@ -323,7 +301,10 @@ def _mask_origin(ctx: GraphIndex, node: onnx.NodeProto) -> bool:
 
 def mask_tensors(ctx: GraphIndex) -> tuple[set[str], list[onnx.NodeProto]]:
     """Tensors holding a mask's large negative values (never quantized) and the nodes computing them,
-    from the constant to the Softmax that consumes them, in graph order."""
+    from the constant to the Softmax that consumes them, in graph order.
+
+    A constant at or below MASK_LIMIT (-inf, float32 min: BERT's (1 - mask) * min, a Where filling
+    -inf) marks a mask: an int8 range holding -1e4 would leave every real score in one code."""
     masked: set[str] = set()
     nodes = []
     for node in ctx.graph.node:
@@ -408,7 +389,8 @@ def _log_spectra(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
 
 def _magnitudes(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """sqrt(a^2 + b^2 [+ eps]) and sqrt(ReduceSum/ReduceMean(x^2)): every path into the Sqrt through
-    Add/ReduceSum/ReduceMean ends in a Pow 2 (outside a LayerNorm chain, which has its own rule)."""
+    Add/ReduceSum/ReduceMean ends in a Pow 2 (outside a LayerNorm chain, which has its own rule).
+    The squares span twice the decades of their inputs (an STFT's magnitude)."""
     in_norms = {node_label(chain[5]) for chain in layer_norm_chains(ctx)}
     in_norms |= {node_label(node) for rule in (normalizations, _log_spectra) for chain in rule(ctx) for node in chain}
     for sqrt in (n for n in ctx.graph.node if n.op_type == "Sqrt" and node_label(n) not in in_norms):
@@ -444,7 +426,10 @@ def _cast(node: onnx.NodeProto, into: set[int]) -> bool:
 def _from_integers(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """Per Cast of an integer tensor to float (or float Range) whose values, through arithmetic with
     constants alone, reach a Cast back to integers: the nodes on those paths, in graph order. (An
-    image cast from uint8 and normalized for a Conv is data, not a count: it reaches no such Cast.)"""
+    image cast from uint8 and normalized for a Conv is data, not a count: it reaches no such Cast.)
+
+    Exporters (Paddle's loops above all) compute step counters and indices this way: an int8 range
+    over 0..500 has a step of 2, so a decoder loop would write each step's result to the wrong row."""
     nodes = list(ctx.graph.node)
     for start, seed in enumerate(nodes):
         if seed.op_type == "Range":
@@ -477,7 +462,7 @@ def _integer_values(ctx: GraphIndex) -> set[str]:
     return {o for chain in _from_integers(ctx) for node in chain for o in node.output if o and ctx.is_float(o)}
 
 
-register_block(
+RULES = (
     BlockRule("LayerNorm chain", layer_norm_chains),
     BlockRule("normalization", normalizations),
     BlockRule("log spectrum", _log_spectra),

@@ -5,9 +5,9 @@ ConvTranspose weights are (C_in, C_out/group, k...), so axis 1 (onnxruntime's ow
 quantizer got this wrong for years).
 """
 
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
-register(
+RULES = (
     OpRule("Conv", activations=(0,), weight=1, weight_axis=lambda node, rank: 0, bias=2,
            absorbs_activation=True),
     OpRule("ConvTranspose", activations=(0,), weight=1, weight_axis=lambda node, rank: 1, bias=2,

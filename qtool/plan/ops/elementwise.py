@@ -6,9 +6,9 @@ int8, and so that onnxruntime fuses the op into QLinearAdd/QLinearMul instead of
 it in float between a DequantizeLinear and a QuantizeLinear.
 """
 
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
-register(
+RULES = (
     OpRule("Add", activations=(0, 1), absorbs_activation=True, quantize_constants=True),
     OpRule("Sub", activations=(0, 1), quantize_constants=True),
     OpRule("Mul", activations=(0, 1), quantize_constants=True),

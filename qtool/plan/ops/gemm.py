@@ -1,7 +1,7 @@
 """Gemm: Y = alpha * A' B' + beta * C. The weight B's output axis depends on transB."""
 
 from qtool.graph.index import attribute
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
 
 def _gemm_axis(node, rank: int) -> int:
@@ -14,5 +14,5 @@ def _plain_gemm(node, ctx) -> bool:
     return not attribute(node, "transA", 0)
 
 
-register(OpRule("Gemm", activations=(0,), weight=1, weight_axis=_gemm_axis, bias=2,
-                absorbs_activation=True, float_output=True, applies=_plain_gemm))
+RULES = (OpRule("Gemm", activations=(0,), weight=1, weight_axis=_gemm_axis, bias=2,
+                absorbs_activation=True, float_output=True, applies=_plain_gemm),)

@@ -8,7 +8,7 @@ import numpy as np
 from onnx import numpy_helper
 
 from qtool.graph.index import attribute
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
 
 def pad_value(node, ctx) -> float:
@@ -27,4 +27,4 @@ def _known_value(node, ctx) -> bool:
     return bool(np.isfinite(pad_value(node, ctx)))
 
 
-register(OpRule("Pad", activations=(0,), output="tie", applies=_known_value))
+RULES = (OpRule("Pad", activations=(0,), output="tie", applies=_known_value),)

@@ -2,9 +2,9 @@
 scale and zero point; averaging ops (AveragePool, GlobalAveragePool, ReduceMean) compute
 new values and get their own range (a mean's range is narrower than its input's)."""
 
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
-register(
+RULES = (
     OpRule("MaxPool", output="tie"),
     OpRule("AveragePool"),
     OpRule("GlobalAveragePool"),

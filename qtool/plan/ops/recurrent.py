@@ -12,7 +12,7 @@ pairs: its gates and state live inside the op.
 """
 
 from qtool.graph.index import attribute
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
 _DEFAULT_ACTIVATIONS = ("sigmoid", "tanh", "tanh")
 
@@ -29,7 +29,7 @@ def _dynamic_lstm_form(node, ctx) -> bool:
     return not activations or activations == list(_DEFAULT_ACTIVATIONS) * directions
 
 
-register(
+RULES = (
     OpRule("LSTM", activations=(), kernel="DynamicQuantizeLSTM", kernel_weights=(1, 2), targets=("ort-cpu",),
            applies=_dynamic_lstm_form,
            unsupported="DynamicQuantizeLSTM needs constant W and R, layout 0 and the default activations"),

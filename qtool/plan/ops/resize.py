@@ -5,6 +5,6 @@ clips nothing. (Cubic can overshoot slightly: the shared range is the union of t
 and output's observed ranges, so the overshoot seen in calibration is covered.)
 roi, scales and sizes are constants or int64: only X (input 0) is an activation."""
 
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
-register(OpRule("Resize", activations=(0,), output="tie"))
+RULES = (OpRule("Resize", activations=(0,), output="tie"),)

@@ -7,11 +7,11 @@ of a quantized data tensor; a constant table (an embedding) is no activation: th
 may store it int8 per row, weight-only (planner._embedding_tables).
 """
 
-from qtool.plan.ops import OpRule, register
+from qtool.plan.ops.rule import OpRule
 
 _MOVERS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Slice", "Gather", "Split")
 
-register(
+RULES = (
     *(OpRule(op, activations=(0,), output="tie") for op in _MOVERS),
     OpRule("Concat", activations=None, output="tie"),
 )

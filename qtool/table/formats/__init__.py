@@ -1,53 +1,43 @@
 """Calibration tables of other toolchains: read and write them all.
 
-One module per format, each registering a TableFormat: how to recognise the file
-from its content, how to read it into qtool's CalibrationTable, and how to write a
-table out. `read_table` detects the format unless one is forced; `write_table`
-writes the named one. Formats keyed by layer rather than tensor (ncnn, AMCT) need
-the model to map layers to tensors; so does writing them.
+One module per format, each defining its TableFormat (`FORMATS`): how to recognise the
+file from its content, how to read it into qtool's CalibrationTable, and how to write a
+table out; FORMATS below lists them in detection order. `read_table` detects the format
+unless one is forced; `write_table` writes the named one. Formats keyed by layer rather
+than tensor (ncnn, AMCT) need the model to map layers to tensors; so does writing them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from qtool import atomic
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
-from qtool.table.formats.model_view import ModelView, model_view
+from qtool.table.formats import amct, ncnn, ort, qtool_json, tengine, tensorrt, tpu_mlir
+from qtool.table.formats.base import FormatContext, TableFormat
+from qtool.table.formats.model_view import model_view
 from qtool.table.table import CalibrationTable
 
 
-@dataclass(frozen=True)
-class FormatContext:
-    options: QuantizeConfig = field(default_factory=QuantizeConfig)
-    model: Optional[ModelView] = None
-    path: object = None  # the file being read or written, for messages
-
-    def require_model(self, format_name: str) -> ModelView:
-        if self.model is None:
-            raise QtoolError(f"{format_name} tables name layers, not tensors: give the model (--model) "
-                             "to map them", self.path)
-        return self.model
+def by_name(*formats: TableFormat) -> dict[str, TableFormat]:
+    """The formats keyed by name, in the order given; one format per name."""
+    table: dict[str, TableFormat] = {}
+    for fmt in formats:
+        if fmt.name in table:
+            raise ValueError(f"two table formats named {fmt.name}")
+        table[fmt.name] = fmt
+    return table
 
 
-@dataclass(frozen=True)
-class TableFormat:
-    name: str
-    description: str
-    detect: Callable[[bytes], bool]
-    read: Callable[[bytes, FormatContext], CalibrationTable]
-    write: Callable[[CalibrationTable, FormatContext], bytes]
-    by_layer: bool = False
-
-
-FORMATS: dict[str, TableFormat] = {}
-
-
-def register(fmt: TableFormat) -> None:
-    FORMATS[fmt.name] = fmt
+# Detection order: the first format whose signature matches a file reads it, so the most specific
+# signatures come first: qtool's JSON header before onnxruntime's JSON, and last the bare rows of
+# numbers of Tengine and ncnn.
+FORMATS: dict[str, TableFormat] = by_name(
+    *qtool_json.FORMATS, *ort.FORMATS, *tensorrt.FORMATS, *amct.FORMATS, *tpu_mlir.FORMATS, *tengine.FORMATS,
+    *ncnn.FORMATS,
+)
 
 
 def format_names() -> list[str]:
@@ -55,7 +45,7 @@ def format_names() -> list[str]:
 
 
 def detect_format(data: bytes, path: object = None) -> TableFormat:
-    for fmt in FORMATS.values():  # registration order: most specific signature first
+    for fmt in FORMATS.values():  # detection order
         if fmt.detect(data):
             return fmt
     raise QtoolError(f"unrecognised calibration table; known formats: {', '.join(FORMATS)} "
@@ -94,6 +84,3 @@ def write_table(table: CalibrationTable, path: str | Path, format_name: str,
     atomic.write_bytes(path, fmt.write(table, ctx))
     return fmt
 
-
-# Importing the format modules fills FORMATS, in detection order.
-from qtool.table.formats import qtool_json, ort, tensorrt, amct, tpu_mlir, tengine, ncnn  # noqa: E402,F401

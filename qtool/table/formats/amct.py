@@ -1,20 +1,13 @@
 """Huawei AMCT's quantization record (ScaleOffsetRecord), text and binary protobuf.
 
-    record {
-      key: "conv1"
-      value { scale_d: 0.0798481479 offset_d: 1 scale_w: 0.00297622895 offset_w: 0
-              skip_fusion: true dst_type: "INT8" }
-    }
+    record { key: "conv1" value { scale_d: 0.0798481 offset_d: 1 scale_w: 0.0029762 offset_w: 0 } }
 
-The message definition lives in amct.proto beside this file; its classes are built at
-run time from that text with the protobuf runtime onnx already depends on (a
-FileDescriptorProto filled by a small parser of the proto2 subset the file uses), so
-neither protoc nor generated code is needed. Records are keyed by layer (the ONNX node
-name), scale_d/offset_d being the int8 quantization of the layer's input: qtool maps
-them to tensors through the model and says which quantized tensors no record covers.
-Float fields are float32 in both encodings (text prints the shortest float32 repr), so
-a scale and an offset survive a round trip exactly; uint8 entries are written as the
-same grid in int8 (offset = zero point - 128).
+The message is defined in amct.proto beside this file; its classes are built at run time from
+that text with the protobuf runtime onnx depends on (a small parser of the proto2 subset it uses),
+so neither protoc nor generated code is needed. Records are keyed by layer (the ONNX node name),
+scale_d/offset_d quantizing the layer's input: qtool maps them to tensors through the model and
+says which quantized tensors no record covers. Float fields are float32 in both encodings, so a
+round trip is exact; uint8 entries are written as the same grid in int8 (offset = zero point - 128).
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 from google.protobuf.message import DecodeError
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import entry_from_qparams, to_dtype
 from qtool.table.formats.model_view import LayerEntries, shown, warn_uncovered
 from qtool.table.qparams import QParams
@@ -170,7 +163,9 @@ def _write_binary(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return build_record(table, ctx).SerializeToString()
 
 
-register(TableFormat("amct", "Huawei AMCT record, protobuf text (per layer)", _detect_text, _read_text, _write_text,
-                     by_layer=True))
-register(TableFormat("amct-binary", "Huawei AMCT record, binary protobuf (per layer)", _detect_binary, _read_binary,
-                     _write_binary, by_layer=True))
+FORMATS = (
+    TableFormat("amct", "Huawei AMCT record, protobuf text (per layer)", _detect_text, _read_text, _write_text,
+                by_layer=True),
+    TableFormat("amct-binary", "Huawei AMCT record, binary protobuf (per layer)", _detect_binary, _read_binary,
+                _write_binary, by_layer=True),
+)

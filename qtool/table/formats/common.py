@@ -1,17 +1,12 @@
-"""What the format modules share: number text that round-trips, scale conversions,
-and building table entries from what a foreign file holds.
+"""What the format modules share: number text that round-trips, scale conversions, and building
+table entries from what a foreign file holds, which is one of three things per tensor:
 
-Every format ends up holding one of three things per tensor, and each has one way
-in and one way out of qtool's table:
-
-- a scale and a zero point (Tengine, AMCT): taken exactly, shifted between int8 and
-  uint8 when the options ask for the other type (the shift by 128 keeps the
-  real-valued grid identical, so nothing is lost);
-- a symmetric scale amax/127 or its inverse (TensorRT, ncnn, TPU-MLIR's threshold):
-  the int8 grid with zero point 0 the owning toolchain uses, shifted likewise, with
-  the range (-amax, amax);
-- a min/max range (TPU-MLIR, onnxruntime): scale and zero point recomputed with
-  qtool's own formula for the options, exactly as a qtool calibration would.
+- a scale and a zero point (Tengine, AMCT): taken exactly, shifted by 128 between int8 and uint8
+  when the options ask for the other type (the real-valued grid stays identical);
+- a symmetric scale amax/127 or its inverse (TensorRT, ncnn, TPU-MLIR's threshold): the owning
+  toolchain's int8 grid with zero point 0, shifted likewise, with the range (-amax, amax);
+- a min/max range (TPU-MLIR, onnxruntime): scale and zero point recomputed with qtool's own
+  formula for the options, exactly as a qtool calibration would.
 """
 
 from __future__ import annotations

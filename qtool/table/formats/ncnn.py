@@ -3,15 +3,12 @@
     conv1_param_0 156.639840 93.315132 ...
     conv1 47.340626
 
-`<layer>_param_0` lines hold the weight's per-output-channel scale factors and
-`<layer>` lines the scale of the layer's input blob, both as ncnn multiplies by them:
-127/amax, the inverse of a symmetric int8 scale. Only Convolution, ConvolutionDepthWise
-and InnerProduct layers have entries, so tensors that feed no such layer (an Add's
-other input, a graph output) have none; reading and writing say which. qtool maps ncnn
-layer names to the ONNX node of the same name (or first output, onnx2ncnn's fallback).
-ncnn prints %f; qtool writes full precision so a scale survives the inversion exactly.
-Weight lines are written for ncnn's benefit and ignored on reading: qtool derives
-weight scales from the weights themselves.
+`<layer>_param_0` holds the weight's per-output-channel scale factors, `<layer>` the scale of the
+layer's input blob, both 127/amax as ncnn multiplies by them. Only Convolution,
+ConvolutionDepthWise and InnerProduct layers have entries; reading and writing say which tensors
+have none. Layer names map to the ONNX node of the same name (or first output, onnx2ncnn's
+fallback). qtool writes full precision (ncnn prints %f), so a scale survives the inversion; weight
+lines are ignored on reading (qtool derives weight scales from the weights).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import (decode_text, entry_from_symmetric, f64_text, is_integer, is_number, parse_float,
                                   symmetric_scale, text_rows, warn_widened)
 from qtool.table.formats.model_view import LayerEntries, warn_uncovered
@@ -64,4 +61,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return ("\n".join(weight_lines + blob_lines) + "\n").encode("utf-8")
 
 
-register(TableFormat("ncnn", "ncnn int8 table (layer 127/amax, per layer)", _detect, _read, _write, by_layer=True))
+FORMATS = (TableFormat("ncnn", "ncnn int8 table (layer 127/amax, per layer)", _detect, _read, _write, by_layer=True),)

@@ -1,16 +1,13 @@
-"""onnxruntime's calibration cache: the JSON of its TensorsData.
-
-onnxruntime.quantization.calibrate.save_tensors_data / write_calibration_table write
+"""onnxruntime's calibration cache: the JSON of its TensorsData, as
+onnxruntime.quantization.calibrate.save_tensors_data / write_calibration_table write it:
 
     {"CLS": "TensorsData", "data": {"<tensor>": {"lowest": L, "highest": H, "CLS": "TensorData"}},
      "calibration_method": {"CLS": "CalibrationMethod", "value": "CalibrationMethod.MinMax"}}
 
-where L and H are float32 numpy values encoded as {"data": x, "dtype": "float32", "CLS":
-"numpy.array"} (older releases omit "CLS", or write plain numbers; the oldest write
-{"<tensor>": [min, max]}). The file holds ranges only, so scale and zero point are
-computed from them with the options, as onnxruntime and qtool both do (rmin <= 0 <= rmax,
-scale = (rmax - rmin) / (qmax - qmin)). Numbers are written with Python's shortest repr, so
-they read back exactly.
+L and H are float32 numpy values, {"data": x, "dtype": "float32", "CLS": "numpy.array"} (older
+releases omit "CLS" or write plain numbers; the oldest write {"<tensor>": [min, max]}). The file
+holds ranges only: scale and zero point are computed from them with the options, as onnxruntime and
+qtool both do. Numbers are written with Python's shortest repr, so they read back exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import json
 from typing import Any
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import entry_from_range
 from qtool.table.formats.common import imported_table
 from qtool.table.table import CalibrationTable
@@ -102,4 +99,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return json.dumps(document).encode("utf-8")
 
 
-register(TableFormat("onnxruntime", "onnxruntime's calibration cache (TensorsData JSON)", _detect, _read, _write))
+FORMATS = (TableFormat("onnxruntime", "onnxruntime's calibration cache (TensorsData JSON)", _detect, _read, _write),)

@@ -1,10 +1,10 @@
-"""qtool's own JSON table (qtool/table.py): canonical and lossless."""
+"""qtool's own JSON table (qtool/table/table.py): canonical and lossless."""
 
 from __future__ import annotations
 
 import json
 
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import decode_text
 from qtool.errors import QtoolError
 from qtool.table.table import FORMAT, CalibrationTable, table_from_document
@@ -36,4 +36,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return table.to_json_text().encode("utf-8")
 
 
-register(TableFormat("qtool", "qtool's JSON table (canonical, lossless)", _detect, _read, _write))
+FORMATS = (TableFormat("qtool", "qtool's JSON table (canonical, lossless)", _detect, _read, _write),)

@@ -1,22 +1,17 @@
-"""Tengine's calibration table (quant_tool_uint8 / quant_tool_int8, table_*.scale).
+"""Tengine's calibration table (quant_tool_uint8 / quant_tool_int8, table_*.scale): one
+`<tensor> <scale> <zero_point>` per line.
 
-    <tensor> <scale> <zero_point>
-
-one tensor per line. Tengine itself prints the scale with %f, six decimals, which
-turns a small scale into 0.000000 or keeps only a digit or two of it; qtool writes
-the shortest text that reads back as the same float32, and Tengine's reader (strtof)
-takes it as is.
-
-The file does not say whether it is uint8 (Tengine's asymmetric tool) or int8 (its
-symmetric per-channel tool, zero point 0). A negative zero point means int8, one
-above 127 means uint8; when every zero point is 0 the file is read as int8, the only
-Tengine tool that writes such files.
+Tengine prints the scale with %f, which turns a small scale into 0.000000 or a digit or two; qtool
+writes the shortest text that reads back as the same float32, which Tengine's strtof takes as is.
+The file does not say whether it is uint8 (the asymmetric tool) or int8 (the symmetric per-channel
+tool, zero point 0): a negative zero point means int8, one above 127 uint8, and a file whose zero
+points are all 0 is read as int8, the only Tengine tool that writes such files.
 """
 
 from __future__ import annotations
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import (decode_text, entry_from_qparams, f32_text, imported_table, is_integer, is_number,
                                   parse_float, text_rows)
 from qtool.table.qparams import QParams
@@ -60,4 +55,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
-register(TableFormat("tengine", "Tengine calibration table (tensor scale zero_point)", _detect, _read, _write))
+FORMATS = (TableFormat("tengine", "Tengine calibration table (tensor scale zero_point)", _detect, _read, _write),)

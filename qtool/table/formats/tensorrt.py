@@ -18,7 +18,7 @@ import re
 import struct
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import decode_text, entry_from_symmetric, imported_table, symmetric_scale, warn_widened
 from qtool.table.table import CalibrationTable
 
@@ -71,4 +71,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
-register(TableFormat("tensorrt", "TensorRT calibration cache (hex float32 scales)", _detect, _read, _write))
+FORMATS = (TableFormat("tensorrt", "TensorRT calibration cache (hex float32 scales)", _detect, _read, _write),)

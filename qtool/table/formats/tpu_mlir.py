@@ -1,21 +1,14 @@
-"""TPU-MLIR's calibration table (Sophgo run_calibration.py).
+"""TPU-MLIR's calibration table (Sophgo run_calibration.py), after a `#` header:
 
-    # genetated time: 2022-08-11 10:00:59.743675
-    # histogram number: 2048
-    # sample number: 100
-    ###
     # op_name    threshold    min    max
-    images 1.0000080 0.0000000 1.0000080
     122_Conv 56.4281803 -102.5830231 97.6811752
 
-`threshold` serves symmetric quantization (int8 scale threshold/127 when min < 0,
-uint8 threshold/255 otherwise, as TPU-MLIR's getScale does); min/max serve asymmetric
-quantization. qtool reads the one its options ask for. Sections after `#int4_th` or
-`#weight_scale` and QAT step/zero-point lines are skipped with a warning. Names are
-TPU-MLIR's op names: the output tensor's name, which older releases suffix with
-`_<OpType>`; with the model at hand such suffixes are mapped back to tensor names.
-qtool writes every number with Python's shortest round-trip repr (TPU-MLIR writes
-%.7f), so a min/max range reads back exactly.
+`threshold` serves symmetric quantization (int8 scale threshold/127 when min < 0, uint8
+threshold/255 otherwise, as TPU-MLIR's getScale does), min/max asymmetric; qtool reads the one its
+options ask for. Sections after `#int4_th` or `#weight_scale` and QAT step/zero-point lines are
+skipped with a warning. Names are the output tensors', which older releases suffix with
+`_<OpType>` (mapped back with the model at hand). qtool writes Python's shortest round-trip repr
+(TPU-MLIR writes %.7f), so a min/max range reads back exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from __future__ import annotations
 import warnings
 
 from qtool.errors import QtoolError
-from qtool.table.formats import FormatContext, TableFormat, register
+from qtool.table.formats.base import FormatContext, TableFormat
 from qtool.table.formats.common import (decode_text, entry_from_qparams, entry_from_range, f64_text, imported_table,
                                   is_number, is_symmetric, parse_float)
 from qtool.table.qparams import QParams
@@ -110,4 +103,4 @@ def _write(table: CalibrationTable, ctx: FormatContext) -> bytes:
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
-register(TableFormat("tpu-mlir", "TPU-MLIR calibration table (name threshold min max)", _detect, _read, _write))
+FORMATS = (TableFormat("tpu-mlir", "TPU-MLIR calibration table (name threshold min max)", _detect, _read, _write),)
