@@ -15,9 +15,9 @@ quantization parameters are:
 
 A weight-only rule (`kernel`) is different: the op becomes a runtime kernel that takes int8
 weights and quantizes its activations itself while it runs (onnxruntime's DynamicQuantizeLSTM),
-so it gets no Q/DQ and no calibration; only its weights are planned. A rule may be limited to
-the targets whose runtime has such a kernel (`targets`); elsewhere the node stays float with a
-note that says so (a rule with no target at all only records why an op is never int8: GRU).
+so it gets no Q/DQ and no calibration; only its weights are planned. On a target whose runtime
+lacks the kernel (Target.kernels) the node stays float with a note that says so (GRU's kernel
+is on no target: its rule only records why it is never int8).
 
 An op type that has no rule stays in float; the planner puts DequantizeLinear /
 QuantizeLinear at its boundary only where its neighbours are quantized.
@@ -71,13 +71,11 @@ class OpRule:
     # QLinearAdd only when every input comes from a DequantizeLinear.
     quantize_constants: bool = False
     # Weight-only op: the runtime kernel it becomes (its domain's op type), and the indices of the
-    # constant weights stored int8 for it. `activations` is () for such a rule.
+    # constant weights stored int8 for it. `activations` is () for such a rule. On a target whose
+    # runtime lacks the kernel (not in Target.kernels), or where `applies` rejects the node, it
+    # stays float and the user is told why: `unsupported` says what the kernel cannot take.
     kernel: Optional[str] = None
     kernel_weights: tuple[int, ...] = ()
-    # Targets whose runtime has a kernel for the op (None: every target). On another target, or
-    # where `applies` rejects the node, it stays float and the user is told why: `unsupported`
-    # says what the kernel cannot take.
-    targets: Optional[tuple[str, ...]] = None
     unsupported: str = ""
 
 
