@@ -114,3 +114,34 @@ def test_the_known_targets_are_the_entries_of_TARGETS(toy):
 def test_an_unknown_target_is_refused():
     with pytest.raises(ValueError, match="target must be one of ort-cpu, tensorrt, litert, got 'toy'"):
         QuantizeConfig(target="toy")
+
+
+def _embed_layer_norm_model(rng) -> onnx.ModelProto:
+    """onnxruntime's fused EmbedLayerNormalization (ids -> word + position rows -> LayerNorm) -> MatMul."""
+    v, s, d = 20, 6, 8
+    inits = [graphs.init("word", rng.normal(0, 1, (v, d)).astype(np.float32)),
+             graphs.init("position", rng.normal(0, 1, (s, d)).astype(np.float32)),
+             graphs.init("gamma", np.ones(d, np.float32)), graphs.init("beta", np.zeros(d, np.float32)),
+             graphs.init("w", rng.normal(0, 0.3, (d, d)).astype(np.float32))]
+    nodes = [helper.make_node("EmbedLayerNormalization", ["ids", "", "word", "position", "", "gamma", "beta"],
+                              ["e"], name="embed", domain="com.microsoft", epsilon=1e-12),
+             helper.make_node("MatMul", ["e", "w"], ["y"], name="proj")]
+    model = helper.make_model(helper.make_graph(nodes, "embed", [graphs.tensor("ids", ["N", s], onnx.TensorProto.INT32)],
+                                                [graphs.tensor("y", ["N", s, d])], inits),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("target, embeddings, written", [("ort-cpu", "auto", True), ("ort-cpu", "float", False),
+                                                         ("tensorrt", "auto", False), ("toy", "auto", True)])
+def test_a_target_names_the_passes_run_before_planning(monkeypatch, tmp_path, target, embeddings, written):
+    from dataclasses import replace
+
+    from qtool.plan.planner import prepared_model
+
+    monkeypatch.setitem(TARGETS, "toy", replace(TOY, prepare_passes=("embed_layer_norm",)))
+    onnx.save(_embed_layer_norm_model(np.random.default_rng(0)), tmp_path / "m.onnx")
+    model, _ = prepared_model(tmp_path / "m.onnx", QuantizeConfig(target=target, embeddings=embeddings))
+    ops = {n.op_type for n in model.graph.node}
+    assert ("EmbedLayerNormalization" not in ops and "LayerNormalization" in ops) == written
