@@ -126,8 +126,8 @@ def _embed_layer_norm_model(rng) -> onnx.ModelProto:
     nodes = [helper.make_node("EmbedLayerNormalization", ["ids", "", "word", "position", "", "gamma", "beta"],
                               ["e"], name="embed", domain="com.microsoft", epsilon=1e-12),
              helper.make_node("MatMul", ["e", "w"], ["y"], name="proj")]
-    model = helper.make_model(helper.make_graph(nodes, "embed", [graphs.tensor("ids", ["N", s], onnx.TensorProto.INT32)],
-                                                [graphs.tensor("y", ["N", s, d])], inits),
+    ids = graphs.tensor("ids", ["N", s], onnx.TensorProto.INT32)
+    model = helper.make_model(helper.make_graph(nodes, "embed", [ids], [graphs.tensor("y", ["N", s, d])], inits),
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8
     return model
