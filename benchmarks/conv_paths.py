@@ -11,8 +11,8 @@ Three measurements, each interleaved in one process (medians, 1 thread, batch 8)
    - "u8s8 wzp": the same with a non-zero weight zero point -> MlasConvDepthwise / MlasGemm + requantize;
    - "s8s8": int8 activations (litert/tensorrt presets) -> no ConvSym on x86.
    plus, for depthwise 3x3 at 112x112, a channel sweep (the per-output-pixel cost).
-3. stem: qtool's space-to-depth stem (qtool/quantization/stem_s2d.py) against a 4-channel padded
-   stem (qtool/quantization/channel_pad.py), whole model, outputs compared bit for bit.
+3. stem: qtool's space-to-depth stem (qtool/quantization/ort_cpu/stem_s2d.py) against a 4-channel padded
+   stem (qtool/quantization/ort_cpu/channel_pad.py), whole model, outputs compared bit for bit.
 
     python benchmarks/conv_paths.py            # about 3 minutes
     python benchmarks/conv_paths.py --runs 50  # more runs per measurement
@@ -39,6 +39,7 @@ from qtool.calibration.calibrate import calibrate  # noqa: E402
 from qtool.config import CalibrationConfig, QuantizeConfig, load_config  # noqa: E402
 from qtool.graph.runtime import time_models  # noqa: E402
 from qtool.graph.modelio import save_model  # noqa: E402
+import qtool.quantization.ort_cpu as ort_cpu  # noqa: E402
 import qtool.quantization.quantize as quantize_module  # noqa: E402
 from speed import kernel_events  # noqa: E402  (benchmarks/speed.py, same folder)
 from qtool.quantization.quantize import quantize_model  # noqa: E402
@@ -155,9 +156,9 @@ def main() -> None:
         per_layer(str(FP32), int8, {"input": x}, runs)
         kernels(runs)
         padded = os.path.join(tmp, "padded.onnx")
-        rewrite, quantize_module.space_to_depth_stems = quantize_module.space_to_depth_stems, lambda model: []
+        rewrite, ort_cpu.space_to_depth_stems = ort_cpu.space_to_depth_stems, lambda model: []
         save_model(quantize_module.quantize_model(FP32, table, options).model, padded)
-        quantize_module.space_to_depth_stems = rewrite
+        ort_cpu.space_to_depth_stems = rewrite
         same = np.array_equal(_session(int8).run(None, {"input": x})[0], _session(padded).run(None, {"input": x})[0])
         times = time_models({"fp32": str(FP32), "qtool padded stem": padded, "qtool s2d stem": int8}, {"input": x},
                             1, 3, runs)

@@ -25,6 +25,7 @@ from qtool import interrupt
 from qtool.atomic import check_output_path, write_text
 from qtool.config import TASKS, load_config, override
 from qtool.errors import EXIT_BUG, EXIT_THRESHOLD, QtoolError
+from qtool.targets import TARGETS
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
@@ -119,7 +120,7 @@ def _names(values: tuple[str, ...]) -> Optional[tuple[str, ...]]:
 def _target_options(func):
     """Options that shape the quantization plan, so calibrate and quantize both take them."""
     for option in reversed([
-        click.option("--target", type=click.Choice(["ort-cpu", "tensorrt", "litert"]),
+        click.option("--target", type=click.Choice(list(TARGETS)),
                      help="Runtime preset (default ort-cpu); options given explicitly override it one by one."),
         click.option("--reduce-range", is_flag=True, default=None, help="7-bit weights (x86 CPUs without VNNI)."),
         click.option("--exclude-op-types", multiple=True, metavar="OPS",
@@ -341,7 +342,7 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
                f"{result.activations} activations, {result.float_nodes} nodes left float) "
                f"in {time.perf_counter() - start:.1f} s -> {output}")
     click.echo(describe_target(quant))
-    if quant.target == "ort-cpu":
+    if TARGETS[quant.target].onnxruntime_kernels:
         click.echo(kernel_summary(output))
 
 

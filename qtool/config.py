@@ -19,7 +19,7 @@ from typing import Any, Optional
 import yaml
 
 from qtool.errors import QtoolError
-from qtool.targets import PRESET_FIELDS, TARGETS
+from qtool.targets import DEFAULT_TARGET, PRESET_FIELDS, TARGETS
 
 RESIZE_MODES = ("stretch", "shorter_side", "crop_fraction", "letterbox")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "area")
@@ -121,7 +121,7 @@ class QuantizeConfig:
     int16_activations: tuple[str, ...] = ()
     keep_opset: bool = False  # never convert an opset < 13 model (per-tensor weights, or an error below 10)
     upgrade_opset: bool = False  # deprecated, no effect: conversion is the default; kept so old configs load
-    target: str = "ort-cpu"  # ort-cpu | tensorrt | litert
+    target: str = DEFAULT_TARGET  # a name in qtool.targets.TARGETS
     reduce_range: Optional[bool] = None  # 7-bit weights (x86 without VNNI)
     # Names of the fields filled from the target preset (not given by the user).
     from_target: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)

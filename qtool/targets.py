@@ -1,23 +1,9 @@
-"""Target presets: the runtime a model is quantized for decides the options that make it
-fast and correct there. Each preset is a named table of defaults; any option the user sets
-(CLI flag or config key) wins over the preset, one by one.
-
-- ort-cpu (default): onnxruntime on CPU. uint8 asymmetric activations x int8 symmetric
-  per-channel weights: onnxruntime's u8s8 kernels (QLinearConv, QGemm via MLAS) are its
-  fastest path on x86; int8 activations fall back to slower s8s8 code (measured on
-  EfficientNet-Lite0, batch 8, 1 thread: 2.35x vs 1.25x fp32). On x86 CPUs without VNNI
-  the u8s8 path uses vpmaddubsw, whose int16 intermediate sums can saturate; 7-bit
-  weights (`reduce_range`) avoid that at a small accuracy cost.
-- tensorrt: TensorRT explicit quantization. Symmetric int8 everywhere (zero point 0: TensorRT
-  supports no other) with activation scales amax/127, TensorRT's and ModelOpt's convention and
-  the value a TensorRT calibration cache holds (so a table converted to a cache quantizes to the
-  same model as the table itself), per-channel weights; Q/DQ on the inputs of quantized layers (qtool's QDQ
-  form puts one pair on each quantized tensor, read by every consumer), none between a layer and
-  the activation it fuses, and the residual Add's other input quantized so TensorRT fuses
-  Conv+Add+Relu. Fixed-range outputs (Softmax, Sigmoid) get the symmetric grid [-1, 1).
-- litert: the LiteRT (TFLite) int8 spec. int8 asymmetric activations in [-128, 127], int8
-  symmetric per-channel weights in [-127, 127], per-op rules: Softmax/Sigmoid outputs
-  1/256 and -128, Tanh 1/128 and 0, movement ops keep their input's parameters.
+"""Targets: the runtime a model is quantized for, as data. A `Target` holds every trait a stage
+asks about (its preset of option defaults, its grid conventions, the constraints checked on the
+written model, the runtime-specific passes by name); stages read traits, never a target's name,
+so a target is one entry in TARGETS (and, if its runtime needs its own rewrites, a pass package
+like qtool.quantization.ort_cpu). Options the user sets win over the preset, one by one.
+Why each shipped target's traits are what they are: docs/targets.md.
 """
 
 from __future__ import annotations
@@ -35,19 +21,46 @@ SYMMETRIC_HALF_GRID = 127.5
 @dataclass(frozen=True)
 class Target:
     name: str
+    description: str
+    runtime: str  # who runs the model, as notes name it ("onnxruntime CPU has no int8 GRU kernel")
+    # The preset (QuantizeConfig fields; the user's options win): activation type and symmetry,
+    # per-channel weights, 7-bit weights.
     activation_dtype: str
     symmetric_activations: bool
     per_channel: bool
-    reduce_range: bool
-    description: str
-    runtime: str  # who runs the model, as notes name it ("onnxruntime CPU has no int8 GRU kernel")
-    # The code a symmetric activation range's amax maps to: 127 (scale amax/127, TensorRT), or
-    # SYMMETRIC_HALF_GRID.
+    reduce_range: bool = False
+    # The code a symmetric activation range's amax maps to: 127 (scale amax/127) or
+    # SYMMETRIC_HALF_GRID (qtool.table.resolve, qtool.quantization.rewrite).
     symmetric_qmax: float = SYMMETRIC_HALF_GRID
-    # The graph's outputs computed in float by the ops after the last one whose integer kernel needs
-    # int8 output (qtool.plan.planner): onnxruntime and TensorRT run such a tail in float; the LiteRT
-    # spec quantizes every op's output, the model's outputs included.
+    # The graph's outputs computed in float by the ops after the last one whose integer kernel
+    # needs int8 output (qtool.plan.planner); False: every op's output quantized, the model's too.
     float_outputs: bool = True
+    # A weighted layer fuses into the residual Add after it (Conv+Add+Relu): the layer's output
+    # gets no Q/DQ, the Add's other input does (qtool.plan.planner).
+    fuses_residual_add: bool = False
+    # `matmul: auto` may choose dynamic int8 MatMuls (qtool.plan.dynamic).
+    dynamic_matmul: bool = False
+    # `embeddings: auto` stores large Gather-only tables int8 per row (qtool.plan.planner).
+    int8_embeddings: bool = False
+    # Weight-only kernels the runtime has (OpRule.kernel, e.g. an int8 LSTM); an op whose kernel
+    # is not listed stays float with a note (qtool.plan.planner).
+    kernels: tuple[str, ...] = ()
+    # Constraints checked on the written model (qtool.quantization.checks): int8 activations only,
+    # zero point 0 only, fixed-range outputs (Softmax, Sigmoid, Tanh) with the spec's parameters.
+    int8_activations_only: bool = False
+    symmetric_only: bool = False
+    spec_fixed_outputs: bool = False
+    # Passes by name: on the prepared graph before planning (qtool.prepare.passes), on the
+    # quantized model before its checks, and the kernel forms written last, after the canonical
+    # copy is kept (both qtool.quantization.ort_cpu's PASSES).
+    prepare_passes: tuple[str, ...] = ()
+    finish_passes: tuple[str, ...] = ()
+    form_passes: tuple[str, ...] = ()
+    # uint8 x int8 products whose int16 pair sums saturate on x86 CPUs without VNNI: quantize warns
+    # there (vnni_warning).
+    saturates_without_vnni: bool = False
+    # The model runs in onnxruntime: quantize prints which kernels it picks (qtool.graph.kernels).
+    onnxruntime_kernels: bool = False
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -56,15 +69,20 @@ class Target:
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("ort-cpu", "uint8", False, True, False,
-           "onnxruntime CPU: uint8 asymmetric activations, int8 symmetric per-channel weights (u8s8 kernels)",
-           "onnxruntime CPU"),
-    Target("tensorrt", "int8", True, True, False,
-           "TensorRT explicit quantization: int8 symmetric activations (scale amax/127, zero point 0), "
-           "per-channel weights", "TensorRT", symmetric_qmax=127.0),
-    Target("litert", "int8", False, True, False,
-           "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules",
-           "LiteRT", float_outputs=False),
+    Target("ort-cpu", "onnxruntime CPU: uint8 asymmetric activations, int8 symmetric per-channel weights "
+           "(u8s8 kernels)", "onnxruntime CPU",
+           activation_dtype="uint8", symmetric_activations=False, per_channel=True,
+           dynamic_matmul=True, int8_embeddings=True, kernels=("DynamicQuantizeLSTM",),
+           prepare_passes=("embed_layer_norm",), finish_passes=("stem_s2d", "channel_pad"),
+           form_passes=("hard_activations", "gelu_form", "written_form"),
+           saturates_without_vnni=True, onnxruntime_kernels=True),
+    Target("tensorrt", "TensorRT explicit quantization: int8 symmetric activations (scale amax/127, zero point 0), "
+           "per-channel weights", "TensorRT",
+           activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
+           fuses_residual_add=True, int8_activations_only=True, symmetric_only=True),
+    Target("litert", "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules",
+           "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
+           int8_activations_only=True, spec_fixed_outputs=True),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")
@@ -95,8 +113,14 @@ def cpu_has_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[bool]:
     return None if flags is None else bool(flags & {"avx512_vnni", "avx_vnni"})
 
 
+def target_of(options) -> Target:
+    """The Target of a QuantizeConfig (or anything with a `target` name)."""
+    return TARGETS[options.target]
+
+
 def vnni_warning(options, has_vnni: Optional[bool]) -> Optional[str]:
-    if options.target != "ort-cpu" or options.activation_dtype != "uint8" or options.reduce_range:
+    if (not target_of(options).saturates_without_vnni or options.activation_dtype != "uint8"
+            or options.reduce_range):
         return None
     if has_vnni is False:
         return ("this x86 CPU has no VNNI (avx512_vnni/avx_vnni): onnxruntime's u8s8 kernels can saturate "
@@ -107,7 +131,7 @@ def vnni_warning(options, has_vnni: Optional[bool]) -> Optional[str]:
 
 def describe(options) -> str:
     """One line: the target, the effective settings, and which ones the user overrode."""
-    target = TARGETS[options.target]
+    target = target_of(options)
     weights = f"int8 symmetric {'per-channel' if options.per_channel else 'per-tensor'} weights " \
               f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"

@@ -407,7 +407,8 @@ def test_a_bert_fused_by_onnxruntimes_transformer_optimizer_goes_dynamic_with_in
 
 @pytest.mark.parametrize("bias, total", [(True, True), (True, False), (False, False)])
 def test_skip_layer_norm_is_written_as_add_and_layer_norm_with_the_same_values(bias, total):
-    from qtool.quantization.quantize import written_form
+    from qtool.quantization.ort_cpu.written_form import written_form
+    from qtool.quantization.quantize import kernel_forms
 
     rng = np.random.default_rng(0)
     inputs = ["x", "skip", "gamma", "beta"] + (["bias"] if bias else [])
@@ -425,14 +426,14 @@ def test_skip_layer_norm_is_written_as_add_and_layer_norm_with_the_same_values(b
     before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     split = onnx.ModelProto()
     split.CopyFrom(model)
-    assert written_form(split, QuantizeConfig()) == 1
+    assert written_form(split) == 1
     assert Counter(n.op_type for n in split.graph.node) == {"Add": 1 + bias, "LayerNormalization": 1}
     after = ort.InferenceSession(split.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     for a, b in zip(before, after):
         np.testing.assert_allclose(a, b, atol=1e-5)
     kept = onnx.ModelProto()
     kept.CopyFrom(model)
-    assert written_form(kept, QuantizeConfig(target="tensorrt")) == 0
+    assert kernel_forms(kept, QuantizeConfig(target="tensorrt")) == []  # written_form is not among its passes
     assert kept.graph.node[0].op_type == "SkipLayerNormalization"
 
 
@@ -470,7 +471,7 @@ def _optimized_ops(model: onnx.ModelProto, tmp_path) -> Counter:
 def test_int8_model_is_written_without_value_info_so_onnxruntime_keeps_add_and_layer_norm(tmp_path):
     """With the front end's inferred shapes in the model, onnxruntime fuses the residual Add and
     the LayerNormalization into SkipLayerNormalization, slower on its CPU than the two ops
-    (qtool.quantization.quantize.written_form); the model qtool writes has none."""
+    (qtool.quantization.ort_cpu.written_form); the model qtool writes has none."""
     from qtool.graph.shapes import with_shapes
 
     path = tmp_path / "model.onnx"

@@ -305,6 +305,7 @@ def test_vnni_warning_from_cpu_flags(tmp_path):
 
 def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkeypatch):
     """The stem Conv reads a zero fourth channel (onnxruntime's fast int8 kernel needs a multiple of 4)."""
+    import qtool.quantization.ort_cpu as ort_cpu
     import qtool.quantization.quantize as quantize_module
     from qtool.calibration.calibrate import calibrate
     from qtool.config import CalibrationConfig, load_config
@@ -313,7 +314,7 @@ def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkey
     options = QuantizeConfig()
     table = calibrate(EFFNET, CALIB_SAMPLES, cfg.preprocess, CalibrationConfig(num_samples=4), options, progress=False)
     # the stride-2 stem is rewritten as space-to-depth first (tested below); padding is the fallback
-    monkeypatch.setattr(quantize_module, "space_to_depth_stems", lambda model: [])
+    monkeypatch.setattr(ort_cpu, "space_to_depth_stems", lambda model: [])
     padded = quantize_module.quantize_model(EFFNET, table, options)
     assert any("padded with zero channels" in n for n in padded.notes)
     pad = next(n for n in padded.model.graph.node if n.op_type == "Pad")
@@ -322,7 +323,7 @@ def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkey
     weights = {t.name: numpy_helper.to_array(t) for t in padded.model.graph.initializer}
     dq = next(n for n in padded.model.graph.node if n.output[0] == stem.input[1])
     assert weights[dq.input[0]].shape[1] == 4 and not weights[dq.input[0]][:, 3].any()
-    monkeypatch.setattr(quantize_module, "pad_input_channels", lambda model: [])
+    monkeypatch.setattr(ort_cpu, "pad_input_channels", lambda model: [])
     plain = quantize_module.quantize_model(EFFNET, table, options)
     assert not any(n.op_type == "Pad" for n in plain.model.graph.node)
     x = np.random.default_rng(0).normal(0, 1, (2, 3, 224, 224)).astype(np.float32)
@@ -355,7 +356,7 @@ def _qdq_stem(pads, height=32, out_channels=16, stride=2, kernel=3):
 @pytest.mark.parametrize("pads", [[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 0]])
 def test_space_to_depth_stem_rewrite_is_exact_for_every_padding(pads):
     """3x3 stride-2 stem -> SpaceToDepth + 2x2 stride-1 Conv: same integer sums, identical outputs."""
-    from qtool.quantization.stem_s2d import space_to_depth_stems
+    from qtool.quantization.ort_cpu.stem_s2d import space_to_depth_stems
 
     model = _qdq_stem(pads)
     x = np.random.default_rng(0).uniform(-2.5, 2.5, (2, 3, 32, 32)).astype(np.float32)
@@ -372,7 +373,7 @@ def test_space_to_depth_stem_rewrite_is_exact_for_every_padding(pads):
 
 
 def test_space_to_depth_stem_not_applied_where_it_cannot_hold():
-    from qtool.quantization.stem_s2d import space_to_depth_stems
+    from qtool.quantization.ort_cpu.stem_s2d import space_to_depth_stems
 
     assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], height=31)) == []  # odd input size
     assert space_to_depth_stems(_qdq_stem([1, 1, 1, 1], stride=1)) == []
@@ -387,6 +388,7 @@ def test_efficientnet_stem_runs_as_space_to_depth_in_integer_kernels(tmp_path, m
     """ort-cpu: the kit's EfficientNet-Lite0 stem becomes SpaceToDepth (uint8, between the input's Q and
     DQ) + a 2x2 stride-1 QLinearConv over 12 channels; outputs identical to the channel-padded stem;
     onnxruntime keeps every Conv integer and adds no Q/DQ; per-layer error still compares the input."""
+    import qtool.quantization.ort_cpu as ort_cpu
     import qtool.quantization.quantize as quantize_module
     from qtool.calibration.calibrate import calibrate
     from qtool.config import CalibrationConfig, load_config
@@ -407,7 +409,7 @@ def test_efficientnet_stem_runs_as_space_to_depth_in_integer_kernels(tmp_path, m
     assert weights[dq.input[0]].shape == (32, 12, 2, 2)
     path = tmp_path / "s2d.onnx"
     onnx.save(result.model, str(path))
-    monkeypatch.setattr(quantize_module, "space_to_depth_stems", lambda model: [])
+    monkeypatch.setattr(ort_cpu, "space_to_depth_stems", lambda model: [])
     padded = quantize_module.quantize_model(EFFNET, table, options)
     assert any(n.op_type == "Pad" for n in padded.model.graph.node)
     onnx.save(padded.model, str(tmp_path / "padded.onnx"))

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool import api
 from qtool.config import Config, QuantizeConfig
 from qtool.choices import hard_forms as form_choice
-from qtool.quantization.hard_activations import (FOLD_NOTE, NOTE, OFFSET, float_hard_sigmoids, folded_products,
+from qtool.quantization.ort_cpu.hard_activations import (FOLD_NOTE, NOTE, OFFSET, float_hard_sigmoids, folded_products,
                                                   integer_forms)
 from qtool.quantization.quantize import quantize_model
 from tests import graphs

@@ -16,7 +16,7 @@ from qtool.evaluation.metrics import sqnr_db
 from qtool.graph.index import GraphIndex
 from qtool.plan.ops import float_blocks
 from qtool.plan.planner import build_plan
-from qtool.quantization.gelu_form import NOTE as GELU_NOTE, fused_gelus
+from qtool.quantization.ort_cpu.gelu_form import NOTE as GELU_NOTE, fused_gelus
 from qtool.quantization.quantize import quantize_model
 
 from tests import graphs

@@ -1,8 +1,8 @@
 """The form of HardSigmoid/HardSwish between uint8 tensors, chosen by measurement (quantization
-option `hard_activations: auto`, the default, target ort-cpu).
+option `hard_activations: auto`, the default, on a target that writes them: Target.form_passes).
 
 onnxruntime has no int8 HardSigmoid or HardSwish; qtool writes them as QLinearAdd (+ QLinearMul)
-integer kernels (qtool.quantization.hard_activations), faster, with the gate rounded to 1/255,
+integer kernels (qtool.quantization.ort_cpu.hard_activations), faster, with the gate rounded to 1/255,
 which many such layers in a row can feel. The all-int8 model with the integer forms is measured
 (qtool.choices.measure); at a mean cosine of KEEP it stays; below, the same model with the float
 forms is measured too and kept when MARGIN_DB closer to fp32. A model without such nodes in its
@@ -23,9 +23,10 @@ from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import DataLike
 from qtool.graph.index import attribute
 from qtool.graph.modelio import input_specs
-from qtool.quantization.hard_activations import HARD
+from qtool.quantization.ort_cpu.hard_activations import HARD
 from qtool.quantization.quantize import kernel_forms, quantize_model
 from qtool.table.table import CalibrationTable
+from qtool.targets import target_of
 
 OPTION = "quantization.hard_activations"
 
@@ -51,7 +52,7 @@ def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Opti
     if options.hard_activations != "auto":
         return options, None
     integer = replace(options, hard_activations="integer")
-    if options.target != "ort-cpu" or not _may_have_hard_nodes(model):
+    if "hard_activations" not in target_of(options).form_passes or not _may_have_hard_nodes(model):
         return integer, Decision(OPTION, "integer", "no HardSigmoid/HardSwish written as onnxruntime kernels")
     if data is None:
         return integer, Decision(OPTION, "integer", "no calibration data to measure the float form on")

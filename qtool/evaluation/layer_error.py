@@ -20,8 +20,8 @@ from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import FidelityAccumulator
 from qtool.graph.edit import rescaled_tensors, with_outputs
 from qtool.quantization import dynamic_matmul
-from qtool.quantization.channel_pad import PAD_SUFFIX
-from qtool.quantization.stem_s2d import S2D_SUFFIX, undo
+from qtool.quantization.ort_cpu.channel_pad import PAD_SUFFIX
+from qtool.quantization.ort_cpu.stem_s2d import S2D_SUFFIX, undo
 from qtool.quantization.rewrite import DQ_SUFFIX
 from qtool.graph.runtime import create_session
 from qtool.prepare.graph_prep import inline_functions
@@ -84,10 +84,10 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
         if tensor in rescaled:
             continue
         if tensor.endswith(PAD_SUFFIX) and tensor[: -len(PAD_SUFFIX)] in inputs:
-            # an input padded with zero channels (qtool.quantization.channel_pad): compared on its real channels
+            # an input padded with zero channels (qtool.quantization.ort_cpu.channel_pad): compared on its real channels
             pairs.append(TensorPair(tensor[: -len(PAD_SUFFIX)], "", "input", -1, out))
         elif tensor.endswith(S2D_SUFFIX) and tensor[: -len(S2D_SUFFIX)] in inputs:
-            # an input rearranged into 2x2 blocks (qtool.quantization.stem_s2d): compared in the input's layout
+            # an input rearranged into 2x2 blocks (qtool.quantization.ort_cpu.stem_s2d): compared in the input's layout
             pairs.append(TensorPair(tensor[: -len(S2D_SUFFIX)], "", "input", -1, out))
         elif tensor in inputs:
             pairs.append(TensorPair(tensor, "", "input", -1))

@@ -32,7 +32,7 @@ from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
 from qtool.graph.index import GraphIndex, node_label
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.plan.planner import QuantPlan
-from qtool.quantization.quantize import QuantizedGraph, quantize_model, written_form
+from qtool.quantization.quantize import QuantizedGraph, kernel_forms, quantize_model
 from qtool.graph.runtime import create_session
 from qtool.table.table import CalibrationTable
 from qtool.targets import weight_qmax
@@ -352,7 +352,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
     def candidate(start: _Start, state: Precisions) -> tuple[Candidate, list[np.ndarray]]:
         """The model with `state`'s precisions, evaluated; and its first output per evaluation batch."""
         qmodel = start.mixer(state)
-        written_form(qmodel, options)  # written as quantize writes it
+        kernel_forms(qmodel, options, only=("written_form",))  # written as quantize writes it
         figures, first = evaluate(qmodel)
         summary = int8_macs(qmodel, shapes)
         fraction = summary.fraction

@@ -18,6 +18,7 @@ import onnx
 from qtool.config import QuantizeConfig
 from qtool.graph.index import GraphIndex, attribute
 from qtool.plan.ops.blocks import ATTENTION_OPS, NORM_OPS
+from qtool.targets import target_of
 
 CONV_OPS = ("Conv", "ConvTranspose")
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -35,10 +36,11 @@ def matmul_strategy(model: onnx.ModelProto, ctx: GraphIndex, options: QuantizeCo
     recurrent layers included), and at most one Conv per `STEM_RATIO` of them: Convs that are only
     a stem or a head (a speech encoder's Conv1d front end, a ViT's patch embedding) stay float under
     dynamic. A Conv net with attention blocks keeps static int8 for its Convs; dynamic int8 is
-    measured on onnxruntime CPU only, so other targets keep static."""
+    measured on onnxruntime CPU only, so a target without
+    Target.dynamic_matmul keeps static."""
     if options.matmul != "auto":
         return options.matmul, None
-    if options.target != "ort-cpu":
+    if not target_of(options).dynamic_matmul:
         return "static", None
     ops = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
     layers = [n for n in model.graph.node if n.domain in LAYER_DOMAINS]

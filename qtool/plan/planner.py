@@ -23,12 +23,12 @@ from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, made_i
 from qtool.plan.dynamic import dynamic_layer, matmul_strategy
 from qtool.plan.ops import OpRule, float_blocks, rule_for
 from qtool.plan.ops.pad import pad_value
-from qtool.targets import TARGETS
+from qtool.targets import Target, target_of
 from qtool.graph.shapes import infer_shapes
 from qtool.plan.smooth_quant import smooth, smoothing_alpha
 from qtool.prepare.equalize import equalize, equalize_activations
 from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare
-from qtool.prepare.embed_layer_norm import write_out_embed_layer_norms
+from qtool.prepare.passes import PASSES as PREPARE_PASSES
 from qtool.prepare.merge_matmuls import merge_shared_input_matmuls
 
 
@@ -150,7 +150,7 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             if chosen:
                 chosen_float.add(index)
             continue
-        note = _float_note(node, rule, ctx, options.target)
+        note = _float_note(node, rule, ctx, target_of(options))
         if note is not None or (rule.applies and not rule.applies(node, ctx)):
             plan.float_nodes.append(f"{label} ({node.op_type})")
             plan.notes.extend([note] if note else [])
@@ -166,7 +166,7 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             node = nodes[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
-    if TARGETS[options.target].float_outputs:  # not litert: its spec quantizes every op's output
+    if target_of(options).float_outputs:
         _float_before_float(nodes, rules, chosen_float, ctx, plan)
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
@@ -183,14 +183,14 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
         user_rule = rules.get(user_index)
         if user_rule is not None and user_rule.fusable_activation:
             fused.add(out)
-        elif (options.target == "tensorrt" and rule.weight is not None and users[0].op_type == "Add"
+        elif (target_of(options).fuses_residual_add and rule.weight is not None and users[0].op_type == "Add"
               and user_rule is not None and not any(i in fused for i in users[0].input)):
-            # TensorRT fuses a weighted layer into the residual Add after it (Conv+Add+Relu):
+            # a runtime that fuses a weighted layer into the residual Add after it (Conv+Add+Relu):
             # the layer's output gets no Q/DQ, the Add's other input does.
             fused.add(out)
 
     quantized, ordered = scope.quantized, scope.ordered
-    tail = _float_tail(nodes, rules, ctx, fused) if TARGETS[options.target].float_outputs else set()
+    tail = _float_tail(nodes, rules, ctx, fused) if target_of(options).float_outputs else set()
 
     def want(name: str) -> None:
         if (name and name not in quantized and ctx.is_float(name) and not ctx.is_constant(name) and name not in fused
@@ -301,9 +301,9 @@ def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: Quantize
     its file); the Gather moves int8 rows and the rows are dequantized after it, so the cost is one
     multiply per gathered value. Every reader must be such a Gather, else the float table stays in
     the file and nothing is saved. `auto` takes tables of EMBEDDING_AUTO_BYTES or more (below that
-    the saving is small and the graph stays as it was), on target ort-cpu only: that is where the
-    int8 Gather -> Cast -> Mul was measured, not in TensorRT's or LiteRT's converters."""
-    if options.embeddings == "float" or (options.embeddings == "auto" and options.target != "ort-cpu"):
+    the saving is small and the graph stays as it was), on a target with Target.int8_embeddings only:
+    where the int8 Gather -> Cast -> Mul was measured."""
+    if options.embeddings == "float" or (options.embeddings == "auto" and not target_of(options).int8_embeddings):
         return {}
     auto = options.embeddings == "auto"
     in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
@@ -445,10 +445,10 @@ def _int8_output(index: int, rules: dict[int, OpRule]) -> bool:
     return index in rules and rules[index].kernel is None
 
 
-def _float_note(node, rule: OpRule, ctx: GraphIndex, target: str) -> Optional[str]:
+def _float_note(node, rule: OpRule, ctx: GraphIndex, target: Target) -> Optional[str]:
     """Why a node of an op that has (or lacks) a dedicated int8 kernel stays float; None if it does not."""
-    if rule.targets is not None and target not in rule.targets:
-        return f"{node.op_type} node '{node_label(node)}' kept float: {TARGETS[target].runtime} has no int8 " \
+    if rule.kernel is not None and rule.kernel not in target.kernels:
+        return f"{node.op_type} node '{node_label(node)}' kept float: {target.runtime} has no int8 " \
                f"{node.op_type} kernel"
     if rule.unsupported and rule.applies and not rule.applies(node, ctx):
         return f"{node.op_type} node '{node_label(node)}' kept float: {rule.unsupported}"
@@ -526,9 +526,8 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
         divisions_to_multiplications(model)
     elif merge_shared_input_matmuls(model, {node_label(n) for n in model.graph.node if _excluded(n, options)}):
         model = infer_shapes(model)  # the merged tensors' shapes, for the planner
-    if (options.target == "ort-cpu" and options.embeddings != "float"
-            and write_out_embed_layer_norms(model)):  # a fused BERT's tables, then int8 per row like any other
-        model = infer_shapes(model)
+    if any([PREPARE_PASSES[name](model, options) for name in target_of(options).prepare_passes]):
+        model = infer_shapes(model)  # the target's own rewrites of the prepared graph
     if options.equalize:  # before calibration, so the table matches the equalized graph
         equalize(model)
     # the scales calibration measured on this graph, so that calibration and quantization agree;

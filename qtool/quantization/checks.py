@@ -13,7 +13,7 @@ from qtool.graph.index import matches, scoped_initializers
 from qtool.plan.planner import QuantPlan
 from qtool.prepare.graph_prep import per_channel_possible
 from qtool.quantization.rewrite import SCALE_SUFFIX
-from qtool.targets import weight_qmax
+from qtool.targets import target_of, weight_qmax
 
 
 def check_finite_constants(model: onnx.ModelProto, plan: QuantPlan, path: object = None) -> None:
@@ -41,10 +41,9 @@ def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
     overriding the preset can break them) and the options it was written with."""
     inits = {t.name: t for t in model.graph.initializer}
     problems: list[str] = []
-    # TensorRT and LiteRT run int8 activations only (TensorRT: zero point 0 only); ort-cpu runs either.
-    hard_int8 = options.target in ("tensorrt", "litert")
-    expected = np.int8 if hard_int8 or options.activation_dtype == "int8" else np.uint8
-    symmetric = options.target == "tensorrt" or options.symmetric_activations
+    target = target_of(options)
+    expected = np.int8 if target.int8_activations_only or options.activation_dtype == "int8" else np.uint8
+    symmetric = target.symmetric_only or options.symmetric_activations
     qmax = weight_qmax(options.reduce_range)
     # below opset 13 weights are per tensor whatever the options (a kept or unconvertible opset, noted)
     per_channel = options.per_channel and per_channel_possible(model)
@@ -87,11 +86,11 @@ def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
             found = {params[n] for n in group if n in params and n not in plan.fixed}
             if len(found) > 1:
                 problems.append(f"shared-scale group {group[:3]}...: parameters differ")
-        if options.target == "litert":
+        if target.spec_fixed_outputs:
             for name, rule in plan.fixed.items():
                 if name in params:
                     want = rule.fixed(options.activation_dtype)
                     got = params[name]
                     if not (np.float32(got[0]) == np.float32(want[0]) and got[1] == want[1]):
-                        problems.append(f"{name}: {rule.op_type} output {got}, LiteRT spec wants {want}")
+                        problems.append(f"{name}: {rule.op_type} output {got}, {target.runtime} spec wants {want}")
     return problems

@@ -25,7 +25,7 @@ from qtool.plan.dynamic import weighted_matmul
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.dynamic_matmul import DYNAMIC_KERNELS, DynamicMatMuls, inner_tensors
 from qtool.quantization.rewrite import DQ_SUFFIX, float_guard, qdq_domain
-from qtool.quantization.weight_only import MS_DOMAIN, use_kernel_domain
+from qtool.quantization.ort_cpu.weight_only import MS_DOMAIN, use_kernel_domain
 from qtool.table import qparams as qp
 
 FLOAT_SUFFIX = "_fp32"

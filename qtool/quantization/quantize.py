@@ -14,14 +14,11 @@ from qtool.quantization.adaround import adaptive_rounding
 from qtool.quantization.bias_correction import correct_biases
 from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization import run_check
-from qtool.quantization.channel_pad import pad_input_channels
-from qtool.quantization.gelu_form import NOTE as GELU_NOTE, fused_gelus
-from qtool.quantization.hard_activations import (FLOAT_NOTE, FOLD_NOTE, NOTE as HARD_NOTE, float_hard_sigmoids,
-                                                  folded_products, integer_forms)
+from qtool.quantization.ort_cpu import PASSES as ORT_CPU_PASSES
 from qtool.data.dataset import Batch
 from qtool.config import QuantizeConfig
 from qtool.errors import InternalError, QtoolError
-from qtool.graph.index import attribute, node_label, replace_nodes, scoped_nodes
+from qtool.graph.index import node_label, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.graph.runtime import create_session
 from qtool.graph.shapes import declared_shapes, inferred
@@ -29,8 +26,8 @@ from qtool.plan.planner import EQUALIZED_NOTE, QuantPlan, build_plan, prepared_m
 from qtool.prepare.equalize import equalized_chains
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_with
-from qtool.quantization.stem_s2d import space_to_depth_stems
 from qtool.table.table import CalibrationTable, smoothed_options
+from qtool.targets import target_of
 
 
 @dataclass
@@ -349,76 +346,25 @@ class _Steps:
         return qmodel
 
 
-def _target_rewrites(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
-    """onnxruntime's stem rewrites (ort-cpu only), in place; their notes."""
-    notes = []
-    if options.target == "ort-cpu":
-        for name in space_to_depth_stems(qmodel):
-            notes.append(f"input '{name}' rearranged into 2x2 blocks (SpaceToDepth) after its QuantizeLinear, "
-                         "so onnxruntime runs the 3x3 stride-2 stem as a 2x2 stride-1 Conv over 12 channels "
-                         "(fewer kernel taps, outputs unchanged)")
-        for name in pad_input_channels(qmodel):
-            notes.append(f"input '{name}' padded with zero channels to a multiple of 4 after its QuantizeLinear, "
-                         "so onnxruntime runs the first Conv with its fast int8 kernel (outputs unchanged)")
+# The runtime-specific passes a target may name (Target.finish_passes, Target.form_passes), by name.
+PASSES = {**ORT_CPU_PASSES}
+
+
+def _run_passes(names: Iterable[str], qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
+    notes: list[str] = []
+    for name in names:
+        notes += PASSES[name](qmodel, options)
     return notes
 
 
-SKIP_NOTE = ("{} SkipLayerNormalization node(s) written as Add and LayerNormalization, which onnxruntime's CPU "
-             "kernels run 4-7x faster (the same values within float rounding)")
+def _target_rewrites(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
+    """The target's passes on the quantized model before its checks (Target.finish_passes), in place;
+    their notes."""
+    return _run_passes(target_of(options).finish_passes, qmodel, options)
 
 
-def kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
-    """onnxruntime's integer forms of hard-sigmoid/hard-swish (ort-cpu only, unless the options keep
-    them float; qtool.quantization.hard_activations), its Gelu for the float Erf-GELUs after a
-    DequantizeLinear (qtool.quantization.gelu_form), in place, and the model's written form
-    (written_form); their notes. Applied last to a quantized model (QuantizedGraph.canonical)."""
-    if options.target != "ort-cpu":
-        return []
-    hard = integer_forms(qmodel) if options.hard_activations != "float" else 0
-    folded = folded_products(qmodel)
-    floats = float_hard_sigmoids(qmodel)  # the written-out blocks left in float
-    gelus = fused_gelus(qmodel)
-    split = written_form(qmodel, options)
-    return [note.format(count) for note, count in ((HARD_NOTE, hard), (FOLD_NOTE, folded), (FLOAT_NOTE, floats),
-                                                   (GELU_NOTE, gelus), (SKIP_NOTE, split)) if count]
-
-
-def written_form(qmodel: onnx.ModelProto, options: QuantizeConfig) -> int:
-    """ort-cpu, in place: the int8 model as qtool writes it, the number of SkipLayerNormalization
-    nodes split (none for other targets).
-
-    - Without value_info (the shapes and types the front end inferred); onnxruntime infers its own
-      when it loads a model. Declared shapes let it fuse a residual Add and the LayerNormalization
-      after it into SkipLayerNormalization, which its CPU kernel runs in 31 us where the two ops
-      take 8 (a [1, 18, 384] tensor, onnxruntime 1.32): MiniLM runs about 10% faster without them;
-      no model of the kit runs slower beyond noise.
-    - For the same reason, the com.microsoft SkipLayerNormalization nodes of a graph that
-      onnxruntime's transformer optimizer fused (optimum's BERTs) become Add (input + skip, + bias)
-      and LayerNormalization: 31 / 8, 197 / 32, 389 / 60 and 1558 / 229 us at [1, 18, 384],
-      [1, 128, 384], [1, 128, 768] and [1, 512, 768], outputs equal within 4e-6."""
-    if options.target != "ort-cpu":
-        return 0
-    del qmodel.graph.value_info[:]
-    return _split_skip_layer_norms(qmodel.graph)
-
-
-def _split_skip_layer_norms(graph: onnx.GraphProto) -> int:
-    nodes, split = [], 0
-    for node in graph.node:
-        if node.op_type != "SkipLayerNormalization" or node.domain != "com.microsoft" or any(node.output[1:3]):
-            nodes.append(node)  # mean and inverse deviation outputs (training) have no LayerNormalization twin
-            continue
-        data, skip, gamma = node.input[:3]
-        beta, bias = (list(node.input[3:5]) + ["", ""])[:2]
-        out, label = node.output[0], node_label(node)
-        total = node.output[3] if len(node.output) > 3 and node.output[3] else out + "_skip_sum"
-        summed = total if not bias else out + "_skip"
-        nodes.append(onnx.helper.make_node("Add", [data, skip], [summed], name=label + "_skip"))
-        if bias:
-            nodes.append(onnx.helper.make_node("Add", [summed, bias], [total], name=label + "_bias"))
-        nodes.append(onnx.helper.make_node("LayerNormalization", [total, gamma] + ([beta] if beta else []), [out],
-                                           name=label, axis=-1, epsilon=attribute(node, "epsilon", 1e-12)))
-        split += 1
-    if split:
-        replace_nodes(graph, nodes)
-    return split
+def kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig, only: Optional[Iterable[str]] = None) -> list[str]:
+    """The target's kernel forms (Target.form_passes; those among `only` when given), in place; their
+    notes. Applied last to a quantized model (QuantizedGraph.canonical is the model before them)."""
+    names = target_of(options).form_passes
+    return _run_passes([n for n in names if only is None or n in only], qmodel, options)

@@ -24,10 +24,10 @@ from qtool.graph.index import (GraphIndex, attribute, bodies, default_opset, mad
                                replace_nodes, scoped_initializers)
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan, row_gather
-from qtool.quantization.weight_only import KERNELS, MS_DOMAIN, stored_once, use_kernel_domain
+from qtool.quantization.ort_cpu.weight_only import KERNELS, MS_DOMAIN, stored_once, use_kernel_domain
 from qtool.quantization.dynamic_matmul import DynamicMatMuls, Gathered
 from qtool.config import QuantizeConfig
-from qtool.targets import SYMMETRIC_HALF_GRID, TARGETS, weight_qmax
+from qtool.targets import SYMMETRIC_HALF_GRID, target_of, weight_qmax
 
 # Names of the tensors the rewrite adds. evaluate's per-layer matching relies on them:
 # the DequantizeLinear output `<name>` + DQ_SUFFIX stands for fp32 tensor `<name>`.
@@ -108,7 +108,7 @@ def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.
     params = {name: qp.sixteen_bit(p) if name in wide else p for name, p in params.items()}
     return quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
                           options.activation_dtype, options.symmetric_activations, rounding,
-                          TARGETS[options.target].symmetric_qmax,
+                          target_of(options).symmetric_qmax,
                           options.per_channel and options.dynamic_weights != "tensor")
 
 

@@ -7,7 +7,7 @@ from qtool.errors import QtoolError
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import MIN_SCALE, QParams, activation_qparams, include_zero
 from qtool.table.table import CalibrationTable
-from qtool.targets import TARGETS
+from qtool.targets import target_of
 
 
 def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
@@ -39,7 +39,7 @@ def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
         if free:
             shared = (min(final[n][0] for n in free), max(final[n][1] for n in free))
             final.update({n: shared for n in free})
-    qmax = TARGETS[options.target].symmetric_qmax
+    qmax = target_of(options).symmetric_qmax
     params = {name: activation_qparams(*final[name], dtype, options.symmetric_activations, qmax) for name in final}
     for name, fixed_params in imposed.items():
         params[name] = fixed_params

@@ -2,7 +2,7 @@
 runtime has a weight-only kernel for the op, because a recurrent op cannot be wrapped in Q/DQ
 pairs: its gates and state live inside the op.
 
-- LSTM on ort-cpu becomes com.microsoft DynamicQuantizeLSTM: W and R int8, symmetric, one scale
+- LSTM becomes com.microsoft DynamicQuantizeLSTM on a target whose runtime has it (Target.kernels): W and R int8, symmetric, one scale
   per output gate column per direction; X and the hidden state are quantized to uint8 by the
   kernel itself at every step. It has no `layout` attribute, so a batch-first LSTM stays float;
   qtool takes the default activations only (the form measured against fp32).
@@ -30,8 +30,9 @@ def _dynamic_lstm_form(node, ctx) -> bool:
 
 
 RULES = (
-    OpRule("LSTM", activations=(), kernel="DynamicQuantizeLSTM", kernel_weights=(1, 2), targets=("ort-cpu",),
+    OpRule("LSTM", activations=(), kernel="DynamicQuantizeLSTM", kernel_weights=(1, 2),
            applies=_dynamic_lstm_form,
            unsupported="DynamicQuantizeLSTM needs constant W and R, layout 0 and the default activations"),
-    OpRule("GRU", activations=(), targets=()),
+    # the kernel a weight-only GRU would need: no runtime has it, so no target lists it
+    OpRule("GRU", activations=(), kernel="DynamicQuantizeGRU"),
 )

@@ -24,9 +24,9 @@ class OpRule:
 
     A weight-only rule (`kernel`) makes the op a runtime kernel that takes int8 weights and
     quantizes its activations itself (onnxruntime's DynamicQuantizeLSTM): no Q/DQ and no
-    calibration, only its weights are planned. `targets` limits a rule to the runtimes that have
-    such a kernel; elsewhere the node stays float with a note saying so (a rule with no target at
-    all only records why an op is never int8: GRU).
+    calibration, only its weights are planned. On a target whose runtime lacks the kernel
+    (Target.kernels) the node stays float with a note saying so (GRU's kernel is on no target: its
+    rule only records why it is never int8).
     """
     op_type: str
     # Input indices quantized per tensor as activations. None: every input.
@@ -55,13 +55,11 @@ class OpRule:
     # QLinearAdd only when every input comes from a DequantizeLinear.
     quantize_constants: bool = False
     # Weight-only op: the runtime kernel it becomes (its domain's op type), and the indices of the
-    # constant weights stored int8 for it. `activations` is () for such a rule.
+    # constant weights stored int8 for it. `activations` is () for such a rule. On a target whose
+    # runtime lacks the kernel (not in Target.kernels), or where `applies` rejects the node, it
+    # stays float and the user is told why: `unsupported` says what the kernel cannot take.
     kernel: Optional[str] = None
     kernel_weights: tuple[int, ...] = ()
-    # Targets whose runtime has a kernel for the op (None: every target). On another target, or
-    # where `applies` rejects the node, it stays float and the user is told why: `unsupported`
-    # says what the kernel cannot take.
-    targets: Optional[tuple[str, ...]] = None
     unsupported: str = ""
 
 

@@ -21,7 +21,7 @@ from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.table.qparams import INT_RANGES, QParams, activation_qparams
 from qtool.table.table import CalibrationTable, TableEntry
-from qtool.targets import TARGETS
+from qtool.targets import target_of
 
 SYMMETRIC_QMAX = 127  # the int8 grid of TensorRT, ncnn, TPU-MLIR thresholds: scale = amax / 127
 _ZERO_SHIFT = {("int8", "uint8"): 128, ("uint8", "int8"): -128}
@@ -127,7 +127,7 @@ def entry_from_symmetric(scale: float, options: QuantizeConfig) -> TableEntry:
 
 def entry_from_range(lo: float, hi: float, options: QuantizeConfig, observed: tuple = (None, None)) -> TableEntry:
     params = activation_qparams(lo, hi, options.activation_dtype, options.symmetric_activations,
-                                TARGETS[options.target].symmetric_qmax)
+                                target_of(options).symmetric_qmax)
     return TableEntry(observed[0], observed[1], (min(lo, 0.0), max(hi, 0.0)), params)
 
 

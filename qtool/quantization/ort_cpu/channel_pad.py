@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.quantization.input_chain import insert_on_codes, quantized_inputs
+from qtool.quantization.ort_cpu.input_chain import insert_on_codes, quantized_inputs
 
 from qtool.graph.index import GraphIndex, attribute
 

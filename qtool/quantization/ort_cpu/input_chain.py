@@ -2,8 +2,8 @@
 DequantizeLinear -> the Convs that read it; and how to slip a node in between the Q and
 the DQ, where it works on the integer codes (4x fewer bytes than on floats).
 
-The onnxruntime-specific stem rewrites (qtool.quantization.stem_s2d,
-qtool.quantization.channel_pad) both start here.
+The stem rewrites (qtool.quantization.ort_cpu.stem_s2d, qtool.quantization.ort_cpu.channel_pad)
+both start here.
 """
 
 from __future__ import annotations
