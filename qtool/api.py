@@ -205,7 +205,7 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
     plan = graph.plan
     # how the table was made (the range method `auto` chose) before what quantizing it did
     if outcome is not None:  # the search's float layers and range method replay as settled options
-        decisions.append(Decision("quantization.float_nodes", outcome.float_layers, "mixed-precision search"))
+        decisions.append(Decision("quantization.advanced.float_nodes", outcome.float_layers, "mixed-precision search"))
         settled = apply(replace(settled, calibration=replace(settled.calibration, method=outcome.method)),
                         decisions[-1:])
     notes = tuple(dict.fromkeys([*table.notes, *graph.notes,

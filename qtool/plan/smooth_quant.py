@@ -13,7 +13,7 @@ per-channel int8, so their rows absorb it well).
 Where the producer cannot take the division (a GELU's output; a post-LN transformer's
 LayerNorm output, which the residual stream reads too), the MatMul/Gemm readers can read the
 tensor through an inserted Mul by 1/s instead (`insert`): one elementwise op. The dynamic int8
-MatMuls of a transformer use that by default (QuantizeConfig.smooth_dynamic): they quantize
+MatMuls of a transformer use that by default (quantization.advanced.smooth_dynamic): they quantize
 each input with one range per run, which a few outlier channels stretch just as they stretch a
 calibrated range (MiniLM's sentence embedding: cosine 0.992 without, 0.997 with alpha 0.8).
 
@@ -185,7 +185,7 @@ def smoothing_alpha(options, dynamic: bool) -> Optional[float]:
     (`dynamic`: the graph's MatMul/Gemm are dynamic int8), else None (off)."""
     if options.smooth_quant is not None:
         return options.smooth_quant
-    return options.smooth_dynamic if dynamic else None
+    return options.advanced.smooth_dynamic if dynamic else None
 
 
 def weight_maxima(inits: Mapping[str, onnx.TensorProto], site: Site) -> np.ndarray:

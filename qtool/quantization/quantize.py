@@ -374,7 +374,7 @@ def kernel_forms(qmodel: onnx.ModelProto, options: QuantizeConfig) -> list[str]:
     (written_form); their notes. Applied last to a quantized model (QuantizedGraph.canonical)."""
     if options.target != "ort-cpu":
         return []
-    hard = integer_forms(qmodel) if options.hard_activations != "float" else 0
+    hard = integer_forms(qmodel) if options.advanced.hard_activations != "float" else 0
     folded = folded_products(qmodel)
     floats = float_hard_sigmoids(qmodel)  # the written-out blocks left in float
     gelus = fused_gelus(qmodel)
