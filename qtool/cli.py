@@ -133,7 +133,7 @@ def _target_options(func):
         click.option("--smooth-quant", "smooth_quant", type=click.FloatRange(0, 1), metavar="ALPHA",
                      help="SmoothQuant: move per-channel activation ranges of LayerNorm/linear outputs into the "
                           "MatMul/Gemm weights reading them, measured on the calibration data (exact in fp32; "
-                          "0.5 is usual; default off). Give the same ALPHA to calibrate and quantize."),
+                          "0.5 is usual; default off). quantize takes the alpha its table records."),
     ]):
         func = option(func)
     return func

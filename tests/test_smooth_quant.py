@@ -160,8 +160,14 @@ def test_option_flows_from_calibrate_to_quantize(tmp_path):
     np.testing.assert_allclose(gamma, original / np.array(document["smoothing"]["h"]), rtol=1e-6)
     from qtool.graph.edit import rescaled_tensors
     assert rescaled_tensors(onnx.load(out)) == {"h"}  # h / s under h's name: no per-layer twin
-    result = runner.invoke(main, args)  # the table's ranges are of the smoothed graph: the option must match
-    assert result.exit_code != 0 and "alpha 0.5" in result.output
+    # the alpha the table records is the default: the same model without asking again
+    again = tmp_path / "again.onnx"
+    result = runner.invoke(main, [*args[:-1], str(again)])
+    assert result.exit_code == 0, result.output
+    assert again.read_bytes() == out.read_bytes()
+    # the table's ranges are of the smoothed graph: another alpha is an error naming both
+    result = runner.invoke(main, [*args, "--smooth-quant", "0.8"])
+    assert result.exit_code != 0 and "alpha 0.5, not the 0.8 asked for" in result.output
     plain = api.calibrate(path, data, {"quantization": {"matmul": "static"}})
     assert "smoothing" not in plain.to_json_text() and "smooth_quant" not in plain.settings
     with pytest.raises(QtoolError, match="calibrate with --smooth-quant"):
