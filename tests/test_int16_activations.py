@@ -110,7 +110,7 @@ def test_config_and_cli_take_int16_activations(outliers, tmp_path, qtool_cli):
     zero = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
     assert zero["x_zero_point"].dtype == np.uint16 and zero["a_zero_point"].dtype == np.uint16
     refused = qtool_cli("quantize", path, "--table", table_path, "--search-int16", "-o", tmp_path / "r.onnx")
-    assert refused.returncode != 0 and "--search-int16" in refused.stderr
+    assert refused.returncode != 0 and "--search-int16" in refused.stderr  # an option of qtool search
 
 
 def test_the_search_chooses_16_bit_activations_when_offered(outliers):
