@@ -281,7 +281,7 @@ def _unknown_key(key: str, allowed: list[str], where: str, nested: Optional[dict
         close = [nested[key]]
     else:
         close = difflib.get_close_matches(key, allowed, n=1)
-    hint = f" (did you mean '{where}{close[0]}'?)" if close else ""
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"unknown key '{where}{key}'{hint}; allowed: {', '.join(allowed)}"
 
 

@@ -15,7 +15,7 @@
    that helps most (ties: the one losing fewer int8 MACs) is kept, the model is evaluated on
    the whole evaluation data, and the search stops as soon as the target holds, or fails
    (ThresholdError) when --max-float-layers or the MAC budget (--min-int8-macs) runs out.
-   Asked for (`int16`, quantize --search-int16), a layer can also keep int8 weights with its
+   Asked for (`int16`, search --search-int16), a layer can also keep int8 weights with its
    input and output activations in 16 bits (qtool.quantization.float_fallback), a step between
    int8 and float. It is not offered by default: onnxruntime's CPU provider has no 16-bit
    kernels and runs the nodes around a 16-bit Q/DQ pair in float, with the Q/DQ on top
