@@ -146,9 +146,9 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
                      workers=workers, dask=dask)
-    quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset, target=target, reduce_range=reduce_range,
-                     exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes), matmul=matmul,
-                     smooth_quant=smooth_quant)
+    quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset, target=target,
+                     reduce_range=reduce_range, exclude_op_types=_names(exclude_op_types),
+                     exclude_nodes=_names(exclude_nodes), matmul=matmul, smooth_quant=smooth_quant)
     return replace(cfg, calibration=calib, quantization=quant)
 
 

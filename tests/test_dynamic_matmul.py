@@ -262,7 +262,8 @@ def test_dynamic_weights_per_tensor_when_asked(tmp_path, options):
 
 def test_dynamic_weights_option_parses():
     assert QuantizeConfig().advanced.dynamic_weights == "auto"
-    assert load_config({"quantization": {"advanced": {"dynamic_weights": "column"}}}).quantization.advanced.dynamic_weights == "column"
+    loaded = load_config({"quantization": {"advanced": {"dynamic_weights": "column"}}})
+    assert loaded.quantization.advanced.dynamic_weights == "column"
     with pytest.raises(ValueError, match="dynamic_weights must be one of auto, column, tensor"):
         AdvancedConfig(dynamic_weights="row")
 

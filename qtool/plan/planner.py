@@ -303,7 +303,8 @@ def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: Quantize
     the file and nothing is saved. `auto` takes tables of EMBEDDING_AUTO_BYTES or more (below that
     the saving is small and the graph stays as it was), on target ort-cpu only: that is where the
     int8 Gather -> Cast -> Mul was measured, not in TensorRT's or LiteRT's converters."""
-    if options.advanced.embeddings == "float" or (options.advanced.embeddings == "auto" and options.target != "ort-cpu"):
+    if options.advanced.embeddings == "float" or (options.advanced.embeddings == "auto"
+                                                  and options.target != "ort-cpu"):
         return {}
     auto = options.advanced.embeddings == "auto"
     in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
