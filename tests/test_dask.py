@@ -108,7 +108,7 @@ def test_per_layer_errors_on_workers_equal_one_process(tmp_path, client):
     assert _figures(dask) == _figures(single)
 
 
-def test_quantize_data_dask_calibrates_and_searches_on_workers_writing_the_same_model(tmp_path):
+def test_search_data_dask_calibrates_and_searches_on_workers_writing_the_same_model(tmp_path):
     from tests.test_accuracy_methods import _crushed_model
 
     rng = np.random.default_rng(0)
