@@ -9,7 +9,7 @@ photos 128-191 rotated the same way (disjoint), written to a temporary folder at
 Columns: top-1, top-1 agreement with fp32, mean KL(fp32 || int8), the share of MACs that
 run in int8, and latency relative to fp32 (batch 8, 1 thread; every model in one process,
 run by run in turn, medians). Mixed precision searches on the evaluation set it is then
-reported on (the target is verified there, as `qtool quantize --target-agreement` does).
+reported on (the target is verified there, as `qtool search --target-agreement` does).
 
     python benchmarks/accuracy_methods.py                 # both models (about 25 minutes on 2 cores)
     python benchmarks/accuracy_methods.py --quick         # 64 calibration photos, 100 dev images

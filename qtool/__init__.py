@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "calibrate": "qtool.api",
     "quantize": "qtool.api",
+    "search": "qtool.api",
     "evaluate": "qtool.api",
     "QuantizeResult": "qtool.api",
     "MixedPrecisionSearch": "qtool.api",
@@ -28,6 +29,7 @@ _PUBLIC = {
     "PreprocessConfig": "qtool.config",
     "CalibrationConfig": "qtool.config",
     "QuantizeConfig": "qtool.config",
+    "AdvancedConfig": "qtool.config",
     "EvaluateConfig": "qtool.config",
     "CalibrationTable": "qtool.table.table",
     "EvaluationReport": "qtool.evaluation.report",

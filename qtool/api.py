@@ -1,4 +1,4 @@
-"""The Python front door: calibrate, quantize, evaluate (docs/api.md).
+"""The Python front door: calibrate, quantize, search, evaluate (docs/api.md).
 
 These functions are the whole jobs the CLI runs; the CLI only parses options, checks
 their combinations, prints and picks exit codes, so the same call gives the same bytes
@@ -48,8 +48,9 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class MixedPrecisionSearch:
     """Keep the fewest layers in float so that the int8 model meets a target on evaluation
-    data (quantize --target-agreement/--target-top1-drop/--target-sqnr/--target-cosine; the
-    search is described in qtool.evaluation.mixed_precision). Set at least one target."""
+    data (qtool.search; qtool search --target-agreement/--target-top1-drop/--target-sqnr/
+    --target-cosine; the search is described in qtool.evaluation.mixed_precision). Set at least
+    one target."""
 
     data: DataLike  # evaluation data, batched by the config's evaluation section
     agreement: Optional[float] = None  # percent of samples whose top-1 matches fp32
@@ -101,7 +102,7 @@ class QuantizeResult:
     float_nodes: int  # nodes left in float
     external_data: bool = False  # the source model keeps its tensors in a side file: so does save()
     int8_embeddings: int = 0  # embedding tables stored int8 per row
-    search: Optional[SearchOutcome] = None  # with a MixedPrecisionSearch
+    search: Optional[SearchOutcome] = None  # what qtool.search chose
     decisions: tuple[Decision, ...] = ()  # every `auto` settled, in order (qtool.choices)
     settled: Optional[Config] = None  # the config with those values: replays this model, measuring nothing
 
@@ -165,17 +166,38 @@ def _engine(executor: Optional[Executor], dask: Optional[str], workers: int) -> 
 
 def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None = None,
              data: Optional[DataLike] = None, config: ConfigLike = None, table_format: Optional[str] = None,
-             allow_missing: bool = False, search: Optional[MixedPrecisionSearch] = None,
-             log: Optional[Log] = None, progress: bool = True,
+             allow_missing: bool = False, progress: bool = True,
              executor: Optional[Executor] = None) -> QuantizeResult:
     """The int8 QDQ model of `model`.
 
     table: a CalibrationTable, or a table file in any supported format (`table_format`
     forces one). Without a table, `data` is calibrated first. Data also feeds bias
     correction and adaptive rounding (on in `auto` mode whenever data is given).
-    `log` receives the search's progress lines; `executor` (else the config's `calibration.dask` or
-    `calibration.workers`) runs the calibration's shards (calibrate) and scores the search's candidates.
+    `executor` (else the config's `calibration.dask` or `calibration.workers`) runs the
+    calibration's shards (calibrate).
     """
+    return _quantize(model, table, data, config, table_format, allow_missing, None, None, progress, executor)
+
+
+def search(model: str | Path, spec: MixedPrecisionSearch, *, table: CalibrationTable | str | Path | None = None,
+           data: Optional[DataLike] = None, config: ConfigLike = None, table_format: Optional[str] = None,
+           allow_missing: bool = False, log: Optional[Log] = None, progress: bool = True,
+           executor: Optional[Executor] = None) -> QuantizeResult:
+    """The int8 QDQ model of `model` with the fewest layers in float that meets `spec`'s target on
+    its evaluation data (`result.search` says which); ThresholdError when the budgets run out.
+
+    table, data, config, table_format, allow_missing: as for quantize, whose steps it runs.
+    `log` receives the search's progress lines; `executor` (else the config's `calibration.dask` or
+    `calibration.workers`) runs the calibration's shards and scores the search's candidates.
+    """
+    return _quantize(model, table, data, config, table_format, allow_missing, spec, log, progress, executor)
+
+
+def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, data: Optional[DataLike],
+              config: ConfigLike, table_format: Optional[str], allow_missing: bool,
+              search: Optional[MixedPrecisionSearch], log: Optional[Log], progress: bool,
+              executor: Optional[Executor]) -> QuantizeResult:
+    """quantize, and with `search` the mixed-precision search over the same settled config."""
     cfg = load_config(config)
     if table is None and data is None:
         raise QtoolError("quantize needs a calibration table (table=) or calibration data (data=)")
@@ -205,7 +227,7 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
     plan = graph.plan
     # how the table was made (the range method `auto` chose) before what quantizing it did
     if outcome is not None:  # the search's float layers and range method replay as settled options
-        decisions.append(Decision("quantization.float_nodes", outcome.float_layers, "mixed-precision search"))
+        decisions.append(Decision("quantization.advanced.float_nodes", outcome.float_layers, "mixed-precision search"))
         settled = apply(replace(settled, calibration=replace(settled.calibration, method=outcome.method)),
                         decisions[-1:])
     notes = tuple(dict.fromkeys([*table.notes, *graph.notes,

@@ -71,7 +71,7 @@ def _command(func):
 @click.version_option(__version__, prog_name="qtool")
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 def main(debug: bool) -> None:
-    """Post-training int8 quantization of ONNX models: calibrate, quantize, evaluate."""
+    """Post-training int8 quantization of ONNX models: calibrate, quantize, search, evaluate."""
 
 
 def _existing(kind: str):
@@ -104,8 +104,6 @@ def _calibration_options(func):
         click.option("--keep-opset", is_flag=True, default=None,
                      help="Never convert a model older than opset 13 (converted with onnx's version converter by "
                           "default): per-tensor weights at opset 10-12, an error below 10."),
-        click.option("--upgrade-opset", is_flag=True, default=None,
-                     help="Deprecated, no effect: models older than opset 13 are converted by default."),
     ]):
         func = option(func)
     return func
@@ -136,23 +134,22 @@ def _target_options(func):
         click.option("--smooth-quant", "smooth_quant", type=click.FloatRange(0, 1), metavar="ALPHA",
                      help="SmoothQuant: move per-channel activation ranges of LayerNorm/linear outputs into the "
                           "MatMul/Gemm weights reading them, measured on the calibration data (exact in fp32; "
-                          "0.5 is usual; default off). Give the same ALPHA to calibrate and quantize."),
+                          "0.5 is usual; default off; quantize --table: the alpha the table records)."),
     ]):
         func = option(func)
     return func
 
 
-def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
+def _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset,
                    workers=None, dask=None, target=None, reduce_range=None, exclude_op_types=(), exclude_nodes=(),
                    matmul=None, smooth_quant=None):
     """The config file with the calibration and quantization flags applied over it."""
     cfg = load_config(config_path)
     calib = override(cfg.calibration, num_samples=num_samples, batch_size=batch_size, method=method,
                      workers=workers, dask=dask)
-    quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset,
-                     upgrade_opset=upgrade_opset, target=target, reduce_range=reduce_range,
-                     exclude_op_types=_names(exclude_op_types), exclude_nodes=_names(exclude_nodes), matmul=matmul,
-                     smooth_quant=smooth_quant)
+    quant = override(cfg.quantization, activation_dtype=activation_dtype, keep_opset=keep_opset, target=target,
+                     reduce_range=reduce_range, exclude_op_types=_names(exclude_op_types),
+                     exclude_nodes=_names(exclude_nodes), matmul=matmul, smooth_quant=smooth_quant)
     return replace(cfg, calibration=calib, quantization=quant)
 
 
@@ -171,7 +168,7 @@ def _stage_configs(config_path, num_samples, batch_size, method, activation_dtyp
 @click.argument("stats_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def calibrate(model, data, config_path, num_samples, batch_size, method, workers, dask, activation_dtype, keep_opset,
-              upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant, output,
+              target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant, output,
               table_format, shard, merge, stats_files):
     """Run calibration data through MODEL and write a calibration table.
 
@@ -192,7 +189,7 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
     if not merge and data is None:
         raise click.UsageError("--data is required")
     check_output_path(output, model)
-    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
+    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset,
                          workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant)
     calib, quant = cfg.calibration, cfg.quantization
     start = time.perf_counter()
@@ -217,103 +214,130 @@ def calibrate(model, data, config_path, num_samples, batch_size, method, workers
                f"({table.method}) in {time.perf_counter() - start:.1f} s -> {output} ({table_format})")
 
 
-@main.command()
-@click.argument("model", type=click.Path(path_type=Path))
-@click.option("--table", "table_path", type=click.Path(path_type=Path),
-              help="Calibration table to use, in any supported format (detected from its content).")
-@click.option("--table-format", metavar="FORMAT", help="Read --table as this format instead of detecting it.")
-@data_option
-@config_option
-@_calibration_options
-@_target_options
-@click.option("--save-table", type=click.Path(path_type=Path), help="With --data: also write the table.")
-@click.option("--allow-missing", is_flag=True, help="Keep tensors the table lacks in float instead of failing.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Int8 QDQ model to write.")
-@click.option("--equalize", is_flag=True, default=None,
-              help="Cross-layer equalization of Conv->Relu/ReLU6->Conv weights before calibration (exact in fp32).")
-@click.option("--bias-correction", type=click.Choice(["auto", "fast", "off"]),
-              help="Correct int32 biases by the per-channel output mean shift on the calibration data "
-                   "(auto: fast when --data is given; default off, configs/efficientnet_lite0.yaml: auto).")
-@click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
-              help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
-                   "auto: adaptive when --data is given; default nearest).")
-@click.option("--correction-samples", type=click.IntRange(min=1),
-              help="Calibration samples used by bias correction and adaptive rounding (64).")
-@click.option("--embeddings", type=click.Choice(["auto", "int8", "float"]),
-              help="Embedding tables read by Gather: int8 per row, weight-only (auto, the default: tables of "
-                   "1 MiB or more with target ort-cpu), or float.")
-@click.option("--int16-activations", multiple=True, metavar="NAMES",
-              help="Quantize these activation tensors (names or glob patterns; comma-separated or repeated) to "
-                   "16 bits over their calibrated ranges; onnxruntime runs their readers and writers in float.")
-@click.option("--latency-aware", "latency_aware", is_flag=True, default=None,
-              help="Opt-in tuning: time candidates on this machine and keep float the nodes onnxruntime runs "
-                   "faster in float (the outcome depends on the machine: save it with --save-config).")
-@click.option("--save-config", type=click.Path(path_type=Path),
-              help="Also write the settled config (every auto replaced by its value): quantize with it to "
-                   "replay this model without measuring.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path),
-              help="Write the summary, notes and decisions as JSON.")
-@click.option("--eval-data", type=click.Path(path_type=Path), help="Evaluation data for the --target-* search.")
-@click.option("--labels", type=str, help="Labels of --eval-data ('filename<TAB>class_index' file, or 'folders').")
-@click.option("--target-agreement", type=click.FloatRange(0, 100),
-              help="Keep the fewest sensitive layers float so top-1 agreement with fp32 reaches this percent.")
-@click.option("--target-top1-drop", type=click.FloatRange(min=0),
-              help="... so top-1 drops by at most this many points (needs --labels).")
-@click.option("--target-sqnr", type=float, help="... so every output's SQNR reaches this many dB.")
-@click.option("--target-cosine", type=click.FloatRange(-1, 1),
-              help="... so the mean over samples of the worst output's cosine to fp32 reaches this "
-                   "(models without labels or classes).")
-@click.option("--max-float-layers", type=click.IntRange(min=0), default=10, show_default=True,
-              help="Layer budget of the --target-* search; exit 1 when the target needs more.")
-@click.option("--search-int16", is_flag=True,
-              help="Let the --target-* search also put a layer's activations in 16 bits (weights int8); off by "
-                   "default: onnxruntime's CPU provider runs such layers in float, slower than float alone.")
-@click.option("--min-int8-macs", type=click.FloatRange(0, 100), default=0.0, show_default=True,
-              help="MAC budget of the --target-* search: at least this percent of the MACs stays int8.")
-@click.option("--search-ranges", default="percentile,mse", show_default=True, metavar="METHODS",
-              help="Range methods the --target-* search also measures (one more calibration pass) when the "
-                   "all-int8 model misses the target; it starts from the closest ('none': --method only).")
-@_command
-def quantize(model, table_path, table_format, data, config_path, num_samples, batch_size, method, workers, dask,
-             activation_dtype, keep_opset, upgrade_opset, target, reduce_range, exclude_op_types, exclude_nodes, matmul,
-             smooth_quant, save_table, allow_missing, output, equalize, bias_correction, weight_rounding, correction_samples,
-             embeddings, int16_activations, latency_aware, save_config, json_path, eval_data, labels, target_agreement, target_top1_drop,
-             target_sqnr, target_cosine, max_float_layers, search_int16, min_int8_macs, search_ranges):
-    """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first."""
+class _GroupedCommand(click.Command):
+    """A command whose --help lists its options under headings: GROUPS maps an option's name to its
+    heading, in the order the headings print (click has no option groups of its own)."""
+
+    GROUPS = {
+        "Input": ("table_path", "table_format", "data", "config_path", "allow_missing"),
+        "Calibration": ("num_samples", "batch_size", "method", "workers", "dask"),
+        "Target and precision": ("target", "activation_dtype", "reduce_range", "keep_opset", "exclude_op_types",
+                                 "exclude_nodes", "int16_activations", "matmul"),
+        "Data-driven steps": ("smooth_quant", "equalize", "bias_correction", "weight_rounding", "latency_aware"),
+        "Outputs": ("output", "save_table", "save_config", "json_path"),
+        "Search (the fewest layers in float that meet a target)": (
+            "eval_data", "labels", "target_agreement", "target_top1_drop", "target_sqnr", "target_cosine",
+            "max_float_layers", "min_int8_macs", "search_int16", "search_ranges"),
+    }
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        place = {name: (heading, i) for heading, names in self.GROUPS.items() for i, name in enumerate(names)}
+        rows: dict[str, list[tuple[int, tuple[str, str]]]] = {heading: [] for heading in [*self.GROUPS, "Other"]}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is not None:
+                heading, i = place.get(param.name, ("Other", 0))
+                rows[heading].append((i, record))
+        for heading, records in rows.items():
+            if records:
+                with formatter.section(heading):
+                    formatter.write_dl([record for _, record in sorted(records, key=lambda r: r[0])])
+
+
+def _quantize_options(func):
+    """The options of a quantization job, shared by quantize and search: model, table or data,
+    config, calibration, target and precision, the data-driven steps, outputs."""
+    for option in reversed([
+        click.argument("model", type=click.Path(path_type=Path)),
+        click.option("--table", "table_path", type=click.Path(path_type=Path),
+                     help="Calibration table to use, in any supported format (detected from its content)."),
+        click.option("--table-format", metavar="FORMAT", help="Read --table as this format instead of detecting it."),
+        data_option,
+        config_option,
+        click.option("--allow-missing", is_flag=True, help="Keep tensors the table lacks in float instead of failing."),
+        _calibration_options,
+        _target_options,
+        click.option("--int16-activations", multiple=True, metavar="NAMES",
+                     help="Quantize these activation tensors (names or glob patterns; comma-separated or repeated) "
+                          "to 16 bits over their calibrated ranges; onnxruntime runs their readers and writers in "
+                          "float."),
+        click.option("--equalize", is_flag=True, default=None,
+                     help="Cross-layer equalization of Conv->Relu/ReLU6->Conv weights before calibration (exact in "
+                          "fp32)."),
+        click.option("--bias-correction", type=click.Choice(["auto", "fast", "off"]),
+                     help="Correct int32 biases by the per-channel output mean shift on the calibration data "
+                          "(auto: fast when --data is given; default off, configs/efficientnet_lite0.yaml: auto)."),
+        click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
+                     help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
+                          "auto: adaptive when --data is given; default nearest)."),
+        click.option("--latency-aware", "latency_aware", is_flag=True, default=None,
+                     help="Opt-in tuning: time candidates on this machine and keep float the nodes onnxruntime runs "
+                          "faster in float (the outcome depends on the machine: save it with --save-config)."),
+        click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Int8 QDQ model to write."),
+        click.option("--save-table", type=click.Path(path_type=Path), help="With --data: also write the table."),
+        click.option("--save-config", type=click.Path(path_type=Path),
+                     help="Also write the settled config (every auto replaced by its value): quantize with it to "
+                          "replay this model without measuring."),
+        click.option("--json", "json_path", type=click.Path(path_type=Path),
+                     help="Write the summary, notes and decisions as JSON."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _search_options(func):
+    for option in reversed([
+        click.option("--eval-data", type=click.Path(path_type=Path), required=True,
+                     help="Evaluation data the targets are verified on (as --data: a folder of samples)."),
+        click.option("--labels", type=str, help="Labels of --eval-data ('filename<TAB>class_index' file, or "
+                                                "'folders')."),
+        click.option("--target-agreement", type=click.FloatRange(0, 100),
+                     help="Keep the fewest sensitive layers float so top-1 agreement with fp32 reaches this "
+                          "percent."),
+        click.option("--target-top1-drop", type=click.FloatRange(min=0),
+                     help="... so top-1 drops by at most this many points (needs --labels)."),
+        click.option("--target-sqnr", type=float, help="... so every output's SQNR reaches this many dB."),
+        click.option("--target-cosine", type=click.FloatRange(-1, 1),
+                     help="... so the mean over samples of the worst output's cosine to fp32 reaches this "
+                          "(models without labels or classes)."),
+        click.option("--max-float-layers", type=click.IntRange(min=0), default=10, show_default=True,
+                     help="Layer budget; exit 1 when the target needs more."),
+        click.option("--min-int8-macs", type=click.FloatRange(0, 100), default=0.0, show_default=True,
+                     help="MAC budget: at least this percent of the MACs stays int8."),
+        click.option("--search-int16", is_flag=True,
+                     help="Also offer a layer's activations in 16 bits (weights int8) as a move; off by default: "
+                          "onnxruntime's CPU provider runs such layers in float, slower than float alone."),
+        click.option("--search-ranges", default="percentile,mse", show_default=True, metavar="METHODS",
+                     help="Range methods also measured (one more calibration pass) when the all-int8 model misses "
+                          "the target; the search starts from the closest ('none': --method only)."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _quantize_job(options: dict, search=None) -> None:
+    """Quantize MODEL as the options say (and with `search`, qtool.api.search), write the outputs, print."""
     from qtool import api
     from qtool.graph.executor import open_engine
     from qtool.graph.kernels import kernel_summary
     from qtool.quantization.quantize import needs_data
     from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
 
-    cfg = _stage_configs(config_path, num_samples, batch_size, method, activation_dtype, keep_opset, upgrade_opset,
-                         workers, dask, target, reduce_range, exclude_op_types, exclude_nodes, matmul, smooth_quant)
-    quant = override(cfg.quantization, equalize=equalize, bias_correction=bias_correction,
-                     weight_rounding=weight_rounding, correction_samples=correction_samples, embeddings=embeddings,
-                     int16_activations=_names(int16_activations),
-                     latency_aware="on" if latency_aware else None)
+    o = options
+    model, table_path, data, output = o["model"], o["table_path"], o["data"], o["output"]
+    cfg = _stage_configs(o["config_path"], o["num_samples"], o["batch_size"], o["method"], o["activation_dtype"],
+                         o["keep_opset"], o["workers"], o["dask"], o["target"], o["reduce_range"],
+                         o["exclude_op_types"], o["exclude_nodes"], o["matmul"], o["smooth_quant"])
+    quant = override(cfg.quantization, equalize=o["equalize"], bias_correction=o["bias_correction"],
+                     weight_rounding=o["weight_rounding"], int16_activations=_names(o["int16_activations"]),
+                     advanced=override(cfg.quantization.advanced,
+                                       latency_aware="on" if o["latency_aware"] else None))
     cfg = replace(cfg, quantization=quant)
     if (table_path is None and data is None) or (table_path is not None and data is not None and not needs_data(quant)):
         raise click.UsageError("give exactly one of --table TABLE or --data PATH (both only when --data feeds "
                                "bias correction or adaptive rounding)")
-    search = None
-    if any(v is not None for v in (target_agreement, target_top1_drop, target_sqnr, target_cosine)):
-        if eval_data is None:
-            raise click.UsageError("--target-agreement/--target-top1-drop/--target-sqnr/--target-cosine "
-                                   "need --eval-data")
-        from qtool.calibration.ranges import METHODS
-        methods = () if search_ranges.strip() == "none" else tuple(filter(None, map(str.strip,
-                                                                                      search_ranges.split(","))))
-        for name in methods:
-            if name not in METHODS:
-                raise click.UsageError(f"--search-ranges: unknown range method '{name}' "
-                                       f"(choose from {', '.join(METHODS)}, or none)")
-        search = api.MixedPrecisionSearch(eval_data, target_agreement, target_top1_drop, target_sqnr, labels,
-                                          max_float_layers, min_int8_macs, target_cosine, methods, search_int16)
-    if search_int16 and search is None:
-        raise click.UsageError("--search-int16 goes with a --target-* search")
     check_output_path(output, model, table_path)
-    for extra in (save_table, save_config, json_path):
+    for extra in (o["save_table"], o["save_config"], o["json_path"]):
         if extra:
             check_output_path(extra, model, output)
     warning = vnni_warning(quant, cpu_has_vnni())
@@ -323,20 +347,23 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     sharded = table_path is None or search is not None  # one engine for the calibration and the search
     with open_engine(cfg.calibration.dask, cfg.calibration.workers) if sharded else nullcontext() as engine:
         executor = engine.executor if engine is not None else None
-        result = api.quantize(model, table=table_path, data=data, config=cfg, table_format=table_format,
-                              allow_missing=allow_missing, search=search, executor=executor,
-                              log=lambda message: click.echo(message, err=True))
+        common = dict(table=table_path, data=data, config=cfg, table_format=o["table_format"],
+                      allow_missing=o["allow_missing"], executor=executor)
+        if search is None:
+            result = api.quantize(model, **common)
+        else:
+            result = api.search(model, search, **common, log=lambda message: click.echo(message, err=True))
     if result.search is not None:
         click.echo(result.search.describe())
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     result.save(output)
-    if save_table:
-        result.table.save(save_table)
-    if save_config:
-        result.save_config(save_config)
-    if json_path:
-        write_text(json_path, json.dumps(result.to_dict(), indent=1) + "\n")
+    if o["save_table"]:
+        result.table.save(o["save_table"])
+    if o["save_config"]:
+        result.save_config(o["save_config"])
+    if o["json_path"]:
+        write_text(o["json_path"], json.dumps(result.to_dict(), indent=1) + "\n")
     tables = f"{result.int8_embeddings} int8 embedding tables, " if result.int8_embeddings else ""
     click.echo(f"quantized {result.quantized_nodes} nodes ({result.int8_weights} int8 weights, {tables}"
                f"{result.activations} activations, {result.float_nodes} nodes left float) "
@@ -344,6 +371,46 @@ def quantize(model, table_path, table_format, data, config_path, num_samples, ba
     click.echo(describe_target(quant))
     if TARGETS[quant.target].onnxruntime_kernels:
         click.echo(kernel_summary(output))
+
+
+@main.command(cls=_GroupedCommand)
+@_quantize_options
+@_command
+def quantize(**options):
+    """Write an int8 QDQ model of MODEL, from a table or by calibrating on --data first.
+
+    Every other setting is a key of the --config file (docs/config.md); the fewest layers in float
+    that meet an accuracy target: qtool search.
+    """
+    _quantize_job(options)
+
+
+@main.command(cls=_GroupedCommand)
+@_quantize_options
+@_search_options
+@_command
+def search(eval_data, labels, target_agreement, target_top1_drop, target_sqnr, target_cosine, max_float_layers,
+           min_int8_macs, search_int16, search_ranges, **options):
+    """Write the int8 QDQ model of MODEL that keeps the fewest layers in float (or dynamic int8, or
+    16-bit) so that it meets a --target-* on --eval-data; exit 1 when the budgets run out.
+
+    \b
+    qtool search MODEL --data CALIB --eval-data EVAL --target-cosine 0.99 -o OUT
+    """
+    from qtool import api
+    from qtool.calibration.ranges import METHODS
+
+    if all(v is None for v in (target_agreement, target_top1_drop, target_sqnr, target_cosine)):
+        raise click.UsageError("give a target: --target-agreement, --target-top1-drop, --target-sqnr or "
+                               "--target-cosine")
+    methods = () if search_ranges.strip() == "none" else tuple(filter(None, map(str.strip, search_ranges.split(","))))
+    for name in methods:
+        if name not in METHODS:
+            raise click.UsageError(f"--search-ranges: unknown range method '{name}' "
+                                   f"(choose from {', '.join(METHODS)}, or none)")
+    _quantize_job(options, api.MixedPrecisionSearch(eval_data, target_agreement, target_top1_drop, target_sqnr,
+                                                    labels, max_float_layers, min_int8_macs, target_cosine, methods,
+                                                    search_int16))
 
 
 @main.command()

@@ -108,6 +108,51 @@ class CalibrationConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def _check_alpha(name: str, value: Optional[float]) -> None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} (a SmoothQuant alpha) must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class AdvancedConfig:
+    """quantization.advanced: the choices qtool makes itself, each measured on the calibration data
+    or read from the graph (qtool.choices), and what the settled config records of them. A user sets
+    them to skip a measurement or to force a form; `quantize --save-config` writes them all."""
+
+    # Embedding tables read by Gather: int8 per row, weight-only (the rows are dequantized after the Gather)
+    embeddings: str = "auto"
+    # Scales of the dynamic MatMuls' int8 weights: per output column, or one per tensor (onnxruntime's
+    # kernel rescales a per-column product in an extra pass); auto: per tensor when the calibration
+    # data measures no loss from it, else per column
+    dynamic_weights: str = "auto"
+    # on: time candidate models on this machine and keep float the nodes whose int8 form runs slower
+    # (qtool.choices.latency); opt-in, since its outcome depends on the machine. The nodes it
+    # chooses are written to float_nodes in the settled config (quantize --save-config)
+    latency_aware: str = "off"
+    # Nodes (exact labels: name, or first output) kept float, as settled by the latency tuning and by
+    # the run check (nodes onnxruntime cannot run in int8); unlike exclude_nodes, no patterns
+    float_nodes: tuple[str, ...] = ()
+    # HardSigmoid/HardSwish between uint8 tensors (targets whose form passes write them): integer, written as onnxruntime's integer
+    # kernels (QLinearAdd, QLinearMul: faster, with the gate rounded to 1/255); float, left between their
+    # DequantizeLinear and QuantizeLinear (exact codes); auto: integer unless the calibration data
+    # measures the all-int8 model below 0.99 mean cosine and the float form closer to fp32
+    hard_activations: str = "auto"
+    # SmoothQuant alpha for the inputs of dynamic int8 MatMuls (matmul dynamic), through an inserted Mul
+    # where their producer cannot take the division; None: off (qtool.plan.smooth_quant)
+    smooth_dynamic: Optional[float] = 0.8
+    # Conv -> activation (hard-swish, Relu, none) -> depthwise Conv chains are rescaled (a hard-swish
+    # rewritten) exactly so that every channel of their activations spans the same range
+    # (qtool.prepare.equalize); measured on the calibration data, kept in the table's smoothing scales
+    equalize_activations: bool = True
+
+    def __post_init__(self):
+        _one_of("embeddings", self.embeddings, EMBEDDINGS)
+        _one_of("dynamic_weights", self.dynamic_weights, DYNAMIC_WEIGHTS)
+        _one_of("latency_aware", self.latency_aware, LATENCY_AWARE)
+        _one_of("hard_activations", self.hard_activations, HARD_ACTIVATIONS)
+        _check_alpha("smooth_dynamic", self.smooth_dynamic)
+
+
 @dataclass(frozen=True)
 class QuantizeConfig:
     # activation_dtype, symmetric_activations, per_channel, reduce_range: None takes the value
@@ -120,7 +165,6 @@ class QuantizeConfig:
     # activation tensors (names or glob patterns) quantized to 16 bits over their calibrated ranges
     int16_activations: tuple[str, ...] = ()
     keep_opset: bool = False  # never convert an opset < 13 model (per-tensor weights, or an error below 10)
-    upgrade_opset: bool = False  # deprecated, no effect: conversion is the default; kept so old configs load
     target: str = DEFAULT_TARGET  # a name in qtool.targets.TARGETS
     reduce_range: Optional[bool] = None  # 7-bit weights (x86 without VNNI)
     # Names of the fields filled from the target preset (not given by the user).
@@ -129,47 +173,20 @@ class QuantizeConfig:
     bias_correction: str = "off"  # fast: correct int32 biases by the per-channel output mean shift
     weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
-    # Embedding tables read by Gather: int8 per row, weight-only (the rows are dequantized after the Gather)
-    embeddings: str = "auto"
     # MatMul/Gemm with a constant weight: static (Q/DQ from calibrated ranges) or dynamic (int8 weight,
     # activation quantized at run time, every other node float); auto: dynamic for transformers
     matmul: str = "auto"
-    # Scales of the dynamic MatMuls' int8 weights: per output column, or one per tensor (onnxruntime's
-    # kernel rescales a per-column product in an extra pass); auto: per tensor when the calibration
-    # data measures no loss from it, else per column
-    dynamic_weights: str = "auto"
-    # on: time candidate models on this machine and keep float the nodes whose int8 form runs slower
-    # (qtool.choices.latency); opt-in, since its outcome depends on the machine. The nodes it
-    # chooses are written to float_nodes in the settled config (quantize --save-config)
-    latency_aware: str = "off"
-    # Nodes (exact labels: name, or first output) kept float, as settled by the latency tuning and by
-    # the run check (nodes onnxruntime cannot run in int8); unlike exclude_nodes, no patterns
-    float_nodes: tuple[str, ...] = ()
-    # HardSigmoid/HardSwish between uint8 tensors (ort-cpu): integer, written as onnxruntime's integer
-    # kernels (QLinearAdd, QLinearMul: faster, with the gate rounded to 1/255); float, left between their
-    # DequantizeLinear and QuantizeLinear (exact codes); auto: integer unless the calibration data
-    # measures the all-int8 model below 0.99 mean cosine and the float form closer to fp32
-    hard_activations: str = "auto"
     # SmoothQuant alpha in [0, 1]: per-channel activation ranges of the tensors a LayerNorm or a linear
     # layer feeds to MatMul/Gemm layers move into their weights before calibration; None: off
     smooth_quant: Optional[float] = None
-    # SmoothQuant alpha for the inputs of dynamic int8 MatMuls (matmul dynamic), through an inserted Mul
-    # where their producer cannot take the division; None: off. Measured on MiniLM: embedding cosine
-    # 0.992 -> 0.997 (qtool.plan.smooth_quant)
-    smooth_dynamic: Optional[float] = 0.8
-    # Conv -> activation (hard-swish, Relu, none) -> depthwise Conv chains are rescaled (a hard-swish
-    # rewritten) exactly so that every channel of their activations spans the same range
-    # (qtool.prepare.equalize); measured on the calibration data, kept in the table's smoothing scales
-    equalize_activations: bool = True
+    # Choices qtool settles itself (measured on the data or read from the graph): quantization.advanced
+    advanced: AdvancedConfig = field(default_factory=AdvancedConfig)
     # The smoothing scales (tensor, per-channel factors): measured on the calibration data by calibrate,
     # read from the table by quantize; not a setting of the user's
     smooth_scales: tuple[tuple[str, tuple[float, ...]], ...] = field(default=(), metadata={"internal": True})
 
     def __post_init__(self):
         _one_of("target", self.target, tuple(TARGETS))
-        if self.keep_opset and self.upgrade_opset:
-            raise ValueError("keep_opset and upgrade_opset contradict each other (upgrade_opset is deprecated: "
-                             "conversion is the default)")
         preset = TARGETS[self.target].preset()
         filled = tuple(name for name in PRESET_FIELDS if getattr(self, name) is None)
         for name in filled:
@@ -178,17 +195,10 @@ class QuantizeConfig:
         _one_of("activation_dtype", self.activation_dtype, ACTIVATION_DTYPES)
         _one_of("bias_correction", self.bias_correction, BIAS_CORRECTIONS)
         _one_of("weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
-        _one_of("embeddings", self.embeddings, EMBEDDINGS)
         _one_of("matmul", self.matmul, MATMUL_STRATEGIES)
-        _one_of("dynamic_weights", self.dynamic_weights, DYNAMIC_WEIGHTS)
-        _one_of("latency_aware", self.latency_aware, LATENCY_AWARE)
-        _one_of("hard_activations", self.hard_activations, HARD_ACTIVATIONS)
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
-        for name in ("smooth_quant", "smooth_dynamic"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} (a SmoothQuant alpha) must be in [0, 1], got {value}")
+        _check_alpha("smooth_quant", self.smooth_quant)
 
 
 TASKS = ("auto", "classification", "detection", "ctc", "generic")
@@ -263,8 +273,13 @@ class Config:
     evaluation: EvaluateConfig = field(default_factory=EvaluateConfig)
 
 
-def _unknown_key(key: str, allowed: list[str], where: str) -> str:
-    close = difflib.get_close_matches(key, allowed, n=1)
+def _unknown_key(key: str, allowed: list[str], where: str, nested: Optional[dict[str, str]] = None) -> str:
+    """The error for `key`, with the closest allowed key; a key of a section inside this one (`nested`:
+    {key: its path}) is named with its path."""
+    if nested and key in nested:
+        close = [nested[key]]
+    else:
+        close = difflib.get_close_matches(key, allowed, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"unknown key '{where}{key}'{hint}; allowed: {', '.join(allowed)}"
 
@@ -311,13 +326,27 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
 def build_section(cls: type, data: dict, where: str = ""):
     """Build dataclass `cls` from a mapping, refusing unknown keys; raises ValueError."""
     hints = typing.get_type_hints(cls)
-    allowed = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]  # internal: not the user's
+    allowed = [f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")]  # not the user's
     kwargs = {}
     for key, value in data.items():
         if key not in allowed:
-            raise ValueError(_unknown_key(str(key), allowed, where))
+            raise ValueError(_unknown_key(str(key), allowed, where, _nested_keys(cls, hints)))
+        if dataclasses.is_dataclass(hints[key]):  # a section inside the section (quantization.advanced)
+            if isinstance(value, hints[key]):
+                kwargs[key] = value
+            elif isinstance(value, dict):
+                kwargs[key] = build_section(hints[key], value, where=f"{where}{key}.")
+            else:
+                raise ValueError(f"section '{where}{key}' must be a mapping")
+            continue
         kwargs[key] = _coerce(value, hints[key], where + key)
     return cls(**kwargs)
+
+
+def _nested_keys(cls: type, hints: dict) -> dict[str, str]:
+    """{key of a section inside `cls`: its path from `cls`}, e.g. {"dynamic_weights": "advanced.dynamic_weights"}."""
+    return {f.name: f"{name}.{f.name}" for name, hint in hints.items() if dataclasses.is_dataclass(hint)
+            for f in dataclasses.fields(hint)}
 
 
 def _read_mapping(path: Path, what: str) -> dict:
@@ -394,6 +423,8 @@ def config_mapping(cfg: Config) -> dict:
     def plain(value):
         if isinstance(value, tuple):
             return [plain(v) for v in value]
+        if dataclasses.is_dataclass(value):  # a section inside the section (quantization.advanced)
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
         return value
 
     sections = {}
@@ -403,3 +434,16 @@ def config_mapping(cfg: Config) -> dict:
         sections[section.name] = {f.name: plain(getattr(options, f.name)) for f in dataclasses.fields(options)
                                   if f.init and not f.metadata.get("internal") and f.name not in filled}
     return sections
+
+
+def with_options(options: QuantizeConfig, **values) -> QuantizeConfig:
+    """`options` with fields replaced, the keys of `advanced` (AdvancedConfig) among them; the fields a
+    target preset filled stay the preset's (they follow the target, and the settled config leaves them out)."""
+    names = {f.name for f in dataclasses.fields(AdvancedConfig)}
+    advanced = {k: v for k, v in values.items() if k in names}
+    top = {k: v for k, v in values.items() if k not in names}
+    if advanced:
+        top["advanced"] = dataclasses.replace(options.advanced, **advanced)
+    new = dataclasses.replace(options, **top)
+    object.__setattr__(new, "from_target", options.from_target)
+    return new

@@ -234,23 +234,28 @@ def test_mixed_precision_fails_clearly_beyond_the_budget(crushed):
     assert len(search(path, table, options, Target(sqnr=200.0), evals, None, 2).chosen.float_layers) == 2
 
 
-def test_quantize_cli_target_exit_codes(crushed, tmp_path, qtool_cli):
+def test_search_cli_target_exit_codes(crushed, tmp_path, qtool_cli):
     path, table, options, evals = crushed
     data = graphs.write_samples(tmp_path / "eval", np.random.default_rng(2), (3, 8, 8), count=8)
     table_path = tmp_path / "t.json"
     table.save(table_path)
     cfg = tmp_path / "c.yaml"
     cfg.write_text("quantization:\n  per_channel: false\n")
-    ok = qtool_cli("quantize", path, "--table", table_path, "--config", cfg, "--eval-data", data,
+    ok = qtool_cli("search", path, "--table", table_path, "--config", cfg, "--eval-data", data,
                    "--target-agreement", "100", "-o", tmp_path / "q.onnx")
     assert ok.returncode == 0, ok.stderr
     assert "target met with" in ok.stdout and "% of MACs in int8" in ok.stdout and (tmp_path / "q.onnx").exists()
-    bad = qtool_cli("quantize", path, "--table", table_path, "--config", cfg, "--eval-data", data,
+    bad = qtool_cli("search", path, "--table", table_path, "--config", cfg, "--eval-data", data,
                     "--target-sqnr", "300", "--max-float-layers", "1", "-o", tmp_path / "r.onnx")
     assert bad.returncode == 1 and "not met with up to 1 layer" in bad.stderr
     assert not (tmp_path / "r.onnx").exists()
-    missing = qtool_cli("quantize", path, "--table", table_path, "--target-sqnr", "3", "-o", tmp_path / "s.onnx")
+    missing = qtool_cli("search", path, "--table", table_path, "--target-sqnr", "3", "-o", tmp_path / "s.onnx")
     assert missing.returncode == 2 and "--eval-data" in missing.stderr
+    no_target = qtool_cli("search", path, "--table", table_path, "--eval-data", data, "-o", tmp_path / "s.onnx")
+    assert no_target.returncode == 2 and "give a target" in no_target.stderr
+    moved = qtool_cli("quantize", path, "--table", table_path, "--eval-data", data, "--target-sqnr", "3",
+                      "-o", tmp_path / "s.onnx")
+    assert moved.returncode == 2 and "No such option" in moved.stderr
 
 
 def test_bias_correction_without_data_is_a_user_error(crushed, tmp_path, qtool_cli):

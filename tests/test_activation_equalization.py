@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper
 
 from qtool import api
 from qtool.calibration.smoothing import measured_smoothing
-from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.config import AdvancedConfig, CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.graph.edit import with_outputs
 from qtool.graph.runtime import create_session
 from qtool.plan.planner import prepared_model
@@ -81,7 +81,7 @@ def _saved(tmp_path, form):
     return path, write_samples(tmp_path / "data", rng, [3, 8, 8], count=8, scale=2.0)
 
 
-def _equalized(path, data, options=QuantizeConfig(latency_aware="off")):
+def _equalized(path, data, options=QuantizeConfig()):
     model, plan = prepared_model(path, options)
     measured = measured_smoothing(path, model, plan, data, PreprocessConfig(), CalibrationConfig(), options)
     return measured, prepared_model(path, measured)[0]
@@ -114,9 +114,9 @@ def test_the_rewrite_is_exact_in_fp32_and_evens_the_channel_ranges(tmp_path, for
 @pytest.mark.parametrize("form", FORMS)
 def test_the_int8_model_gets_closer_to_fp32(tmp_path, form):
     path, data = _saved(tmp_path, form)
-    config = {"calibration": {"method": "minmax"}, "quantization": {"latency_aware": "off"}}
-    off = api.quantize(path, data=data, config={**config, "quantization": {"latency_aware": "off",
-                                                                             "equalize_activations": False}})
+    config = {"calibration": {"method": "minmax"}, "quantization": {}}
+    off = api.quantize(path, data=data, config={**config, "quantization": {"advanced": {
+                                                                             "equalize_activations": False}}})
     on = api.quantize(path, data=data, config=config)
     assert any("equalized across channels in 1" in note for note in on.notes)
     assert not any("equalized" in note for note in off.notes)
@@ -168,7 +168,7 @@ def test_a_chain_kept_wholly_float_is_left_unequalized(tmp_path, form):
     assert equalized_chains(model, scales) == {} and "conv_b" in replanned.quantized_nodes
     assert not {"conv_a", "dw"} & set(replanned.quantized_nodes)
     assert any("equalization of 1 chain(s) left out" in note for note in replanned.notes)
-    plain, _ = prepared_model(path, QuantizeConfig(latency_aware="off", equalize_activations=False))
+    plain, _ = prepared_model(path, QuantizeConfig(advanced=AdvancedConfig(equalize_activations=False)))
     assert [(n.op_type, list(n.input)) for n in model.graph.node] == \
         [(n.op_type, list(n.input)) for n in plain.graph.node]
 
@@ -195,7 +195,7 @@ def test_a_one_dimensional_chain_is_rewritten_exactly(tmp_path):
     x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
     np.testing.assert_allclose(create_session(equalized).run(None, {"x": x})[0],
                                create_session(str(path)).run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
-    result = api.quantize(path, data=data, config={"quantization": {"latency_aware": "off"}})
+    result = api.quantize(path, data=data, config={"quantization": {}})
     assert any("equalized across channels in 1" in note for note in result.notes)
     create_session(result.model).run(None, {"x": x})
 
@@ -203,7 +203,7 @@ def test_a_one_dimensional_chain_is_rewritten_exactly(tmp_path):
 def test_an_excluded_chain_is_quantized_as_exported(tmp_path):
     path, data = _saved(tmp_path, "written_out")
     # the chain's nodes by name (the gate keeps the name of the "+ 3" Add it replaces)
-    config = {"quantization": {"latency_aware": "off", "exclude_nodes": ["conv_a", "add3", "clip", "mul", "div", "dw"]}}
+    config = {"quantization": {"exclude_nodes": ["conv_a", "add3", "clip", "mul", "div", "dw"]}}
     result = api.quantize(path, data=data, config=config)
     assert any("equalization of 1 chain(s) left out" in note for note in result.notes)
     assert not any("_equalized_gate" in t.name for t in result.model.graph.initializer)
@@ -222,7 +222,7 @@ def test_per_layer_error_leaves_out_the_rescaled_tensors(tmp_path, form):
 
     path, data = _saved(tmp_path, form)
     result = api.quantize(path, data=data, config={"calibration": {"method": "minmax"},
-                                                   "quantization": {"latency_aware": "off"}})
+                                                   "quantization": {}})
     rescaled = rescaled_tensors(result.model)
     assert {"a", _dw_input(form)} <= rescaled and "d" not in rescaled
     fp32 = onnx.load(path)
@@ -264,8 +264,8 @@ def test_a_depthwise_channel_multiplier_keeps_the_fp32_outputs(tmp_path, how):
     path = tmp_path / "m.onnx"
     onnx.save(_multiplier_chain(rng), path)
     data = write_samples(tmp_path / "data", rng, [3, 8, 8], count=8, scale=2.0)
-    quantization = {"latency_aware": "off", "equalize": how == "cross_layer",
-                    "equalize_activations": how == "activations"}
+    quantization = {"equalize": how == "cross_layer",
+                    "advanced": {"equalize_activations": how == "activations"}}
     config = {"calibration": {"method": "minmax"}, "quantization": quantization}
     table = api.calibrate(path, data, config, progress=False)
     # the fp32 graph quantize works on: prepared with the options and the table's equalization scales

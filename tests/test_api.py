@@ -209,13 +209,13 @@ def test_folder_only_features_say_so(small):
 
 def test_mixed_precision_search_from_memory(tmp_path, images, cli_outputs):
     lines: list[str] = []
-    search = qtool.MixedPrecisionSearch(images, agreement=50.0)
-    result = qtool.quantize(EFFNET, table=cli_outputs / "table.json", config=_ranges_only_dict(), search=search,
-                            log=lines.append)
+    spec = qtool.MixedPrecisionSearch(images, agreement=50.0)
+    result = qtool.search(EFFNET, spec, table=cli_outputs / "table.json", config=_ranges_only_dict(),
+                          log=lines.append)
     assert lines[0] == "searching the fewest float layers for agreement >= 50% on 10 evaluation samples:"
     assert result.search.float_layers == () and result.search.figures["agreement"] >= 0.5
     assert result.search.describe().startswith("target met with 0 layer(s) in float; 100.0% of MACs in int8")
     result.save(tmp_path / "m.onnx")  # nothing kept float: the plain model
     assert (tmp_path / "m.onnx").read_bytes() == (cli_outputs / "m.onnx").read_bytes()
     with pytest.raises(qtool.QtoolError, match="needs a target"):
-        qtool.quantize(EFFNET, table=cli_outputs / "table.json", search=qtool.MixedPrecisionSearch(images))
+        qtool.search(EFFNET, qtool.MixedPrecisionSearch(images), table=cli_outputs / "table.json")

@@ -108,7 +108,7 @@ def test_per_layer_errors_on_workers_equal_one_process(tmp_path, client):
     assert _figures(dask) == _figures(single)
 
 
-def test_quantize_data_dask_calibrates_and_searches_on_workers_writing_the_same_model(tmp_path):
+def test_search_data_dask_calibrates_and_searches_on_workers_writing_the_same_model(tmp_path):
     from tests.test_accuracy_methods import _crushed_model
 
     rng = np.random.default_rng(0)
@@ -118,7 +118,7 @@ def test_quantize_data_dask_calibrates_and_searches_on_workers_writing_the_same_
     evals = graphs.write_samples(tmp_path / "eval", np.random.default_rng(2), (3, 8, 8), count=8)
     config = tmp_path / "c.yaml"
     config.write_text("quantization:\n  per_channel: false\n")
-    args = ["quantize", str(path), "--data", str(data), "--config", str(config), "--batch-size", "2", "--eval-data",
+    args = ["search", str(path), "--data", str(data), "--config", str(config), "--batch-size", "2", "--eval-data",
             str(evals), "--target-sqnr", "20", "--max-float-layers", "2"]
     outputs = []
     for extra in ([], ["--dask", "local:2"]):

@@ -14,7 +14,7 @@ from onnx import helper
 
 from qtool import api
 from qtool.cli import main
-from qtool.config import Config, QuantizeConfig, load_config
+from qtool.config import AdvancedConfig, Config, QuantizeConfig, load_config
 from qtool.choices import dynamic_weights as weight_choice
 from qtool.evaluation.macs import int8_macs
 from qtool.quantization.dynamic_matmul import CODES, SCALE
@@ -62,7 +62,7 @@ def _quantize(tmp_path, model, **options):
     path = tmp_path / "model.onnx"
     onnx.save(model, path)
     data = _samples(tmp_path, np.random.default_rng(1))
-    result = api.quantize(path, data=data, config=Config(quantization=QuantizeConfig(**options)), progress=False)
+    result = api.quantize(path, data=data, config={"quantization": options}, progress=False)
     onnx.checker.check_model(result.model, full_check=True)
     return path, result, data
 
@@ -79,7 +79,7 @@ def _cosine_to_fp32(path, qmodel, data) -> float:
 
 def test_dynamic_quantizes_weighted_matmuls_and_keeps_the_rest_float(tmp_path):
     path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), matmul="dynamic",
-                                   dynamic_weights="column")
+                                   advanced={"dynamic_weights": "column"})
     ops = Counter(n.op_type for n in result.model.graph.node)
     assert ops["MatMulInteger"] == 2  # q and k merged into one (qtool.prepare.merge_matmuls), o
     assert ops["Split"] == 1  # the merged product back into q and k
@@ -223,7 +223,7 @@ def _even_columns(model: onnx.ModelProto) -> onnx.ModelProto:
 def test_dynamic_weights_per_tensor_when_measured_lossless(tmp_path):
     path, result, data = _quantize(tmp_path, _even_columns(_block(np.random.default_rng(0))))
     assert _weight_scales(result.model) == [(), ()]
-    [chosen] = [d for d in result.decisions if d.option == "quantization.dynamic_weights"]
+    [chosen] = [d for d in result.decisions if d.option == "quantization.advanced.dynamic_weights"]
     assert chosen.value == "tensor" and [c for c, _ in chosen.measured] == ["column", "tensor"]
     assert chosen.samples > 0 and chosen.note() in result.notes
     assert _cosine_to_fp32(path, result.model, data) > 0.999
@@ -233,7 +233,7 @@ def test_dynamic_weights_stay_per_column_when_measured_worse(tmp_path, monkeypat
     monkeypatch.setattr(weight_choice, "TOLERANCE", -1.0)  # per tensor would have to beat per column by 1
     _, result, _ = _quantize(tmp_path, _even_columns(_block(np.random.default_rng(0))))
     assert _weight_scales(result.model) == [(2 * D,), (D,)]  # q and k merged
-    [chosen] = [d for d in result.decisions if d.option == "quantization.dynamic_weights"]
+    [chosen] = [d for d in result.decisions if d.option == "quantization.advanced.dynamic_weights"]
     assert chosen.value == "column" and [c for c, _ in chosen.measured] == ["column", "tensor"]
 
 
@@ -248,23 +248,24 @@ def test_dynamic_weights_per_column_without_measuring_where_a_column_is_large(tm
     monkeypatch.setattr(weight_choice, "measurer", lambda *a: measured.append(a))
     _, result, _ = _quantize(tmp_path, model)
     assert not measured and _weight_scales(result.model) == [(2 * D,), (D,)]
-    [chosen] = [d for d in result.decisions if d.option == "quantization.dynamic_weights"]
+    [chosen] = [d for d in result.decisions if d.option == "quantization.advanced.dynamic_weights"]
     assert chosen.value == "column" and not chosen.measured and "SQNR" in chosen.rule
 
 
-@pytest.mark.parametrize("options", [{"dynamic_weights": "tensor"}, {"per_channel": False}])
+@pytest.mark.parametrize("options", [{"advanced": {"dynamic_weights": "tensor"}}, {"per_channel": False}])
 def test_dynamic_weights_per_tensor_when_asked(tmp_path, options):
     path, result, data = _quantize(tmp_path, _block(np.random.default_rng(0)), **options)
     assert _weight_scales(result.model) == [(), ()]
-    assert not any(d.option == "quantization.dynamic_weights" and d.measured for d in result.decisions)
+    assert not any(d.option == "quantization.advanced.dynamic_weights" and d.measured for d in result.decisions)
     assert _cosine_to_fp32(path, result.model, data) > 0.99
 
 
 def test_dynamic_weights_option_parses():
-    assert QuantizeConfig().dynamic_weights == "auto"
-    assert load_config({"quantization": {"dynamic_weights": "column"}}).quantization.dynamic_weights == "column"
+    assert QuantizeConfig().advanced.dynamic_weights == "auto"
+    loaded = load_config({"quantization": {"advanced": {"dynamic_weights": "column"}}})
+    assert loaded.quantization.advanced.dynamic_weights == "column"
     with pytest.raises(ValueError, match="dynamic_weights must be one of auto, column, tensor"):
-        QuantizeConfig(dynamic_weights="row")
+        AdvancedConfig(dynamic_weights="row")
 
 
 def test_kit_gru_decoder_takes_per_tensor_weights(tmp_path):
@@ -276,7 +277,7 @@ def test_kit_gru_decoder_takes_per_tensor_weights(tmp_path):
         (calib / f.name).symlink_to(f)
     result = api.quantize(model, data=calib, progress=False)
     assert _weight_scales(result.model) == [()] * 7
-    [chosen] = [d for d in result.decisions if d.option == "quantization.dynamic_weights"]
+    [chosen] = [d for d in result.decisions if d.option == "quantization.advanced.dynamic_weights"]
     assert chosen.value == "tensor" and "7 dynamic MatMuls" in chosen.rule
 
 
@@ -527,7 +528,7 @@ def test_rows_of_a_constant_table_feed_matmul_integer_as_gathered_codes(tmp_path
     data.mkdir()
     for i in range(8):
         np.save(data / f"s{i}.npy", rng.integers(0, 40, (1, T)).astype(np.int64))
-    result = api.quantize(path, data=data, config={"quantization": {"matmul": "dynamic", "latency_aware": "off"}},
+    result = api.quantize(path, data=data, config={"quantization": {"matmul": "dynamic"}},
                           progress=False)
     onnx.checker.check_model(result.model, full_check=True)
     ops = Counter(n.op_type for n in result.model.graph.node)

@@ -113,7 +113,7 @@ def test_kit_constant_node_weights_are_quantized(tmp_path):
     model = kit_path("models", "rapidocr_cls_mobile_v2.onnx")
     data = kit_path("inputs", "rapidocr_cls_mobile_v2", "calib")
     out = tmp_path / "cls.int8.onnx"
-    result = run_qtool("quantize", model, "--data", data, "--num-samples", "8", "--upgrade-opset", "-o", out)
+    result = run_qtool("quantize", model, "--data", data, "--num-samples", "8", "-o", out)
     assert result.returncode == 0, result.stderr
     q = onnx.load(out)
     fp_convs = sum(n.op_type == "Conv" for n in onnx.load(model).graph.node)

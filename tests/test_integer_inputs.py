@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool import api
-from qtool.config import Config, PreprocessConfig, QuantizeConfig
+from qtool.config import AdvancedConfig, Config, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import batches, open_data
 from qtool.errors import QtoolError
 from qtool.graph.modelio import InputSpec
@@ -135,7 +135,7 @@ def _int8_table_checks(qmodel, table: np.ndarray) -> None:
 def test_embedding_table_int8_per_row_when_asked(tmp_path):
     model = _encoder(np.random.default_rng(0))
     table = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "table"))
-    path, result, data = _quantize(tmp_path, model, QuantizeConfig(embeddings="int8"))
+    path, result, data = _quantize(tmp_path, model, QuantizeConfig(advanced=AdvancedConfig(embeddings="int8")))
     assert result.int8_embeddings == 1
     _int8_table_checks(result.model, table)
     # the gathered rows are the dequantized table's rows, exactly
@@ -158,7 +158,7 @@ def test_embedding_auto_takes_tables_of_1_mib_on_ort_cpu_and_float_keeps_them(tm
     table = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "table"))
     _, result, _ = _quantize(tmp_path / "auto", model, vocab=vocab)
     _int8_table_checks(result.model, table)
-    _, kept, _ = _quantize(tmp_path / "float", model, QuantizeConfig(embeddings="float"), vocab=vocab)
+    _, kept, _ = _quantize(tmp_path / "float", model, QuantizeConfig(advanced=AdvancedConfig(embeddings="float")), vocab=vocab)
     assert kept.int8_embeddings == 0 and "table" in {t.name for t in kept.model.graph.initializer}
     assert kept.model.ByteSize() > 3 * result.model.ByteSize()
     _, other_target, _ = _quantize(tmp_path / "tensorrt", model, QuantizeConfig(target="tensorrt"), vocab=vocab)
@@ -168,7 +168,7 @@ def test_embedding_auto_takes_tables_of_1_mib_on_ort_cpu_and_float_keeps_them(tm
 @pytest.mark.parametrize("case", ["tied", "excluded"])
 def test_embedding_table_stays_float_when_not_only_gathered_or_excluded(tmp_path, case):
     model = _encoder(np.random.default_rng(0), tied_output=case == "tied")
-    options = QuantizeConfig(embeddings="int8", exclude_nodes=("embed",) if case == "excluded" else ())
+    options = QuantizeConfig(exclude_nodes=("embed",) if case == "excluded" else (), advanced=AdvancedConfig(embeddings="int8"))
     _, result, _ = _quantize(tmp_path, model, options)
     assert result.int8_embeddings == 0
     assert "table" in {t.name for t in result.model.graph.initializer}

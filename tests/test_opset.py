@@ -71,11 +71,6 @@ def test_kit_opset_11_model_is_converted_without_a_flag(tmp_path):
     ref = ort.InferenceSession(str(model)).run(None, feed)[0]
     got = ort.InferenceSession(str(out)).run(None, feed)[0]
     assert got.shape == ref.shape and np.all(np.isfinite(got))
-    # the deprecated --upgrade-opset is accepted and changes nothing
-    alias = tmp_path / "alias.onnx"
-    proc = run_qtool("quantize", model, "--table", table, "--upgrade-opset", "-o", alias)
-    assert proc.returncode == 0, proc.stderr
-    assert alias.read_bytes() == out.read_bytes()
 
 
 def test_keep_opset_gives_per_tensor_weights_with_a_note():
@@ -100,10 +95,10 @@ def test_keep_opset_below_10_is_an_error():
                        progress=False)
 
 
-def test_keep_opset_contradicts_upgrade_opset():
-    with pytest.raises(QtoolError, match="contradict"):
+def test_upgrade_opset_is_an_unknown_key():
+    with pytest.raises(QtoolError, match=r"unknown key 'quantization.upgrade_opset'"):
         qtool.quantize(CORPUS / "models" / "opset12.onnx", data=OK_DATA,
-                       config={"quantization": {"keep_opset": True, "upgrade_opset": True}}, progress=False)
+                       config={"quantization": {"upgrade_opset": True}}, progress=False)
 
 
 def test_converter_failure_falls_back_to_per_tensor_weights(tmp_path):
@@ -143,7 +138,7 @@ def test_a_model_at_exactly_opset_13_gets_per_channel_weights(tmp_path):
     onnx.save(built, path)
     data = write_samples(tmp_path / "data", rng, (3, 8, 8), count=8)
     result = qtool.quantize(path, data=data, config={"calibration": {"method": "minmax"},
-                                                     "quantization": {"latency_aware": "off"}}, progress=False)
+                                                     "quantization": {}}, progress=False)
     assert _opset(result.model) == 13
     assert not any("opset" in note or "per-tensor" in note for note in result.notes), result.notes
     inits = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
@@ -162,16 +157,16 @@ def test_a_model_at_exactly_opset_13_gets_per_channel_weights(tmp_path):
     assert scale.max() / scale.min() > 0.5 * ranges.max() / ranges.min()
 
 @pytest.mark.parametrize("command", ["calibrate", "quantize"])
-def test_help_documents_keep_opset_and_the_deprecated_alias(command):
+def test_help_documents_keep_opset(command):
     proc = run_qtool(command, "--help")
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert "--keep-opset Never convert a model older than opset 13" in text
-    assert "--upgrade-opset Deprecated, no effect" in text
+    assert "--upgrade-opset" not in text
 
 
 def test_docs_describe_keep_opset():
     root = Path(__file__).resolve().parents[1] / "docs"
     cli, config = (root / "cli.md").read_text(), (root / "config.md").read_text()
-    assert "`--keep-opset`" in cli and "`--upgrade-opset`" in cli and "deprecated" in cli
-    assert "| `keep_opset` |" in config and "| `upgrade_opset` |" in config
+    assert "`--keep-opset`" in cli and "upgrade-opset" not in cli
+    assert "| `keep_opset` |" in config and "upgrade_opset" not in config

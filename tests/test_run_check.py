@@ -143,7 +143,7 @@ def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
     from onnx import helper
 
     from qtool.calibration.calibrate import calibrate
-    from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+    from qtool.config import AdvancedConfig, CalibrationConfig, PreprocessConfig, QuantizeConfig
     from qtool.quantization import run_check
     from qtool.quantization.quantize import quantize_model
     from tests import graphs
@@ -158,7 +158,7 @@ def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
     path = tmp_path / "m.onnx"
     onnx.save(built, path)
     data = graphs.write_samples(tmp_path / "data", rng, (3, 16, 16), count=4)
-    options = QuantizeConfig(latency_aware="on")
+    options = QuantizeConfig(advanced=AdvancedConfig(latency_aware="on"))
     table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
     sizes = []
     made_up = run_check.made_up_feeds

@@ -36,21 +36,25 @@ def test_every_auto_is_a_decision_in_the_json_and_its_note_is_rendered_from_it(p
     _, report, settled, done = plain
     options = [d["option"] for d in report["decisions"]]
     # the range method (measured), then the choices the plain command meets on a CNN, in order
-    assert options[:4] == ["calibration.method", "quantization.dynamic_weights", "quantization.hard_activations",
-                           "quantization.matmul"]
+    assert options[:4] == ["calibration.method", "quantization.advanced.dynamic_weights",
+                           "quantization.advanced.hard_activations", "quantization.matmul"]
     method = report["decisions"][0]
     assert method["measured"] and method["measured"][0]["candidate"] == "minmax" and method["samples"] == 10
     assert all({"cosine", "cosine_db"} <= set(m) for m in method["measured"])
     # every auto of the config has its value in the settled config
     config = yaml.safe_load(settled.read_text())
     for decision in report["decisions"]:
-        section, key = decision["option"].split(".")
-        value = config[section][key]
+        value = config
+        for key in decision["option"].split("."):  # section.key, or quantization.advanced.key
+            value = value[key]
         assert (value == decision["value"] or
                 (isinstance(value, list) and set(decision["value"]) <= set(value))), decision
-    autos = [f"{s}.{k}" for s in ("calibration", "quantization") for k, v in config[s].items() if v == "auto"]
-    assert autos == [] or autos == ["quantization.embeddings"], autos  # embeddings: a per-table rule, no measurement
-    assert config["quantization"]["latency_aware"] == "off"
+    sections = {"calibration": config["calibration"], "quantization": config["quantization"],
+                "quantization.advanced": config["quantization"]["advanced"]}
+    autos = [f"{s}.{k}" for s, keys in sections.items() for k, v in keys.items() if v == "auto"]
+    # embeddings: a per-table rule, no measurement
+    assert autos == [] or autos == ["quantization.advanced.embeddings"], autos
+    assert config["quantization"]["advanced"]["latency_aware"] == "off"
     # a measured decision's note is one of the note lines, made from its record
     from qtool.choices.decision import Decision
     record = Decision(method["option"], method["value"], method["rule"],

@@ -93,7 +93,7 @@ def test_variable_width_ocr_recognizer_calibrates_with_every_method(tmp_path, me
     data = kit_path("inputs", "rapidocr_v4_rec", "calib")
     widths = {np.load(p)["x"].shape[3] for p in sorted(data.glob("*.npz"))[:12]}
     assert len(widths) > 3  # the samples really vary in width
-    table = _calibrate(model, data, tmp_path / "t.json", "--upgrade-opset", "--num-samples", "12",
+    table = _calibrate(model, data, tmp_path / "t.json", "--num-samples", "12",
                        "--method", method)
     assert table["method"] == method and table["num_samples"] == 12
     assert len(table["tensors"]) > 100

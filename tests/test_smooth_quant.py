@@ -160,8 +160,14 @@ def test_option_flows_from_calibrate_to_quantize(tmp_path):
     np.testing.assert_allclose(gamma, original / np.array(document["smoothing"]["h"]), rtol=1e-6)
     from qtool.graph.edit import rescaled_tensors
     assert rescaled_tensors(onnx.load(out)) == {"h"}  # h / s under h's name: no per-layer twin
-    result = runner.invoke(main, args)  # the table's ranges are of the smoothed graph: the option must match
-    assert result.exit_code != 0 and "alpha 0.5" in result.output
+    # the alpha the table records is the default: the same model without asking again
+    again = tmp_path / "again.onnx"
+    result = runner.invoke(main, [*args[:-1], str(again)])
+    assert result.exit_code == 0, result.output
+    assert again.read_bytes() == out.read_bytes()
+    # the table's ranges are of the smoothed graph: another alpha is an error naming both
+    result = runner.invoke(main, [*args, "--smooth-quant", "0.8"])
+    assert result.exit_code != 0 and "alpha 0.5, not the 0.8 asked for" in result.output
     plain = api.calibrate(path, data, {"quantization": {"matmul": "static"}})
     assert "smoothing" not in plain.to_json_text() and "smooth_quant" not in plain.settings
     with pytest.raises(QtoolError, match="calibrate with --smooth-quant"):
@@ -174,7 +180,7 @@ def test_nothing_to_smooth_still_flows(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(layer_norm_model(rng, residual=True), path)
     data = write_samples(tmp_path / "data", rng, [T, C], count=4)
-    config = {"quantization": {"matmul": "static", "smooth_quant": 0.8, "latency_aware": "off"}}
+    config = {"quantization": {"matmul": "static", "smooth_quant": 0.8}}
     table = api.calibrate(path, data, config)
     assert table.smoothing == {} and table.settings["smooth_quant"] == 0.8
     result = api.quantize(path, table=table, config=config)
@@ -225,9 +231,9 @@ def test_dynamic_matmuls_read_an_outlier_input_through_an_inserted_mul(tmp_path)
     for before, after in zip(_outputs(plain, feeds), _outputs(smoothed, feeds)):
         if before.dtype.kind == "f":
             assert np.abs(before.astype(np.float64) - after).max() <= 1e-5 * max(1.0, float(np.abs(before).max()))
-    column = {"matmul": "dynamic", "dynamic_weights": "column"}  # the same weight grid on and off
+    column = {"matmul": "dynamic", "advanced": {"dynamic_weights": "column"}}  # the same weight grid on and off
     on = api.quantize(path, data=data, config={"quantization": column}, progress=False)
-    off = api.quantize(path, data=data, config={"quantization": {**column, "smooth_dynamic": None}},
+    off = api.quantize(path, data=data, config={"quantization": {**column, "advanced": {"dynamic_weights": "column", "smooth_dynamic": None}}},
                        progress=False)
     assert any(n.startswith("SmoothQuant (alpha 0.8)") for n in on.notes) and on.table.smoothing
     assert not off.table.smoothing

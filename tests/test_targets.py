@@ -10,7 +10,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import qtool
-from qtool.config import PreprocessConfig, QuantizeConfig
+from qtool.config import AdvancedConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import batches, open_data
 from qtool.graph.modelio import input_specs, load_model
 from qtool.targets import TARGETS, Target, describe
@@ -93,7 +93,7 @@ def test_a_toy_target_without_kernels_or_forms_keeps_them_float(toy, tmp_path):
     data = graphs.write_samples(tmp_path / "hard_data", rng, (3, 8, 8), count=8, scale=2.0)
     hard = qtool.quantize(tmp_path / "hard.onnx", data=data, config=CONFIG, progress=False)
     assert "HardSwish" in {n.op_type for n in hard.model.graph.node}
-    [form] = [d for d in hard.decisions if d.option == "quantization.hard_activations"]
+    [form] = [d for d in hard.decisions if d.option == "quantization.advanced.hard_activations"]
     assert form.value == "integer" and "no HardSigmoid/HardSwish written" in form.rule  # nothing measured
     ort.InferenceSession(hard.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, {"x": np.load(sorted(data.glob("*.npy"))[0])})
@@ -142,6 +142,6 @@ def test_a_target_names_the_passes_run_before_planning(monkeypatch, tmp_path, ta
 
     monkeypatch.setitem(TARGETS, "toy", replace(TOY, prepare_passes=("embed_layer_norm",)))
     onnx.save(_embed_layer_norm_model(np.random.default_rng(0)), tmp_path / "m.onnx")
-    model, _ = prepared_model(tmp_path / "m.onnx", QuantizeConfig(target=target, embeddings=embeddings))
+    model, _ = prepared_model(tmp_path / "m.onnx", QuantizeConfig(target=target, advanced=AdvancedConfig(embeddings=embeddings)))
     ops = {n.op_type for n in model.graph.node}
     assert ("EmbedLayerNormalization" not in ops and "LayerNormalization" in ops) == written

@@ -168,7 +168,7 @@ def test_adds_of_a_quantized_constant_are_checked(tmp_path):
     path = tmp_path / "model.onnx"
     onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)], inits), path)
     data = graphs.write_samples(tmp_path / "data", rng, (3, 8, 8), count=6, scale=2.0)
-    options = QuantizeConfig(latency_aware="off")
+    options = QuantizeConfig()
     table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(batch_size=2), options, progress=False)
     qpath = tmp_path / "model.int8.onnx"
     save_model(quantize_model(path, table, options).model, qpath)

@@ -14,7 +14,7 @@ from qtool.calibration.ranges import check_method, choose_range, resolve_method
 from qtool.calibration.smoothing import measured_smoothing
 from qtool.calibration.shards import collect_parallel, merge_files, save_stats
 from qtool.calibration.statistics import TensorStats
-from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
+from qtool.config import AdvancedConfig, CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataLike
 from qtool.errors import QtoolError
 from qtool.graph.executor import Engine
@@ -43,25 +43,27 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
 
 
 def _quantize_settings(options: QuantizeConfig) -> dict:
-    """The quantization options; keep_opset, `embeddings` (it never changes the table: embedding
-    tables are weights) and `matmul` only where they differ from the default, so tables of default
-    settings keep their bytes; `smooth_quant` where on. `latency_aware` and `float_nodes` never: they are
-    settled when quantizing, from the table's ranges; nor `int16_activations`: 16-bit activations take
-    the table's ranges as they are."""
+    """The quantization options, those of `advanced` among them (one flat mapping); keep_opset,
+    `embeddings` (it never changes the table: embedding tables are weights) and `matmul` only where
+    they differ from the default, so tables of default settings keep their bytes; `smooth_quant` where
+    on. `latency_aware` and `float_nodes` never: they are settled when quantizing, from the table's
+    ranges; nor `int16_activations`: 16-bit activations take the table's ranges as they are."""
     settings = asdict(options)
+    settings.update(settings.pop("advanced"))
+    defaults = AdvancedConfig()
     del settings["latency_aware"]
     del settings["float_nodes"]
     del settings["int16_activations"]
     del settings["smooth_scales"]  # the table's "smoothing"
     if options.smooth_quant is None:
         del settings["smooth_quant"]
-    if options.smooth_dynamic == QuantizeConfig.smooth_dynamic:
+    if options.advanced.smooth_dynamic == defaults.smooth_dynamic:
         del settings["smooth_dynamic"]
-    if options.equalize_activations == QuantizeConfig.equalize_activations:
+    if options.advanced.equalize_activations == defaults.equalize_activations:
         del settings["equalize_activations"]
     if not options.keep_opset:
         del settings["keep_opset"]
-    if options.embeddings == QuantizeConfig.embeddings:
+    if options.advanced.embeddings == defaults.embeddings:
         del settings["embeddings"]
     if options.matmul == QuantizeConfig.matmul:
         del settings["matmul"]
@@ -103,7 +105,7 @@ def _statistics(model_path, data: DataLike, preprocess: PreprocessConfig, calib:
                 options: QuantizeConfig, progress: bool, engine: Optional[Engine], all_histograms: bool):
     """(prepared model, plan, options with their smoothing scales, statistics, samples seen) of one
     pass over `data`, here or on the engine's workers."""
-    options = replace(options, float_nodes=())  # settled from the table's ranges: the table has them all
+    options = replace(options, advanced=replace(options.advanced, float_nodes=()))  # settled from the table's ranges
     model, plan = prepared_model(model_path, options)  # before smoothing: what smoothing measures on
     smoothed = measured_smoothing(model_path, model, plan, data, preprocess, calib, options)
     if smoothed is not options:

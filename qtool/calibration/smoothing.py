@@ -44,10 +44,10 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
     prepared graph before smoothing; `options` itself when nothing is smoothed or equalized."""
     if options.smooth_scales:
         return options
-    smoothing = options.smooth_quant is not None or options.smooth_dynamic is not None
+    smoothing = options.smooth_quant is not None or options.advanced.smooth_dynamic is not None
     alpha = smoothing_alpha(options, bool(plan.dynamic_matmuls)) if smoothing else None
     sites = find_sites(model, insert=bool(plan.dynamic_matmuls)) if alpha is not None else []
-    equalized = activation_sites(model) if options.equalize_activations else []
+    equalized = activation_sites(model) if options.advanced.equalize_activations else []
     if not sites and not equalized:
         return options
     # (key, tensor measured): a hard-swish's input; a Relu's output (the int8 tensor, the fused

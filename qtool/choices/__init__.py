@@ -54,7 +54,7 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
         decisions.append(Decision("quantization.matmul", strategy, why or "no transformer or recurrent structure"))
     cfg = apply(cfg, decisions)
     # 4. latency tuning (opt-in: it times candidates on this machine)
-    if cfg.quantization.latency_aware == "on":
+    if cfg.quantization.advanced.latency_aware == "on":
         decisions.append(_latency(model_path, table, cfg, calib_data))
         cfg = apply(cfg, decisions[-1:])
     return _settled(cfg), decisions
@@ -64,15 +64,15 @@ def _latency(model_path, table: CalibrationTable, cfg: Config,
              calib_data: Optional[Callable[[int], Iterable[Batch]]]) -> Decision:
     built = candidates(model_path, table, cfg.quantization, calib_data)
     if built.feeds is None:
-        return Decision("quantization.float_nodes", (), "latency tuning: no inputs the model runs on")
+        return Decision("quantization.advanced.float_nodes", (), "latency tuning: no inputs the model runs on")
     choice = choose_latency(built.fp32, built.quantized, built.build, timer(built.feeds), built.sizes)
-    return Decision("quantization.float_nodes", choice.labels,
+    return Decision("quantization.advanced.float_nodes", choice.labels,
                     "latency tuning: faster in float on this machine (1 thread, medians)", details=choice.notes)
 
 
 def _settled(cfg: Config) -> Config:
-    """Nothing left to measure: the latency tuning's outcome is in float_nodes."""
-    return replace(cfg, quantization=replaced(cfg.quantization, "latency_aware", "off"))
+    """Nothing left to measure: the latency tuning's outcome is in advanced.float_nodes."""
+    return replace(cfg, quantization=replaced(cfg.quantization, "advanced.latency_aware", "off"))
 
 
 def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
@@ -85,6 +85,6 @@ def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
             decisions.append(Decision(f"quantization.{option}", value, "auto: on with calibration data, unless it "
                                       "fails on the graph"))
     if graph.kept_float:
-        decisions.append(Decision("quantization.float_nodes", graph.kept_float,
+        decisions.append(Decision("quantization.advanced.float_nodes", graph.kept_float,
                                   "onnxruntime cannot run them in int8 (run check)"))
     return apply(cfg, decisions), decisions

@@ -14,7 +14,9 @@ from qtool.config import Config
 
 @dataclass(frozen=True)
 class Decision:
-    option: str  # the config key settled, "section.key" (calibration.method, quantization.float_nodes, ...)
+    # the config key settled: "section.key" or "quantization.advanced.key" (calibration.method,
+    # quantization.advanced.float_nodes, ...)
+    option: str
     value: Any  # what the settled config holds for it
     rule: str  # what decided it, in a few words
     # (candidate, {figure: value}) in the order measured; empty when decided from the graph alone
@@ -43,20 +45,32 @@ def _figures(figures: dict) -> str:
 
 
 def apply(cfg: Config, decisions: list[Decision]) -> Config:
-    """`cfg` with every decision's value in its option; node lists add up (the run check's and the
-    latency tuning's float nodes)."""
+    """`cfg` with every decision's value in its option ("section.key", or "quantization.advanced.key");
+    node lists add up (the run check's and the latency tuning's float nodes)."""
     for decision in decisions:
-        section, key = decision.option.split(".")
+        section, *path = decision.option.split(".")
         options = getattr(cfg, section)
         value = decision.value
         if isinstance(value, (tuple, list)):
-            value = tuple(dict.fromkeys([*getattr(options, key), *value]))
-        cfg = dataclasses.replace(cfg, **{section: replaced(options, key, value)})
+            value = tuple(dict.fromkeys([*current(options, ".".join(path)), *value]))
+        cfg = dataclasses.replace(cfg, **{section: replaced(options, ".".join(path), value)})
     return cfg
 
 
+def current(options, key: str):
+    """The value of `key` ("name", or "advanced.name") in a section."""
+    for part in key.split("."):
+        options = getattr(options, part)
+    return options
+
+
 def replaced(options, key: str, value):
-    """dataclasses.replace, keeping the fields a target preset filled as the preset's (not the user's)."""
+    """dataclasses.replace of `key` ("name", or "advanced.name"), keeping the fields a target preset
+    filled as the preset's (not the user's)."""
+    if "." in key:
+        inner, rest = key.split(".", 1)
+        value = replaced(getattr(options, inner), rest, value)
+        key = inner
     new = dataclasses.replace(options, **{key: value})
     if hasattr(options, "from_target"):
         object.__setattr__(new, "from_target", options.from_target)

@@ -1,5 +1,5 @@
 """Per-column or per-tensor weight scales for dynamic int8 MatMuls, chosen by measurement
-(quantization option `dynamic_weights: auto`, the default).
+(quantization option `advanced.dynamic_weights: auto`, the default).
 
 onnxruntime rescales a product with per-column weight scales in an extra pass over its output,
 a large share of a small layer's time at batch 1; per-tensor scales cost precision where the
@@ -11,7 +11,6 @@ MIN_WEIGHT_SQNR (qtool.quantization.dynamic_matmul.per_tensor_sqnr), which keeps
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +18,7 @@ import onnx
 
 from qtool.choices.decision import Decision
 from qtool.choices.measure import figures, measurer, ranges_only
-from qtool.config import Config, QuantizeConfig
+from qtool.config import Config, QuantizeConfig, with_options
 from qtool.data.dataset import DataLike
 from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import input_specs
@@ -31,7 +30,7 @@ from qtool.table.table import CalibrationTable, smoothed_options
 
 TOLERANCE = 1e-4  # mean cosine per-tensor weights may lose against per-column ones
 MIN_WEIGHT_SQNR = 20.0  # dB; per column about 40
-OPTION = "quantization.dynamic_weights"
+OPTION = "quantization.advanced.dynamic_weights"
 
 
 def choose_dynamic_weights(model_path: str | Path, model: onnx.ModelProto, data: DataLike, table: CalibrationTable,
@@ -40,9 +39,9 @@ def choose_dynamic_weights(model_path: str | Path, model: onnx.ModelProto, data:
     options unchanged and no decision when they already say column or tensor. `model`: the one at
     `model_path`, loaded."""
     options = cfg.quantization
-    if options.dynamic_weights != "auto":
+    if options.advanced.dynamic_weights != "auto":
         return options, None
-    column = replace(options, dynamic_weights="column")
+    column = with_options(options, dynamic_weights="column")
     if not options.per_channel:
         return column, Decision(OPTION, "column", "weights per tensor already (per_channel off)")
     if matmul_strategy(model, GraphIndex(model), options)[0] != "dynamic":
@@ -57,7 +56,7 @@ def choose_dynamic_weights(model_path: str | Path, model: onnx.ModelProto, data:
                                 f"MatMul(s) would keep an SQNR of {weight_sqnr:.1f} dB, below {MIN_WEIGHT_SQNR}")
     graph = quantize_model(model_path, table, ranges_only(column), allow_missing=True)
     evaluate, count = measurer(model_path, input_specs(model), data, cfg)
-    tensor = replace(options, dynamic_weights="tensor")
+    tensor = with_options(options, dynamic_weights="tensor")
     per_column = evaluate(graph.model)[0]
     per_tensor = evaluate(quantize_model(model_path, table, ranges_only(tensor), allow_missing=True).model)[0]
     chosen, kind = ((tensor, "tensor") if per_tensor["cosine"] >= per_column["cosine"] - TOLERANCE

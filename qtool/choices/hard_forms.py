@@ -1,5 +1,5 @@
 """The form of HardSigmoid/HardSwish between uint8 tensors, chosen by measurement (quantization
-option `hard_activations: auto`, the default, on a target that writes them: Target.form_passes).
+option `advanced.hard_activations: auto`, the default, on a target that writes them: Target.form_passes).
 
 onnxruntime has no int8 HardSigmoid or HardSwish; qtool writes them as QLinearAdd (+ QLinearMul)
 integer kernels (qtool.quantization.ort_cpu.hard_activations), faster, with the gate rounded to 1/255,
@@ -11,7 +11,6 @@ fp32 graph, or without calibration data, keeps the integer forms unmeasured.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +18,7 @@ import onnx
 
 from qtool.choices.decision import Decision
 from qtool.choices.measure import KEEP, MARGIN_DB, figures, measurer, ranges_only
-from qtool.config import Config, QuantizeConfig
+from qtool.config import Config, QuantizeConfig, with_options
 from qtool.data.dataset import DataLike
 from qtool.graph.index import attribute
 from qtool.graph.modelio import input_specs
@@ -28,7 +27,7 @@ from qtool.quantization.quantize import kernel_forms, quantize_model
 from qtool.table.table import CalibrationTable
 from qtool.targets import target_of
 
-OPTION = "quantization.hard_activations"
+OPTION = "quantization.advanced.hard_activations"
 
 
 def _hard_nodes(model: onnx.ModelProto) -> int:
@@ -49,9 +48,9 @@ def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Opti
     options unchanged and no decision when they already say integer or float. `model`: the one at
     `model_path`, loaded; `data` None: nothing to measure on."""
     options = cfg.quantization
-    if options.hard_activations != "auto":
+    if options.advanced.hard_activations != "auto":
         return options, None
-    integer = replace(options, hard_activations="integer")
+    integer = with_options(options, hard_activations="integer")
     if "hard_activations" not in target_of(options).form_passes or not _may_have_hard_nodes(model):
         return integer, Decision(OPTION, "integer", "no HardSigmoid/HardSwish written as onnxruntime kernels")
     if data is None:
@@ -65,7 +64,7 @@ def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Opti
     if with_integer["cosine"] >= KEEP:
         return integer, Decision(OPTION, "integer", f"the integer forms reach a mean cosine of {KEEP}",
                                  (("integer", figures(with_integer)),), count)
-    floats = replace(options, hard_activations="float")
+    floats = with_options(options, hard_activations="float")
     float_model = onnx.ModelProto()
     float_model.CopyFrom(graph.canonical)  # the same int8 model before its kernel forms
     kernel_forms(float_model, ranges_only(floats))

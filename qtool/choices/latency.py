@@ -1,13 +1,13 @@
-"""Latency tuning (opt-in, `quantization.latency_aware: on`): nodes whose int8 form onnxruntime
-runs slower than float on this machine stay float.
+"""Latency tuning (opt-in, `quantization.advanced.latency_aware: on`): nodes whose int8 form
+onnxruntime runs slower than float on this machine stay float.
 
 Whether an int8 layer pays depends on the CPU, onnxruntime's version and the shapes, so this step
 times whole candidate models (1 thread, the candidates taking turns, medians) and keeps a float
 choice only when it measures MARGIN faster twice in a row: op types greedily, cheap elementwise
 types first; then each weighted type with the elementwise types; then the nodes with the largest
 outputs. The last weighted op type always stays int8. Its outcome depends on the machine and its
-load, so it is never a default: the nodes it keeps float are a Decision on `quantization.float_nodes`,
-which a settled config replays anywhere without timing.
+load, so it is never a default: the nodes it keeps float are a Decision on
+`quantization.advanced.float_nodes`, which a settled config replays anywhere without timing.
 """
 
 from __future__ import annotations

@@ -57,6 +57,6 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
     notes = [decision.note()] if best else []
     if measured[best]["cosine"] < KEEP:
         notes.append(f"the all-int8 model's mean cosine to fp32 on {count} calibration samples is "
-                     f"{measured[best]['cosine']:.4f}, below {KEEP}: quantize --eval-data DIR --target-cosine {KEEP} "
-                     f"keeps the layers that need it in float")
+                     f"{measured[best]['cosine']:.4f}, below {KEEP}: qtool search MODEL --data DIR --eval-data DIR "
+                     f"--target-cosine {KEEP} keeps the layers that need it in float")
     return replace(tables[best], notes=tables[best].notes + tuple(notes)), tables, decision

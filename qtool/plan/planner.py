@@ -101,7 +101,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     other node is treated as excluded. The sensitivity ranking quantizes one layer at a time.
     `keep_float`: nodes (same labels) treated as excluded, those whose int8 form onnxruntime
     cannot run (qtool.quantization.run_check); the options' settled `float_nodes` join them."""
-    keep_float = {*keep_float, *options.float_nodes}
+    keep_float = {*keep_float, *options.advanced.float_nodes}
     ctx = GraphIndex(model)
     if matmul_strategy(model, ctx, options)[0] == "dynamic":
         return _dynamic_plan(model, ctx, options, only, keep_float)
@@ -303,9 +303,10 @@ def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: Quantize
     the file and nothing is saved. `auto` takes tables of EMBEDDING_AUTO_BYTES or more (below that
     the saving is small and the graph stays as it was), on a target with Target.int8_embeddings only:
     where the int8 Gather -> Cast -> Mul was measured."""
-    if options.embeddings == "float" or (options.embeddings == "auto" and not target_of(options).int8_embeddings):
+    if options.advanced.embeddings == "float" or (options.advanced.embeddings == "auto"
+                                                  and not target_of(options).int8_embeddings):
         return {}
-    auto = options.embeddings == "auto"
+    auto = options.advanced.embeddings == "auto"
     in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
     tables: dict[str, list[str]] = {}
     for name, init in ctx.initializers.items():

@@ -174,7 +174,7 @@ def smoothing_alpha(options, dynamic: bool) -> Optional[float]:
     (`dynamic`: the graph's MatMul/Gemm are dynamic int8), else None (off)."""
     if options.smooth_quant is not None:
         return options.smooth_quant
-    return options.smooth_dynamic if dynamic else None
+    return options.advanced.smooth_dynamic if dynamic else None
 
 
 def weight_maxima(inits: Mapping[str, onnx.TensorProto], site: Site) -> np.ndarray:

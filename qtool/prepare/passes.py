@@ -15,7 +15,7 @@ from qtool.prepare.embed_layer_norm import write_out_embed_layer_norms
 def embed_layer_norm(model: onnx.ModelProto, options) -> bool:
     """onnxruntime's fused EmbedLayerNormalization written out, so that its tables can go int8 per row
     like any other: only when embeddings may be int8."""
-    return options.embeddings != "float" and write_out_embed_layer_norms(model) > 0
+    return options.advanced.embeddings != "float" and write_out_embed_layer_norms(model) > 0
 
 
 PASSES: dict[str, Callable[[onnx.ModelProto, object], bool]] = {"embed_layer_norm": embed_layer_norm}

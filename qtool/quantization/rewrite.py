@@ -109,7 +109,7 @@ def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.
     return quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
                           options.activation_dtype, options.symmetric_activations, rounding,
                           target_of(options).symmetric_qmax,
-                          options.per_channel and options.dynamic_weights != "tensor")
+                          options.per_channel and options.advanced.dynamic_weights != "tensor")
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],

@@ -73,16 +73,19 @@ class CalibrationTable:
 
 
 def smoothed_options(options: QuantizeConfig, table: CalibrationTable) -> QuantizeConfig:
-    """`options` with the table's SmoothQuant scales, so quantization folds what calibration measured.
-    SmoothQuant on one side only (or with another alpha) would quantize a graph with the ranges of
-    another: an error."""
+    """`options` with the table's SmoothQuant alpha and scales, so quantization folds what calibration
+    measured: the alpha the table records is the default (smooth_quant not given). SmoothQuant on one
+    side only, or another alpha, would quantize a graph with the ranges of another: an error."""
     made_with = table.settings.get("smooth_quant")
-    if made_with != options.smooth_quant:
+    if options.smooth_quant is None and made_with is not None:
+        options = replace(options, smooth_quant=made_with)
+    elif made_with != options.smooth_quant:
         if made_with is None:
             raise QtoolError("SmoothQuant needs a qtool calibration table calibrated with it (its scales are in "
                              "the table's \"smoothing\"): calibrate with --smooth-quant")
-        raise QtoolError(f"the calibration table was made with SmoothQuant alpha {made_with}: quantize with "
-                         f"--smooth-quant {made_with} (quantization.smooth_quant)")
+        raise QtoolError(f"the calibration table was made with SmoothQuant alpha {made_with}, not the "
+                         f"{options.smooth_quant} asked for (--smooth-quant, quantization.smooth_quant): leave it "
+                         f"out to use the table's, or calibrate again with {options.smooth_quant}")
     return replace(options, smooth_scales=tuple(table.smoothing.items()))
 
 

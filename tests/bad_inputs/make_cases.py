@@ -164,6 +164,8 @@ def make_files() -> None:
     _write("configs/bad_yaml.yaml", "preprocess: [unclosed\n")
     _write("configs/not_mapping.yaml", "- a\n- b\n")
     _write("configs/zero_std.yaml", "preprocess:\n  std: [1, 0, 1]\n")
+    _write("configs/upgrade_opset.yaml", "quantization:\n  upgrade_opset: true\n")
+    _write("configs/advanced_key_at_top.yaml", "quantization:\n  dynamic_weights: column\n")
 
     sha = hashlib.sha256(tiny_bytes).hexdigest()
     entry = {"min": 0.0, "max": 1.0, "range": [0.0, 1.0], "dtype": "uint8", "scale": 1 / 255, "zero_point": 0}
@@ -292,6 +294,11 @@ CASES = [
      "{corpus}/configs/unknown_section.yaml", "unknown key 'calibraton' (did you mean 'calibration'?); allowed:"),
     ("config_mistyped_key", _q(f"{M}/tiny.onnx", "--config", "{corpus}/configs/mistyped_key.yaml"),
      "{corpus}/configs/mistyped_key.yaml", "unknown key 'preprocess.mena' (did you mean 'mean'?)"),
+    ("config_upgrade_opset", _q(f"{M}/tiny.onnx", "--config", "{corpus}/configs/upgrade_opset.yaml"),
+     "{corpus}/configs/upgrade_opset.yaml", "unknown key 'quantization.upgrade_opset'"),
+    ("config_advanced_key_at_top", _q(f"{M}/tiny.onnx", "--config", "{corpus}/configs/advanced_key_at_top.yaml"),
+     "{corpus}/configs/advanced_key_at_top.yaml",
+     "unknown key 'quantization.dynamic_weights' (did you mean 'advanced.dynamic_weights'?)"),
     ("config_wrong_type", _q(f"{M}/tiny.onnx", "--config", "{corpus}/configs/wrong_type.yaml"),
      "{corpus}/configs/wrong_type.yaml", "calibration.batch_size must be an integer"),
     ("config_bad_value", _q(f"{M}/tiny.onnx", "--config", "{corpus}/configs/bad_value.yaml"),

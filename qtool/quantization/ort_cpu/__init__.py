@@ -41,7 +41,7 @@ def channel_pad(qmodel: onnx.ModelProto, options) -> list[str]:
 
 def hard_activations(qmodel: onnx.ModelProto, options) -> list[str]:
     """Integer forms unless the options keep them float; the written-out blocks' folds and float forms."""
-    hard = integer_forms(qmodel) if options.hard_activations != "float" else 0
+    hard = integer_forms(qmodel) if options.advanced.hard_activations != "float" else 0
     folded = folded_products(qmodel)
     floats = float_hard_sigmoids(qmodel)  # the written-out blocks left in float
     return _counted((HARD_NOTE, hard), (FOLD_NOTE, folded), (FLOAT_NOTE, floats))
