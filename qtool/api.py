@@ -108,7 +108,7 @@ class QuantizeResult:
 
     def save(self, path: str | Path) -> None:
         """Write the model atomically (a failure leaves no partial file); tensors go to
-        `<name>.data` beside it when the source had external data or the model is over 2 GiB."""
+        `<name>.<sha256[:16]>.data` beside it when the source had external data or the model is over 2 GiB."""
         save_model(self.model, path, external=self.external_data)
 
     def save_config(self, path: str | Path) -> None:

@@ -5,8 +5,9 @@ groups, kernels, strides, dilations and asymmetric pads; pooling; activations; A
 Concat with earlier tensors; Transpose, Reshape, Unsqueeze/Squeeze, Softmax; an
 activation x activation MatMul; an `If` on a data-dependent condition whose branches read the
 trunk from the outer scope; a second, int64 input of token ids whose embedding rows are added
-to the trunk), optionally followed by a 2-D head (Flatten, Gemm with random transB/alpha/beta,
-MatMul with a constant, Softmax). Every draw tracks shapes so the graph is valid by
+to the trunk; an If, Loop or Scan, nested up to three deep, whose bodies output constants,
+initializers, outer-scope values or their own inputs, added to the trunk), optionally followed
+by a 2-D head (Flatten, Gemm with random transB/alpha/beta, MatMul with a constant, Softmax). Every draw tracks shapes so the graph is valid by
 construction; the batch dimension is dynamic.
 """
 
@@ -180,6 +181,9 @@ def _trunk_layer(draw, b: Builder, x: str, ops: tuple = TRUNK_OPS) -> str:
             branches[attr] = helper.make_graph([helper.make_node(body_op, [x], [out], name=out + "_node")], attr, [],
                                                [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
         return b.node("If", [cond], (c, h, w), **branches)
+    if op == "ControlFlow":  # x + an If/Loop/Scan whose bodies output constants, at random depth
+        return b.node("Add", [x, draw(_control_flow(b, _Scope(b.nodes, b.inits, []), (1, c, h, w), x, 1))],
+                      (c, h, w))
     if op == "IdsInput":  # embedding rows of int64 token ids [N, c], one row of width w per channel
         if b.ids:
             return x
@@ -234,10 +238,123 @@ def _trunk_layer(draw, b: Builder, x: str, ops: tuple = TRUNK_OPS) -> str:
     return b.node("MatMul", [x, t], (c, h, h))
 
 
+@dataclass
+class _Scope:
+    """A graph being built (the main graph or a body): its nodes, initializers, the values of the
+    construct's shape it may read from enclosing graphs (`outer`) and its own such inputs."""
+    nodes: list
+    inits: list
+    outer: list
+    inputs: list = field(default_factory=list)
+
+
+# What an If/Loop/Scan body outputs: a Constant node's output, its own initializer, an Identity of a
+# value of an enclosing graph, its own input unchanged, a value computed from the outer-scope trunk,
+# or the output of a construct nested in it.
+BODY_VALUES = ("constant", "initializer", "outer", "input", "computed", "nested")
+MAX_DEPTH = 3
+
+
+def _values(b: Builder, shape: tuple, elem: int) -> np.ndarray:
+    return np.array(True) if elem == TensorProto.BOOL else b.rng.normal(0, 0.5, shape).astype(np.float32)
+
+
 @st.composite
-def _head_layer(draw, b: Builder, x: str) -> str:
+def _body_value(draw, b: Builder, scope: _Scope, shape: tuple, x: str, depth: int,
+                elem: int = TensorProto.FLOAT) -> str:
+    """A value of `shape` made in `scope` for its graph to output; its name."""
+    kinds = [k for k in BODY_VALUES if (k != "input" or scope.inputs) and (k != "outer" or scope.outer)
+             and (elem == TensorProto.FLOAT or k not in ("computed", "nested"))
+             and (k != "nested" or depth < MAX_DEPTH)]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "input":
+        return draw(st.sampled_from(scope.inputs))
+    if kind == "nested":
+        return draw(_control_flow(b, scope, shape, x, depth + 1))
+    name = b.name(kind + "_")
+    if kind == "constant":
+        scope.nodes.append(helper.make_node("Constant", [], [name], name=name + "_node",
+                                            value=numpy_helper.from_array(_values(b, shape, elem), name)))
+    elif kind == "initializer":
+        scope.inits.append(numpy_helper.from_array(_values(b, shape, elem), name))
+    elif kind == "outer":
+        scope.nodes.append(helper.make_node("Identity", [draw(st.sampled_from(scope.outer))], [name],
+                                            name=name + "_node"))
+    else:  # computed: a visible value scaled by the mean of the outer-scope trunk
+        mean = b.name("mean_")
+        scope.nodes += [helper.make_node("ReduceMean", [x], [mean], name=mean + "_node", keepdims=1),
+                        helper.make_node("Mul", [draw(st.sampled_from(scope.outer + scope.inputs)), mean], [name],
+                                         name=name + "_node")]
+    return name
+
+
+def _body(b: Builder, scope: _Scope, name: str, inputs: list, outputs: list) -> onnx.GraphProto:
+    return helper.make_graph(scope.nodes, name, [helper.make_tensor_value_info(n, e, s) for n, e, s in inputs],
+                             [helper.make_tensor_value_info(n, e, s) for n, e, s in outputs], scope.inits)
+
+
+@st.composite
+def _control_flow(draw, b: Builder, scope: _Scope, shape: tuple, x: str, depth: int) -> str:
+    """An If, Loop or Scan node in `scope` whose output has `shape`, its bodies' outputs drawn from
+    BODY_VALUES; its output's name."""
+    op = draw(st.sampled_from(("If", "Loop", "Scan")))
+    out = b.name(op.lower() + "_")
+    start = b.name("start_")  # a value of `shape` in `scope`, readable in the bodies
+    scope.inits.append(numpy_helper.from_array(_values(b, shape, TensorProto.FLOAT), start))
+    outer = scope.outer + scope.inputs + [start]
+    value = (TensorProto.FLOAT, list(shape))
+    if op == "If":
+        mean, zero, cond = b.name("mean_"), b.name("zero_"), b.name("cond_")
+        scope.inits.append(numpy_helper.from_array(np.array(0.0, np.float32), zero))
+        scope.nodes += [helper.make_node("ReduceMean", [x], [mean], name=mean + "_node", keepdims=0),
+                        helper.make_node("Greater", [mean, zero], [cond], name=cond + "_node")]
+        branches = {}
+        for attr in ("then_branch", "else_branch"):
+            body = _Scope([], [], outer)
+            result = draw(_body_value(b, body, shape, x, depth))
+            branches[attr] = _body(b, body, b.name(attr), [], [(result, *value)])
+        node = helper.make_node("If", [cond], [out], name=out + "_node", **branches)
+    elif op == "Loop":  # two iterations of a carried value
+        trips, go = b.name("trips_"), b.name("go_")
+        scope.inits += [numpy_helper.from_array(np.array(2, np.int64), trips),
+                        numpy_helper.from_array(np.array(True), go)]
+        step, cond_in, carried = b.name("step_"), b.name("cond_in_"), b.name("carried_")
+        body = _Scope([], [], outer, [carried])
+        cond_body = _Scope(body.nodes, body.inits, [go], [cond_in])
+        cond_out = draw(_body_value(b, cond_body, (), x, depth, TensorProto.BOOL))
+        result = draw(_body_value(b, body, shape, x, depth))
+        graph = _body(b, body, b.name("loop_body"),
+                      [(step, TensorProto.INT64, []), (cond_in, TensorProto.BOOL, []), (carried, *value)],
+                      [(cond_out, TensorProto.BOOL, []), (result, *value)])
+        node = helper.make_node("Loop", [trips, go, start], [out], name=out + "_node", body=graph)
+    else:  # a state carried over the batch's samples
+        state, sample = b.name("state_"), b.name("sample_")
+        # not its state unchanged as an output: onnxruntime's fp32 run returns zeros for it
+        # (tests/test_control_flow.py checks qtool's int8 model against the ONNX reference there)
+        body = _Scope([], [], outer + [state])
+        result = draw(_body_value(b, body, shape, x, depth))
+        graph = _body(b, body, b.name("scan_body"), [(state, *value), (sample, TensorProto.FLOAT, list(shape[1:]))],
+                      [(result, *value)])
+        node = helper.make_node("Scan", [start, x], [out], name=out + "_node", body=graph, num_scan_inputs=1)
+    scope.nodes.append(node)
+    if start not in _reads(node):  # an If whose branches did not read it
+        scope.inits.remove(next(t for t in scope.inits if t.name == start))
+    return out
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The names a node reads, in its bodies too."""
+    names = set(node.input)
+    for attr in node.attribute:
+        if attr.HasField("g"):
+            names |= {name for inner in attr.g.node for name in _reads(inner)}
+    return names
+
+
+@st.composite
+def _head_layer(draw, b: Builder, x: str, ops: tuple = HEAD_OPS) -> str:
     (f,) = b.shapes[x]
-    op = draw(st.sampled_from(HEAD_OPS))
+    op = draw(st.sampled_from(ops))
     if op in ("Gemm", "MatMul"):
         k = draw(st.integers(1, 12))
         if op == "MatMul":
@@ -259,9 +376,11 @@ def _head_layer(draw, b: Builder, x: str) -> str:
 
 
 @st.composite
-def random_model(draw, trunk_ops: tuple = TRUNK_OPS) -> tuple[onnx.ModelProto, tuple[int, int, int]]:
+def random_model(draw, trunk_ops: tuple = TRUNK_OPS,
+                 head_ops: tuple = HEAD_OPS) -> tuple[onnx.ModelProto, tuple[int, int, int]]:
     """A random valid model with input `x` [N, C, H, W] (and int64 `ids` [N, C] when a layer reads
-    token ids) and one output, its trunk drawn from `trunk_ops`; returns it and (C, H, W)."""
+    token ids) and one output, its trunk drawn from `trunk_ops`, its head from `head_ops`; returns it
+    and (C, H, W)."""
     b = Builder(np.random.default_rng(draw(st.integers(0, 2**32 - 1))))
     shape = (draw(st.integers(1, 6)), draw(st.integers(3, 10)), draw(st.integers(3, 10)))
     b.shapes["x"] = shape
@@ -274,7 +393,7 @@ def random_model(draw, trunk_ops: tuple = TRUNK_OPS) -> tuple[onnx.ModelProto, t
         c, h, w = b.shapes[current]
         current = b.node("Flatten", [current], (c * h * w,))
         for _ in range(draw(st.integers(1, 3))):
-            current = draw(_head_layer(b, current))
+            current = draw(_head_layer(b, current, head_ops))
     if current == "x":
         current = b.node("Relu", ["x"], shape)
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape])]

@@ -12,12 +12,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool import api
 from qtool.calibration.observer import Observer
 from qtool.graph.edit import with_body_outputs
 from qtool.graph.index import bodies, scoped_nodes
+from qtool.cli import main
 from tests.conftest import kit_path, run_qtool
 
 IMAGE = (1, 3, 16, 16)
@@ -162,6 +164,89 @@ def test_a_branch_the_data_never_reached_stays_float_with_a_note(tmp_path):
     assert "QuantizeLinear" not in ops["else_branch"] and ops["else_branch"].count("Conv") == 2
     assert _body_initializers(result.model, "else_branch")["W3"].dtype == np.float32
     _close(model, result.model, _images(np.random.default_rng(6), 1, shifts=(-0.5,))[0], 0.05)  # the float branch runs
+
+
+def _zeros_branch(kind: str, name: str, depth: int) -> onnx.GraphProto:
+    """A branch that outputs zeros of the image's Conv output shape: a Constant node's output or an
+    initializer (`kind`), or, below depth 1, an If (on the outer-scope `c`) of two such branches."""
+    out = helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 4, 16, 16])
+    if depth > 1:
+        inner = helper.make_node("If", ["c"], [name], name=f"{name}_if",
+                                 then_branch=_zeros_branch(kind, f"{name}t", depth - 1),
+                                 else_branch=_zeros_branch(kind, f"{name}e", depth - 1))
+        return helper.make_graph([inner], name, [], [out])
+    zeros = numpy_helper.from_array(np.zeros((1, 4, 16, 16), np.float32), name)
+    if kind == "constant":
+        return helper.make_graph([helper.make_node("Constant", [], [name], name=name, value=zeros)], name, [], [out])
+    return helper.make_graph([], name, [], [out], [zeros])
+
+
+@pytest.mark.parametrize("kind", ["constant", "initializer"])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_branch_that_returns_a_constant_calibrates_quantizes_and_runs(tmp_path, kind, depth):
+    """`relu(conv(x)) if mean(x) > 0 else 0`, the 0 a Constant node's output or an initializer, in
+    an If `depth` deep. The front end makes body Constants initializers, and the passes that drop
+    unread initializers then left the body output made by nothing (the checker refused the int8
+    model: exit 3)."""
+    rng = np.random.default_rng(16)
+    then = helper.make_graph([helper.make_node("Conv", ["x", "W", "B"], ["t1"], name="then_conv", pads=[1, 1, 1, 1]),
+                              helper.make_node("Relu", ["t1"], ["t2"], name="then_relu")], "then", [],
+                             [helper.make_tensor_value_info("t2", TensorProto.FLOAT, [1, 4, 16, 16])])
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], name="mean", keepdims=0),
+             helper.make_node("Greater", ["m", "zero"], ["c"], name="greater"),
+             helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then,
+                              else_branch=_zeros_branch(kind, "e_out", depth))]
+    weights = [numpy_helper.from_array(rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32), "W"),
+               numpy_helper.from_array(rng.normal(0, 0.1, 4).astype(np.float32), "B"),
+               numpy_helper.from_array(np.array(0, np.float32), "zero")]
+    model = _model(helper.make_graph(nodes, "constant_branch", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                             list(IMAGE))],
+                                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])],
+                                     weights))
+    onnx.save(model, tmp_path / "m.onnx")
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, feeds in enumerate(_images(rng, 8)):  # both branches
+        np.save(data / f"{i}.npy", feeds["x"])
+    runner = CliRunner()
+    calibrated = runner.invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data", str(data), "-o",
+                                      str(tmp_path / "t.json")])
+    assert calibrated.exit_code == 0, calibrated.output
+    quantized = runner.invoke(main, ["quantize", str(tmp_path / "m.onnx"), "--table", str(tmp_path / "t.json"),
+                                     "-o", str(tmp_path / "q.onnx")])
+    assert quantized.exit_code == 0, quantized.output
+    qmodel = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(qmodel, full_check=True)
+    assert "DequantizeLinear" in _body_ops(qmodel)["then_branch"]  # the Conv in it is int8
+    negative, positive = (_images(np.random.default_rng(17), 1, shifts=(shift,))[0] for shift in (-0.5, 0.5))
+    assert np.array_equal(_run(qmodel, negative)[0], _run(model, negative)[0])  # the constant branch: exactly
+    _close(model, qmodel, positive, 0.05)
+
+
+def test_a_scan_state_passed_through_unchanged_keeps_its_value(tmp_path):
+    """A Scan body that outputs its state input as it is: onnxruntime returns zeros for that state,
+    so the int8 model's body makes it with an Identity and gives the ONNX reference's value."""
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(18)
+    body = helper.make_graph([], "body", [helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [8]),
+                                          helper.make_tensor_value_info("x_t", TensorProto.FLOAT, [8])],
+                             [helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [8])])
+    nodes = [helper.make_node("Scan", ["s0", "x"], ["s"], name="scan", body=body, num_scan_inputs=1),
+             helper.make_node("MatMul", ["x", "W"], ["m"], name="matmul"),
+             helper.make_node("Add", ["m", "s"], ["y"], name="add")]
+    model = _model(helper.make_graph(nodes, "scan_state",
+                                     [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+                                     [numpy_helper.from_array(rng.uniform(2, 4, 8).astype(np.float32), "s0"),
+                                      numpy_helper.from_array(rng.normal(0, 0.3, (8, 8)).astype(np.float32), "W")]))
+    data = [{"x": rng.normal(0, 1, (4, 8)).astype(np.float32)} for _ in range(4)]
+    onnx.save(model, tmp_path / "scan.onnx")
+    result = api.quantize(tmp_path / "scan.onnx", data=data, progress=False)
+    feeds = data[0]
+    reference = ReferenceEvaluator(model).run(None, feeds)[0]
+    got = _run(result.model, feeds)[0]
+    assert np.abs(got - reference).max() <= 0.05 * np.abs(reference).max()
 
 
 STEPS, WIDTH = 3, 8

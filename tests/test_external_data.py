@@ -66,6 +66,13 @@ def _external_locations(path: Path) -> set[str]:
     return {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
 
 
+def _data_file(model: Path) -> Path:
+    """The one data file beside `model`, checked to be named `<model name>.<its sha256[:16]>.data`."""
+    [data_file] = [p for p in model.parent.iterdir() if p.name.startswith(model.name + ".")]
+    assert data_file.name == modelio.data_file_name(model, modelio.sha256_file(data_file))
+    return data_file
+
+
 def test_external_data_model_round_trip(tmp_path):
     data = _data(tmp_path / "data")
     plain = tmp_path / "plain" / "convnet.onnx"
@@ -79,9 +86,11 @@ def test_external_data_model_round_trip(tmp_path):
     for name, model in (("plain", plain), ("external", external)):
         proc = run_qtool("quantize", model, "--data", data, "-o", outputs / f"{name}.onnx")
         assert proc.returncode == 0, proc.stderr
-    # The external-data input gives an external-data output: one file, relative, beside it.
-    assert sorted(os.listdir(outputs)) == ["external.onnx", "external.onnx.data", "plain.onnx"]
-    assert _external_locations(outputs / "external.onnx") == {"external.onnx.data"}
+    # The external-data input gives an external-data output: one file, relative, beside it,
+    # named by its content.
+    data_file = _data_file(outputs / "external.onnx")
+    assert sorted(os.listdir(outputs)) == ["external.onnx", data_file.name, "plain.onnx"]
+    assert _external_locations(outputs / "external.onnx") == {data_file.name}
     assert _external_locations(outputs / "plain.onnx") == set()
     # ... and it is the same int8 model.
     a, b = _initializers(outputs / "plain.onnx"), _initializers(outputs / "external.onnx")
@@ -90,8 +99,13 @@ def test_external_data_model_round_trip(tmp_path):
     ya = ort.InferenceSession(str(outputs / "plain.onnx")).run(None, {"x": x})[0]
     yb = ort.InferenceSession(str(outputs / "external.onnx")).run(None, {"x": x})[0]
     assert np.array_equal(ya, yb)
-    proc = run_qtool("evaluate", external, outputs / "external.onnx", "--data", data, "--runs", "1")
+    proc = run_qtool("evaluate", external, outputs / "external.onnx", "--data", data, "--runs", "1",
+                     "--json", tmp_path / "report.json")
     assert proc.returncode == 0, proc.stderr
+    # sizes count the data files the models name
+    models = json.loads((tmp_path / "report.json").read_text())["models"]
+    assert models["fp32"]["size_bytes"] == sum(p.stat().st_size for p in external.parent.rglob("*") if p.is_file())
+    assert models["int8"]["size_bytes"] == (outputs / "external.onnx").stat().st_size + data_file.stat().st_size
 
 
 def test_symlink_inside_the_model_directory_is_refused_cleanly(tmp_path):
@@ -173,8 +187,7 @@ def test_models_over_the_protobuf_limit(tmp_path, monkeypatch):
     # sessions/checker (the observer's sessions need no file: they share the weights in memory,
     # qtool.graph.runtime.SharedWeights), and prepare x2
     assert calls["on_disk"] >= 1 and calls["shapes_only"] >= 2
-    assert (tmp_path / "large.onnx.data").exists()
-    assert _external_locations(tmp_path / "large.onnx") == {"large.onnx.data"}
+    assert _external_locations(tmp_path / "large.onnx") == {_data_file(tmp_path / "large.onnx").name}
     assert json.loads((tmp_path / "large.json").read_text())["tensors"] == \
         json.loads((tmp_path / "normal.json").read_text())["tensors"]
     a, b = _initializers(tmp_path / "normal.onnx"), _initializers(tmp_path / "large.onnx")

@@ -102,6 +102,20 @@ def test_random_graphs_with_if_and_token_ids_quantize(drawn):
     _quantizes_close_to_fp32(*drawn)
 
 
+# If/Loop/Scan whose bodies output a Constant's value, an initializer, an outer-scope value or their
+# own input, nested up to three deep, added to the trunk. No Conv in the trunk and no Add in the head:
+# _assert_integer_contract compares with the fp32 weights, which equalization and the folding of a
+# constant Add into the bias before it legitimately change.
+CONSTANT_BODIES = ("ControlFlow", "Relu", "Sigmoid", "Add", "Mul")
+
+
+@settings(max_examples=max(EXAMPLES // 2, 5), deadline=None, derandomize=not os.environ.get("QTOOL_FUZZ_RANDOM"),
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(random_model(CONSTANT_BODIES, tuple(op for op in HEAD_OPS if op != "Add")))
+def test_random_graphs_with_constant_body_outputs_quantize(drawn):
+    _quantizes_close_to_fp32(*drawn)
+
+
 def _quantizes_close_to_fp32(model: onnx.ModelProto, shape: tuple[int, int, int]) -> None:
     c, h, w = shape
     onnx.checker.check_model(model, full_check=True)

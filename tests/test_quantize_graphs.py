@@ -288,3 +288,18 @@ def test_a_movement_op_behind_an_int8_output_stays_int8_before_the_float_tail(tm
     assert table.tensors["r"].qparams == table.tensors["c"].qparams
     sigmoid = next(n for n in result.model.graph.node if n.op_type == "Sigmoid")
     assert sigmoid.input[0] == "r" + DQ_SUFFIX and sigmoid.output[0] == "y"
+
+
+def test_a_model_output_that_is_a_constant(tmp_path):
+    """A Constant node as a model output: the front end makes it an initializer, which the rewrite
+    dropped as unread (the checker then refused the int8 model); an Identity keeps it made by a node."""
+    rng = np.random.default_rng(0)
+    built = graphs.conv_model(rng)
+    built.graph.node.append(helper.make_node("Constant", [], ["k"], name="k",
+                                             value=numpy_helper.from_array(np.arange(6, dtype=np.float32))))
+    built.graph.output.append(helper.make_tensor_value_info("k", TensorProto.FLOAT, [6]))
+    _, result, _ = _quantize(tmp_path, built, (8, 12, 12))
+    session = ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    outputs = session.run(None, {"x": np.zeros((1, 8, 12, 12), np.float32)})
+    assert [o.name for o in session.get_outputs()] == ["y", "k"]
+    assert np.array_equal(outputs[1], np.arange(6, dtype=np.float32))

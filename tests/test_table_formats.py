@@ -21,7 +21,7 @@ from qtool.table.qparams import QParams
 from qtool.quantization.quantize import quantize_model
 
 from tests import graphs
-from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, run_qtool
+from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, RANGES_ONLY, run_qtool
 
 GOLDEN = Path(__file__).parent / "golden"
 UINT8 = QuantizeConfig()
@@ -267,13 +267,69 @@ def test_round_trip_on_efficientnet_is_exact_and_quantizes_identically(effnet_ta
 
 
 def test_tensorrt_writes_asymmetric_entries_as_amax_over_127(effnet_tables, tmp_path):
+    """Every uint8 entry, those with zero point 128 too (a range about as wide on both sides of 0,
+    whose scale (max - min)/255 was taken for a symmetric one), is written as amax/127."""
     table = effnet_tables[UINT8]
-    with pytest.warns(UserWarning, match="asymmetric entries were written as amax/127"):
+    assert any(e.qparams.zero_point == 128 for e in table.tensors.values())  # the case that was missed
+    with pytest.warns(UserWarning, match=f"{len(table.tensors)} asymmetric entries were written as amax/127"):
         write_table(table, tmp_path / "t.cache", "tensorrt")
-    back, _ = read_table(tmp_path / "t.cache", options=QuantizeConfig(activation_dtype="int8"))
-    name = next(iter(table.tensors))
-    lo, hi = table.tensors[name].range
-    assert back.tensors[name].qparams.scale == f32(max(-lo, hi) / 127)
+    assert _cache_scales(tmp_path / "t.cache") == {name: f32(max(-e.range[0], e.range[1]) / 127)
+                                                   for name, e in table.tensors.items()}
+
+
+def _cache_scales(path: Path) -> dict[str, float]:
+    """{tensor: scale} of a TensorRT cache, decoded here from its hex lines."""
+    lines = path.read_text().splitlines()[1:]
+    return {name: struct.unpack(">f", bytes.fromhex(value.strip()))[0]
+            for name, value in (line.rsplit(":", 1) for line in lines)}
+
+
+def _tensorrt_from_json_and_cache(model: Path, table: Path, folder: Path, *config) -> tuple[bytes, bytes, Path]:
+    """`quantize --target tensorrt` from the JSON table and from its converted TensorRT cache: the
+    two model files, and the cache."""
+    cache = folder / "calib.cache"
+    r = run_qtool("table", "convert", table, "--to", "tensorrt", "-o", cache)
+    assert r.returncode == 0, r.stderr
+    written = []
+    for source in (table, cache):
+        out = folder / f"{source.name}.int8.onnx"
+        r = run_qtool("quantize", model, *config, *RANGES_ONLY, "--target", "tensorrt", "--table", source, "-o", out)
+        assert r.returncode == 0, r.stderr
+        written.append(out.read_bytes())
+    return written[0], written[1], cache
+
+
+def test_tensorrt_cache_quantizes_efficientnet_as_its_json_table_does(tmp_path):
+    """EfficientNet-Lite0 calibrated with its shipped config (target ort-cpu: uint8 entries): the
+    model from the converted cache is the model from the JSON table, byte for byte."""
+    table = tmp_path / "calib.json"
+    r = run_qtool("calibrate", EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "--method", "minmax",
+                  "-o", table)
+    assert r.returncode == 0, r.stderr
+    from_json, from_cache, cache = _tensorrt_from_json_and_cache(EFFNET, table, tmp_path, "--config", EFFNET_CONFIG)
+    entries = json.loads(table.read_text())["tensors"]
+    assert any(e["zero_point"] == 128 for e in entries.values())
+    assert from_json == from_cache
+    assert _cache_scales(cache) == {name: f32(max(-e["range"][0], e["range"][1]) / 127) for name, e in entries.items()}
+
+
+def test_tensorrt_cache_quantizes_a_small_model_as_its_json_table_does(tmp_path):
+    """A Conv whose input ranges over [-39.537, 39.502] (uint8 zero point 128) and whose Relu
+    output is one-sided: the cache holds amax/127 for both, and quantizes as the JSON does."""
+    rng = np.random.default_rng(0)
+    onnx.save(graphs.conv_model(rng, c_in=3, activation="Relu"), tmp_path / "m.onnx")
+    data = graphs.write_samples(tmp_path / "data", rng, (3, 12, 12), count=4, scale=5.0)
+    first = np.load(data / "s000.npy")
+    first[0, 0, 0, :2] = (-39.537, 39.502)
+    np.save(data / "s000.npy", first)
+    table = tmp_path / "calib.json"
+    r = run_qtool("calibrate", tmp_path / "m.onnx", "--data", data, "--method", "minmax", "-o", table)
+    assert r.returncode == 0, r.stderr
+    entries = json.loads(table.read_text())["tensors"]
+    assert entries["x"]["zero_point"] == 128 and entries["act"]["range"][0] == 0.0
+    from_json, from_cache, cache = _tensorrt_from_json_and_cache(tmp_path / "m.onnx", table, tmp_path)
+    assert from_json == from_cache
+    assert _cache_scales(cache) == {name: f32(max(-e["range"][0], e["range"][1]) / 127) for name, e in entries.items()}
 
 
 def test_layer_keyed_formats_say_which_efficientnet_tensors_have_no_entry(effnet_tables, tmp_path):

@@ -33,7 +33,7 @@ from qtool.evaluation.macs import int8_macs, sample_shapes
 from qtool.evaluation.metrics import FidelityAccumulator
 from qtool.evaluation.task import Task, compare_batch, resolve_task
 from qtool.graph.executor import Engine
-from qtool.graph.modelio import input_specs, load_model, output_names
+from qtool.graph.modelio import external_files, input_specs, load_model, output_names
 from qtool.quantization.rewrite import DQ_SUFFIX
 from qtool.graph.runtime import create_session
 from qtool.evaluation.report import EvaluationReport
@@ -228,6 +228,5 @@ def _sensitivity(inputs: EvaluateInputs, quantization: QuantizeConfig, subset: l
 
 
 def _size(path: Path) -> int:
-    size = os.path.getsize(path)
-    data = Path(str(path) + ".data")
-    return size + (os.path.getsize(data) if data.exists() else 0)
+    """The model file and the external data files it names."""
+    return os.path.getsize(path) + sum(os.path.getsize(f) for f in external_files(path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 from google.protobuf import json_format, text_format
 from google.protobuf.message import DecodeError, EncodeError
+from onnx import external_data_helper
 
 from qtool import atomic
 
@@ -73,6 +74,17 @@ def has_external_data(path: str | Path) -> bool:
     return bool(external_data.external_tensors(_read_proto(Path(path))))
 
 
+def _locations(model: onnx.ModelProto) -> set[str]:
+    return {e.value for t in external_data.external_tensors(model) for e in t.external_data if e.key == "location"}
+
+
+def external_files(path: str | Path) -> list[Path]:
+    """The existing side files the model at `path` keeps tensors in (each once)."""
+    path = Path(path)
+    files = [atomic.directory_of(path) / loc for loc in sorted(_locations(_read_proto(path)))]
+    return [f for f in files if f.is_file()]
+
+
 def load_model(path: str | Path) -> onnx.ModelProto:
     """Load and check a model; every failure is one line naming the file.
 
@@ -105,17 +117,49 @@ def check_model(model: onnx.ModelProto, full_check: bool = False) -> None:
         onnx.checker.check_model(str(path), full_check=full_check)
 
 
-def _save_external(model: onnx.ModelProto, path: Path) -> None:
-    """Model + one external data file `<name>.data` beside it (relative location); fsynced."""
+def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Initializers of a graph and of its subgraphs, at any depth."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _initializers(sub)
+
+
+def _external_copy(model: onnx.ModelProto, data_path: Path,
+                   location: str = "") -> tuple[onnx.ModelProto, Optional[str]]:
+    """A copy of `model` whose initializers of 1 kB or more live in `data_path` (written and fsynced),
+    referenced as `location`, and the sha256 of that file (None when no tensor went there)."""
     copy = onnx.ModelProto()
-    copy.CopyFrom(model)  # onnx moves tensors out of the proto it saves: keep the caller's intact
-    location = path.name + ".data"
-    onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=location, size_threshold=1024)
-    for written in (path, path.parent / location):
-        if written.exists():
-            with open(written, "rb+") as f:
-                os.fsync(f.fileno())
+    copy.CopyFrom(model)  # the caller's model keeps its tensors
+    digest, offset = hashlib.sha256(), 0
+    with open(data_path, "wb") as f:
+        for tensor in _initializers(copy.graph):
+            if not tensor.HasField("raw_data") or len(tensor.raw_data) < 1024:
+                continue
+            raw = tensor.raw_data
+            f.write(raw)
+            digest.update(raw)
+            external_data_helper.set_external_data(tensor, location, offset, len(raw))
+            tensor.ClearField("raw_data")
+            offset += len(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    return copy, digest.hexdigest() if offset else None
+
+
+def _set_location(model: onnx.ModelProto, location: str) -> None:
+    for tensor in _initializers(model.graph):
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
@@ -123,38 +167,74 @@ def on_disk(model: onnx.ModelProto) -> Iterator[Path]:
     """A temporary file copy of `model` (external data beside it), for APIs that need a path."""
     with tempfile.TemporaryDirectory(prefix="qtool-") as tmp:
         path = Path(tmp) / "model.onnx"
-        _save_external(model, path)
+        proto, _ = _external_copy(model, path.with_suffix(".data"), "model.data")
+        _write_synced(path, proto.SerializeToString())
         yield path
 
 
-def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False) -> None:
-    """Write a model atomically (temporary file in the same directory, then rename).
+def data_file_name(path: str | Path, digest: str) -> str:
+    """The external data file of model `path` whose content has sha256 `digest`."""
+    return f"{Path(path).name}.{digest[:16]}.data"
 
-    With `external`, or when the model is too large for one protobuf, the tensors go
-    to one external data file `<name>.data` beside the model, with a relative location.
-    """
-    data = None if external else serialized(model)
-    if data is not None:
-        atomic.write_bytes(path, data)
-        return
-    # Both files are written in a private temporary directory inside the target directory
-    # and renamed into place, data first; signals are held off between the two renames
-    # so an interrupted run never leaves a new model with old data or the reverse.
-    path = Path(path)
-    location = path.name + ".data"
-    workdir = None
+
+def _data_files(path: Path) -> set[str]:
+    """The data files qtool wrote for output `path` (`<name>.<16 hex digits>.data`)."""
+    ours = re.compile(re.escape(path.name) + r"\.[0-9a-f]{16}\.data")
+    return {e.name for e in os.scandir(atomic.directory_of(path)) if ours.fullmatch(e.name)
+            and e.is_file(follow_symlinks=False)}
+
+
+def _legacy_data_file(path: Path) -> Optional[str]:
+    """`<name>.data` when the model now at `path` reads it (the name older versions wrote)."""
+    legacy = path.name + ".data"
+    if not (atomic.directory_of(path) / legacy).is_file() or not path.is_file():
+        return None
     try:
-        with interrupt.deferred():  # no signal between creating the directory and knowing its name
-            workdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else "."))
-        _save_external(model, workdir / path.name)
-        with interrupt.deferred():
-            if (workdir / location).exists():
-                os.replace(workdir / location, path.parent / location)
-            os.replace(workdir / path.name, path)
-    finally:
-        if workdir is not None:
-            with interrupt.deferred():  # a signal now would leave half the directory behind
-                shutil.rmtree(workdir, ignore_errors=True)
+        old = onnx.load(str(path), load_external_data=False)
+    except Exception:  # an unreadable old model: its data file is left alone
+        return None
+    return legacy if legacy in _locations(old) else None
+
+
+def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False) -> None:
+    """Write a model atomically: a reader sees the old model with its old weights or the new model
+    with its new weights, whenever the run is killed.
+
+    With `external`, or when the model is too large for one protobuf, the tensors go to one
+    data file `<name>.<sha256[:16]>.data` beside the model, named by its content, so it never
+    overwrites the data the old model reads. It is renamed into place first; the model's own
+    rename is the one commit point. Data files of this output that the new model does not name
+    are removed afterwards, and temporaries of killed runs before.
+    """
+    path = Path(path)
+    directory = atomic.directory_of(path)
+    atomic.remove_stale(path)
+    data = None if external else serialized(model)
+    with contextlib.ExitStack() as stack:
+        model_tmp = stack.enter_context(atomic.temporary(path))
+        data_tmp, location = None, None
+        if data is None:
+            data_tmp = stack.enter_context(atomic.temporary(path))
+            proto, digest = _external_copy(model, data_tmp)
+            if digest is None:  # no tensor large enough: the model alone (the empty temporary goes)
+                data_tmp = None
+            else:
+                location = data_file_name(path, digest)
+                _set_location(proto, location)
+            data = proto.SerializeToString()
+        _write_synced(model_tmp, data)
+        # one writer at a time commits into the directory, so the data files removed below are
+        # no concurrent writer's uncommitted ones; signals wait until the pair is consistent
+        with atomic.directory_lock(directory), interrupt.deferred():
+            legacy = _legacy_data_file(path)
+            if data_tmp is not None:
+                os.replace(data_tmp, directory / location)
+                atomic.sync_directory(directory)  # the data's name is on disk before the model's
+            os.replace(model_tmp, path)
+            atomic.sync_directory(directory)
+            for name in (_data_files(path) | {legacy}) - {location, None}:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(directory / name)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ within float16 rounding).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Optional
@@ -16,8 +17,8 @@ import numpy as np
 import onnx
 from onnx import inliner, numpy_helper, version_converter
 
-from qtool.graph.index import (attribute, bodies, body_reads, default_opset, names_read, rename_reads, replace_nodes,
-                               scoped_nodes, set_attribute)
+from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, default_opset, made_in, names_read,
+                               rename_reads, replace_nodes, scoped_nodes, set_attribute)
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
@@ -181,6 +182,35 @@ def fold_constant_moves(model: onnx.ModelProto) -> None:
     fold(model.graph, {}, main=True)
 
 
+def outputs_made_by_nodes(model: onnx.ModelProto) -> int:
+    """Each If/Loop/Scan body output, at any depth, that no node of its body makes (an initializer, a
+    Constant made one, an outer-scope value, the body's own input) becomes an Identity's output: the
+    checker and onnxruntime want a body's outputs made in the body (onnxruntime returns zeros for a
+    Scan state passed through unchanged), and the passes that drop unread initializers keep one an
+    Identity reads. Also a main graph output that is an initializer. Returns the Identities added."""
+    graphs = [model.graph, *(body for node in scoped_nodes(model.graph) for _, body in bodies(node))]
+    taken = {name for g in graphs for name in [*made_in(g), *(t.name for t in g.initializer),
+                                               *(o.name for o in g.output)]}
+    added = 0
+    for graph in graphs:
+        main = graph is model.graph
+        made = GraphIndex(graph).producer
+        initializers = {t.name: t for t in graph.initializer}
+        for output in graph.output:
+            if output.name in made or (main and output.name not in initializers):
+                continue
+            fresh = next(f"{output.name}_{k}" for k in itertools.count() if f"{output.name}_{k}" not in taken)
+            taken.add(fresh)
+            if main:  # the model's output names stay: the initializer is renamed
+                initializers[output.name].name = fresh
+                graph.node.append(onnx.helper.make_node("Identity", [fresh], [output.name], name=fresh))
+            else:  # a body's outputs are positional: the output is renamed
+                graph.node.append(onnx.helper.make_node("Identity", [output.name], [fresh], name=fresh))
+                output.name = fresh
+            added += 1
+    return added
+
+
 def remove_identities(model: onnx.ModelProto) -> None:
     """Drop Identity and inference-mode Dropout nodes, wiring their consumers to the input."""
     # Graph outputs keep their names; so do names read inside subgraphs (rewiring those
@@ -305,6 +335,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     halves = widen_float16(prepared)
     constants_to_initializers(prepared)
     fold_constant_moves(prepared)
+    outputs_made_by_nodes(prepared)
     explicit_pads(prepared)
     remove_identities(prepared)
     fused = write_out_fused_activations(prepared, default_opset(prepared))

@@ -99,14 +99,14 @@ def is_symmetric(params: QParams) -> bool:
 def symmetric_scale(entry: TableEntry) -> tuple[float, bool]:
     """The int8 symmetric scale of an entry, and whether it is exact.
 
-    Symmetric entries give their own scale bit for bit; asymmetric ones are widened
-    to amax/127 over their range, which a symmetric-only format cannot do better.
+    An int8 entry with zero point 0 gives its own scale bit for bit. Any other (a uint8 one too,
+    even with zero point 128 and a range that looks symmetric) gets amax/127 over its range, as
+    quantize computes it for an int8 symmetric target: its own scale would be (max - min)/255.
     """
-    if is_symmetric(entry.qparams):
-        return entry.qparams.scale, True
-    lo, hi = entry.range
-    amax = max(abs(lo), abs(hi))
-    return float(np.float32(amax / SYMMETRIC_QMAX)) if amax > 0 else 1.0, False
+    params = entry.qparams
+    if params.dtype == "int8" and params.zero_point == 0:
+        return params.scale, True
+    return activation_qparams(*entry.range, "int8", symmetric=True, symmetric_qmax=SYMMETRIC_QMAX).scale, False
 
 
 def entry_from_qparams(params: QParams, options: QuantizeConfig, observed: tuple = (None, None)) -> TableEntry:

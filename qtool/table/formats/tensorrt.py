@@ -6,9 +6,9 @@
 
 The first line names the TensorRT version and the calibrator; every other line is
 `tensor: <8 hex digits>`, the big-endian IEEE float32 bits of the tensor's scale
-amax/127 (symmetric int8). Hex is exact, so a symmetric scale survives bit for bit;
-asymmetric entries can only be written as amax/127 over their range (a warning says
-how many). qtool writes EntropyCalibration2, the calibrator trtexec and most TensorRT
+amax/127 (symmetric int8). Hex is exact, so an int8 scale with zero point 0 survives bit
+for bit; every other entry (uint8 ones included) is written as amax/127 over its range,
+the scale `quantize --target tensorrt` computes from it (a warning says how many). qtool writes EntropyCalibration2, the calibrator trtexec and most TensorRT
 applications read caches with; any calibrator name is accepted when reading.
 """
 
