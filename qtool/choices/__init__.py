@@ -44,6 +44,9 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
         options, decision = choose_dynamic_weights(model_path, model, measurable, table, cfg)
         decisions += [decision] if decision else []
         cfg = replace(cfg, quantization=options)
+    elif cfg.quantization.advanced.dynamic_weights == "auto":
+        decisions.append(Decision("quantization.advanced.dynamic_weights", "column",
+                                  "no calibration data to measure per-tensor scales on"))
     # 2. HardSigmoid/HardSwish form (measured)
     options, decision = choose_hard_forms(model_path, model, measurable, table, cfg)
     decisions += [decision] if decision else []
