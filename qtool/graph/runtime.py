@@ -71,7 +71,8 @@ class Session(ort.InferenceSession):
             label, job = self._qtool_label, _JOB_MODEL.get()
             if job is None or label == job:
                 raise RunRefused(f"onnxruntime refused to run it: {reason}", label, reason) from exc
-            raise RunRefused(f"onnxruntime refused to run it ({label}): {reason}", job, reason) from exc
+            raise RunRefused(f"onnxruntime refused to run a model made from it ({label}): {reason}", job,
+                             reason) from exc
 
 
 def _session(source, options: ort.SessionOptions, label: str) -> Session:
