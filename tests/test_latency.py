@@ -51,7 +51,7 @@ class Tuned:
 
 def tune(path, table, options: QuantizeConfig, measure, monkeypatch) -> Tuned:
     """settle (the latency tuning timed by `measure`), then the back end on the settled config."""
-    monkeypatch.setattr(choices, "timer", lambda feeds: measure)
+    monkeypatch.setattr(choices, "timer", lambda feeds, specs: measure)
     settled, decisions = choices.settle(path, onnx.load(path), table, None, Config(quantization=options))
     decision = next((d for d in decisions if d.option == "quantization.float_nodes"), None)
     assert settled.quantization.latency_aware == "off"  # nothing left to measure
