@@ -187,3 +187,17 @@ def test_a_run_onnxruntime_refuses_is_exit_2_naming_the_model(tmp_path, batch_si
     assert f"{tmp_path / 'm.onnx'}: onnxruntime refused to run" in line and "out of" in line
     assert "internal error" not in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_the_search_evaluates_one_sample_at_a_time_on_a_model_that_refuses_its_batch(tmp_path):
+    """Calibrated one sample at a time by request: the search's evaluation data (batch 8) is
+    checked on its own and settles evaluation.batch_size."""
+    rng = np.random.default_rng(7)
+    onnx.save(baked_reshape(rng), str(tmp_path / "m.onnx"))
+    samples = _samples(rng)
+    result = qtool.quantize(tmp_path / "m.onnx", data=samples, config={"calibration": {"batch_size": 1}},
+                            search=qtool.MixedPrecisionSearch(data=samples, cosine=0.5), progress=False)
+    sized = [d for d in result.decisions if d.option.endswith("batch_size")]
+    assert [(d.option, d.value) for d in sized] == [("evaluation.batch_size", 1)]
+    assert "on the evaluation data" in sized[0].note()
+    assert result.settled.evaluation.batch_size == 1 and result.search is not None
