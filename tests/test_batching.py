@@ -44,7 +44,8 @@ def baked_reshape(rng) -> onnx.ModelProto:
 
 def scalar_output(rng) -> onnx.ModelProto:
     """x [N, 2, 6] -> MatMul -> Relu -> ReduceMean over everything: a 0-d score."""
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"), helper.make_node("Relu", ["m"], ["r"], name="relu"),
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Relu", ["m"], ["r"], name="relu"),
              helper.make_node("ReduceMean", ["r"], ["y"], name="mean", keepdims=0)]
     return _model(nodes, [_weight(rng)], [])
 

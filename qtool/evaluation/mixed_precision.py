@@ -209,7 +209,8 @@ class _Focus:
                 self.batches.append(batch)
                 self.reference.append(ref)
             elif picked:
-                self.batches.append(Batch([batch.keys[i] for i in picked], {k: v[picked] for k, v in batch.feeds.items()}))
+                self.batches.append(Batch([batch.keys[i] for i in picked],
+                                          {k: v[picked] for k, v in batch.feeds.items()}))
                 self.reference.append([r[picked] for r in ref])
         self.outputs, self.threads = evaluate.outputs, evaluate.threads
 
