@@ -202,3 +202,16 @@ def test_the_search_evaluates_one_sample_at_a_time_on_a_model_that_refuses_its_b
     assert [(d.option, d.value) for d in sized] == [("evaluation.batch_size", 1)]
     assert "on the evaluation data" in sized[0].note()
     assert result.settled.evaluation.batch_size == 1 and result.search is not None
+
+
+def test_the_latency_tuning_keeps_a_fixed_first_dimension(tmp_path):
+    """x [4, 6] fixed (a batched MatMul's operand, not a batch): the opt-in latency tuning times
+    it as it is, never cut to [1, 6] (onnxruntime: Got invalid dimensions for input)."""
+    rng = np.random.default_rng(8)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Relu", ["m"], ["y"], name="relu")]
+    onnx.save(_model(nodes, [_weight(rng)], [4, 6], (4, 6)), str(tmp_path / "m.onnx"))
+    samples = [{"x": rng.normal(0, 1, (4, 6)).astype(np.float32)} for _ in range(4)]
+    result = qtool.quantize(tmp_path / "m.onnx", data=samples, config={"quantization": {"latency_aware": "on"}},
+                            progress=False)
+    assert any(d.rule.startswith("latency tuning") for d in result.decisions)
