@@ -278,7 +278,11 @@ def _refusal(model: str | Path, specs: list[InputSpec], data: DataLike, cfg: Con
     if isinstance(data, Iterator):
         probe = list(itertools.islice(data, LOOK_AHEAD * size))
         data = itertools.chain(probe, data)
-    return data, batch_refusal(str(model), open_data(probe, specs, cfg.preprocess), size)
+    try:
+        source = open_data(probe, specs, cfg.preprocess)
+    except QtoolError:  # the data's own errors: reported where the job reads it, after the model's
+        return data, None
+    return data, batch_refusal(str(model), source, size)
 
 
 def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) -> Callable[[int], Iterable[Batch]]:

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 
 from qtool.data.dataset import Batch, DataSource, MemorySource, batches, model_batch_size
-from qtool.errors import RunRefused
+from qtool.errors import QtoolError, RunRefused
 from qtool.graph.runtime import create_session
 
 LOOK_AHEAD = 4  # batches read to find the first of several samples (samples of varying shapes batch apart)
@@ -40,8 +40,11 @@ def batch_refusal(model: onnx.ModelProto | str, source: DataSource | MemorySourc
         source.data = itertools.chain(head, source.data)
         source = copy.copy(source)
         source.data = head
-    first = next((b for b in itertools.islice(batches(source, batch_size, LOOK_AHEAD * batch_size), LOOK_AHEAD)
-                  if len(b) > 1), None)
+    try:
+        first = next((b for b in itertools.islice(batches(source, batch_size, LOOK_AHEAD * batch_size), LOOK_AHEAD)
+                      if len(b) > 1), None)
+    except QtoolError:  # the data's own errors: reported where the job reads it, after the model's
+        return None
     if first is None:
         return None
     return refusal(model, first, label)
