@@ -3,6 +3,8 @@ rank, and runs onnxruntime refuses: the plain command goes through, or exits 2 i
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -215,3 +217,23 @@ def test_the_latency_tuning_keeps_a_fixed_first_dimension(tmp_path):
     result = qtool.quantize(tmp_path / "m.onnx", data=samples, config={"quantization": {"latency_aware": "on"}},
                             progress=False)
     assert any(d.rule.startswith("latency tuning") for d in result.decisions)
+
+
+def test_calibration_shards_of_a_model_that_refuses_its_batch_merge(tmp_path):
+    rng = np.random.default_rng(9)
+    onnx.save(baked_reshape(rng), str(tmp_path / "m.onnx"))
+    folder = _folder(tmp_path, _samples(rng))
+    runner = CliRunner()
+    for k in range(2):
+        with warnings.catch_warnings():  # each shard is a process of its own: each warns
+            warnings.simplefilter("always")
+            result = runner.invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data", str(folder),
+                                          "--shard", f"{k}/2", "-o", str(tmp_path / f"s{k}.npz")])
+        assert result.exit_code == 0, result.output + result.stderr
+        assert "calibrating one sample at a time" in result.stderr, (k, result.stderr)
+    result = runner.invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--merge", str(tmp_path / "s0.npz"),
+                                  str(tmp_path / "s1.npz"), "-o", str(tmp_path / "t.json")])
+    assert result.exit_code == 0, result.output + result.stderr
+    result = runner.invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data", str(folder),
+                                  "-o", str(tmp_path / "single.json")])
+    assert result.exit_code == 0 and "note: calibration.batch_size = 1" in result.stderr

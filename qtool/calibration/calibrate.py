@@ -129,7 +129,7 @@ def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: Calib
     reason = batch_refusal(str(model_path), open_data(data, input_specs(load_model(model_path)), preprocess),
                            calib.batch_size) if calib.batch_size > 1 else None
     if reason is not None:
-        warnings.warn(f"calibrating one sample at a time: the model takes one sample at a time, not the batches its "
+        warnings.warn(f"calibrating one sample at a time: the model does not take the batches its "
                       f"dynamic first axis declares: {reason}", stacklevel=2)
         calib = replace(calib, batch_size=1)
     if engine is not None:

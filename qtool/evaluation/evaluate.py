@@ -100,7 +100,7 @@ def runnable_batch_size(fp32: Path, source, cfg: EvaluateConfig) -> EvaluateConf
     reason = batch_refusal(str(fp32), source, cfg.batch_size) if cfg.batch_size > 1 else None
     if reason is None:
         return cfg
-    warnings.warn(f"evaluating one sample at a time: the model takes one sample at a time, not the batches its "
+    warnings.warn(f"evaluating one sample at a time: the model does not take the batches its "
                   f"dynamic first axis declares: {reason}", stacklevel=2)
     return replace(cfg, batch_size=1)
 
