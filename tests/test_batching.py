@@ -137,6 +137,13 @@ def test_a_baked_batch_goes_through_evaluate(tmp_path):
                                   "--data", str(folder)])
     assert result.exit_code == 0, result.output + result.stderr
     assert result.stderr.count("evaluating one sample at a time") == 1
+    for k in range(2):  # evaluate --shard: every shard checks the same first batch
+        result = runner.invoke(main, ["evaluate", str(tmp_path / "m.onnx"), str(tmp_path / "q.onnx"), "--data",
+                                      str(folder), "--shard", f"{k}/2", "-o", str(tmp_path / f"e{k}.json")])
+        assert result.exit_code == 0, result.output + result.stderr
+    result = runner.invoke(main, ["evaluate", str(tmp_path / "m.onnx"), str(tmp_path / "q.onnx"), "--merge",
+                                  str(tmp_path / "e0.json"), str(tmp_path / "e1.json")])
+    assert result.exit_code == 0, result.output + result.stderr
 
 
 def test_metrics_take_outputs_of_any_rank():
