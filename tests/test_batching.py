@@ -244,3 +244,13 @@ def test_calibration_shards_of_a_model_that_refuses_its_batch_merge(tmp_path):
     result = runner.invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data", str(folder),
                                   "-o", str(tmp_path / "single.json")])
     assert result.exit_code == 0 and "note: calibration.batch_size = 1" in result.stderr
+
+
+def test_an_output_holds_the_batch_when_an_axis_grows_from_one_to_n():
+    from qtool.data.batching import _stacked
+
+    assert _stacked((1, 5, 3), (4, 7, 3), 4)  # a decoder's output as long as the batch's longest
+    assert _stacked((2, 1, 8), (2, 4, 8), 4)  # a recurrent state [layers, batch, hidden]
+    assert not _stacked((), (), 4)  # a 0-d score
+    assert not _stacked((3,), (3,), 4)  # a sum over the batch
+    assert not _stacked((1, 4), (4,), 4)  # the batch squeezed away

@@ -7,9 +7,9 @@ Reshape to a constant shape, an Expand or a Tile to a fixed one, a Squeeze of th
 onnxruntime then refuses a batch of several samples, or the outputs mix them. So a job probes once,
 on its first real batch of several samples, before anything runs on batches: the fp32 model at the
 configured batch size, then its first sample alone. When the batch is refused, or an output does
-not hold the batch (its shape for n samples is not its shape for one with an axis grown from 1 to
-n: a 0-d scalar, a sum over the batch), while the sample runs, the job feeds one sample at a time
-throughout, with one note. When the sample is refused too, the model does not run on the data:
+not hold the batch (no axis of its grows from 1 for one sample to n for n: a 0-d scalar, a sum
+over the batch, detections of all samples in one list), while the sample runs, the job feeds one
+sample at a time throughout, with one note. When the sample is refused too, the model does not run on the data:
 RunRefused, exit 2.
 """
 
@@ -75,9 +75,7 @@ def _array(value) -> np.ndarray:
 
 
 def _stacked(one: tuple, many: tuple, n: int) -> bool:
-    """Whether an output of shape `many` for n samples holds them along an axis where the output of
-    one sample has length 1, every other axis the same."""
-    if len(one) != len(many):
-        return False
-    return any(one[i] == 1 and many[i] == n and one[:i] + one[i + 1:] == many[:i] + many[i + 1:]
-               for i in range(len(one)))
+    """Whether an output of shape `many` for n samples can hold them: the same rank as for one
+    sample, and an axis of length 1 for one sample and n for n. The other axes may differ: a
+    decoder's output is as long as the batch's longest."""
+    return len(one) == len(many) and any(a == 1 and b == n for a, b in zip(one, many))
