@@ -29,6 +29,17 @@ class ThresholdError(QtoolError):
     exit_code = EXIT_THRESHOLD
 
 
+class RunRefused(QtoolError):
+    """onnxruntime refused to run a model on a batch (InvalidArgument, Fail, RuntimeException from a
+    session run; qtool.graph.runtime.Session): exit 2, the message naming the model file and what
+    onnxruntime refused. Steps that can do without the run (a batch size onnxruntime refuses, a
+    candidate the run check rejects) catch it and go on."""
+
+    def __init__(self, message: str, path: object | None = None, reason: str = ""):
+        super().__init__(message, path)
+        self.reason = reason or message
+
+
 class InternalError(Exception):
     """qtool made something it must not hand out (a quantized model onnxruntime cannot run):
     a bug in qtool, not in the user's input. The CLI exits with EXIT_BUG and writes nothing."""
