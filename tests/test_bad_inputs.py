@@ -35,6 +35,7 @@ def _check_one_error_line(stderr: str, exit_code: int, case: dict, tmp: Path) ->
     assert stderr.rstrip("\n").split("\n")[-1].split("\r")[-1] == errors[0]
     assert errors[0].startswith(f"error: {_expand(case['file'], tmp)}: "), errors[0]
     assert _expand(case["message"], tmp) in errors[0], errors[0]
+    assert "allow_pickle" not in stderr, "never advise loading a data file with pickle"
 
 
 def test_corpus_is_large_enough():

@@ -154,6 +154,7 @@ def make_files() -> None:
     _write("data/npz_corrupt/x.npz", b"PK\x03\x04" + b"\0" * 60)
     _write("data/npy_corrupt/x.npy", b"\x93NUMPY garbage header")
     _npy("data/npy_pickle/x.npy", np.array([{"a": 1}], dtype=object))
+    _write("data/npy_text/x.npy", "1 2 3\n")
     _write("data/npz_deflate_broken/x.npz", _broken_deflate_npz(x))
     _write("data/image/a.png", _png_bytes())
 
@@ -277,7 +278,10 @@ CASES = [
     ("npy_corrupt", ["quantize", f"{M}/tiny.onnx", "--data", f"{D}/npy_corrupt", "-o", OUT],
      f"{D}/npy_corrupt/x.npy", "cannot read tensor file"),
     ("npy_pickled_objects", ["quantize", f"{M}/tiny.onnx", "--data", f"{D}/npy_pickle", "-o", OUT],
-     f"{D}/npy_pickle/x.npy", "cannot read tensor file"),
+     f"{D}/npy_pickle/x.npy", "cannot read tensor file: not a valid .npy/.npz file of numeric arrays (it holds "
+     "Python objects)"),
+    ("npy_text", ["quantize", f"{M}/tiny.onnx", "--data", f"{D}/npy_text", "-o", OUT],
+     f"{D}/npy_text/x.npy", "cannot read tensor file: not a valid .npy/.npz file of numeric arrays"),
     ("images_for_two_inputs", ["quantize", f"{M}/two_inputs.onnx", "--data", f"{D}/image", "-o", OUT],
      f"{D}/image", "an image folder can only feed a single-input model"),
     ("images_for_dynamic_size_without_config", ["quantize", f"{M}/dynamic_hw.onnx", "--data", f"{D}/image", "-o",
