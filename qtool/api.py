@@ -26,7 +26,7 @@ from qtool.calibration.ranges import AUTO
 from qtool.config import Config, load_config
 from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
 from qtool.data.labels import labels_for
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, reports_memory
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
 from qtool.evaluation.form_choice import choose_hard_forms
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
@@ -107,6 +107,7 @@ class QuantizeResult:
         save_model(self.model, path, external=self.external_data)
 
 
+@reports_memory("calibrate it")
 def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
               progress: bool = True, executor: Optional[Executor] = None) -> CalibrationTable:
     """Run `data` through `model` and return the calibration table (`.save(path)` writes its JSON).
@@ -139,6 +140,7 @@ def _engine(executor: Optional[Executor], dask: Optional[str], workers: int) -> 
             yield engine
 
 
+@reports_memory("quantize it")
 def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None = None,
              data: Optional[DataLike] = None, config: ConfigLike = None, table_format: Optional[str] = None,
              allow_missing: bool = False, search: Optional[MixedPrecisionSearch] = None,
@@ -190,6 +192,7 @@ def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None =
                           outcome)
 
 
+@reports_memory("evaluate it")
 def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigLike = None, *,
              labels: Optional[str] = None, table: str | Path | None = None,
              progress: bool = True, executor: Optional[Executor] = None) -> EvaluationReport:

@@ -9,13 +9,14 @@ created in the target's own directory rather than in /tmp.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from qtool import interrupt
-from qtool.errors import QtoolError
+from qtool.errors import OutputError, QtoolError
 
 
 # mkstemp creates files readable by their owner only; outputs get the usual permissions
@@ -26,11 +27,15 @@ _FILE_MODE = 0o666 & ~_UMASK
 
 
 def check_output_path(path: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
-    """Refuse output paths whose directory is missing or that would overwrite an input."""
+    """Refuse output paths whose directory is missing or not writable, or that would overwrite an
+    input: checked before the work, which would otherwise be lost at the end."""
     out = Path(path)
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise QtoolError(f"output directory {parent} does not exist", out)
+        raise OutputError(f"output directory {parent} does not exist", out)
+    if not os.access(parent, os.W_OK | os.X_OK):  # also false for root on a read-only file system
+        why = "on a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else "not writable"
+        raise OutputError(f"output directory {parent} is {why}", out)
     if out.is_dir():
         raise QtoolError("output path is a directory", out)
     for src in inputs:
@@ -54,11 +59,31 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             tmp_path = Path(tmp)
         yield tmp_path
         os.replace(tmp_path, target)
-    except BaseException:
+    except BaseException as exc:
         if tmp_path is not None:
             with interrupt.deferred(), contextlib.suppress(FileNotFoundError):  # a second signal waits
                 tmp_path.unlink()
+        if isinstance(exc, OSError) and not isinstance(exc, QtoolError):
+            raise write_error(exc, target) from exc
         raise
+
+
+def write_error(exc: OSError, path: str | os.PathLike) -> OutputError:
+    """A failed write (disk full, read-only, I/O error) as the user's one-line error naming the output."""
+    return OutputError(f"cannot write it: {exc.strerror or exc}", path)
+
+
+def reports_write_errors(writer: Callable) -> Callable:
+    """Decorate `writer(obj, path, ...)`: an OSError while it writes becomes an OutputError naming `path`."""
+    @functools.wraps(writer)
+    def write(obj, path, *args, **kwargs):
+        try:
+            return writer(obj, path, *args, **kwargs)
+        except OSError as exc:
+            if isinstance(exc, QtoolError):
+                raise
+            raise write_error(exc, path) from exc
+    return write
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -127,6 +127,7 @@ def on_disk(model: onnx.ModelProto) -> Iterator[Path]:
         yield path
 
 
+@atomic.reports_write_errors
 def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False) -> None:
     """Write a model atomically (temporary file in the same directory, then rename).
 

@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from qtool.graph import modelio
 from qtool.graph.index import names_read
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, allocation_failure
 
 
 _ENABLE_ALL = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -112,6 +112,8 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         try:
             session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:
+            if allocation_failure(exc):
+                raise  # the machine's memory, not the model: the job names its model file
             raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
         session._qtool_weights = weights  # onnxruntime reads the shared buffers while the session lives
         return session
@@ -125,6 +127,8 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
     try:
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        if allocation_failure(exc):
+            raise
         raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
 
 
