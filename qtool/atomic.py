@@ -58,7 +58,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.close(fd)
             tmp_path = Path(tmp)
         yield tmp_path
-        os.replace(tmp_path, target)
+        with interrupt.deferred():  # renamed and recorded as one step: an interrupt comes before or after both
+            os.replace(tmp_path, target)
+            interrupt.committed(target)
     except BaseException as exc:
         if tmp_path is not None:
             with interrupt.deferred(), contextlib.suppress(FileNotFoundError):  # a second signal waits

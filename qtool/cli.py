@@ -52,12 +52,14 @@ def _command(func):
             sys.exit(exc.exit_code)
         except click.ClickException:
             raise  # usage errors: click prints them and exits 2
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(interrupt.EXIT_SIGINT)
-        except interrupt.Terminated:
-            click.echo("terminated", err=True)
-            sys.exit(interrupt.EXIT_SIGTERM)
+        except (KeyboardInterrupt, interrupt.Terminated) as exc:
+            output = _output_file(click.get_current_context())
+            if output is not None and interrupt.was_committed(output):  # nothing was lost: done
+                click.echo(f"interrupted after the output was written whole: {output}", err=True)
+                sys.exit(0)
+            sigint = isinstance(exc, KeyboardInterrupt)
+            click.echo("interrupted" if sigint else "terminated", err=True)
+            sys.exit(interrupt.EXIT_SIGINT if sigint else interrupt.EXIT_SIGTERM)
         except Exception as exc:  # a bug in qtool: say so briefly, traceback with --debug
             if debug:
                 traceback.print_exc()
@@ -78,6 +80,11 @@ def _input_file(context: click.Context) -> Optional[Path]:
         if context.params.get(name) is not None:
             return context.params[name]
     return None
+
+
+def _output_file(context: click.Context) -> Optional[Path]:
+    """The file a command writes last (-o), whose being in place means the command is done."""
+    return context.params.get("output") or context.params.get("shard_output")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -189,3 +190,35 @@ def test_a_shard_without_finite_values_is_refused_when_merged(tmp_path):
     assert merged.stderr.splitlines()[-1] == (f"error: {stats}: no finite value of tensor 'x' in the calibration data "
                                               "(every value NaN/Inf): check the data and its preprocessing")
     assert sorted(os.listdir(tmp_path)) == ["s0.npz"]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("when", ["after the rename", "while writing"])
+def test_an_interrupt_after_the_output_is_in_place_exits_0(tmp_path, monkeypatch, sig, code, when):
+    """The signal arrives right after the table's rename (exit 0: the table is whole), or while
+    it is written (130/143: nothing is left)."""
+    replace, fsync = os.replace, os.fsync
+
+    def replace_then_signal(source, target):
+        replace(source, target)
+        os.kill(os.getpid(), sig)
+
+    def signal_in_fsync(fd):
+        os.kill(os.getpid(), sig)
+        fsync(fd)
+
+    if when == "after the rename":
+        monkeypatch.setattr(os, "replace", replace_then_signal)
+    else:
+        monkeypatch.setattr(os, "fsync", signal_in_fsync)
+    out = tmp_path / "t.json"
+    result = CliRunner().invoke(main, ["calibrate", str(TINY), "--data", str(OK_DATA), "--method", "minmax",
+                                       "-o", str(out)])
+    monkeypatch.undo()
+    if when == "after the rename":
+        assert result.exit_code == 0, result.output
+        assert result.stderr.splitlines()[-1] == f"interrupted after the output was written whole: {out}"
+        assert json.loads(out.read_text())["tensors"]
+    else:
+        assert result.exit_code == code, result.output
+        assert os.listdir(tmp_path) == []

@@ -152,6 +152,7 @@ def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False)
             if (workdir / location).exists():
                 os.replace(workdir / location, path.parent / location)
             os.replace(workdir / path.name, path)
+            interrupt.committed(path)
     finally:
         if workdir is not None:
             with interrupt.deferred():  # a signal now would leave half the directory behind
