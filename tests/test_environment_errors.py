@@ -60,7 +60,8 @@ def test_a_read_only_output_directory_is_refused_before_the_work(tmp_path):
         with pytest.raises(OutputError) as info:
             result.save(folder / "out.onnx")
         assert str(info.value).startswith(f"{folder / 'out.onnx'}: cannot write it: Read-only file system")
-        assert isinstance(info.value, QtoolError) and isinstance(info.value, OSError)
+        assert isinstance(info.value, qtool.QtoolError) and isinstance(info.value, qtool.OutputError)
+        assert isinstance(info.value, OSError)
 
 
 def test_a_directory_without_write_permission_is_named(tmp_path, monkeypatch):
@@ -101,7 +102,7 @@ def test_a_full_disk_while_writing_external_data_is_an_output_error(tmp_path, mo
 
 def test_too_little_memory_is_not_enough_memory_naming_the_model(tmp_path):
     """The run check's made-up input for a model of input [1, 3, 2^23, 2^23] needs 1.5 PiB."""
-    with pytest.raises(NotEnoughMemory) as info:
+    with pytest.raises(qtool.NotEnoughMemory) as info:
         qtool.quantize(CORPUS / "models" / "huge_input.onnx", table=CORPUS / "tables" / "huge_input.json")
     assert str(info.value).startswith(f"{CORPUS / 'models' / 'huge_input.onnx'}: not enough memory to quantize it "
                                       "(Unable to allocate")
