@@ -34,7 +34,8 @@ def check_output_path(path: str | os.PathLike, *inputs: str | os.PathLike) -> Pa
     if not parent.is_dir():
         raise OutputError(f"output directory {parent} does not exist", out)
     if not os.access(parent, os.W_OK | os.X_OK):  # also false for root on a read-only file system
-        why = "on a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else "not writable"
+        read_only = hasattr(os, "statvfs") and os.statvfs(parent).f_flag & os.ST_RDONLY
+        why = "on a read-only file system" if read_only else "not writable"
         raise OutputError(f"output directory {parent} is {why}", out)
     if out.is_dir():
         raise QtoolError("output path is a directory", out)
