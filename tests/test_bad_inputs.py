@@ -86,6 +86,14 @@ def test_bad_input_subprocess(case, tmp_path):
     _check_one_error_line(proc.stderr, proc.returncode, case, tmp_path)
 
 
+def test_onnxruntime_running_out_of_memory_prints_one_line_only(tmp_path):
+    """Not onnxruntime's own log of the failure as well (its sessions log fatal errors only)."""
+    case = next(c for c in CASES if c["name"] == "memory_onnxruntime")
+    proc = run_qtool(*[_expand(a, tmp_path) for a in case["args"]], timeout=120)
+    _check_one_error_line(proc.stderr, proc.returncode, case, tmp_path)
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
 def test_debug_flag_shows_the_traceback(tmp_path):
     case = next(c for c in CASES if c["name"] == "model_text_file")
     proc = run_qtool("--debug", *[_expand(a, tmp_path) for a in case["args"]], timeout=120)

@@ -18,10 +18,11 @@ _ENABLE_ALL = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 
 
 def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
-                    optimized_path: str | None = None, log_level: int = 3) -> ort.SessionOptions:
+                    optimized_path: str | None = None, log_level: int = 4) -> ort.SessionOptions:
     """`level` and `optimized_path` (where onnxruntime writes its optimized graph) are for
-    asking which kernels onnxruntime makes (qtool.graph.kernels); `log_level` 4 silences a
-    probe that is expected to fail."""
+    asking which kernels onnxruntime makes (qtool.graph.kernels). `log_level` 4 (fatal only):
+    a failure in onnxruntime reaches qtool as an exception, which qtool reports in its own one
+    line; onnxruntime's log of it would be a second one."""
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -102,7 +103,7 @@ def _copy_fields(source, target, skip: str) -> None:
 
 def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = "model",
                    weights: "SharedWeights | None" = None, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
-                   optimized_path: str | None = None, log_level: int = 3) -> ort.InferenceSession:
+                   optimized_path: str | None = None, log_level: int = 4) -> ort.InferenceSession:
     """A session of `model` (a path or a proto); with `weights`, `model` is a variant of
     `weights.light` whose large initializers are the shared values. The other options
     are session_options'."""
