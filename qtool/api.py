@@ -29,7 +29,7 @@ from qtool.config import Config, load_config
 from qtool.data.batching import LOOK_AHEAD, batch_refusal
 from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
 from qtool.data.labels import labels_for
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, reports_memory
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
 from qtool.choices import Decision, apply, built, settle
 from qtool.choices.ranges import choose_ranges
@@ -131,6 +131,7 @@ class QuantizeResult:
                     "int8_mac_fraction": self.search.int8_mac_fraction, "figures": self.search.figures}}
 
 
+@reports_memory("calibrate it")
 def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
               progress: bool = True, executor: Optional[Executor] = None) -> CalibrationTable:
     """Run `data` through `model` and return the calibration table (`.save(path)` writes its JSON).
@@ -169,6 +170,7 @@ def _engine(executor: Optional[Executor], dask: Optional[str], workers: int) -> 
             yield engine
 
 
+@reports_memory("quantize it")
 def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None = None,
              data: Optional[DataLike] = None, config: ConfigLike = None, table_format: Optional[str] = None,
              allow_missing: bool = False, progress: bool = True,
@@ -243,12 +245,13 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
         settled = apply(replace(settled, calibration=replace(settled.calibration, method=outcome.method)),
                         decisions[-1:])
     notes = tuple(dict.fromkeys([*table.notes, *graph.notes,
-                                 *(d.note() for d in decisions if d.measured or d.details)]))
+                                 *(d.note() for d in decisions if len(d.measured) > 1 or d.details)]))
     return QuantizeResult(graph.model, table, notes, len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
                           outcome, tuple(decisions), settled)
 
 
+@reports_memory("evaluate it")
 def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigLike = None, *,
              labels: Optional[str] = None, table: str | Path | None = None,
              progress: bool = True, executor: Optional[Executor] = None) -> EvaluationReport:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import onnx
 
-from qtool.calibration.collect import collect_statistics, warn_nonfinite
+from qtool.calibration.collect import collect_statistics, refuse_nonfinite, warn_nonfinite
 from qtool.calibration.method_rules import methods_for
 from qtool.calibration.ranges import check_method, choose_range, resolve_method
 from qtool.calibration.smoothing import measured_smoothing
@@ -118,6 +118,7 @@ def _statistics(model_path, data: DataLike, preprocess: PreprocessConfig, calib:
                                        force_histograms=all_histograms, progress=progress)
     else:
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress, all_histograms=all_histograms)
+    refuse_nonfinite(stats, data)
     return model, plan, options, stats, seen
 
 
@@ -163,4 +164,5 @@ def merge_tables(model_path, paths: list[Path], calib: CalibrationConfig, option
         raise QtoolError(f"the statistics lack tensor '{missing[0]}' that this quantization needs "
                          "(collected with other quantization options?)", paths[0])
     warn_nonfinite(stats)
+    refuse_nonfinite(stats, ", ".join(map(str, paths)))
     return build_table(plan, stats, calib, options, model_path, seen, model)

@@ -16,7 +16,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from qtool.graph import modelio
 from qtool.graph.index import names_read
-from qtool.errors import QtoolError, RunRefused
+from qtool.errors import QtoolError, RunRefused, allocation_failure
 
 
 _ENABLE_ALL = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -67,6 +67,8 @@ class Session(ort.InferenceSession):
         try:
             return super().run(output_names, input_feed, run_options)
         except ORT_ERRORS as exc:
+            if allocation_failure(exc):
+                raise  # the machine's memory, not the model: the job names its model file (NotEnoughMemory)
             reason = ort_message(exc)
             label, job = self._qtool_label, _JOB_MODEL.get()
             if job is None or label == job:
@@ -82,10 +84,11 @@ def _session(source, options: ort.SessionOptions, label: str) -> Session:
 
 
 def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
-                    optimized_path: str | None = None, log_level: int = 3) -> ort.SessionOptions:
+                    optimized_path: str | None = None, log_level: int = 4) -> ort.SessionOptions:
     """`level` and `optimized_path` (where onnxruntime writes its optimized graph) are for
-    asking which kernels onnxruntime makes (qtool.graph.kernels); `log_level` 4 silences a
-    probe that is expected to fail."""
+    asking which kernels onnxruntime makes (qtool.graph.kernels). `log_level` 4 (fatal only):
+    a failure in onnxruntime reaches qtool as an exception, which qtool reports in its own one
+    line; onnxruntime's log of it would be a second one."""
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -166,7 +169,7 @@ def _copy_fields(source, target, skip: str) -> None:
 
 def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = "model",
                    weights: "SharedWeights | None" = None, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
-                   optimized_path: str | None = None, log_level: int = 3) -> Session:
+                   optimized_path: str | None = None, log_level: int = 4) -> Session:
     """A session of `model` (a path or a proto); with `weights`, `model` is a variant of
     `weights.light` whose large initializers are the shared values. The other options
     are session_options'. Its runs raise RunRefused where onnxruntime refuses them."""
@@ -176,6 +179,8 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         try:
             session = _session(model.SerializeToString(), options, label)
         except Exception as exc:
+            if allocation_failure(exc):
+                raise  # the machine's memory, not the model: the job names its model file
             raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
         session._qtool_weights = weights  # onnxruntime reads the shared buffers while the session lives
         return session
@@ -189,6 +194,8 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
     try:
         return _session(source, options, label)
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        if allocation_failure(exc):
+            raise
         raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import onnx
 
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, allocation_failure
 from qtool.graph.modelio import InputSpec
 from qtool.graph.runtime import create_session, ort_message
 
@@ -74,6 +74,8 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], label: str, load_
     try:
         return tuple(session.run(None, feeds)), None
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument types
+        if allocation_failure(exc):
+            raise  # too little memory is no failure of the model: the job reports it
         named = _NODE_NAME.search(str(exc))
         return None, RunFailure(f"onnxruntime fails running it: {ort_reason(exc)}", named.group(1) if named else None)
 
