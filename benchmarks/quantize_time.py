@@ -12,8 +12,9 @@ model written, as models.py does; time starts when the child starts (imports inc
 configs/efficientnet_lite0.yaml and with a config holding only its preprocessing.
 --stages adds, per qtool run, where its time goes: the stages below, each one's wall and CPU
 time exclusive of the stages it calls (a stage called inside another shows as `outer/inner`),
-measured by wrapping the functions in the child (perf_counter, process_time); `other` is the
-rest (imports, data loading, saving). The written model is the same with and without it.
+measured by wrapping the functions in the child (perf_counter, process_time), and how much the
+process's peak RSS grew while each ran (the stage that set the peak); `other` is the rest
+(imports, data loading, saving). The written model is the same with and without it.
 """
 
 from __future__ import annotations
@@ -56,13 +57,13 @@ STAGES = {
 }
 
 CHILD_STAGES = r"""
-import functools, importlib, json, sys, time
+import functools, importlib, json, resource, sys, time
 sys.path.insert(0, {root!r})
 import qtool.api, qtool.cli, qtool.choices, qtool.choices.ranges, qtool.choices.measure  # noqa: E401
 import qtool.choices.dynamic_weights, qtool.choices.hard_forms, qtool.quantization.quantize
 import qtool.evaluation.mixed_precision
 stages = {stages!r}
-totals, stack = {{}}, []
+totals, stack, peak = {{}}, [], [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]
 
 def wrap(name, fn):
     @functools.wraps(fn)
@@ -74,8 +75,10 @@ def wrap(name, fn):
             frame = stack.pop()
             wall, cpu = time.perf_counter() - frame[1], time.process_time() - frame[2]
             path = "/".join([f[0] for f in stack] + [name])
-            t = totals.setdefault(path, [0.0, 0.0, 0])
+            t = totals.setdefault(path, [0.0, 0.0, 0, 0.0])
             t[0] += wall - frame[3]; t[1] += cpu - frame[4]; t[2] += 1
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            t[3] += (rss - peak[0]) / 1024; peak[0] = rss  # MB the peak RSS grew by, up to this stage's end
             if stack:
                 stack[-1][3] += wall; stack[-1][4] += cpu
     return timed
@@ -95,7 +98,8 @@ try:
     qtool.cli.main(sys.argv[1:], standalone_mode=False)
 finally:
     wall, cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
-    totals["other"] = [wall - sum(v[0] for v in totals.values()), cpu - sum(v[1] for v in totals.values()), 1]
+    totals["other"] = [wall - sum(v[0] for v in totals.values()), cpu - sum(v[1] for v in totals.values()), 1,
+                       (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak[0]) / 1024]
     json.dump(totals, open({out!r}, "w"))
 """
 
@@ -195,7 +199,9 @@ def main() -> None:
                 run_child([sys.executable, "-c", code, *argv[:-1], str(work / f"{slug}.staged.onnx")])
                 row["stages"] = json.loads(stages_out.read_text()) if stages_out.exists() else {}
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items()}, default=str)[:3000], file=sys.stderr, flush=True)
+            shown = {k: ({x: y for x, y in v.items() if x != "err"} if isinstance(v, dict) and k != "stages" else v)
+                     for k, v in row.items()}
+            print(json.dumps(shown, default=str), file=sys.stderr, flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores")
     print("| model | qtool wall / CPU s | qtool peak RSS MB | quantize_static wall / CPU s | its peak RSS MB "
           "| CPU ratio |")
@@ -210,10 +216,11 @@ def main() -> None:
         print(f"| {row['label']} | {cell(q)} | {cell(o) if o else '- | -'} | {ratio} |")
     if args.stages:
         for row in rows:
-            print(f"\n{row['label']}: stage, wall s, CPU s, calls (exclusive of the stages inside)")
-            for name, (wall, cpu, calls) in sorted(row["stages"].items(), key=lambda kv: -kv[1][1]):
-                if cpu >= 0.05 or wall >= 0.05:
-                    print(f"  {name:70s} {wall:7.2f} {cpu:7.2f} {calls:4d}")
+            print(f"\n{row['label']}: stage, wall s, CPU s, calls (exclusive of the stages inside), "
+                  f"MB the peak RSS grew by within it")
+            for name, (wall, cpu, calls, rss) in sorted(row["stages"].items(), key=lambda kv: -kv[1][1]):
+                if cpu >= 0.05 or wall >= 0.05 or rss >= 20:
+                    print(f"  {name:60s} {wall:7.2f} {cpu:7.2f} {calls:4d} {rss:7.0f}")
 
 
 if __name__ == "__main__":
