@@ -23,6 +23,7 @@ from qtool.table.table import CalibrationTable
 SAMPLES = 16  # calibration samples the candidates are measured on
 KEEP = 0.99  # a mean cosine at which the first candidate is kept without measuring the others
 MARGIN_DB = 0.5  # what another candidate must gain over the first to be chosen
+MAX_KEYED_BYTES = 2**31 - 1  # protobuf's message limit: larger candidates are measured without a key
 
 
 def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config) -> tuple[Evaluator, int]:
@@ -77,6 +78,8 @@ class Scoring:
     def __call__(self, qmodel: onnx.ModelProto) -> dict:
         """The figures of `qmodel` against fp32 (Evaluator's)."""
         evaluate = self._ready()
+        if qmodel.ByteSize() > MAX_KEYED_BYTES:  # no serialising a model protobuf cannot hold in one message
+            return evaluate(qmodel)[0]
         key = hashlib.sha256(qmodel.SerializeToString()).digest()
         if key not in self._measured:
             self._measured[key] = evaluate(qmodel)[0]
