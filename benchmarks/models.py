@@ -23,7 +23,9 @@ DB detector, whose task the README leaves open, the intersection over union of i
 speedup over fp32 (1 thread, batch 1, all four models in one process taking turns, the first of
 each turn rotating, 10 runs on each of the first 8 held-out samples with the sessions made in
 reverse order every other sample, median);
-time to quantize (wall clock). A quantizer that fails is reported with its first error line.
+time to quantize (wall clock; CPU time, peak RSS and qtool's per-stage profile, each quantizer in
+a process of its own: benchmarks/quantize_time.py). A quantizer that fails is reported with its
+first error line.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_dat
 from qtool.data.labels import labels_for
 from qtool.errors import QtoolError, reports_memory
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
-from qtool.choices import Decision, apply, built, settle
+from qtool.choices import Decision, Scoring, apply, built, settle
 from qtool.choices.ranges import choose_ranges
 from qtool.config import config_mapping
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
@@ -40,7 +40,7 @@ from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
 from qtool.graph.runtime import job_model
-from qtool.quantization.quantize import QuantizedGraph, quantize_model
+from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
 from qtool.table.formats import read_table
 from qtool.table.table import CalibrationTable, smoothed_options
 
@@ -146,14 +146,14 @@ def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
     return replace(table, notes=table.notes + tuple(d.note() for d in sized if d.details))
 
 
-def _calibrated(model: str | Path, data: DataLike, cfg: Config, progress: bool, engine: Optional[Engine]
-                ) -> tuple[CalibrationTable, list[CalibrationTable], Optional[Decision]]:
+def _calibrated(model: str | Path, data: DataLike, cfg: Config, progress: bool, engine: Optional[Engine],
+                scoring: Optional[Scoring] = None) -> tuple[CalibrationTable, list[CalibrationTable], Optional[Decision]]:
     """The table of `data`, the tables of the other range methods measured with it, and the range
     method's decision: with method `auto`, the method measured best (qtool.choices.ranges), unless
-    the data can be read only once (a generator: minmax, nothing else)."""
+    the data can be read only once (a generator: minmax, nothing else). `scoring`: the job's."""
     if cfg.calibration.method == AUTO:
         if not isinstance(data, Iterator):
-            return choose_ranges(model, data, cfg, progress, engine)
+            return choose_ranges(model, data, cfg, progress, engine, scoring)
         cfg = replace(cfg, calibration=replace(cfg.calibration, method="minmax"))
         table = run_calibration(model, data, cfg.preprocess, cfg.calibration, cfg.quantization, progress, engine)
         return table, [], Decision("calibration.method", "minmax", "data read once (an iterator): nothing measured")
@@ -220,22 +220,26 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
         if search is not None:
             search, cfg, more = _search_batch_size(model, specs, search, cfg)
             sized += more
+        measurable = data if data is not None and not isinstance(data, Iterator) else None
+        # one evaluator and one prepared graph for every candidate the choices measure, and the final build
+        shared = SharedGraphs()
+        scoring = Scoring(model, measurable, cfg, shared, specs) if measurable is not None else None
         if table is None:
-            table, measured, ranges = _calibrated(model, data, cfg, progress, engine)
+            table, measured, ranges = _calibrated(model, data, cfg, progress, engine, scoring)
         elif not isinstance(table, CalibrationTable):
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
-        measurable = data if data is not None and not isinstance(data, Iterator) else None
-        cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges)
+        cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges, scoring)
         decisions = sized + decisions
         outcome = None
         if search is not None:
             graph, outcome, table = _search(model, specs, table, measured, data, cfg, search, calib_data,
                                             log or (lambda message: None), engine, progress)
         else:
-            graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data)
+            graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data,
+                                   shared=shared)
     settled, after = built(graph, cfg)
     decisions += after
     plan = graph.plan

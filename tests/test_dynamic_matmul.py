@@ -16,6 +16,7 @@ from qtool import api
 from qtool.cli import main
 from qtool.config import AdvancedConfig, Config, QuantizeConfig, load_config
 from qtool.choices import dynamic_weights as weight_choice
+from qtool.choices.measure import Scoring
 from qtool.evaluation.macs import int8_macs
 from qtool.quantization.dynamic_matmul import CODES, SCALE
 from tests import graphs
@@ -245,7 +246,9 @@ def test_dynamic_weights_per_column_without_measuring_where_a_column_is_large(tm
             w[:, 3] *= 300.0
             t.CopyFrom(graphs.init("wo", w))
     measured = []
-    monkeypatch.setattr(weight_choice, "measurer", lambda *a: measured.append(a))
+    build = Scoring.build  # the range choice's candidates leave dynamic_weights auto
+    monkeypatch.setattr(Scoring, "build", lambda self, table, options: measured.append(options)
+                        if options.advanced.dynamic_weights != "auto" else build(self, table, options))
     _, result, _ = _quantize(tmp_path, model)
     assert not measured and _weight_scales(result.model) == [(2 * D,), (D,)]
     [chosen] = [d for d in result.decisions if d.option == "quantization.advanced.dynamic_weights"]

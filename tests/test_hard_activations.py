@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool import api
 from qtool.config import AdvancedConfig, Config, QuantizeConfig
 from qtool.choices import hard_forms as form_choice
+from qtool.choices.measure import Scoring
 from qtool.quantization.ort_cpu.hard_activations import (FOLD_NOTE, NOTE, OFFSET, float_hard_sigmoids, folded_products,
                                                   integer_forms)
 from qtool.quantization.quantize import quantize_model
@@ -241,7 +242,9 @@ def test_the_form_chosen_by_measurement(quantized, monkeypatch, keep, margin, fo
 
 def test_a_model_without_hard_activations_is_not_quantized_to_find_out(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(form_choice, "quantize_model", lambda *a, **k: calls.append(a))
+    build = Scoring.build  # the range choice's candidates leave hard_activations auto
+    monkeypatch.setattr(Scoring, "build", lambda self, table, options: calls.append(options)
+                        if options.advanced.hard_activations != "auto" else build(self, table, options))
     path = tmp_path / "m.onnx"
     onnx.save(graphs.conv_model(np.random.default_rng(0), activation="Relu"), path)
     data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)

@@ -19,37 +19,41 @@ from qtool.choices.decision import Decision, apply, replaced
 from qtool.choices.dynamic_weights import choose_dynamic_weights
 from qtool.choices.hard_forms import choose_hard_forms
 from qtool.choices.latency import choose as choose_latency, timer
+from qtool.choices.measure import Scoring
 from qtool.config import Config
 from qtool.data.dataset import Batch, DataLike
 from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import InputSpec, input_specs
 from qtool.plan.dynamic import matmul_strategy
-from qtool.quantization.quantize import QuantizedGraph, candidates
+from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, candidates
 from qtool.table.table import CalibrationTable
 
-__all__ = ["Decision", "apply", "settle", "built"]
+__all__ = ["Decision", "Scoring", "apply", "settle", "built"]
 
 
 def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTable, data: Optional[DataLike],
            cfg: Config, calib_data: Optional[Callable[[int], Iterable[Batch]]] = None,
-           ranges: Optional[Decision] = None) -> tuple[Config, list[Decision]]:
+           ranges: Optional[Decision] = None, scoring: Optional[Scoring] = None) -> tuple[Config, list[Decision]]:
     """(cfg with every `auto` the back end would meet replaced by a value, the decisions in order).
     `model`: the one at `model_path`, loaded; `data`: the calibration data (None: only the table);
-    `ranges`: the range method's decision, made with the table (qtool.choices.ranges)."""
+    `ranges`: the range method's decision, made with the table (qtool.choices.ranges); `scoring`:
+    the job's (its evaluator and prepared graphs; the range choice's when it measured)."""
     decisions = [ranges] if ranges is not None else []
     if cfg.calibration.method == "auto" and ranges is None:
         decisions.append(Decision("calibration.method", table.method, "the table's"))
     measurable = data  # what the measured choices may score candidates on
+    if scoring is None and measurable is not None:
+        scoring = Scoring(model_path, measurable, cfg, specs=input_specs(model))
     # 1. dynamic MatMuls' weight scales (measured)
     if measurable is not None:
-        options, decision = choose_dynamic_weights(model_path, model, measurable, table, cfg)
+        options, decision = choose_dynamic_weights(model_path, model, measurable, table, cfg, scoring)
         decisions += [decision] if decision else []
         cfg = replace(cfg, quantization=options)
     elif cfg.quantization.advanced.dynamic_weights == "auto":
         decisions.append(Decision("quantization.advanced.dynamic_weights", "column",
                                   "no calibration data to measure per-tensor scales on"))
     # 2. HardSigmoid/HardSwish form (measured)
-    options, decision = choose_hard_forms(model_path, model, measurable, table, cfg)
+    options, decision = choose_hard_forms(model_path, model, measurable, table, cfg, scoring)
     decisions += [decision] if decision else []
     cfg = replace(cfg, quantization=options)
     # 3. MatMul strategy (the graph)
@@ -59,14 +63,15 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
     cfg = apply(cfg, decisions)
     # 4. latency tuning (opt-in: it times candidates on this machine)
     if cfg.quantization.advanced.latency_aware == "on":
-        decisions.append(_latency(model_path, input_specs(model), table, cfg, calib_data))
+        decisions.append(_latency(model_path, input_specs(model), table, cfg, calib_data,
+                                  scoring.shared if scoring else None))
         cfg = apply(cfg, decisions[-1:])
     return _settled(cfg), decisions
 
 
 def _latency(model_path, specs: list[InputSpec], table: CalibrationTable, cfg: Config,
-             calib_data: Optional[Callable[[int], Iterable[Batch]]]) -> Decision:
-    built = candidates(model_path, table, cfg.quantization, calib_data)
+             calib_data: Optional[Callable[[int], Iterable[Batch]]], shared: Optional[SharedGraphs]) -> Decision:
+    built = candidates(model_path, table, cfg.quantization, calib_data, shared)
     if built.feeds is None:
         return Decision("quantization.advanced.float_nodes", (), "latency tuning: no inputs the model runs on")
     choice = choose_latency(built.fp32, built.quantized, built.build, timer(built.feeds, specs), built.sizes)

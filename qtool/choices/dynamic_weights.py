@@ -17,15 +17,13 @@ from typing import Optional
 import onnx
 
 from qtool.choices.decision import Decision
-from qtool.choices.measure import figures, measurer, ranges_only
+from qtool.choices.measure import Scoring, figures
 from qtool.config import Config, QuantizeConfig, with_options
 from qtool.data.dataset import DataLike
 from qtool.graph.index import GraphIndex
-from qtool.graph.modelio import input_specs
 from qtool.plan.dynamic import matmul_strategy
 from qtool.plan.planner import prepared_model
 from qtool.quantization.dynamic_matmul import per_tensor_sqnr
-from qtool.quantization.quantize import quantize_model
 from qtool.table.table import CalibrationTable, smoothed_options
 
 TOLERANCE = 1e-4  # mean cosine per-tensor weights may lose against per-column ones
@@ -34,10 +32,11 @@ OPTION = "quantization.advanced.dynamic_weights"
 
 
 def choose_dynamic_weights(model_path: str | Path, model: onnx.ModelProto, data: DataLike, table: CalibrationTable,
-                           cfg: Config) -> tuple[QuantizeConfig, Optional[Decision]]:
+                           cfg: Config, scoring: Optional[Scoring] = None
+                           ) -> tuple[QuantizeConfig, Optional[Decision]]:
     """(cfg.quantization with `dynamic_weights` settled to column or tensor, the decision); the
     options unchanged and no decision when they already say column or tensor. `model`: the one at
-    `model_path`, loaded."""
+    `model_path`, loaded; `scoring`: the job's."""
     options = cfg.quantization
     if options.advanced.dynamic_weights != "auto":
         return options, None
@@ -54,11 +53,11 @@ def choose_dynamic_weights(model_path: str | Path, model: onnx.ModelProto, data:
     if weight_sqnr < MIN_WEIGHT_SQNR:
         return column, Decision(OPTION, "column", f"per tensor, a weight's median column of the {layers} dynamic "
                                 f"MatMul(s) would keep an SQNR of {weight_sqnr:.1f} dB, below {MIN_WEIGHT_SQNR}")
-    graph = quantize_model(model_path, table, ranges_only(column), allow_missing=True)
-    evaluate, count = measurer(model_path, input_specs(model), data, cfg)
+    evaluate = scoring if scoring is not None else Scoring(model_path, data, cfg)
     tensor = with_options(options, dynamic_weights="tensor")
-    per_column = evaluate(graph.model)[0]
-    per_tensor = evaluate(quantize_model(model_path, table, ranges_only(tensor), allow_missing=True).model)[0]
+    per_column = evaluate(evaluate.build(table, column).model)
+    per_tensor = evaluate(evaluate.build(table, tensor).model)
+    count = evaluate.count
     chosen, kind = ((tensor, "tensor") if per_tensor["cosine"] >= per_column["cosine"] - TOLERANCE
                     else (column, "column"))
     return chosen, Decision(OPTION, kind, f"per tensor unless it loses {TOLERANCE} of mean cosine "

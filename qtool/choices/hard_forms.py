@@ -17,13 +17,12 @@ from typing import Optional
 import onnx
 
 from qtool.choices.decision import Decision
-from qtool.choices.measure import KEEP, MARGIN_DB, figures, measurer, ranges_only
+from qtool.choices.measure import KEEP, MARGIN_DB, Scoring, figures, ranges_only
 from qtool.config import Config, QuantizeConfig, with_options
 from qtool.data.dataset import DataLike
 from qtool.graph.index import attribute
-from qtool.graph.modelio import input_specs
 from qtool.quantization.ort_cpu.hard_activations import HARD
-from qtool.quantization.quantize import kernel_forms, quantize_model
+from qtool.quantization.quantize import kernel_forms
 from qtool.table.table import CalibrationTable
 from qtool.targets import target_of
 
@@ -43,10 +42,11 @@ def _may_have_hard_nodes(model: onnx.ModelProto) -> bool:
 
 
 def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Optional[DataLike],
-                      table: CalibrationTable, cfg: Config) -> tuple[QuantizeConfig, Optional[Decision]]:
+                      table: CalibrationTable, cfg: Config, scoring: Optional[Scoring] = None
+                      ) -> tuple[QuantizeConfig, Optional[Decision]]:
     """(cfg.quantization with `hard_activations` settled to integer or float, the decision); the
     options unchanged and no decision when they already say integer or float. `model`: the one at
-    `model_path`, loaded; `data` None: nothing to measure on."""
+    `model_path`, loaded; `data` None: nothing to measure on; `scoring`: the job's."""
     options = cfg.quantization
     if options.advanced.hard_activations != "auto":
         return options, None
@@ -55,12 +55,13 @@ def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Opti
         return integer, Decision(OPTION, "integer", "no HardSigmoid/HardSwish written as onnxruntime kernels")
     if data is None:
         return integer, Decision(OPTION, "integer", "no calibration data to measure the float form on")
-    graph = quantize_model(model_path, table, ranges_only(integer), allow_missing=True)
+    evaluate = scoring if scoring is not None else Scoring(model_path, data, cfg)
+    graph = evaluate.build(table, integer)
     written = _hard_nodes(graph.canonical) - _hard_nodes(graph.model)
     if written <= 0:
         return integer, Decision(OPTION, "integer", "no HardSigmoid/HardSwish between uint8 tensors")
-    evaluate, count = measurer(model_path, input_specs(model), data, cfg)
-    with_integer = evaluate(graph.model)[0]
+    with_integer = evaluate(graph.model)
+    count = evaluate.count
     if with_integer["cosine"] >= KEEP:
         return integer, Decision(OPTION, "integer", f"the integer forms reach a mean cosine of {KEEP}",
                                  (("integer", figures(with_integer)),), count)
@@ -68,7 +69,7 @@ def choose_hard_forms(model_path: str | Path, model: onnx.ModelProto, data: Opti
     float_model = onnx.ModelProto()
     float_model.CopyFrom(graph.canonical)  # the same int8 model before its kernel forms
     kernel_forms(float_model, ranges_only(floats))
-    with_float = evaluate(float_model)[0]
+    with_float = evaluate(float_model)
     chosen, kind = ((floats, "float") if with_float["cosine_db"] >= with_integer["cosine_db"] + MARGIN_DB
                     else (integer, "integer"))
     return chosen, Decision(OPTION, kind, f"{written} node(s); the float form must be {MARGIN_DB} dB closer to fp32",

@@ -1,21 +1,29 @@
 """How the measured choices score a candidate: the all-int8 model (ranges only: the data-driven
 weight steps run once, on the choice) against fp32 on SAMPLES calibration samples spread over the
 data, by the worst output's cosine; a distance in dB, the mean of -10 log10(1 - cosine), so that
-a few samples a rounding moves a lot do not carry the mean."""
+a few samples a rounding moves a lot do not carry the mean. The choices of one job share a Scoring:
+one evaluator, one prepared graph and plan for all their candidates, each distinct model measured once."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
+
+import onnx
 
 from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import DataLike, batches, open_data, spread_samples
 from qtool.evaluation.mixed_precision import Evaluator
-from qtool.graph.modelio import InputSpec
+from qtool.graph.modelio import InputSpec, input_specs, load_model
+from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
+from qtool.table.table import CalibrationTable
 
 SAMPLES = 16  # calibration samples the candidates are measured on
 KEEP = 0.99  # a mean cosine at which the first candidate is kept without measuring the others
 MARGIN_DB = 0.5  # what another candidate must gain over the first to be chosen
+MAX_KEYED_BYTES = 2**31 - 1  # protobuf's message limit: larger candidates are measured without a key
 
 
 def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config) -> tuple[Evaluator, int]:
@@ -34,3 +42,45 @@ def ranges_only(options: QuantizeConfig) -> QuantizeConfig:
 def figures(measured: dict) -> dict:
     """The figures a Decision records of one candidate."""
     return {"cosine_db": round(float(measured["cosine_db"]), 3), "cosine": round(float(measured["cosine"]), 5)}
+
+
+class Scoring:
+    """What the measured choices of one quantize job share: the fp32 outputs on the SAMPLES
+    calibration samples (one Evaluator, made when first needed), the prepared graphs and plans of
+    their candidates (`shared`, which the job's final build uses too), and the figures of each
+    distinct candidate model (two choices may build the same one)."""
+
+    def __init__(self, model_path: str | Path, data: DataLike, cfg: Config, shared: Optional[SharedGraphs] = None,
+                 specs: Optional[list[InputSpec]] = None):
+        self.model_path, self.data, self.cfg = model_path, data, cfg
+        self.shared = shared if shared is not None else SharedGraphs()
+        self._specs = specs
+        self._evaluator: Optional[Evaluator] = None
+        self._count = 0
+        self._measured: dict[bytes, dict] = {}
+
+    def build(self, table: CalibrationTable, options: QuantizeConfig) -> QuantizedGraph:
+        """The all-int8 candidate of `table` and `options` (ranges only), as quantize_model makes it."""
+        return quantize_model(self.model_path, table, ranges_only(options), allow_missing=True, shared=self.shared)
+
+    @property
+    def count(self) -> int:
+        """Samples the candidates are measured on."""
+        self._ready()
+        return self._count
+
+    def _ready(self) -> Evaluator:
+        if self._evaluator is None:
+            specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
+            self._evaluator, self._count = measurer(self.model_path, specs, self.data, self.cfg)
+        return self._evaluator
+
+    def __call__(self, qmodel: onnx.ModelProto) -> dict:
+        """The figures of `qmodel` against fp32 (Evaluator's)."""
+        evaluate = self._ready()
+        if qmodel.ByteSize() > MAX_KEYED_BYTES:  # no serialising a model protobuf cannot hold in one message
+            return evaluate(qmodel)[0]
+        key = hashlib.sha256(qmodel.SerializeToString()).digest()
+        if key not in self._measured:
+            self._measured[key] = evaluate(qmodel)[0]
+        return self._measured[key]

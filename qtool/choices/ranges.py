@@ -17,12 +17,10 @@ from typing import Optional
 
 from qtool.calibration.calibrate import calibrate_methods
 from qtool.choices.decision import Decision
-from qtool.choices.measure import KEEP, MARGIN_DB, figures, measurer, ranges_only
+from qtool.choices.measure import KEEP, MARGIN_DB, Scoring, figures
 from qtool.config import Config
 from qtool.data.dataset import DataLike
 from qtool.graph.executor import Engine
-from qtool.graph.modelio import input_specs, load_model
-from qtool.quantization.quantize import quantize_model
 from qtool.table.table import CalibrationTable
 
 CANDIDATES = ("minmax", "mse", "percentile")  # the first is kept on ties
@@ -30,19 +28,21 @@ OPTION = "calibration.method"
 
 
 def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress: bool = True,
-                  engine: Optional[Engine] = None) -> tuple[CalibrationTable, list[CalibrationTable], Decision]:
+                  engine: Optional[Engine] = None, scoring: Optional[Scoring] = None
+                  ) -> tuple[CalibrationTable, list[CalibrationTable], Decision]:
     """(the table of the candidate method whose int8 model measures closest to fp32 on the
-    calibration data, its notes saying what was measured; every candidate's table; the decision)."""
+    calibration data, its notes saying what was measured; every candidate's table; the decision).
+    `scoring`: the job's (the later choices share its evaluator and prepared graph)."""
     tables = calibrate_methods(model_path, data, cfg.preprocess, cfg.calibration, cfg.quantization,
                                list(CANDIDATES), progress, engine)
     first = tables[0]
     if all(t.tensors == first.tensors for t in tables[1:]):  # no activation ranges, or all methods agree
         return first, tables, Decision(OPTION, first.method, "every candidate method gives the same ranges")
-    evaluate, count = measurer(model_path, input_specs(load_model(model_path)), data, cfg)
+    evaluate = scoring if scoring is not None else Scoring(model_path, data, cfg)
+    count = evaluate.count
     measured = []
     for table in tables:
-        measured.append(evaluate(quantize_model(model_path, table, ranges_only(cfg.quantization),
-                                                allow_missing=True).model)[0])
+        measured.append(evaluate(evaluate.build(table, cfg.quantization).model))
         if measured[0]["cosine"] >= KEEP:
             decision = Decision(OPTION, first.method, f"the first candidate reaches a mean cosine of {KEEP}",
                                 ((first.method, figures(measured[0])),), count)

@@ -520,6 +520,13 @@ EQUALIZED_NOTE = "activation ranges equalized across channels"
 
 
 def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
+    return prepared_with_strategy(model_path, options)[:2]
+
+
+def prepared_with_strategy(model_path: str | Path, options: QuantizeConfig
+                           ) -> tuple[onnx.ModelProto, QuantPlan, str, Optional[str]]:
+    """prepared_model's (model, plan), and the MatMul strategy it prepared them for with `auto`'s
+    note (qtool.plan.dynamic.matmul_strategy; None when `matmul` was not `auto`, or auto reports nothing)."""
     prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False)
     model = prepared.model
     strategy, chosen = matmul_strategy(model, GraphIndex(model), options)
@@ -552,7 +559,7 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
         plan.notes.append(chosen)
     plan.notes.extend(unmatched_options(model, plan, options))
     _check_something_to_quantize(model, plan, model_path)
-    return model, plan
+    return model, plan, strategy, chosen
 
 
 def unmatched_options(model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig) -> list[str]:

@@ -16,13 +16,15 @@ from qtool.quantization.checks import check_finite_constants, check_no_bad_scale
 from qtool.quantization import run_check
 from qtool.quantization.ort_cpu import PASSES as ORT_CPU_PASSES
 from qtool.data.dataset import Batch
-from qtool.config import QuantizeConfig
+from qtool.config import AdvancedConfig, QuantizeConfig, with_options
 from qtool.errors import InternalError, QtoolError
-from qtool.graph.index import node_label, scoped_nodes
+from qtool.graph.index import GraphIndex, node_label, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.graph.runtime import create_session
 from qtool.graph.shapes import declared_shapes, inferred
-from qtool.plan.planner import EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, unreached_bodies
+from qtool.plan.dynamic import matmul_strategy
+from qtool.plan.planner import (EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, prepared_with_strategy,
+                                unreached_bodies)
 from qtool.prepare.equalize import equalized_chains
 from qtool.table.resolve import params_from_table
 from qtool.quantization.rewrite import quantize_with
@@ -94,14 +96,50 @@ class _Prepared:
         return {node_label(n): n.op_type for n in scoped_nodes(self.model.graph)}
 
 
-def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig, table_path: object,
-             allow_missing: bool, data: Optional[Callable[[int], Iterable[Batch]]]) -> _Prepared:
-    if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
-        warnings.warn(f"{table_path}: calibration table was made for a different model file "
-                      f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=3)
-    options = smoothed_options(options, table)  # the table's SmoothQuant scales: the graph it was made on
-    model, plan = prepared_model(model_path, options)  # the graph calibration saw, equalized if asked
-    op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
+@dataclass
+class _Graph:
+    """The prepared graph and plan of one model file for one table's smoothing and reach (what the
+    run check starts from), and the run check's batch on it when it is made up."""
+
+    model: onnx.ModelProto
+    plan: QuantPlan
+    unreached: list[str]
+    made_up: Optional[run_check.Reference] = None
+
+
+# the options that change only what is built on the prepared graph and plan, not them
+_BUILD_ONLY = ("bias_correction", "weight_rounding", "correction_samples")
+_BUILD_ONLY_ADVANCED = ("hard_activations", "dynamic_weights", "latency_aware")
+
+
+class SharedGraphs:
+    """The prepared graphs and plans of one quantize job, made once and shared by every build of it:
+    each measured choice's candidates and the final model (prepared_model re-reads, re-prepares and
+    re-plans the file; the candidates differ only in their tables and the build-only options). A
+    cached graph is never changed: builds copy what they edit."""
+
+    def __init__(self):
+        self._graphs: dict = {}
+
+    def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
+        """`options`: smoothed by the table already."""
+        defaults, advanced = QuantizeConfig(), AdvancedConfig()
+        key = (str(model_path), with_options(options, **{k: getattr(defaults, k) for k in _BUILD_ONLY},
+                                             **{k: getattr(advanced, k) for k in _BUILD_ONLY_ADVANCED}),
+               frozenset(name for name in table.tensors if _seen(table)(name)))
+        if key not in self._graphs:
+            graph, strategy = _prepared_graph(model_path, table, options)
+            self._graphs[key] = graph
+            if strategy is not None:  # `auto` settled to a strategy it reports nothing about: the same graph
+                self._graphs[(key[0], replace(key[1], matmul=strategy), key[2])] = graph
+        return self._graphs[key]
+
+
+def _prepared_graph(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig
+                    ) -> tuple[_Graph, Optional[str]]:
+    """(the graph, the strategy `matmul: auto` settled to where naming it instead makes the same graph)."""
+    # the graph calibration saw, equalized if asked
+    model, plan, strategy, chosen = prepared_with_strategy(model_path, options)
     # If branches and loop bodies the calibration data never ran have no ranges: they stay float
     unreached, unreached_notes = unreached_bodies(model.graph, plan.activations, _seen(table))
     if unreached:
@@ -109,9 +147,29 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
         plan.notes += unreached_notes
     model, plan = _unequalize_float_chains(model_path, model, plan, options, unreached)  # excluded, or dynamic
     check_finite_constants(model, plan, model_path)
+    same = (options.matmul == "auto" and chosen is None
+            and matmul_strategy(model, GraphIndex(model), options) == (strategy, None))  # build_plan's too
+    return _Graph(model, plan, unreached), strategy if same else None
+
+
+def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig, table_path: object,
+             allow_missing: bool, data: Optional[Callable[[int], Iterable[Batch]]],
+             shared: Optional[SharedGraphs] = None) -> _Prepared:
+    if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
+        warnings.warn(f"{table_path}: calibration table was made for a different model file "
+                      f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=3)
+    options = smoothed_options(options, table)  # the table's SmoothQuant scales: the graph it was made on
+    graph = (shared or SharedGraphs()).graph(model_path, table, options)
+    model, plan, unreached = graph.model, graph.plan, graph.unreached
+    op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
-    ref = _reference(model, samples, data, options)
+    if samples or data is not None or graph.made_up is None:
+        ref = _reference(model, samples, data, options)
+        if not samples and data is None:
+            graph.made_up = ref
+    else:
+        ref = graph.made_up
     steps = _Steps(table, options, table_path, allow_missing)
     kept: list[str] = []
     fixes: list[str] = []
@@ -143,15 +201,18 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
 
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                    table_path: object = None, allow_missing: bool = False,
-                   data: Optional[Callable[[int], Iterable[Batch]]] = None) -> QuantizedGraph:
+                   data: Optional[Callable[[int], Iterable[Batch]]] = None,
+                   shared: Optional[SharedGraphs] = None) -> QuantizedGraph:
     """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them).
+    `shared`: the prepared graphs of the job's other builds (made here when missing; the result is
+    the same with or without).
     The back end builds what the options say and measures nothing: every choice is settled before
     (qtool.choices).
 
     The model is run once in onnxruntime before it is returned (qtool.quantization.run_check);
     a node whose int8 form onnxruntime cannot run is kept float with a note (QuantizedGraph.kept_float),
     and a model that still does not run after MAX_KEPT_FLOAT such nodes is an InternalError."""
-    prepared = _prepare(model_path, table, options, table_path, allow_missing, data)
+    prepared = _prepare(model_path, table, options, table_path, allow_missing, data, shared)
     qmodel, notes, canonical, forms, ran = prepared.first
     if prepared.ref.skipped:
         notes.append(f"the int8 model was only loaded, not run: {prepared.ref.skipped}")
@@ -203,10 +264,11 @@ class Candidates:
 
 
 def candidates(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
-               data: Optional[Callable[[int], Iterable[Batch]]] = None) -> Candidates:
+               data: Optional[Callable[[int], Iterable[Batch]]] = None,
+               shared: Optional[SharedGraphs] = None) -> Candidates:
     """The prepared model of `options` (ranges only) ready to build candidates from."""
     ranges_only = replace(options, bias_correction="off", weight_rounding="nearest")
-    return Candidates(_prepare(model_path, table, ranges_only, None, True, data))
+    return Candidates(_prepare(model_path, table, ranges_only, None, True, data, shared))
 
 
 def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig,
