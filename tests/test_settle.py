@@ -36,8 +36,8 @@ def test_every_auto_is_a_decision_in_the_json_and_its_note_is_rendered_from_it(p
     _, report, settled, done = plain
     options = [d["option"] for d in report["decisions"]]
     # the range method (measured), then the choices the plain command meets on a CNN, in order
-    assert options[:4] == ["calibration.method", "quantization.advanced.dynamic_weights",
-                           "quantization.advanced.hard_activations", "quantization.matmul"]
+    assert options[:4] == ["calibration.method", "quantization.matmul", "quantization.advanced.dynamic_weights",
+                           "quantization.advanced.hard_activations"]
     method = report["decisions"][0]
     assert method["measured"] and method["measured"][0]["candidate"] == "minmax" and method["samples"] == 10
     assert all({"cosine", "cosine_db"} <= set(m) for m in method["measured"])

@@ -22,9 +22,8 @@ from qtool.choices.latency import choose as choose_latency, timer
 from qtool.choices.measure import Scoring
 from qtool.config import Config
 from qtool.data.dataset import Batch, DataLike
-from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import InputSpec, input_specs
-from qtool.plan.dynamic import matmul_strategy
+from qtool.plan.planner import auto_strategy
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, candidates
 from qtool.table.table import CalibrationTable
 
@@ -44,22 +43,22 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
     measurable = data  # what the measured choices may score candidates on
     if scoring is None and measurable is not None:
         scoring = Scoring(model_path, measurable, cfg, specs=input_specs(model))
-    # 1. dynamic MatMuls' weight scales (measured)
+    # 1. MatMul strategy (the prepared graph)
+    strategy, why = auto_strategy(model_path, cfg.quantization)
+    if cfg.quantization.matmul == "auto":
+        decisions.append(Decision("quantization.matmul", strategy, why or "no transformer or recurrent structure"))
+    # 2. dynamic MatMuls' weight scales (measured)
     if measurable is not None:
-        options, decision = choose_dynamic_weights(model_path, model, measurable, table, cfg, scoring)
+        options, decision = choose_dynamic_weights(model_path, strategy, measurable, table, cfg, scoring)
         decisions += [decision] if decision else []
         cfg = replace(cfg, quantization=options)
     elif cfg.quantization.advanced.dynamic_weights == "auto":
         decisions.append(Decision("quantization.advanced.dynamic_weights", "column",
                                   "no calibration data to measure per-tensor scales on"))
-    # 2. HardSigmoid/HardSwish form (measured)
+    # 3. HardSigmoid/HardSwish form (measured)
     options, decision = choose_hard_forms(model_path, model, measurable, table, cfg, scoring)
     decisions += [decision] if decision else []
     cfg = replace(cfg, quantization=options)
-    # 3. MatMul strategy (the graph)
-    if cfg.quantization.matmul == "auto":
-        strategy, why = matmul_strategy(model, GraphIndex(model), cfg.quantization)
-        decisions.append(Decision("quantization.matmul", strategy, why or "no transformer or recurrent structure"))
     cfg = apply(cfg, decisions)
     # 4. latency tuning (opt-in: it times candidates on this machine)
     if cfg.quantization.advanced.latency_aware == "on":

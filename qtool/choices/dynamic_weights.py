@@ -14,14 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import onnx
 
 from qtool.choices.decision import Decision
 from qtool.choices.measure import Scoring, figures
 from qtool.config import Config, QuantizeConfig, with_options
 from qtool.data.dataset import DataLike
-from qtool.graph.index import GraphIndex
-from qtool.plan.dynamic import matmul_strategy
 from qtool.plan.planner import prepared_model
 from qtool.quantization.dynamic_matmul import per_tensor_sqnr
 from qtool.table.table import CalibrationTable, smoothed_options
@@ -31,19 +28,19 @@ MIN_WEIGHT_SQNR = 20.0  # dB; per column about 40
 OPTION = "quantization.advanced.dynamic_weights"
 
 
-def choose_dynamic_weights(model_path: str | Path, model: onnx.ModelProto, data: DataLike, table: CalibrationTable,
+def choose_dynamic_weights(model_path: str | Path, strategy: str, data: DataLike, table: CalibrationTable,
                            cfg: Config, scoring: Optional[Scoring] = None
                            ) -> tuple[QuantizeConfig, Optional[Decision]]:
     """(cfg.quantization with `dynamic_weights` settled to column or tensor, the decision); the
-    options unchanged and no decision when they already say column or tensor. `model`: the one at
-    `model_path`, loaded; `scoring`: the job's."""
+    options unchanged and no decision when they already say column or tensor. `strategy`: the MatMul
+    strategy settled for the model; `scoring`: the job's."""
     options = cfg.quantization
     if options.advanced.dynamic_weights != "auto":
         return options, None
     column = with_options(options, dynamic_weights="column")
     if not options.per_channel:
         return column, Decision(OPTION, "column", "weights per tensor already (per_channel off)")
-    if matmul_strategy(model, GraphIndex(model), options)[0] != "dynamic":
+    if strategy != "dynamic":
         return column, Decision(OPTION, "column", "no dynamic MatMul")
     prepared, plan = prepared_model(model_path, smoothed_options(column, table))  # the graph quantize_model makes
     layers = len(plan.dynamic_matmuls)

@@ -523,6 +523,13 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     return prepared_with_strategy(model_path, options)[:2]
 
 
+def auto_strategy(model_path: str | Path, options: QuantizeConfig) -> tuple[str, Optional[str]]:
+    """The MatMul strategy prepared_model takes for `options` (with `auto`'s note), read on the prepared
+    graph as it does: functions inlined and a float16 model widened change what the graph holds."""
+    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False)
+    return matmul_strategy(prepared.model, GraphIndex(prepared.model), options)
+
+
 def prepared_with_strategy(model_path: str | Path, options: QuantizeConfig
                            ) -> tuple[onnx.ModelProto, QuantPlan, str, Optional[str]]:
     """prepared_model's (model, plan), and the MatMul strategy it prepared them for with `auto`'s
