@@ -61,6 +61,13 @@ class Target:
     saturates_without_vnni: bool = False
     # The model runs in onnxruntime: quantize prints which kernels it picks (qtool.graph.kernels).
     onnxruntime_kernels: bool = False
+    # Where activation Q/DQ pairs go (qtool.plan.planner): "every_op" (each quantized op's inputs
+    # and output, the integer-kernel convention of onnxruntime, TensorRT, LiteRT) or
+    # "inputs_of_int8_ops" (only where an op with a constant weight reads an activation: Conv,
+    # ConvTranspose, Gemm, MatMul; a Concat feeding one gets them on its inputs, sharing one
+    # scale), for a runtime that folds each pair into its int8 layer and fuses the elementwise
+    # ops after a layer into it in float: a pair anywhere else would run as a separate op.
+    activation_placement: str = "every_op"
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -83,6 +90,10 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("litert", "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules",
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
+    Target("openvino", "OpenVINO CPU: uint8 asymmetric activations only where Conv/MatMul/Gemm read them, "
+           "int8 symmetric per-channel weights, no onnxruntime rewrites", "OpenVINO CPU",
+           activation_dtype="uint8", symmetric_activations=False, per_channel=True,
+           activation_placement="inputs_of_int8_ops"),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

@@ -166,7 +166,10 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             node = nodes[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
-    if target_of(options).float_outputs:
+    inputs_only = target_of(options).activation_placement == "inputs_of_int8_ops"
+    if inputs_only:
+        _int8_layers_only(nodes, rules, ctx, plan)
+    elif target_of(options).float_outputs:
         _float_before_float(nodes, rules, chosen_float, ctx, plan)
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
@@ -199,6 +202,8 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             ordered.append(name)
 
     ties = scope.ties
+    if inputs_only:
+        want = _concat_inputs(want, ctx, ties, quantized)
     # Movement ops ("tie") are quantized only where their data input already is, so a
     # Reshape on a float path does not pull Q/DQ into it. Graph order makes chains work.
     for index, node in enumerate(nodes):
@@ -227,7 +232,7 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
         outputs = _planned_outputs(node, rule)
         tied_inputs = [n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized]
         tied_outputs = []
-        for out in outputs:
+        for out in ([] if inputs_only else outputs):
             if out and out not in fused and out not in ctx.outputs and ctx.is_float(out):
                 want(out)
                 tied_outputs.append(out)
@@ -339,6 +344,40 @@ def _planned_outputs(node: onnx.NodeProto, rule: OpRule) -> list[str]:
 
 
 _CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def _int8_layers_only(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, plan) -> None:
+    """A runtime that quantizes only where its int8 layers read (Target.activation_placement
+    "inputs_of_int8_ops"): the ops with a constant float weight (Conv, ConvTranspose, Gemm, a MatMul
+    by a weight) keep their rule; every other op (activations, elementwise, pooling, movement, a
+    MatMul of two activations) computes in float, fused into the layer before it by the runtime."""
+    for index in sorted(rules):
+        node, rule = nodes[index], rules[index]
+        weight = node.input[rule.weight] if rule.weight is not None and rule.weight < len(node.input) else ""
+        if rule.kernel is None and weight and ctx.is_constant(weight) and ctx.is_float(weight):
+            continue
+        del rules[index]
+        plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
+
+
+def _concat_inputs(want: Callable[[str], None], ctx: GraphIndex, ties: list[list[str]],
+                   quantized: Collection[str]) -> Callable[[str], None]:
+    """`want` for inputs-only placement: a layer's input that a Concat of float activations makes
+    is quantized on the Concat's inputs, one scale shared by them (a tie group), so that the
+    producers' kernels write the codes and the Concat only copies them."""
+    def want_input(name: str) -> None:
+        producer = ctx.producer.get(name)
+        parts = [i for i in producer.input] if producer is not None and producer.op_type == "Concat" \
+            and producer.domain in ("", "ai.onnx") else []
+        if len(parts) < 2 or any(not p or ctx.is_constant(p) or not ctx.is_float(p) for p in parts):
+            want(name)
+            return
+        for part in parts:
+            want(part)
+        tied = [p for p in dict.fromkeys(parts) if p in quantized]
+        if len(tied) > 1:
+            ties.append(tied)
+    return want_input
 
 
 def _float_before_float(nodes: list, rules: dict[int, OpRule], chosen_float: set[int], ctx: GraphIndex,
