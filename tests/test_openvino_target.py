@@ -1,0 +1,135 @@
+"""--target openvino: Q/DQ only where OpenVINO's int8 layers read (Target.activation_placement
+"inputs_of_int8_ops"), a Concat feeding one quantized on its inputs with one scale, nothing on a
+layer's output or between the ops OpenVINO fuses into it, static int8 weight MatMuls with the
+transformer blocks float, no onnxruntime rewrite; the model runs in onnxruntime and in OpenVINO."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+import qtool
+from qtool.targets import TARGETS
+from tests import graphs
+from tests.test_transformer_blocks import _attention_model, _gelu_model, _ln_model
+
+CONFIG = {"calibration": {"method": "minmax"}, "quantization": {"target": "openvino"}}
+LAYERS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def _quantize(tmp_path, built: onnx.ModelProto, shape, config=CONFIG):
+    path = tmp_path / "m.onnx"
+    onnx.save(built, path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), shape, count=8)
+    result = qtool.quantize(str(path), data=str(data), config=config, progress=False)
+    onnx.checker.check_model(result.model, full_check=True)
+    return path, data, result
+
+
+def _quantized_tensors(model: onnx.ModelProto) -> set[str]:
+    """The float tensors a QuantizeLinear reads (activations; weights are stored int8)."""
+    return {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def _readers_of_dequantized(model: onnx.ModelProto) -> dict[str, set[str]]:
+    """Activation DequantizeLinear outputs -> the op types reading them."""
+    inits = {t.name for t in model.graph.initializer}
+    readers: dict[str, set[str]] = {}
+    activation_dq = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] not in inits}
+    for node in model.graph.node:
+        for name in node.input:
+            if name in activation_dq:
+                readers.setdefault(name, set()).add(node.op_type)
+    return readers
+
+
+def _params(model: onnx.ModelProto, tensor: str) -> tuple[float, int]:
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor)
+    return float(inits[q.input[1]]), int(inits[q.input[2]])
+
+
+def _cosines(path, model: onnx.ModelProto, data) -> list[float]:
+    feeds = [{"x": np.load(f)} for f in sorted(data.iterdir())]
+    fp32 = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    int8 = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    found = []
+    for f in feeds:
+        for a, b in zip(fp32.run(None, f), int8.run(None, f)):
+            a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+            found.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+    return found
+
+
+def test_the_openvino_target_is_data():
+    target = TARGETS["openvino"]
+    assert target.activation_placement == "inputs_of_int8_ops"
+    assert not target.dynamic_matmul and not target.int8_embeddings and not target.kernels
+    assert not (target.prepare_passes or target.finish_passes or target.form_passes)
+    assert target.per_channel
+
+
+def test_qdq_only_on_the_inputs_of_int8_layers(tmp_path):
+    path, data, result = _quantize(tmp_path, graphs.fused_block_model(np.random.default_rng(0)), (3, 12, 12))
+    model = result.model
+    # the inputs of conv1 (x), of dwconv and conv2 (a1), the Concat's inputs (r6, r2: one scale
+    # shared, so the Concat copies codes) and the Gemm's and MatMul's (flat); nothing on a layer's
+    # output, the SiLU, the residual Add, Clip, Relu, HardSwish, the pooling or the Mul by a constant
+    assert _quantized_tensors(model) == {"x", "a1", "r6", "r2", "flat"}
+    assert _params(model, "r6") == _params(model, "r2")
+    for readers in _readers_of_dequantized(model).values():
+        # a1 is also the residual Add's other input: it reads the codes the depthwise Conv reads
+        assert readers <= {"Conv", "Gemm", "MatMul", "Concat", "Add"}
+    # weights int8 symmetric per output channel (the depthwise Conv's too)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    weights = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+               and inits[n.input[0]].dtype == np.int8]
+    assert len(weights) == 6
+    for dq in weights:
+        scale, zero = inits[dq.input[1]], inits[dq.input[2]]
+        assert scale.ndim == 1 and scale.size > 1 and not zero.any()
+    # no onnxruntime form: standard domain only, no extra op
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    assert {n.op_type for n in model.graph.node} - {"QuantizeLinear", "DequantizeLinear"} == \
+        {n.op_type for n in onnx.load(path).graph.node}
+    assert min(_cosines(path, model, data)) > 0.999
+
+
+@pytest.mark.parametrize("build", [lambda rng: _attention_model(rng, "bert"), lambda rng: _gelu_model(rng, "erf"),
+                                   _ln_model], ids=["attention", "gelu", "layernorm"])
+def test_transformer_weight_matmuls_static_int8_with_the_blocks_float(tmp_path, build):
+    built = build(np.random.default_rng(0))
+    path, data, result = _quantize(tmp_path, built, (6, 16))
+    model = result.model
+    ops = {n.op_type for n in model.graph.node}
+    assert not ops & {"DynamicQuantizeLinear", "MatMulInteger"}  # never dynamic
+    nodes = {n.name: n for n in built.graph.node}
+    weights = {t.name for t in built.graph.initializer}
+    expected = {nodes[n].input[0] for n in nodes if nodes[n].op_type == "MatMul" and nodes[n].input[1] in weights}
+    assert _quantized_tensors(model) == expected  # the MatMuls of two activations and every block float
+    assert min(_cosines(path, model, data)) > 0.99
+
+
+def test_openvino_runs_the_layers_in_int8(tmp_path):
+    ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    path, data, result = _quantize(tmp_path, graphs.fused_block_model(np.random.default_rng(0)), (3, 12, 12))
+    written = tmp_path / "int8.onnx"
+    onnx.save(result.model, written)
+    core = ov.Core()
+    compiled = core.compile_model(str(written), "CPU", {"INFERENCE_NUM_THREADS": 1})
+    ops = [(o.get_rt_info()["layerType"].astype(str), o.get_rt_info()["runtimePrecision"].astype(str))
+           for o in compiled.get_runtime_model().get_ordered_ops()]
+    layers = [p for t, p in ops if t in ("Convolution", "FullyConnected", "MatMul")]
+    assert len(layers) == 6 and all(p in ("u8", "i8") for p in layers)
+    # the only FakeQuantize left as an op of its own: the graph's input and the pooled vector,
+    # which no layer writes
+    assert sum(t == "FakeQuantize" for t, _ in ops) <= 2
+    reference = core.compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"})
+    for f in sorted(data.iterdir()):
+        x = np.load(f)
+        for a, b in zip(reference({"x": x}).values(), compiled({"x": x}).values()):
+            a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+            assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.999
