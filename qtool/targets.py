@@ -68,6 +68,10 @@ class Target:
     # scale), for a runtime that folds each pair into its int8 layer and fuses the elementwise
     # ops after a layer into it in float: a pair anywhere else would run as a separate op.
     activation_placement: str = "every_op"
+    # A symmetric int8 activation whose calibrated range has no negative value is written uint8 with
+    # zero point 0 (scale max/255: every code on the values it takes), as OpenVINO's FakeQuantize
+    # with a low bound of 0 is (qtool.table.resolve; qtool.quantization.checks allows it).
+    unsigned_nonnegative: bool = False
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -90,10 +94,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("litert", "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules",
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
-    Target("openvino", "OpenVINO CPU: uint8 asymmetric activations only where Conv/MatMul/Gemm read them, "
-           "int8 symmetric per-channel weights, no onnxruntime rewrites", "OpenVINO CPU",
-           activation_dtype="uint8", symmetric_activations=False, per_channel=True,
-           activation_placement="inputs_of_int8_ops"),
+    Target("openvino", "OpenVINO CPU: int8 symmetric activations (uint8 with zero point 0 where the range has no "
+           "negative value) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel weights, no "
+           "onnxruntime rewrites", "OpenVINO CPU",
+           activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
+           activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

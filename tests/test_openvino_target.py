@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 import qtool
 from qtool.targets import TARGETS
@@ -52,6 +52,39 @@ def _params(model: onnx.ModelProto, tensor: str) -> tuple[float, int]:
     return float(inits[q.input[1]]), int(inits[q.input[2]])
 
 
+def _activation_types(model: onnx.ModelProto) -> dict[str, type]:
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    return {n.input[0]: inits[n.input[2]].dtype.type for n in model.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def _movers_model(rng) -> onnx.ModelProto:
+    """x -> Conv -> Relu (r) -> Split (a, b); b -> MaxPool (same size) -> m; Concat(a, m, Resize
+    nearest of a 2x-pooled r) -> Conv -> y: every input the last Conv reads only moves r's values."""
+    def w(*shape):
+        return rng.normal(0, 0.3, shape).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Split", ["r"], ["a", "b"], name="split", axis=1, num_outputs=2),
+             helper.make_node("MaxPool", ["b"], ["m"], name="pool", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("AveragePool", ["r"], ["half"], name="down", kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Resize", ["half", "", "scales"], ["up"], name="up", mode="nearest"),
+             helper.make_node("Concat", ["a", "m", "up"], ["cat"], name="concat", axis=1),
+             helper.make_node("Conv", ["cat", "w2"], ["y"], name="conv2")]
+    inits = [graphs.init("w1", w(8, 3, 3, 3)), graphs.init("w2", w(4, 16, 1, 1)),
+             graphs.init("scales", np.array([1, 1, 2, 2], np.float32))]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)], inits, opset=18)
+
+
+def test_quantizers_go_above_ops_that_only_move_values(tmp_path):
+    path, data, result = _quantize(tmp_path, _movers_model(np.random.default_rng(0)), (3, 8, 8))
+    model = result.model
+    # the Split's and MaxPool's inputs are r: one quantizer there, on conv1's Relu, which OpenVINO
+    # fuses into the Conv; the Resize's input is the AveragePool's output, tied to r
+    assert _quantized_tensors(model) == {"x", "r", "half"}
+    assert _params(model, "r") == _params(model, "half")
+    assert min(_cosines(path, model, data)) > 0.999
+
+
 def _cosines(path, model: onnx.ModelProto, data) -> list[float]:
     feeds = [{"x": np.load(f)} for f in sorted(data.iterdir())]
     fp32 = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -76,13 +109,20 @@ def test_qdq_only_on_the_inputs_of_int8_layers(tmp_path):
     path, data, result = _quantize(tmp_path, graphs.fused_block_model(np.random.default_rng(0)), (3, 12, 12))
     model = result.model
     # the inputs of conv1 (x), of dwconv and conv2 (a1), the Concat's inputs (r6, r2: one scale
-    # shared, so the Concat copies codes) and the Gemm's and MatMul's (flat); nothing on a layer's
-    # output, the SiLU, the residual Add, Clip, Relu, HardSwish, the pooling or the Mul by a constant
-    assert _quantized_tensors(model) == {"x", "a1", "r6", "r2", "flat"}
+    # shared, so the Concat copies codes) and the Gemm's and MatMul's, above the Flatten that only
+    # reshapes it (gap); nothing on a layer's output, the SiLU, the residual Add, Clip, Relu,
+    # HardSwish or the Mul by a constant
+    assert _quantized_tensors(model) == {"x", "a1", "r6", "r2", "gap"}
     assert _params(model, "r6") == _params(model, "r2")
+    # symmetric: int8 with zero point 0, or uint8 with zero point 0 where the range has no negative
+    # value (after Clip and Relu: every code on the values taken)
+    types = _activation_types(model)
+    assert types["x"] == types["a1"] == np.int8 and types["r6"] == types["r2"] == np.uint8
+    assert all(zero == 0 for _, zero in map(lambda t: _params(model, t), types))
     for readers in _readers_of_dequantized(model).values():
-        # a1 is also the residual Add's other input: it reads the codes the depthwise Conv reads
-        assert readers <= {"Conv", "Gemm", "MatMul", "Concat", "Add"}
+        # a1 is also the residual Add's other input: it reads the codes the depthwise Conv reads;
+        # the Flatten only reshapes the Gemm's and MatMul's input
+        assert readers <= {"Conv", "Gemm", "MatMul", "Concat", "Add", "Flatten"}
     # weights int8 symmetric per output channel (the depthwise Conv's too)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     weights = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits

@@ -360,21 +360,51 @@ def _int8_layers_only(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, pl
         plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
 
 
+# Ops that only move or select values: a quantizer on their output equals one on their input, so
+# inputs-only placement puts it where the values are computed (a Resize only when nearest).
+_MOVERS = ("MaxPool", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Slice", "Resize")
+
+
+def _moved_from(name: str, ctx: GraphIndex) -> str:
+    """The tensor whose values `name` only moves or selects, through a chain of _MOVERS."""
+    while True:
+        producer = ctx.producer.get(name)
+        if producer is None or producer.op_type not in _MOVERS or producer.domain not in ("", "ai.onnx"):
+            return name
+        if producer.op_type == "MaxPool" and len(producer.output) > 1 and producer.output[1]:
+            return name  # its indices are read
+        if producer.op_type == "Resize" and attribute(producer, "mode", b"nearest") not in (b"nearest", "nearest"):
+            return name
+        data = producer.input[0]
+        if not data or ctx.is_constant(data) or not ctx.is_float(data):
+            return name
+        name = data
+
+
 def _concat_inputs(want: Callable[[str], None], ctx: GraphIndex, ties: list[list[str]],
                    quantized: Collection[str]) -> Callable[[str], None]:
-    """`want` for inputs-only placement: a layer's input that a Concat of float activations makes
-    is quantized on the Concat's inputs, one scale shared by them (a tie group), so that the
-    producers' kernels write the codes and the Concat only copies them."""
+    """`want` for inputs-only placement: a layer's input is quantized where its values are computed,
+    above the ops that only move or select them (a Split, MaxPool, nearest Resize, Reshape), so that
+    the producing layer's kernel writes the codes; one that a Concat of float activations makes is
+    quantized so on each of the Concat's inputs, one scale shared by them (a tie group), and the
+    Concat only copies codes."""
+    def resolve(name: str, depth: int = 0) -> list[str]:
+        source = _moved_from(name, ctx)
+        producer = ctx.producer.get(source)
+        parts = list(producer.input) if producer is not None and producer.op_type == "Concat" \
+            and producer.domain in ("", "ai.onnx") and depth < 8 else []
+        if len(parts) >= 2 and all(p and not ctx.is_constant(p) and ctx.is_float(p) for p in parts):
+            found = [t for part in parts for t in resolve(part, depth + 1)]
+            if all(t in quantized for t in found):
+                return found
+        for candidate in (source, name):
+            want(candidate)
+            if candidate in quantized:
+                return [candidate]
+        return []
+
     def want_input(name: str) -> None:
-        producer = ctx.producer.get(name)
-        parts = [i for i in producer.input] if producer is not None and producer.op_type == "Concat" \
-            and producer.domain in ("", "ai.onnx") else []
-        if len(parts) < 2 or any(not p or ctx.is_constant(p) or not ctx.is_float(p) for p in parts):
-            want(name)
-            return
-        for part in parts:
-            want(part)
-        tied = [p for p in dict.fromkeys(parts) if p in quantized]
+        tied = list(dict.fromkeys(resolve(name)))
         if len(tied) > 1:
             ties.append(tied)
     return want_input
