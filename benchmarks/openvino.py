@@ -215,7 +215,11 @@ def main() -> None:
             calib, held, _ = _data(args.kit, model, work)
             made = quantize(model, calib, work, args.nncf_python)
             loads.append(os.getloadavg()[0])
-            figures = measure(model, made, held, args.rounds)
+            try:
+                figures = measure(model, made, held, args.rounds)
+            except Exception as exc:  # noqa: BLE001 - the fp32 model itself fails on OpenVINO: say so
+                print(json.dumps({"model": model.stem, "error": str(exc).splitlines()[0]}), flush=True)
+                continue
             loads.append(os.getloadavg()[0])
             row = {"model": model.stem, "figures": figures}
             rows.append(row)

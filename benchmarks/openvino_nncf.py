@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
+
+# this file's folder comes first on sys.path when run as a script, and benchmarks/openvino.py would
+# then be the `openvino` package that NNCF imports
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import numpy as np
 import onnx
