@@ -72,6 +72,9 @@ class Target:
     # zero point 0 (scale max/255: every code on the values it takes), as OpenVINO's FakeQuantize
     # with a low bound of 0 is (qtool.table.resolve; qtool.quantization.checks allows it).
     unsigned_nonnegative: bool = False
+    # The runtime the measured choices score candidates on, as it computes them
+    # (qtool.choices.measure): "onnxruntime" or "openvino" (at f32, qtool.evaluation.openvino_runtime).
+    measured_on: str = "onnxruntime"
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -98,7 +101,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "negative value) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel weights, no "
            "onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
-           activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True),
+           activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, measured_on="openvino"),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

@@ -77,3 +77,36 @@ def test_fp32_on_openvino_runs_all_in_float(models):
     fp32, _, data = models
     layers = CompiledModel(fp32, 1, "f32").layers()
     assert layers["heavy_ops"] == 6 and layers["int8_heavy_ops"] == 0 and layers["unfused_fake_quantize"] == 0
+
+
+def _quantize_cli(models, tmp_path):
+    fp32, _, data = models
+    return CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "--target", "openvino",
+                                     "-o", str(tmp_path / "q.onnx")])
+
+
+def test_without_openvino_the_targets_measured_choices_say_how_to_install_it(models, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    result = _quantize_cli(models, tmp_path)  # calibration.method auto: measured candidates
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and 'pip install "qtool[openvino]"' in lines[0] and "measured choices" in lines[0]
+
+
+def test_the_targets_measured_choices_score_on_openvino(models, tmp_path, monkeypatch):
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from qtool.evaluation import openvino_runtime
+
+    compiled = []
+    real = openvino_runtime.CompiledModel.__init__
+
+    def counting(self, model, threads=1, precision=None, label=None):
+        compiled.append(precision)
+        real(self, model, threads, precision, label)
+
+    monkeypatch.setattr(openvino_runtime.CompiledModel, "__init__", counting)
+    result = _quantize_cli(models, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "calibration.method" in result.output
+    # the fp32 reference and at least one candidate, compiled at f32
+    assert len(compiled) >= 2 and set(compiled) == {"f32"}

@@ -56,17 +56,27 @@ class CompiledModel:
     """A model compiled for OpenVINO's CPU plugin, run like an onnxruntime session:
     `run(output_names, feeds)` returns the outputs in the order asked."""
 
-    def __init__(self, path: str | Path, threads: int = 1, precision: Optional[str] = None):
+    def __init__(self, model, threads: int = 1, precision: Optional[str] = None, label: Optional[str] = None):
+        """model: a path, or an onnx.ModelProto (read from its bytes)."""
         ov = require()
         config = {"INFERENCE_NUM_THREADS": threads}
         if precision is not None:
             config["INFERENCE_PRECISION_HINT"] = precision
+        core = ov.Core()
         try:
-            self.compiled = ov.Core().compile_model(str(path), "CPU", config)
+            source = str(model) if isinstance(model, (str, Path)) else core.read_model(model.SerializeToString(), b"")
+            self.compiled = core.compile_model(source, "CPU", config)
         except Exception as exc:  # OpenVINO raises RuntimeError with a multi-line message
-            raise QtoolError(f"OpenVINO cannot compile it: {str(exc).strip().splitlines()[0]}", path) from exc
+            raise QtoolError(f"OpenVINO cannot compile it: {str(exc).strip().splitlines()[0]}",
+                             label or (model if isinstance(model, (str, Path)) else "model")) from exc
         self.request = self.compiled.create_infer_request()
         self.names = [o.get_any_name() for o in self.compiled.outputs]
+
+    def get_outputs(self) -> list:
+        """The outputs' names, as onnxruntime's session lists them (`.name`)."""
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(name=name) for name in self.names]
 
     def run(self, outputs: Optional[list[str]], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         result = self.request.infer(feeds)
