@@ -37,14 +37,14 @@ def samples(folder: Path, names: list[str]) -> list[dict]:
 
 
 def main() -> None:
-    import nncf
-
     parser = argparse.ArgumentParser()
     parser.add_argument("model", type=Path)
     parser.add_argument("calib", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--transformer", action="store_true")
     args = parser.parse_args()
+    import nncf  # only in NNCF's own virtual environment
+
     model = onnx.load(str(args.model))
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     if opset < 13:
