@@ -75,6 +75,10 @@ class Target:
     # The runtime the measured choices score candidates on, as it computes them
     # (qtool.choices.measure): "onnxruntime" or "openvino" (at f32, qtool.evaluation.openvino_runtime).
     measured_on: str = "onnxruntime"
+    # SmoothQuant may insert a Mul by 1/s before static int8 MatMul/Gemm readers where the producer
+    # cannot take the division (a LayerNorm the residual stream reads too), as for dynamic MatMuls:
+    # a runtime that folds that Mul into the quantizer after it (qtool.plan.smooth_quant.find_sites).
+    smooth_inserts: bool = False
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -101,7 +105,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "negative value) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel weights, no "
            "onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
-           activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, measured_on="openvino"),
+           activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, measured_on="openvino",
+           smooth_inserts=True),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

@@ -173,3 +173,31 @@ def test_openvino_runs_the_layers_in_int8(tmp_path):
         for a, b in zip(reference({"x": x}).values(), compiled({"x": x}).values()):
             a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
             assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.999
+
+
+def _residual_layer_norm_model(rng) -> onnx.ModelProto:
+    """x -> LayerNormalization (gamma 40 on channel 0: an outlier channel) -> ln; ln -> MatMul -> h;
+    y = ln + h: the residual stream reads ln too, so SmoothQuant cannot fold into the LayerNorm."""
+    d = 16
+    gamma = np.ones(d, np.float32)
+    gamma[0] = 40.0
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["ln"], name="ln", axis=-1),
+             helper.make_node("MatMul", ["ln", "w"], ["h"], name="mm"),
+             helper.make_node("Add", ["ln", "h"], ["y"], name="residual")]
+    inits = [graphs.init("gamma", gamma), graphs.init("beta", np.zeros(d, np.float32)),
+             graphs.init("w", rng.normal(0, 0.3, (d, d)).astype(np.float32))]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 6, d])], [graphs.tensor("y", None)], inits, opset=17)
+
+
+def test_smoothquant_by_default_in_a_transformer_through_an_inserted_mul(tmp_path):
+    path, data, result = _quantize(tmp_path, _residual_layer_norm_model(np.random.default_rng(0)), (6, 16))
+    model = result.model
+    assert any("SmoothQuant (alpha 0.8)" in note for note in result.notes)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    matmul = next(n for n in model.graph.node if n.op_type == "MatMul")
+    dq = producer[matmul.input[0]]
+    quantized = producer[producer[dq.input[0]].input[0]]  # DQ <- Q <- the tensor the MatMul reads
+    assert quantized.op_type == "Mul" and "ln" in quantized.input  # ln / s, read by the MatMul only
+    residual = next(n for n in model.graph.node if n.name == "residual")
+    assert "ln" in residual.input  # the residual stream keeps ln as it is
+    assert min(_cosines(path, model, data)) > 0.99

@@ -605,14 +605,15 @@ def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onn
     scales = dict(options.smooth_scales)
     equalized = equalize_activations(model, scales)
     if scales:
-        smooth(model, scales, insert=strategy == "dynamic")
+        smooth(model, scales, insert=strategy == "dynamic" or target_of(options).smooth_inserts)
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
     if equalized:
         plan.notes.append(f"{EQUALIZED_NOTE} in {equalized} Conv -> activation -> depthwise Conv chain(s), "
                           "exactly (one int8 range per activation then fits every channel)")
     if scales:
-        plan.notes.append(f"SmoothQuant (alpha {smoothing_alpha(options, strategy == 'dynamic')}): the activation "
+        alpha = smoothing_alpha(options, strategy == "dynamic" or target_of(options).smooth_inserts)
+        plan.notes.append(f"SmoothQuant (alpha {alpha}): the activation "
                           f"ranges of {len(scales)} MatMul/Gemm inputs moved into their weights")
     elif options.smooth_quant is not None:
         plan.notes.append("SmoothQuant smoothed nothing: no LayerNorm or linear layer output is read by "
