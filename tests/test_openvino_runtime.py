@@ -110,3 +110,23 @@ def test_the_targets_measured_choices_score_on_openvino(models, tmp_path, monkey
     assert "calibration.method" in result.output
     # the fp32 reference and at least one candidate, compiled at f32
     assert len(compiled) >= 2 and set(compiled) == {"f32"}
+
+
+def test_a_model_openvino_cannot_compile_is_one_line(tmp_path):
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from onnx import helper
+
+    from qtool.errors import QtoolError
+    from qtool.evaluation.openvino_runtime import CompiledModel
+
+    path = tmp_path / "unknown.onnx"
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="example.unknown")
+    graph = helper.make_graph([node], "g", [graphs.tensor("x", ["N", 4])], [graphs.tensor("y", None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("example.unknown", 1)])
+    onnx.save(model, path)
+    with pytest.raises(QtoolError) as raised:
+        CompiledModel(path)
+    message = str(raised.value)
+    assert "OpenVINO cannot compile it" in message and "\n" not in message and "NoSuchOp" in message
+    assert "Exception from src" not in message

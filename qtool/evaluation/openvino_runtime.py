@@ -67,7 +67,7 @@ class CompiledModel:
             source = str(model) if isinstance(model, (str, Path)) else core.read_model(model.SerializeToString(), b"")
             self.compiled = core.compile_model(source, "CPU", config)
         except Exception as exc:  # OpenVINO raises RuntimeError with a multi-line message
-            raise QtoolError(f"OpenVINO cannot compile it: {str(exc).strip().splitlines()[0]}",
+            raise QtoolError(f"OpenVINO cannot compile it: {_reason(exc)}",
                              label or (model if isinstance(model, (str, Path)) else "model")) from exc
         self.request = self.compiled.create_infer_request()
         self.names = [o.get_any_name() for o in self.compiled.outputs]
@@ -93,6 +93,15 @@ class CompiledModel:
         heavy = [precision for kind, precision in kinds if kind in HEAVY_OPS]
         return {"heavy_ops": len(heavy), "int8_heavy_ops": sum(p in INT8 for p in heavy),
                 "unfused_fake_quantize": sum(kind == "FakeQuantize" for kind, _ in kinds)}
+
+
+def _reason(exc: Exception) -> str:
+    """OpenVINO's multi-line message in one line: its lines that say what failed, not where in
+    OpenVINO's sources ("Exception from src/...", "Check ... failed at src/...")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith(("Exception from", "Check '"))]
+    text = " ".join(said[:4] or lines[:1])
+    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def measure_latency(fp32_path: str | Path, int8_path: str | Path, feeds: dict[str, np.ndarray], threads: int,
