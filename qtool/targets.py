@@ -159,6 +159,8 @@ def describe(options) -> str:
     weights = f"int8 symmetric {'per-channel' if options.per_channel else 'per-tensor'} weights " \
               f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
+    if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
+        acts += " (uint8 where the range has no negative value)"
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]
     tail = f"; overridden: {', '.join(overridden)}" if overridden else ""
