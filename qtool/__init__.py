@@ -35,6 +35,8 @@ _PUBLIC = {
     "EvaluationReport": "qtool.evaluation.report",
     "QtoolError": "qtool.errors",
     "ThresholdError": "qtool.errors",
+    "OutputError": "qtool.errors",
+    "NotEnoughMemory": "qtool.errors",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -14,6 +14,7 @@ from Python and from the command line. Three things are accepted in several form
 from __future__ import annotations
 
 import contextlib
+import itertools
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,9 +26,10 @@ import yaml
 from qtool.calibration.calibrate import calibrate as run_calibration, calibrate_methods
 from qtool.calibration.ranges import AUTO
 from qtool.config import Config, load_config
+from qtool.data.batching import LOOK_AHEAD, batch_refusal
 from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
 from qtool.data.labels import labels_for
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, reports_memory
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
 from qtool.choices import Decision, apply, built, settle
 from qtool.choices.ranges import choose_ranges
@@ -37,6 +39,7 @@ from qtool.evaluation.report import EvaluationReport
 from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
+from qtool.graph.runtime import job_model
 from qtool.quantization.quantize import QuantizedGraph, quantize_model
 from qtool.table.formats import read_table
 from qtool.table.table import CalibrationTable, smoothed_options
@@ -128,6 +131,7 @@ class QuantizeResult:
                     "int8_mac_fraction": self.search.int8_mac_fraction, "figures": self.search.figures}}
 
 
+@reports_memory("calibrate it")
 def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
               progress: bool = True, executor: Optional[Executor] = None) -> CalibrationTable:
     """Run `data` through `model` and return the calibration table (`.save(path)` writes its JSON).
@@ -136,8 +140,10 @@ def calibrate(model: str | Path, data: DataLike, config: ConfigLike = None, *,
     runs the shards of a data folder; without one, the config's `calibration.dask` or
     `calibration.workers` say where they run (default: here)."""
     cfg = load_config(config)
-    with _engine(executor, cfg.calibration.dask, cfg.calibration.workers) as engine:
-        return _calibrated(model, data, cfg, progress, engine)[0]
+    with job_model(model), _engine(executor, cfg.calibration.dask, cfg.calibration.workers) as engine:
+        data, cfg, sized = _batch_sizes(model, input_specs(load_model(model)), data, cfg)
+        table = _calibrated(model, data, cfg, progress, engine)[0]
+    return replace(table, notes=table.notes + tuple(d.note() for d in sized if d.details))
 
 
 def _calibrated(model: str | Path, data: DataLike, cfg: Config, progress: bool, engine: Optional[Engine]
@@ -164,6 +170,7 @@ def _engine(executor: Optional[Executor], dask: Optional[str], workers: int) -> 
             yield engine
 
 
+@reports_memory("quantize it")
 def quantize(model: str | Path, *, table: CalibrationTable | str | Path | None = None,
              data: Optional[DataLike] = None, config: ConfigLike = None, table_format: Optional[str] = None,
              allow_missing: bool = False, progress: bool = True,
@@ -202,20 +209,27 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
     if table is None and data is None:
         raise QtoolError("quantize needs a calibration table (table=) or calibration data (data=)")
     sharded = table is None or search is not None  # what runs on an engine: the calibration, the search
-    with _engine(executor, cfg.calibration.dask, cfg.calibration.workers) if sharded \
+    with job_model(model), _engine(executor, cfg.calibration.dask, cfg.calibration.workers) if sharded \
             else contextlib.nullcontext() as engine:
         table_path, measured, ranges = None, [], None
+        fp32_model = load_model(model)
+        specs = input_specs(fp32_model)
+        sized = []
+        if data is not None:  # before anything runs on batches: calibration, the choices, the search
+            data, cfg, sized = _batch_sizes(model, specs, data, cfg)
+        if search is not None:
+            search, cfg, more = _search_batch_size(model, specs, search, cfg)
+            sized += more
         if table is None:
             table, measured, ranges = _calibrated(model, data, cfg, progress, engine)
         elif not isinstance(table, CalibrationTable):
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
-        fp32_model = load_model(model)
-        specs = input_specs(fp32_model)
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         measurable = data if data is not None and not isinstance(data, Iterator) else None
         cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges)
+        decisions = sized + decisions
         outcome = None
         if search is not None:
             graph, outcome, table = _search(model, specs, table, measured, data, cfg, search, calib_data,
@@ -231,12 +245,13 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
         settled = apply(replace(settled, calibration=replace(settled.calibration, method=outcome.method)),
                         decisions[-1:])
     notes = tuple(dict.fromkeys([*table.notes, *graph.notes,
-                                 *(d.note() for d in decisions if d.measured or d.details)]))
+                                 *(d.note() for d in decisions if len(d.measured) > 1 or d.details)]))
     return QuantizeResult(graph.model, table, notes, len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
                           outcome, tuple(decisions), settled)
 
 
+@reports_memory("evaluate it")
 def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigLike = None, *,
              labels: Optional[str] = None, table: str | Path | None = None,
              progress: bool = True, executor: Optional[Executor] = None) -> EvaluationReport:
@@ -248,6 +263,51 @@ def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigL
     inputs = EvaluateInputs(Path(fp32), Path(int8), data, labels, Path(table) if table is not None else None)
     with _engine(executor, cfg.evaluation.dask, 1) as engine:
         return run_evaluation(inputs, cfg.preprocess, cfg.evaluation, cfg.quantization, progress, engine)
+
+
+def _batch_sizes(model: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config
+                 ) -> tuple[DataLike, Config, list[Decision]]:
+    """(data, cfg, decisions) with calibration.batch_size settled to 1 when the model refuses the
+    configured batch on the first batch of the data (qtool.data.batching), and the evaluation's with
+    it (the same graph)."""
+    data, reason = _refusal(model, specs, data, cfg, cfg.calibration.batch_size)
+    if reason is None:
+        return data, cfg, []
+    decisions = [Decision("calibration.batch_size", 1, _ONE_AT_A_TIME, details=(reason,)),
+                 Decision("evaluation.batch_size", 1, "as calibration.batch_size")]
+    return data, apply(cfg, decisions), decisions
+
+
+def _search_batch_size(model: str | Path, specs: list[InputSpec], search: MixedPrecisionSearch, cfg: Config
+                       ) -> tuple[MixedPrecisionSearch, Config, list[Decision]]:
+    """The search's evaluation data and cfg with evaluation.batch_size settled as _batch_sizes does,
+    on the evaluation data (nothing left to probe when calibration settled it)."""
+    data, reason = _refusal(model, specs, search.data, cfg, cfg.evaluation.batch_size)
+    search = replace(search, data=data)
+    if reason is None:
+        return search, cfg, []
+    decision = Decision("evaluation.batch_size", 1, _ONE_AT_A_TIME, details=(f"on the evaluation data, {reason}",))
+    return search, apply(cfg, [decision]), [decision]
+
+
+_ONE_AT_A_TIME = "the model takes one sample at a time, not the batches its dynamic first axis declares"
+
+
+def _refusal(model: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config, size: int
+             ) -> tuple[DataLike, Optional[str]]:
+    """(data, why the model refuses batches of `size` samples of it: None when it does not); data
+    read once (an iterator) comes back with its first samples read again."""
+    if size <= 1:
+        return data, None
+    probe = data
+    if isinstance(data, Iterator):
+        probe = list(itertools.islice(data, LOOK_AHEAD * size))
+        data = itertools.chain(probe, data)
+    try:
+        source = open_data(probe, specs, cfg.preprocess)
+    except QtoolError:  # the data's own errors: reported where the job reads it, after the model's
+        return data, None
+    return data, batch_refusal(str(model), source, size)
 
 
 def _calibration_batches(data: DataLike, specs: list[InputSpec], cfg: Config) -> Callable[[int], Iterable[Batch]]:

@@ -13,15 +13,16 @@ same output removes it, while a live concurrent writer's temporaries stay locked
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from qtool import interrupt
-from qtool.errors import QtoolError
+from qtool.errors import OutputError, QtoolError
 
 try:
     import fcntl
@@ -38,11 +39,16 @@ _RANDOM = "[a-z0-9_]{8}"  # tempfile's random part
 
 
 def check_output_path(path: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
-    """Refuse output paths whose directory is missing or that would overwrite an input."""
+    """Refuse output paths whose directory is missing or not writable, or that would overwrite an
+    input: checked before the work, which would otherwise be lost at the end."""
     out = Path(path)
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise QtoolError(f"output directory {parent} does not exist", out)
+        raise OutputError(f"output directory {parent} does not exist", out)
+    if not os.access(parent, os.W_OK | os.X_OK):  # also false for root on a read-only file system
+        read_only = hasattr(os, "statvfs") and os.statvfs(parent).f_flag & os.ST_RDONLY
+        why = "on a read-only file system" if read_only else "not writable"
+        raise OutputError(f"output directory {parent} is {why}", out)
     if out.is_dir():
         raise QtoolError("output path is a directory", out)
     for src in inputs:
@@ -158,11 +164,37 @@ def sync_directory(directory: str | os.PathLike) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path in the target's directory; rename it onto `path` on success."""
-    remove_stale(path)
-    with temporary(path) as tmp_path:
-        yield tmp_path
-        os.replace(tmp_path, path)
+    """Yield a temporary path in the target's directory; rename it onto `path` on success. A failed
+    write (disk full, I/O error) is the user's OutputError naming `path`."""
+    try:
+        remove_stale(path)
+        with temporary(path) as tmp_path:
+            yield tmp_path
+            with interrupt.deferred():  # renamed and recorded as one step: an interrupt comes before or after both
+                os.replace(tmp_path, path)
+                interrupt.committed(Path(path))
+    except OSError as exc:
+        if isinstance(exc, QtoolError):
+            raise
+        raise write_error(exc, path) from exc
+
+
+def write_error(exc: OSError, path: str | os.PathLike) -> OutputError:
+    """A failed write (disk full, read-only, I/O error) as the user's one-line error naming the output."""
+    return OutputError(f"cannot write it: {exc.strerror or exc}", path)
+
+
+def reports_write_errors(writer: Callable) -> Callable:
+    """Decorate `writer(obj, path, ...)`: an OSError while it writes becomes an OutputError naming `path`."""
+    @functools.wraps(writer)
+    def write(obj, path, *args, **kwargs):
+        try:
+            return writer(obj, path, *args, **kwargs)
+        except OSError as exc:
+            if isinstance(exc, QtoolError):
+                raise
+            raise write_error(exc, path) from exc
+    return write
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

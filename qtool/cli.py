@@ -24,7 +24,7 @@ from qtool import __version__
 from qtool import interrupt
 from qtool.atomic import check_output_path, write_text
 from qtool.config import TASKS, load_config, override
-from qtool.errors import EXIT_BUG, EXIT_THRESHOLD, QtoolError
+from qtool.errors import EXIT_BUG, EXIT_THRESHOLD, QtoolError, allocation_failure, not_enough_memory
 from qtool.targets import TARGETS
 
 
@@ -36,7 +36,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 
 
 def _command(func):
-    """Run a command body: user errors become one line and an exit code, bugs a short note."""
+    """Run a command body: user errors become one line and an exit code, bugs a short note.
+    The one place exceptions become exit codes: QtoolError its own (2, 1), running out of
+    memory 2, an interrupt 130/143, anything else 3."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -52,19 +54,39 @@ def _command(func):
             sys.exit(exc.exit_code)
         except click.ClickException:
             raise  # usage errors: click prints them and exits 2
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(interrupt.EXIT_SIGINT)
-        except interrupt.Terminated:
-            click.echo("terminated", err=True)
-            sys.exit(interrupt.EXIT_SIGTERM)
+        except (KeyboardInterrupt, interrupt.Terminated) as exc:
+            output = _output_file(click.get_current_context())
+            if output is not None and interrupt.was_committed(output):  # nothing was lost: done
+                click.echo(f"interrupted after the output was written whole: {output}", err=True)
+                sys.exit(0)
+            sigint = isinstance(exc, KeyboardInterrupt)
+            click.echo("interrupted" if sigint else "terminated", err=True)
+            sys.exit(interrupt.EXIT_SIGINT if sigint else interrupt.EXIT_SIGTERM)
         except Exception as exc:  # a bug in qtool: say so briefly, traceback with --debug
             if debug:
                 traceback.print_exc()
+            if allocation_failure(exc):  # the machine's memory, not a bug (the API's jobs say so themselves)
+                context = click.get_current_context()
+                error = not_enough_memory(exc, _input_file(context), f"run {context.info_name} on it")
+                click.echo(f"error: {error}", err=True)
+                sys.exit(error.exit_code)
             click.echo(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True)
             sys.exit(EXIT_BUG)
 
     return wrapper
+
+
+def _input_file(context: click.Context) -> Optional[Path]:
+    """The model (or table) a command works on, for an error about the whole run."""
+    for name in ("model", "fp32_model", "int8_model", "table_in"):
+        if context.params.get(name) is not None:
+            return context.params[name]
+    return None
+
+
+def _output_file(context: click.Context) -> Optional[Path]:
+    """The file a command writes last (-o), whose being in place means the command is done."""
+    return context.params.get("output") or context.params.get("shard_output")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -11,6 +11,7 @@ until it has finished.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from typing import Iterator, Optional
@@ -25,6 +26,7 @@ class Terminated(BaseException):
 
 _critical = 0
 _pending: Optional[int] = None
+_committed: set[str] = set()  # outputs renamed into place whole by the running command
 
 
 def _raise_for(signum: int) -> None:
@@ -47,6 +49,7 @@ def signals_raise() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _committed.clear()
     previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
@@ -67,3 +70,14 @@ def deferred() -> Iterator[None]:
         if not _critical and _pending is not None:
             signum, _pending = _pending, None
             _raise_for(signum)
+
+
+def committed(path: str | os.PathLike) -> None:
+    """`path` is now in place whole (called in the deferred block of its rename)."""
+    _committed.add(os.path.abspath(path))
+
+
+def was_committed(path: str | os.PathLike) -> bool:
+    """Whether `path` was renamed into place whole since the command started: an interrupt after
+    that loses nothing, so the command has succeeded."""
+    return os.path.abspath(path) in _committed

@@ -405,3 +405,45 @@ def random_model(draw, trunk_ops: tuple = TRUNK_OPS,
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model, shape
+
+
+# what an exporter writes when it traces a graph at batch 1 and declares the batch dynamic anyway
+BAKED_FORMS = ("Reshape", "ReshapeFolding", "Expand", "Tile")
+BAKED_TRUNK_OPS = ("Conv", "Relu", "Sigmoid", "MaxPool", "Add", "Mul", "Concat")
+
+
+@st.composite
+def baked_batch_model(draw) -> tuple[onnx.ModelProto, tuple[int, int, int], str]:
+    """A random trunk on x [N, C, H, W], N declared dynamic, with batch 1 baked in at a random
+    point: a Reshape to a constant shape [1, C, W, H] (a traced view), a Reshape that folds the
+    batch into the channels ([1, -1, H, W]), or a constant Expanded, or Tiled, to a fixed
+    [1, C', H, W] and concatenated with the trunk on the channels. onnxruntime refuses a batch of
+    several samples, or its outputs mix them; one sample runs. Returns (model, (C, H, W), form)."""
+    b = Builder(np.random.default_rng(draw(st.integers(0, 2**32 - 1))))
+    shape = (draw(st.integers(1, 4)), draw(st.integers(3, 8)), draw(st.integers(3, 8)))
+    b.shapes["x"] = shape
+    current = "x"
+    for _ in range(draw(st.integers(0, 2))):
+        current = draw(_trunk_layer(b, current, BAKED_TRUNK_OPS))
+    form = draw(st.sampled_from(BAKED_FORMS))
+    c, h, w = b.shapes[current]
+    if form == "Reshape":
+        current = b.node("Reshape", [current, b.const(np.array([1, c, w, h], np.int64))], (c, w, h))
+    elif form == "ReshapeFolding":
+        current = b.node("Reshape", [current, b.const(np.array([1, -1, h, w], np.int64))], (c, h, w))
+    else:
+        extra = draw(st.integers(1, 3))
+        seed = b.const(b.rng.normal(0, 1, (1, extra, 1, 1)).astype(np.float32))
+        if form == "Expand":
+            fixed = b.node("Expand", [seed, b.const(np.array([1, extra, h, w], np.int64))], (extra, h, w))
+        else:
+            fixed = b.node("Tile", [seed, b.const(np.array([1, 1, h, w], np.int64))], (extra, h, w))
+        current = b.node("Concat", [current, fixed], (c + extra, h, w), axis=1)
+    for _ in range(draw(st.integers(1, 2))):
+        current = draw(_trunk_layer(b, current, BAKED_TRUNK_OPS))
+    graph = helper.make_graph(b.nodes, "baked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape])],
+                              [helper.make_tensor_value_info(current, TensorProto.FLOAT, ["N", *b.shapes[current]])],
+                              b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model, shape, form

@@ -7,7 +7,11 @@ through a real subprocess, as a user would run qtool.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -35,15 +39,41 @@ def _check_one_error_line(stderr: str, exit_code: int, case: dict, tmp: Path) ->
     assert stderr.rstrip("\n").split("\n")[-1].split("\r")[-1] == errors[0]
     assert errors[0].startswith(f"error: {_expand(case['file'], tmp)}: "), errors[0]
     assert _expand(case["message"], tmp) in errors[0], errors[0]
+    assert "allow_pickle" not in stderr, "never advise loading a data file with pickle"
 
 
 def test_corpus_is_large_enough():
     assert len(CASES) >= 30
 
 
+@contextlib.contextmanager
+def _read_only_folder(folder: Path):
+    """`folder` as an empty read-only file system (a tmpfs mounted ro), which even root cannot write."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=16k", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        folder.rmdir()
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+        folder.rmdir()
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_bad_input_in_process(case, tmp_path):
-    result = CliRunner().invoke(main, [_expand(a, tmp_path) for a in case["args"]])
+def test_bad_input_in_process(case, tmp_path, monkeypatch):
+    with contextlib.ExitStack() as stack:
+        if "read_only" in case:
+            stack.enter_context(_read_only_folder(Path(_expand(case["read_only"], tmp_path))))
+        if case.get("fault") == "disk_full":
+            def disk_full(fd):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            monkeypatch.setattr(os, "fsync", disk_full)
+        result = CliRunner().invoke(main, [_expand(a, tmp_path) for a in case["args"]])
+        monkeypatch.undo()
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exc_info
     _check_one_error_line(result.stderr, result.exit_code, case, tmp_path)
     assert not list(tmp_path.iterdir()), "nothing may be written for bad input"
@@ -54,6 +84,14 @@ def test_bad_input_in_process(case, tmp_path):
 def test_bad_input_subprocess(case, tmp_path):
     proc = run_qtool(*[_expand(a, tmp_path) for a in case["args"]], timeout=120)
     _check_one_error_line(proc.stderr, proc.returncode, case, tmp_path)
+
+
+def test_onnxruntime_running_out_of_memory_prints_one_line_only(tmp_path):
+    """Not onnxruntime's own log of the failure as well (its sessions log fatal errors only)."""
+    case = next(c for c in CASES if c["name"] == "memory_onnxruntime")
+    proc = run_qtool(*[_expand(a, tmp_path) for a in case["args"]], timeout=120)
+    _check_one_error_line(proc.stderr, proc.returncode, case, tmp_path)
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_debug_flag_shows_the_traceback(tmp_path):

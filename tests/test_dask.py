@@ -212,6 +212,30 @@ def test_local_cluster_workers_keep_the_adaptive_malloc():
     assert list(env.values()) == [(None, "1")]
 
 
+def test_the_local_cluster_listens_on_loopback_only():
+    """`--dask local` sends models and samples between processes: every socket its scheduler,
+    nannies and workers listen on (their HTTP servers too, the dashboard's place) is bound to
+    127.0.0.1, not to every interface as Dask's default dashboard is."""
+    import psutil
+
+    from qtool.graph.executor import open_engine
+
+    def port(address: str) -> int:
+        return int(address.rsplit(":", 1)[1])
+
+    with open_engine("local:1") as engine:
+        info = engine.client.scheduler_info()
+        worker_pids = list(engine.client.run(os.getpid).values())
+        here = {port(info["address"]), *info.get("services", {}).values()}
+        here |= {port(w["nanny"]) for w in info["workers"].values() if w.get("nanny")}
+        listening = [c for c in psutil.Process().net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port in here]
+        for pid in worker_pids:
+            listening += [c for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert worker_pids and len(listening) >= len(here) + 1
+    assert all(c.laddr.ip == "127.0.0.1" for c in listening), [c.laddr for c in listening]
+
+
 def test_dask_option_values():
     assert parse_dask("local:3") == (None, 3)
     assert parse_dask("tcp://10.0.0.1:8786") == ("tcp://10.0.0.1:8786", 0)

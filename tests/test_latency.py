@@ -15,6 +15,7 @@ from qtool.calibration.calibrate import calibrate
 from qtool.choices import latency
 from qtool.config import AdvancedConfig, CalibrationConfig, Config, PreprocessConfig, QuantizeConfig
 from qtool.quantization.quantize import quantize_model
+from qtool.graph.modelio import InputSpec, input_specs
 
 from tests import graphs
 
@@ -50,7 +51,7 @@ class Tuned:
 
 def tune(path, table, options: QuantizeConfig, measure, monkeypatch) -> Tuned:
     """settle (the latency tuning timed by `measure`), then the back end on the settled config."""
-    monkeypatch.setattr(choices, "timer", lambda feeds: measure)
+    monkeypatch.setattr(choices, "timer", lambda feeds, specs: measure)
     settled, decisions = choices.settle(path, onnx.load(path), table, None, Config(quantization=options))
     decision = next((d for d in decisions if d.option == "quantization.advanced.float_nodes"), None)
     assert settled.quantization.advanced.latency_aware == "off"  # nothing left to measure
@@ -139,9 +140,19 @@ def test_the_tuning_is_opt_in_and_the_default_settles_without_it():
 
 def test_batch_one_is_measured_beside_the_batch():
     x = np.zeros((4, 3), np.float32)
-    sets = latency.feed_sets({"x": x, "m": np.ones((4, 2), np.int64)})
+    specs = [InputSpec("x", np.dtype(np.float32), (None, 3)), InputSpec("m", np.dtype(np.int64), (None, 2)),
+             InputSpec("sr", np.dtype(np.int64), ())]
+    sets = latency.feed_sets({"x": x, "m": np.ones((4, 2), np.int64)}, specs)
     assert [s["x"].shape for s in sets] == [(1, 3), (4, 3)]
-    assert len(latency.feed_sets({"x": x, "sr": np.array(16000)})) == 1  # a scalar input: not batched
+    assert len(latency.feed_sets({"x": x, "sr": np.array(16000)}, specs)) == 1  # a scalar input: not batched
+
+
+def test_an_input_whose_first_dimension_is_fixed_is_never_cut_to_one_sample():
+    """A first dimension the model fixes above 1 is its own (a batched MatMul weight, a sequence):
+    cut to [1, ...] onnxruntime refuses it (Got invalid dimensions for input)."""
+    fixed = [InputSpec("x", np.dtype(np.float32), (4, 3)), InputSpec("m", np.dtype(np.int64), (4, 2))]
+    sets = latency.feed_sets({"x": np.zeros((4, 3), np.float32), "m": np.ones((4, 2), np.int64)}, fixed)
+    assert [s["x"].shape for s in sets] == [(4, 3)]
 
 
 @pytest.mark.parametrize("seconds, expected", [(0.1, (1, latency.MIN_RUNS)), (0.4, (1, latency.MIN_RUNS)),
@@ -160,7 +171,7 @@ def test_models_that_run_for_seconds_are_timed_with_few_runs(monkeypatch, second
     monkeypatch.setattr(latency, "time_sessions", clock)
     model = graphs.conv_model(np.random.default_rng(0))
     x = np.zeros((4, 8, 12, 12), np.float32)
-    medians = latency.timer({"x": x})({"int8": model, "float": model})
+    medians = latency.timer({"x": x}, input_specs(model))({"int8": model, "float": model})
     assert medians == {"int8": [seconds, seconds], "float": [seconds, seconds]}
     assert calls == [(1, 1), expected] * 2
 

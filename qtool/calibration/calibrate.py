@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
 import onnx
 
-from qtool.calibration.collect import collect_statistics, warn_nonfinite
+from qtool.calibration.collect import collect_statistics, refuse_nonfinite, warn_nonfinite
 from qtool.calibration.method_rules import methods_for
 from qtool.calibration.ranges import check_method, choose_range, resolve_method
 from qtool.calibration.smoothing import measured_smoothing
 from qtool.calibration.shards import collect_parallel, merge_files, save_stats
 from qtool.calibration.statistics import TensorStats
-from qtool.config import AdvancedConfig, CalibrationConfig, PreprocessConfig, QuantizeConfig
-from qtool.data.dataset import DataLike
+from qtool.config import AdvancedConfig, CalibrationConfig, PreprocessConfig, QuantizeConfig, with_options
+from qtool.data.batching import batch_refusal
+from qtool.data.dataset import DataLike, open_data
 from qtool.errors import QtoolError
 from qtool.graph.executor import Engine
-from qtool.graph.modelio import load_model, sha256_file
+from qtool.graph.modelio import input_specs, load_model, sha256_file
 from qtool.plan.planner import QuantPlan, prepared_model, unreached_bodies
 from qtool.table.resolve import resolve_qparams
 from qtool.table.table import CalibrationTable, TableEntry
@@ -105,7 +107,7 @@ def _statistics(model_path, data: DataLike, preprocess: PreprocessConfig, calib:
                 options: QuantizeConfig, progress: bool, engine: Optional[Engine], all_histograms: bool):
     """(prepared model, plan, options with their smoothing scales, statistics, samples seen) of one
     pass over `data`, here or on the engine's workers."""
-    options = replace(options, advanced=replace(options.advanced, float_nodes=()))  # settled from the table's ranges
+    options = with_options(options, float_nodes=())  # settled from the table's ranges: the table has them all
     model, plan = prepared_model(model_path, options)  # before smoothing: what smoothing measures on
     smoothed = measured_smoothing(model_path, model, plan, data, preprocess, calib, options)
     if smoothed is not options:
@@ -116,6 +118,7 @@ def _statistics(model_path, data: DataLike, preprocess: PreprocessConfig, calib:
                                        force_histograms=all_histograms, progress=progress)
     else:
         stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress, all_histograms=all_histograms)
+    refuse_nonfinite(stats, data)
     return model, plan, options, stats, seen
 
 
@@ -125,6 +128,13 @@ def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: Calib
     """Collect one shard's statistics (with histograms for every tensor) and write them to `output`."""
     resolve_method(calib.method)  # the shard file serves any method, but a typo should fail now
     _no_smoothing(options, "--shard")
+    # every shard probes the same first batch, so all of them settle the same batch size
+    reason = batch_refusal(str(model_path), open_data(data, input_specs(load_model(model_path)), preprocess),
+                           calib.batch_size) if calib.batch_size > 1 else None
+    if reason is not None:
+        warnings.warn(f"calibrating one sample at a time: the model does not take the batches its "
+                      f"dynamic first axis declares: {reason}", stacklevel=2)
+        calib = replace(calib, batch_size=1)
     if engine is not None:
         stats, seen = collect_parallel(engine, model_path, load_model(model_path), data, preprocess, calib, options,
                                        shard, force_histograms=True)
@@ -154,4 +164,5 @@ def merge_tables(model_path, paths: list[Path], calib: CalibrationConfig, option
         raise QtoolError(f"the statistics lack tensor '{missing[0]}' that this quantization needs "
                          "(collected with other quantization options?)", paths[0])
     warn_nonfinite(stats)
+    refuse_nonfinite(stats, ", ".join(map(str, paths)))
     return build_table(plan, stats, calib, options, model_path, seen, model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Optional
 
@@ -14,6 +15,7 @@ from qtool.calibration.saturation import saturable
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig
 from qtool.data.dataset import DataLike, batches, count_samples, folder_only, open_data, select_shard
+from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs
 from qtool.plan.planner import QuantPlan
 
@@ -62,3 +64,14 @@ def warn_nonfinite(stats: dict[str, TensorStats]) -> None:
         if s.nonfinite:
             warnings.warn(f"tensor '{name}': {s.nonfinite} NaN/Inf values excluded from its statistics",
                           stacklevel=3)
+
+
+def refuse_nonfinite(stats: dict[str, TensorStats], data: object) -> None:
+    """A planned tensor whose every calibration value was NaN/Inf has no range (it would be [0, 0]
+    and quantize to zeros): an error naming the data and the tensors."""
+    dead = [name for name, s in stats.items() if not s.seen and s.nonfinite]
+    if dead:
+        names = ", ".join(f"'{name}'" for name in dead[:5]) + (f" and {len(dead) - 5} more" if len(dead) > 5 else "")
+        where = data if isinstance(data, (str, os.PathLike)) else None
+        raise QtoolError(f"no finite value of tensor{'s' if len(dead) > 1 else ''} {names} in the calibration data "
+                         "(every value NaN/Inf): check the data and its preprocessing", where)

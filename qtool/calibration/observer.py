@@ -257,7 +257,7 @@ class Observer:
                 stats[name].add_sample(values[sample_name])
             if bad:  # rare: NaN/Inf in this batch; count and exclude them exactly from the full tensors
                 self._fallback = self._fallback or create_session(with_outputs(self.model, self.fetched),
-                                                                  self.threads)
+                                                                  self.threads, "the fp32 model's tensors")
                 for name, array in zip(bad, self._fallback.run(bad, batch.feeds)):
                     stats[name].update(array)
             for name in self.from_feeds:
@@ -294,5 +294,5 @@ def _observing_session(weights: SharedWeights, names: list[str], histogram_for: 
     if not names and not known:
         return None, {}, []
     reduced, outputs = with_reductions(weights.light, names, set(histogram_for), sample_limit, shapes, known)
-    return (create_session(reduced, threads, weights=weights), outputs,
+    return (create_session(reduced, threads, "the fp32 model with calibration observers", weights=weights), outputs,
             [o for t in [*names, *known] for o in outputs[t][:4] if o])

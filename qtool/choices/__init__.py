@@ -22,6 +22,7 @@ from qtool.choices.latency import choose as choose_latency, timer
 from qtool.config import Config
 from qtool.data.dataset import Batch, DataLike
 from qtool.graph.index import GraphIndex
+from qtool.graph.modelio import InputSpec, input_specs
 from qtool.plan.dynamic import matmul_strategy
 from qtool.quantization.quantize import QuantizedGraph, candidates
 from qtool.table.table import CalibrationTable
@@ -44,6 +45,9 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
         options, decision = choose_dynamic_weights(model_path, model, measurable, table, cfg)
         decisions += [decision] if decision else []
         cfg = replace(cfg, quantization=options)
+    elif cfg.quantization.advanced.dynamic_weights == "auto":
+        decisions.append(Decision("quantization.advanced.dynamic_weights", "column",
+                                  "no calibration data to measure per-tensor scales on"))
     # 2. HardSigmoid/HardSwish form (measured)
     options, decision = choose_hard_forms(model_path, model, measurable, table, cfg)
     decisions += [decision] if decision else []
@@ -55,17 +59,17 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
     cfg = apply(cfg, decisions)
     # 4. latency tuning (opt-in: it times candidates on this machine)
     if cfg.quantization.advanced.latency_aware == "on":
-        decisions.append(_latency(model_path, table, cfg, calib_data))
+        decisions.append(_latency(model_path, input_specs(model), table, cfg, calib_data))
         cfg = apply(cfg, decisions[-1:])
     return _settled(cfg), decisions
 
 
-def _latency(model_path, table: CalibrationTable, cfg: Config,
+def _latency(model_path, specs: list[InputSpec], table: CalibrationTable, cfg: Config,
              calib_data: Optional[Callable[[int], Iterable[Batch]]]) -> Decision:
     built = candidates(model_path, table, cfg.quantization, calib_data)
     if built.feeds is None:
         return Decision("quantization.advanced.float_nodes", (), "latency tuning: no inputs the model runs on")
-    choice = choose_latency(built.fp32, built.quantized, built.build, timer(built.feeds), built.sizes)
+    choice = choose_latency(built.fp32, built.quantized, built.build, timer(built.feeds, specs), built.sizes)
     return Decision("quantization.advanced.float_nodes", choice.labels,
                     "latency tuning: faster in float on this machine (1 thread, medians)", details=choice.notes)
 

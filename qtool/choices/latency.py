@@ -15,11 +15,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx
 
+from qtool.graph.modelio import InputSpec
 from qtool.graph.runtime import create_session, time_sessions
 from qtool.plan.ops import rule_for
 
@@ -42,16 +43,19 @@ class LatencyChoice:
     notes: tuple[str, ...]  # one per choice
 
 
-def feed_sets(feeds: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-    """The batch, and its first sample alone when every input is batched along axis 0: a choice
-    must hold at batch 1 and at the batch the model is fed with."""
+def feed_sets(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec]) -> list[dict[str, np.ndarray]]:
+    """The batch, and its first sample alone when every input is batched along axis 0 (its spec
+    declares that axis dynamic: a fixed first dimension is the model's own, whatever its length):
+    a choice must hold at batch 1 and at the batch the model is fed with."""
+    dynamic = {s.name for s in specs if len(s.shape) and s.shape[0] is None}
     leading = {v.shape[0] for v in feeds.values() if v.ndim}
-    if len(leading) == 1 and leading.pop() > 1 and all(v.ndim for v in feeds.values()):
+    if (len(leading) == 1 and leading.pop() > 1 and all(v.ndim for v in feeds.values())
+            and all(name in dynamic for name in feeds)):
         return [{k: v[:1] for k, v in feeds.items()}, dict(feeds)]
     return [dict(feeds)]
 
 
-def timer(feeds: Mapping[str, np.ndarray]) -> Measure:
+def timer(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec]) -> Measure:
     """Per feed set (feed_sets), median seconds per run, the models taking turns; enough runs for
     about BUDGET_S per feed set, at least MIN_RUNS. Where one run of each takes SLOW_S or more (a
     table recogniser's 500-step decoder at batch 8), FEW_RUNS runs after the probe, which warmed
@@ -60,7 +64,7 @@ def timer(feeds: Mapping[str, np.ndarray]) -> Measure:
     def measure(models: Mapping[str, onnx.ModelProto]) -> dict[str, list[float]]:
         sessions = {name: create_session(model, 1, name) for name, model in models.items()}
         medians: dict[str, list[float]] = {name: [] for name in models}
-        for batch in feed_sets(feeds):
+        for batch in feed_sets(feeds, specs):
             once = sum(t[0] for t in time_sessions(sessions, batch, warmup=1, runs=1).values())
             if once >= SLOW_S:
                 warmup, runs = 0, FEW_RUNS

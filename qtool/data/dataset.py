@@ -232,9 +232,22 @@ def _read_arrays(path: Path) -> "np.ndarray | dict[str, np.ndarray]":
                 with loaded:
                     return {k: loaded[k] for k in loaded.files}
             return loaded
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise QtoolError(f"cannot read tensor file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+    except OSError as exc:
+        raise QtoolError(f"cannot read tensor file: {exc.strerror or str(exc).splitlines()[0] or type(exc).__name__}",
                          path) from None
+    except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise QtoolError(f"cannot read tensor file: {_not_numeric(exc)}", path) from None
+
+
+def _not_numeric(exc: BaseException) -> str:
+    """What is wrong with a file np.load refused, without numpy's advice to unpickle it: qtool
+    reads numeric arrays only, and unpickling an untrusted file runs its code."""
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "object arrays" in detail.lower():
+        detail = "it holds Python objects"
+    elif "pickle" in detail.lower():  # numpy's guess for any file without the .npy or zip signature
+        detail = ""
+    return "not a valid .npy/.npz file of numeric arrays" + (f" ({detail})" if detail else "")
 
 
 def _load_tensors(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:

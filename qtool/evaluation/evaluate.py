@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from qtool import __version__
 from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig, QuantizeConfig, load_section
+from qtool.data.batching import batch_refusal
 from qtool.data.dataset import Batch, DataLike, batches, check_shippable, count_samples, open_data
 from qtool.errors import QtoolError
 from qtool.data.labels import Labels, labels_for
@@ -80,6 +82,7 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     source = open_data(inputs.data, specs, preprocess)
     if engine is not None:
         check_shippable(source, "evaluation on workers (--dask, executor=)")
+    cfg = runnable_batch_size(inputs.fp32, source, cfg)
     labels = labels_for(source, inputs.labels) if inputs.labels else None
     if engine is None:
         run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
@@ -95,6 +98,17 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
         if cfg.sensitivity else None
     return build_report(inputs, int8_model, source.root is not None, run.task, run.fidelity, run.samples,
                         sample_shapes(run.first_batch.feeds), latency, cfg, per_layer, sensitivity)
+
+
+def runnable_batch_size(fp32: Path, source, cfg: EvaluateConfig) -> EvaluateConfig:
+    """cfg with batch_size 1, and a warning saying why, when the fp32 model refuses the configured
+    batch on the first batch of the data (qtool.data.batching)."""
+    reason = batch_refusal(str(fp32), source, cfg.batch_size) if cfg.batch_size > 1 else None
+    if reason is None:
+        return cfg
+    warnings.warn(f"evaluating one sample at a time: the model does not take the batches its "
+                  f"dynamic first axis declares: {reason}", stacklevel=2)
+    return replace(cfg, batch_size=1)
 
 
 def detection_config(cfg: EvaluateConfig) -> DetectionConfig:

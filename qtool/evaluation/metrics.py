@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -31,11 +31,36 @@ def sqnr_db(signal_power: float, noise_power: float) -> float:
     return 10.0 * math.log10(signal_power / noise_power)
 
 
-def sample_cosines(ref: np.ndarray, test: np.ndarray) -> np.ndarray:
-    """The cosine of every sample (row of axis 0) of `test` to `ref`; a scalar is one sample."""
-    n = ref.shape[0] if ref.ndim > 0 else 1
-    r = ref.astype(np.float64).reshape(n, -1)
-    t = test.astype(np.float64).reshape(n, -1)
+def as_array(value) -> np.ndarray:
+    """A model output as a numpy array: a tensor as it is; a sequence output (onnxruntime gives a
+    list) as one row of all its values, a sequence of maps (a classifier's per-class scores) as one
+    row per map of its values in key order."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, Mapping) for v in value):
+            return np.array([[float(v[k]) for k in sorted(v)] for v in value], dtype=np.float64)
+        if not value:
+            return np.zeros((0,), np.float64)
+        return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in value])
+    return np.asarray(value)
+
+
+def rows(array: np.ndarray, samples: Optional[int] = None) -> np.ndarray:
+    """`array` as one row per sample: along axis 0 when that axis holds the batch (its length is
+    `samples`, or any length when `samples` is None); else, a 0-d scalar or an output without the
+    batch axis, one row for the whole batch, which is one row per sample at batch 1."""
+    array = as_array(array)
+    if array.ndim == 0 or (samples is not None and array.shape[0] != samples):
+        return array.reshape(1, -1)
+    return array.reshape(array.shape[0], -1)
+
+
+def sample_cosines(ref: np.ndarray, test: np.ndarray, samples: Optional[int] = None) -> np.ndarray:
+    """The cosine of every row (rows(): one per sample when the output holds the batch along axis 0,
+    one for the batch otherwise) of `test` to `ref`; a 0-d scalar is one row."""
+    r = rows(ref, samples).astype(np.float64)
+    t = rows(test, samples).astype(np.float64).reshape(r.shape[0], -1)
     norms = np.linalg.norm(r, axis=1) * np.linalg.norm(t, axis=1)
     dots = np.sum(r * t, axis=1)
     # two all-zero vectors are identical: cosine 1
@@ -60,16 +85,17 @@ class FidelityAccumulator:
     abs_max: float = 0.0
     values: int = 0
 
-    def update(self, ref: np.ndarray, test: np.ndarray) -> np.ndarray:
-        """Add one batch; returns its per-sample cosines."""
-        ref = ref.astype(np.float64)
-        diff = test.astype(np.float64) - ref
+    def update(self, ref: np.ndarray, test: np.ndarray, samples: Optional[int] = None) -> np.ndarray:
+        """Add one batch (of `samples` samples, when known: see rows()); returns its cosines, one per
+        row: per sample when the output holds the batch along axis 0, else one for the batch."""
+        ref, test = as_array(ref).astype(np.float64), as_array(test).astype(np.float64)
+        diff = test - ref
         self.signal += float(np.sum(ref * ref))
         self.noise += float(np.sum(diff * diff))
         self.abs_sum += float(np.sum(np.abs(diff)))
         self.abs_max = max(self.abs_max, float(np.max(np.abs(diff))) if diff.size else 0.0)
         self.values += diff.size
-        cos = sample_cosines(ref, test)
+        cos = sample_cosines(ref, test, samples)
         self.cosine_sum += float(np.sum(cos))
         self.samples += len(cos)
         return cos
@@ -109,8 +135,10 @@ class ClassificationAccumulator:
     test_topk: int = 0
 
     def update(self, ref: np.ndarray, test: np.ndarray, labels: list[int | None]) -> None:
-        ref2 = ref.reshape(ref.shape[0], -1)
-        test2 = test.reshape(test.shape[0], -1)
+        ref2 = rows(ref, len(labels)).astype(np.float64)
+        test2 = rows(test, len(labels)).astype(np.float64).reshape(ref2.shape[0], -1)
+        if ref2.shape[0] != len(labels):  # an output without the batch axis: one row for the batch
+            labels = [None] * ref2.shape[0]
         p, q = as_probabilities(ref2), as_probabilities(test2)
         eps = 1e-12
         self.kl_sum += float(np.sum(p * (np.log(p + eps) - np.log(q + eps))))

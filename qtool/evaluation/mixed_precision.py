@@ -30,7 +30,7 @@ from qtool.quantization.float_fallback import (Precisions, blocks, dynamic_candi
 from qtool.data.labels import Labels
 from qtool.evaluation.macs import int8_macs, node_macs, sample_shapes
 from qtool.graph.index import GraphIndex, node_label
-from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
+from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator, rows
 from qtool.plan.planner import QuantPlan
 from qtool.quantization.quantize import QuantizedGraph, kernel_forms, quantize_model
 from qtool.graph.runtime import create_session
@@ -105,8 +105,8 @@ def _worst_cosines(fidelity: list[FidelityAccumulator], reference: list[np.ndarr
                    samples: int) -> np.ndarray:
     """Adds one batch of `samples` to each output's accumulator; per sample, the smallest cosine to
     fp32 over the outputs. An output whose first axis is not the batch (a recurrent state
-    [layers, batch, hidden]) counts with its mean cosine for every sample."""
-    cosines = [acc.update(r, t) for acc, r, t in zip(fidelity, reference, test)]
+    [layers, batch, hidden], a 0-d scalar at batch > 1) counts with its mean cosine for every sample."""
+    cosines = [acc.update(r, t, samples) for acc, r, t in zip(fidelity, reference, test)]
     return np.minimum.reduce([c if len(c) == samples else np.full(samples, np.mean(c)) for c in cosines])
 
 
@@ -196,8 +196,9 @@ class _Focus:
 
     def __init__(self, evaluate: Evaluator, target: Target, count: int, int8_first: list[np.ndarray]):
         """`int8_first`: the all-int8 model's first output per evaluation batch."""
-        first = [ref[0].reshape(len(batch), -1) for batch, ref in zip(evaluate.data, evaluate.reference)]
-        self.classify = target.classifies() and first[0].shape[1] > 1
+        first = [rows(ref[0], len(batch)) for batch, ref in zip(evaluate.data, evaluate.reference)]
+        self.classify = (target.classifies() and first[0].shape[1] > 1
+                         and all(len(f) == len(batch) for f, batch in zip(first, evaluate.data)))
         self.cosine = target.cosine is not None
         if self.classify:
             # at stake: a small fp32 margin (a near-tie), or a small or negative margin of the fp32
@@ -211,14 +212,17 @@ class _Focus:
         self.batches, self.reference = [], []
         offset = 0
         for batch, ref in zip(evaluate.data, evaluate.reference):
-            rows = [i for i in range(len(batch)) if offset + i in chosen]
+            picked = [i for i in range(len(batch)) if offset + i in chosen]
             offset += len(batch)
-            if len(rows) == len(batch):  # whole (a model fed one sample at a time has scalar and state inputs)
+            whole = len(picked) == len(batch) or any(np.ndim(r) == 0 or np.shape(r)[0] != len(batch) for r in ref)
+            if picked and whole:  # a model fed one sample at a time has scalar and state inputs; an output
+                # without the batch axis cannot be cut to the samples at stake: the batch goes whole
                 self.batches.append(batch)
                 self.reference.append(ref)
-            elif rows:
-                self.batches.append(Batch([batch.keys[i] for i in rows], {k: v[rows] for k, v in batch.feeds.items()}))
-                self.reference.append([r[rows] for r in ref])
+            elif picked:
+                self.batches.append(Batch([batch.keys[i] for i in picked],
+                                          {k: v[picked] for k, v in batch.feeds.items()}))
+                self.reference.append([r[picked] for r in ref])
         self.outputs, self.threads = evaluate.outputs, evaluate.threads
 
     @contextlib.contextmanager

@@ -25,7 +25,8 @@ from qtool.data.labels import labels_for
 from qtool.errors import QtoolError
 from qtool.evaluation.ctc import CtcAccumulator
 from qtool.evaluation.detection import DetectionAccumulator
-from qtool.evaluation.evaluate import EvaluateInputs, build_report, detection_config, open_models
+from qtool.evaluation.evaluate import (EvaluateInputs, build_report, detection_config, open_models,
+                                      runnable_batch_size)
 from qtool.evaluation.latency import measure_latency
 from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
 from qtool.evaluation.report import EvaluationReport
@@ -49,6 +50,7 @@ def evaluate_shard(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Ev
     folder_only(inputs.data, "evaluate --shard")
     _, _, specs, outputs = open_models(inputs, cfg)
     source = open_data(inputs.data, specs, preprocess)
+    cfg = runnable_batch_size(inputs.fp32, source, cfg)  # every shard probes the same first batch
     labels = labels_for(source, inputs.labels) if inputs.labels else None
     (part,) = split_shard(source, cfg.batch_size, cfg.num_samples, *shard, parts=1)
     fp32, int8 = ModelRef.of(inputs.fp32), ModelRef.of(inputs.int8)

@@ -13,7 +13,7 @@ from qtool.data.labels import Labels
 from qtool.errors import QtoolError
 from qtool.evaluation.ctc import CtcAccumulator
 from qtool.evaluation.detection import DetectionAccumulator
-from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator
+from qtool.evaluation.metrics import ClassificationAccumulator, FidelityAccumulator, as_array
 
 
 def looks_like_classifier(shape: tuple) -> bool:
@@ -47,7 +47,7 @@ def resolve_task(cfg: EvaluateConfig, outputs: list[str], first: np.ndarray, det
     output, where collapsing repeats and dropping class 0 would report texts that do not exist."""
     name = cfg.task
     if name == "auto":
-        name = "classification" if looks_like_classifier(first.shape) else "generic"
+        name = "classification" if looks_like_classifier(np.shape(as_array(first))) else "generic"
     if name != "classification" and (cfg.max_top1_drop is not None or cfg.min_agreement is not None):
         raise QtoolError(f"max_top1_drop and min_agreement are classification figures; the task is {name}")
     if name == "classification":
@@ -67,6 +67,6 @@ def compare_batch(task: Task, fidelity: dict[str, FidelityAccumulator], outputs:
                   ref: list[np.ndarray], test: list[np.ndarray], labels: Optional[Labels]) -> None:
     """Feed one batch's fp32 (`ref`) and int8 (`test`) outputs to the figures."""
     for name, r, t in zip(outputs, ref, test):
-        fidelity[name].update(r, t)
+        fidelity[name].update(r, t, len(batch))
     task.update(dict(zip(outputs, ref)), dict(zip(outputs, test)), [labels.get(k) if labels else None
                                                                     for k in batch.keys])

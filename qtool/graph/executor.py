@@ -105,8 +105,10 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
                 # A LocalCluster's nannies run in this process and set the variable here before spawning
                 # (an earlier cluster of this process left it behind): workers inherit this environment.
                 stack.enter_context(_without_env("MALLOC_TRIM_THRESHOLD_"))
+                # on 127.0.0.1 and without a dashboard: nothing of the cluster is reachable from another machine
                 cluster = stack.enter_context(LocalCluster(n_workers=count, threads_per_worker=1, processes=True,
-                                                           dashboard_address=":0", silence_logs=logging.ERROR))
+                                                           host="127.0.0.1", dashboard_address=None,
+                                                           silence_logs=logging.ERROR))
                 client = stack.enter_context(Client(cluster))
             else:
                 try:

@@ -196,6 +196,7 @@ def _legacy_data_file(path: Path) -> Optional[str]:
     return legacy if legacy in _locations(old) else None
 
 
+@atomic.reports_write_errors
 def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False) -> None:
     """Write a model atomically: a reader sees the old model with its old weights or the new model
     with its new weights, whenever the run is killed.
@@ -231,6 +232,7 @@ def save_model(model: onnx.ModelProto, path: str | Path, external: bool = False)
                 os.replace(data_tmp, directory / location)
                 atomic.sync_directory(directory)  # the data's name is on disk before the model's
             os.replace(model_tmp, path)
+            interrupt.committed(path)
             atomic.sync_directory(directory)
             for name in (_data_files(path) | {legacy}) - {location, None}:
                 with contextlib.suppress(FileNotFoundError):

@@ -2,26 +2,93 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+import re
 import time
+from typing import Iterator, Optional
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from qtool.graph import modelio
 from qtool.graph.index import names_read
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, RunRefused, allocation_failure
 
 
 _ENABLE_ALL = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+# what onnxruntime raises from its C++ side (Fail, InvalidArgument, RuntimeException, ...)
+ORT_ERRORS = tuple(c for c in vars(_ort_state).values() if isinstance(c, type) and issubclass(c, Exception))
+_ORT_PREFIX = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
+# a C++ source location, and the function signature after it when there is one
+_SOURCE_LOCATION = re.compile(r"/\S+\.(?:h|cc|cpp):\d+ (?:(?:[\w:~<>&*]+ )*[\w:~<>]+\([^()]*\)(?: const)? )?")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STATUS = "Status Message:"
+MAX_REASON = 300  # characters of onnxruntime's message kept in a note or an error
+# the model file the job at hand reads (api.quantize, calibrate, evaluate): named when onnxruntime
+# refuses to run a model qtool derived from it (a candidate, the observing graph)
+_JOB_MODEL: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("qtool_job_model", default=None)
+
+
+@contextlib.contextmanager
+def job_model(path: object) -> Iterator[None]:
+    """Within this block, a run onnxruntime refuses names `path` as the model (RunRefused)."""
+    token = _JOB_MODEL.set(str(path))
+    try:
+        yield
+    finally:
+        _JOB_MODEL.reset(token)
+
+
+def ort_message(exc: BaseException) -> str:
+    """onnxruntime's message as one line, without its status prefixes and C++ source locations."""
+    cause = exc.__cause__ if isinstance(exc, QtoolError) and exc.__cause__ is not None else exc
+    text = " ".join(_ANSI.sub("", str(cause)).split())
+    text = _ORT_PREFIX.split(text)[-1]
+    if text.count(_STATUS) > 1:  # onnxruntime repeats its log line inside the status: keep the last
+        text = f"{text.split(_STATUS)[0]}{_STATUS}{text.rsplit(_STATUS, 1)[1]}"
+    text = _SOURCE_LOCATION.sub("", text).strip()
+    if len(text) <= MAX_REASON:
+        return text
+    tail = MAX_REASON // 3  # onnxruntime ends with the op ("... in the Resize operator")
+    return f"{text[:MAX_REASON - tail - 5]} ... {text[-tail:]}"
+
+
+class Session(ort.InferenceSession):
+    """An onnxruntime session whose run, when onnxruntime refuses it, raises RunRefused (one line,
+    exit 2) naming the model and what was refused, not onnxruntime's own exception types."""
+
+    _qtool_label = "model"
+
+    def run(self, output_names, input_feed, run_options=None):
+        try:
+            return super().run(output_names, input_feed, run_options)
+        except ORT_ERRORS as exc:
+            if allocation_failure(exc):
+                raise  # the machine's memory, not the model: the job names its model file (NotEnoughMemory)
+            reason = ort_message(exc)
+            label, job = self._qtool_label, _JOB_MODEL.get()
+            if job is None or label == job:
+                raise RunRefused(f"onnxruntime refused to run it: {reason}", label, reason) from exc
+            raise RunRefused(f"onnxruntime refused to run a model made from it ({label}): {reason}", job,
+                             reason) from exc
+
+
+def _session(source, options: ort.SessionOptions, label: str) -> Session:
+    session = Session(source, options, providers=["CPUExecutionProvider"])
+    session._qtool_label = label
+    return session
 
 
 def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
-                    optimized_path: str | None = None, log_level: int = 3) -> ort.SessionOptions:
+                    optimized_path: str | None = None, log_level: int = 4) -> ort.SessionOptions:
     """`level` and `optimized_path` (where onnxruntime writes its optimized graph) are for
-    asking which kernels onnxruntime makes (qtool.graph.kernels); `log_level` 4 silences a
-    probe that is expected to fail."""
+    asking which kernels onnxruntime makes (qtool.graph.kernels). `log_level` 4 (fatal only):
+    a failure in onnxruntime reaches qtool as an exception, which qtool reports in its own one
+    line; onnxruntime's log of it would be a second one."""
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -102,16 +169,18 @@ def _copy_fields(source, target, skip: str) -> None:
 
 def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = "model",
                    weights: "SharedWeights | None" = None, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
-                   optimized_path: str | None = None, log_level: int = 3) -> ort.InferenceSession:
+                   optimized_path: str | None = None, log_level: int = 4) -> Session:
     """A session of `model` (a path or a proto); with `weights`, `model` is a variant of
     `weights.light` whose large initializers are the shared values. The other options
-    are session_options'."""
+    are session_options'. Its runs raise RunRefused where onnxruntime refuses them."""
     options = session_options(threads, level, optimized_path, log_level)
     if weights is not None:
         options.add_external_initializers(list(weights.values), list(weights.values.values()))
         try:
-            session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            session = _session(model.SerializeToString(), options, label)
         except Exception as exc:
+            if allocation_failure(exc):
+                raise  # the machine's memory, not the model: the job names its model file
             raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
         session._qtool_weights = weights  # onnxruntime reads the shared buffers while the session lives
         return session
@@ -123,8 +192,10 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
             return create_session(str(path), threads, label, level=level, optimized_path=optimized_path,
                                   log_level=log_level)
     try:
-        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+        return _session(source, options, label)
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        if allocation_failure(exc):
+            raise
         raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
 
 

@@ -18,14 +18,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import onnx
 
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, allocation_failure
 from qtool.graph.modelio import InputSpec
-from qtool.graph.runtime import create_session
+from qtool.graph.runtime import create_session, ort_message
 
-_ORT_PREFIX = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
-_SOURCE_LOCATION = re.compile(r"/\S+\.(?:h|cc|cpp):\d+ [^\[]*")
 _NODE_NAME = re.compile(r"Name:'([^']*)'")
-MAX_REASON = 300  # characters of onnxruntime's message kept in a note
 
 
 @dataclass(frozen=True)
@@ -63,13 +60,7 @@ def made_up_feeds(specs: Sequence[InputSpec], size: int = 1) -> dict[str, np.nda
 
 def ort_reason(exc: BaseException) -> str:
     """onnxruntime's message as one line, without its status prefixes and C++ source locations."""
-    cause = exc.__cause__ if isinstance(exc, QtoolError) and exc.__cause__ is not None else exc
-    text = " ".join(str(cause).split())
-    text = _SOURCE_LOCATION.sub("", _ORT_PREFIX.split(text)[-1]).strip()
-    if len(text) <= MAX_REASON:
-        return text
-    tail = MAX_REASON // 3  # onnxruntime ends with the op ("... in the Resize operator")
-    return f"{text[:MAX_REASON - tail - 5]} ... {text[-tail:]}"
+    return ort_message(exc)
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], label: str, load_only: bool = False):
@@ -83,6 +74,8 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], label: str, load_
     try:
         return tuple(session.run(None, feeds)), None
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument types
+        if allocation_failure(exc):
+            raise  # too little memory is no failure of the model: the job reports it
         named = _NODE_NAME.search(str(exc))
         return None, RunFailure(f"onnxruntime fails running it: {ort_reason(exc)}", named.group(1) if named else None)
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 from qtool import atomic
 from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
-from qtool.table.qparams import QParams
+from qtool.table.qparams import INT_RANGES, MIN_SCALE, QParams, include_zero
 
 FORMAT = "qtool-calibration"
 VERSION = 1
@@ -98,6 +98,46 @@ def _num(value: Optional[float]):
     return value
 
 
+def check_values(table: CalibrationTable, path: object) -> CalibrationTable:
+    """Refuse a table whose numbers cannot be quantized with: told when it is read, naming the
+    tensor, rather than failing deep in the rewrite or quietly zeroing a tensor."""
+    for name, entry in table.tensors.items():
+        problem = _entry_problem(entry)
+        if problem:
+            raise QtoolError(f"unusable calibration table: tensor '{name}' {problem}", path)
+    return table
+
+
+def _entry_problem(entry: TableEntry) -> Optional[str]:
+    """What is wrong with an entry, or None. The scale and zero point must describe a grid that
+    holds the entry's range to within a step, and is at most twice as wide (a symmetric grid
+    over a one-sided range) plus two steps."""
+    params = entry.qparams
+    if params.dtype not in INT_RANGES:
+        return f"has unknown integer type '{params.dtype}' (known: {', '.join(INT_RANGES)})"
+    values = [*entry.range] + [v for v in (entry.min, entry.max) if v is not None]
+    if not all(math.isfinite(float(v)) for v in values):
+        return f"has a NaN/Inf value in its range [{entry.range[0]}, {entry.range[1]}] or extremes"
+    if entry.range[0] > entry.range[1]:
+        return f"has range [{entry.range[0]}, {entry.range[1]}], whose low end is above its high end"
+    if not (math.isfinite(params.scale) and params.scale > 0):
+        return f"has scale {params.scale}: it must be a positive number"
+    qmin, qmax = INT_RANGES[params.dtype]
+    if not qmin <= params.zero_point <= qmax:
+        return f"has zero point {params.zero_point}, outside {params.dtype}'s [{qmin}, {qmax}]"
+    lo, hi = include_zero(*entry.range)
+    step, width = float(params.scale), hi - lo
+    slack = 1.001 * step + 1e-6 * max(abs(lo), abs(hi))
+    grid_lo, grid_hi = step * (qmin - params.zero_point), step * (qmax - params.zero_point)
+    clips = grid_lo > lo + slack or grid_hi < hi - slack
+    coarse = width > 0 and step > MIN_SCALE and grid_hi - grid_lo > 2 * width + 2 * slack
+    if clips or coarse:
+        return (f"has scale {params.scale:.6g} and zero point {params.zero_point}, which contradict its range "
+                f"[{entry.range[0]:.6g}, {entry.range[1]:.6g}] ({params.dtype} over that range: scale about "
+                f"{width / (qmax - qmin):.6g})")
+    return None
+
+
 def load_table(path: str | Path) -> CalibrationTable:
     path = Path(path)
     try:
@@ -122,12 +162,14 @@ def table_from_document(document: Any, path: Path) -> CalibrationTable:
             if not (math.isfinite(qp.scale) and qp.scale > 0):
                 raise ValueError(f"tensor '{name}' has scale {item['scale']}")
             lo, hi = item["range"]
-            tensors[name] = TableEntry(item.get("min"), item.get("max"), (float(lo), float(hi)), qp)
+            extremes = [None if item.get(k) is None else float(item[k]) for k in ("min", "max")]
+            tensors[name] = TableEntry(*extremes, (float(lo), float(hi)), qp)
         model = document["model"]
         smoothing = {str(name): tuple(float(v) for v in values)
                      for name, values in document.get("smoothing", {}).items()}
-        return CalibrationTable(str(model.get("file", "")), str(model["sha256"]), str(document["method"]),
-                                dict(document.get("settings", {})), int(document["num_samples"]), tensors,
-                                smoothing=smoothing)
-    except (KeyError, TypeError, ValueError) as exc:
+        table = CalibrationTable(str(model.get("file", "")), str(model["sha256"]), str(document["method"]),
+                                 dict(document.get("settings", {})), int(document["num_samples"]), tensors,
+                                 smoothing=smoothing)
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise QtoolError(f"malformed calibration table: {type(exc).__name__} {exc}", path) from None
+    return check_values(table, path)

@@ -4,7 +4,9 @@ Run from anywhere: `python tests/bad_inputs/make_cases.py`. It rewrites every fi
 owns in this folder (deterministically) and the manifest `cases.json`, where each case
 is a qtool command line that must exit with code 2 and print one line
 `error: <file>: <message>`. In arguments and expected files, `{corpus}` stands for
-this folder and `{tmp}` for a fresh temporary folder (outputs go there).
+this folder and `{tmp}` for a fresh temporary folder (outputs go there). A case may
+also name a `read_only` folder the test makes read-only before the run (a read-only
+file system) and a `fault` it injects (`disk_full`: every fsync fails with ENOSPC).
 """
 
 from __future__ import annotations
@@ -119,6 +121,19 @@ def make_files() -> None:
                              helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", 3, 8, 8])],
                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 8, 8])])
     _save("models/two_inputs.onnx", _model(two))
+    # Inputs too large for any machine: the run check's made-up input (2^50 bytes) and an
+    # Expand onnxruntime must allocate 2^48 bytes for
+    huge = _conv_graph("huge_input")
+    huge.input[0].CopyFrom(helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2**23, 2**23]))
+    huge.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 2**23, 2**23]))
+    huge_bytes = _model(huge).SerializeToString()
+    _write("models/huge_input.onnx", huge_bytes)
+    bomb = _conv_graph("expand_bomb")
+    bomb.initializer.append(numpy_helper.from_array(np.array([2**38, 4, 8, 8], np.int64), "big_shape"))
+    bomb.node.append(helper.make_node("Expand", ["y", "big_shape"], ["big"], name="expand"))
+    bomb.output.append(helper.make_tensor_value_info("big", TensorProto.FLOAT, [2**38, 4, 8, 8]))
+    bomb_bytes = _model(bomb).SerializeToString()
+    _write("models/expand_bomb.onnx", bomb_bytes)
     dynamic = _conv_graph("dynamic_hw")
     dynamic.input[0].CopyFrom(helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"]))
     dynamic.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, "H", "W"]))
@@ -146,6 +161,7 @@ def make_files() -> None:
     png = bytes.fromhex("89504e470d0a1a0a") + b"\0" * 40
     _write("data/corrupt_images/b.png", png)
     _write("data/corrupt_images/c.jpg", b"")
+    _npy("data/all_nan/x.npy", np.full((1, 3, 8, 8), np.nan, np.float32))
     _npy("data/npy_rank/x.npy", x[0, 0])
     _npy("data/npy_shape/x.npy", np.zeros((1, 3, 9, 9), np.float32))
     _npy("data/npy_dtype/x.npy", x.astype(np.int32))
@@ -154,6 +170,7 @@ def make_files() -> None:
     _write("data/npz_corrupt/x.npz", b"PK\x03\x04" + b"\0" * 60)
     _write("data/npy_corrupt/x.npy", b"\x93NUMPY garbage header")
     _npy("data/npy_pickle/x.npy", np.array([{"a": 1}], dtype=object))
+    _write("data/npy_text/x.npy", "1 2 3\n")
     _write("data/npz_deflate_broken/x.npz", _broken_deflate_npz(x))
     _write("data/image/a.png", _png_bytes())
 
@@ -174,6 +191,13 @@ def make_files() -> None:
     _write("tables/version2.json", _table({}, sha, version=2))
     _write("tables/missing_tensors.json", _table({"c": entry}, sha))
     _write("tables/zero_scale.json", _table({"x": {**entry, "scale": 0.0}, "c": entry}, sha))
+    _write("tables/nan_range.json", _table({"x": {**entry, "range": [float("nan"), 1.0]}, "c": entry}, sha))
+    _write("tables/zero_point_300.json", _table({"x": {**entry, "zero_point": 300}, "c": entry}, sha))
+    _write("tables/scale_contradicts_range.json",
+           _table({"x": entry, "c": {**entry, "min": 0.0, "max": 6.15, "range": [0.0, 6.15], "scale": 100.0}}, sha))
+    _write("tables/huge_input.json", _table({"x": entry, "c": entry}, hashlib.sha256(huge_bytes).hexdigest()))
+    _write("tables/tengine_zero_point_300.scale", "x 0.003921569 300\nc 0.003921569 0\n")
+    _write("tables/expand_bomb.json", _table({"x": entry}, hashlib.sha256(bomb_bytes).hexdigest()))
     _write("tables/no_tensors_key.json", json.dumps({"format": "qtool-calibration", "version": 1,
                                                       "model": {"sha256": sha}}))
 
@@ -218,6 +242,10 @@ OUT = "{tmp}/out.onnx"
 
 def _q(model: str, *extra: str) -> list[str]:
     return ["quantize", model, "--data", f"{D}/ok", *extra, "-o", OUT]
+
+
+RO = "{tmp}/ro"  # made read-only by the test (the `read_only` of these cases)
+READ_ONLY = f"output directory {RO} is on a read-only file system"
 
 
 CASES = [
@@ -279,7 +307,10 @@ CASES = [
     ("npy_corrupt", ["quantize", f"{M}/tiny.onnx", "--data", f"{D}/npy_corrupt", "-o", OUT],
      f"{D}/npy_corrupt/x.npy", "cannot read tensor file"),
     ("npy_pickled_objects", ["quantize", f"{M}/tiny.onnx", "--data", f"{D}/npy_pickle", "-o", OUT],
-     f"{D}/npy_pickle/x.npy", "cannot read tensor file"),
+     f"{D}/npy_pickle/x.npy", "cannot read tensor file: not a valid .npy/.npz file of numeric arrays (it holds "
+     "Python objects)"),
+    ("npy_text", ["quantize", f"{M}/tiny.onnx", "--data", f"{D}/npy_text", "-o", OUT],
+     f"{D}/npy_text/x.npy", "cannot read tensor file: not a valid .npy/.npz file of numeric arrays"),
     ("images_for_two_inputs", ["quantize", f"{M}/two_inputs.onnx", "--data", f"{D}/image", "-o", OUT],
      f"{D}/image", "an image folder can only feed a single-input model"),
     ("images_for_dynamic_size_without_config", ["quantize", f"{M}/dynamic_hw.onnx", "--data", f"{D}/image", "-o",
@@ -343,9 +374,62 @@ CASES = [
     ("save_table_is_output", _q(f"{M}/tiny.onnx", "--save-table", OUT), OUT, "same as an input file"),
     ("calibrate_output_is_model", ["calibrate", f"{M}/tiny.onnx", "--data", f"{D}/ok", "-o", f"{M}/tiny.onnx"],
      f"{M}/tiny.onnx", "output path is the same as an input file"),
+    ("output_dir_read_only", _q(f"{M}/tiny.onnx")[:-1] + [f"{RO}/out.onnx"], f"{RO}/out.onnx", READ_ONLY,
+     {"read_only": RO}),
+    ("save_table_dir_read_only", _q(f"{M}/tiny.onnx", "--save-table", f"{RO}/t.json"), f"{RO}/t.json", READ_ONLY,
+     {"read_only": RO}),
+    ("calibrate_dir_read_only", ["calibrate", f"{M}/tiny.onnx", "--data", f"{D}/ok", "-o", f"{RO}/t.json"],
+     f"{RO}/t.json", READ_ONLY, {"read_only": RO}),
+    ("calibrate_shard_dir_read_only", ["calibrate", f"{M}/tiny.onnx", "--data", f"{D}/ok", "--shard", "0/1", "-o",
+                                       f"{RO}/s.npz"], f"{RO}/s.npz", READ_ONLY, {"read_only": RO}),
+    ("evaluate_reports_dir_read_only", ["evaluate", f"{M}/tiny.onnx", f"{M}/tiny.onnx", "--data", f"{D}/ok",
+                                        "--json", "{tmp}/report.json", "--junit", f"{RO}/junit.xml"],
+     f"{RO}/junit.xml", READ_ONLY, {"read_only": RO}),
+    ("evaluate_html_dir_read_only", ["evaluate", f"{M}/tiny.onnx", f"{M}/tiny.onnx", "--data", f"{D}/ok",
+                                     "--html", f"{RO}/report.html"], f"{RO}/report.html", READ_ONLY,
+     {"read_only": RO}),
+    ("table_convert_dir_read_only", ["table", "convert", "{corpus}/tables/missing_tensors.json", "--to", "tensorrt",
+                                     "-o", f"{RO}/t.cache"], f"{RO}/t.cache", READ_ONLY, {"read_only": RO}),
+    ("export_params_dir_read_only", ["export-params", f"{M}/tiny.onnx", "-o", f"{RO}/p.json"], f"{RO}/p.json",
+     READ_ONLY, {"read_only": RO}),
+    ("verify_int_json_dir_read_only", ["verify-int", f"{M}/tiny.onnx", "--data", f"{D}/ok", "--json",
+                                       f"{RO}/v.json"], f"{RO}/v.json", READ_ONLY, {"read_only": RO}),
+    ("disk_full_model", _q(f"{M}/tiny.onnx"), OUT, "cannot write it: No space left on device",
+     {"fault": "disk_full"}),
+    ("disk_full_table", ["calibrate", f"{M}/tiny.onnx", "--data", f"{D}/ok", "-o", "{tmp}/t.json"], "{tmp}/t.json",
+     "cannot write it: No space left on device", {"fault": "disk_full"}),
     ("evaluate_json_dir_missing", ["evaluate", f"{M}/tiny.onnx", f"{M}/tiny.onnx", "--data", f"{D}/ok", "--json",
                                    "{tmp}/missing/report.json"],
      "{tmp}/missing/report.json", "does not exist"),
+    # the machine's memory
+    ("memory_made_up_input", ["quantize", f"{M}/huge_input.onnx", "--table", "{corpus}/tables/huge_input.json",
+                              "-o", OUT],
+     f"{M}/huge_input.onnx", "not enough memory to quantize it (Unable to allocate"),
+    ("memory_onnxruntime", _q(f"{M}/expand_bomb.onnx"), f"{M}/expand_bomb.onnx",
+     "not enough memory to quantize it (onnxruntime could not allocate 256.0 TiB)"),
+    ("memory_onnxruntime_run_check", ["quantize", f"{M}/expand_bomb.onnx", "--table",
+                                      "{corpus}/tables/expand_bomb.json", "-o", OUT], f"{M}/expand_bomb.onnx",
+     "not enough memory to quantize it (onnxruntime could not allocate 256.0 TiB)"),
+    # unusable values in a table, or in the calibration data
+    ("table_nan_range", ["quantize", f"{M}/tiny.onnx", "--table", "{corpus}/tables/nan_range.json", "-o", OUT],
+     "{corpus}/tables/nan_range.json", "unusable calibration table: tensor 'x' has a NaN/Inf value in its range"),
+    ("table_zero_point_out_of_range", ["quantize", f"{M}/tiny.onnx", "--table", "{corpus}/tables/zero_point_300.json",
+                                       "-o", OUT],
+     "{corpus}/tables/zero_point_300.json", "tensor 'x' has zero point 300, outside uint8's [0, 255]"),
+    ("table_scale_contradicts_range", ["quantize", f"{M}/tiny.onnx", "--table",
+                                       "{corpus}/tables/scale_contradicts_range.json", "-o", OUT],
+     "{corpus}/tables/scale_contradicts_range.json",
+     "tensor 'c' has scale 100 and zero point 0, which contradict its range [0, 6.15]"),
+    ("table_tengine_zero_point_out_of_range", ["quantize", f"{M}/tiny.onnx", "--table",
+                                               "{corpus}/tables/tengine_zero_point_300.scale", "-o", OUT],
+     "{corpus}/tables/tengine_zero_point_300.scale", "tensor 'x' has zero point 300, outside uint8's [0, 255]"),
+    ("table_convert_nan_range", ["table", "convert", "{corpus}/tables/nan_range.json", "--to", "tensorrt", "-o",
+                                 "{tmp}/t.cache"],
+     "{corpus}/tables/nan_range.json", "tensor 'x' has a NaN/Inf value in its range"),
+    ("data_all_nan", ["quantize", f"{M}/tiny.onnx", "--data", f"{D}/all_nan", "-o", OUT], f"{D}/all_nan",
+     "no finite value of tensor 'x' in the calibration data (every value NaN/Inf)"),
+    ("calibrate_data_all_nan", ["calibrate", f"{M}/tiny.onnx", "--data", f"{D}/all_nan", "--method", "minmax", "-o",
+                                "{tmp}/t.json"], f"{D}/all_nan", "no finite value of tensor 'x'"),
     # labels
     ("labels_malformed", ["evaluate", f"{M}/tiny.onnx", f"{M}/tiny.onnx", "--data", f"{D}/ok", "--labels",
                           "{corpus}/labels/malformed.tsv"],
@@ -358,8 +442,8 @@ CASES = [
 
 def main() -> None:
     make_files()
-    manifest = [{"name": name, "args": args, "file": file, "message": message}
-                for name, args, file, message in CASES]
+    manifest = [{"name": name, "args": args, "file": file, "message": message, **(extra[0] if extra else {})}
+                for name, args, file, message, *extra in CASES]
     names = [case["name"] for case in manifest]
     assert len(names) == len(set(names)), "duplicate case names"
     (HERE / "cases.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

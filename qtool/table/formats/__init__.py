@@ -17,8 +17,8 @@ from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.table.formats import amct, ncnn, ort, qtool_json, tengine, tensorrt, tpu_mlir
 from qtool.table.formats.base import FormatContext, TableFormat
-from qtool.table.formats.model_view import model_view
-from qtool.table.table import CalibrationTable
+from qtool.table.formats.model_view import ModelView, model_view
+from qtool.table.table import CalibrationTable, check_values
 
 
 def by_name(*formats: TableFormat) -> dict[str, TableFormat]:
@@ -74,7 +74,7 @@ def read_table(path: str | Path, format_name: Optional[str] = None, model_path: 
     fmt = get_format(format_name) if format_name else detect_format(data, path)
     # foreign tables use the model to map names and to record which model they now describe
     ctx = _context(path, model_path, options, fmt.name != "qtool")
-    return fmt.read(data, ctx), fmt
+    return check_values(fmt.read(data, ctx), path), fmt
 
 
 def write_table(table: CalibrationTable, path: str | Path, format_name: str,
