@@ -107,7 +107,6 @@ def test_the_targets_measured_choices_score_on_openvino(models, tmp_path, monkey
     monkeypatch.setattr(openvino_runtime.CompiledModel, "__init__", counting)
     result = _quantize_cli(models, tmp_path)
     assert result.exit_code == 0, result.output
-    assert "calibration.method" in result.output
     # the fp32 reference and at least one candidate, compiled at f32
     assert len(compiled) >= 2 and set(compiled) == {"f32"}
 
