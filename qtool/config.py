@@ -199,6 +199,9 @@ class QuantizeConfig:
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
         _check_alpha("smooth_quant", self.smooth_quant)
+        runtime = TARGETS[self.target].measured_on
+        if self.advanced.latency_aware == "on" and runtime != "onnxruntime":
+            raise ValueError(f"latency_aware times candidates on onnxruntime; target {self.target} runs on {runtime}")
 
 
 TASKS = ("auto", "classification", "detection", "ctc", "generic")

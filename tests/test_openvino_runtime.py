@@ -129,3 +129,14 @@ def test_a_model_openvino_cannot_compile_is_one_line(tmp_path):
     message = str(raised.value)
     assert "OpenVINO cannot compile it" in message and "\n" not in message and "NoSuchOp" in message
     assert "Exception from src" not in message
+
+
+def test_latency_tuning_which_times_onnxruntime_is_refused_for_the_openvino_target(models, tmp_path):
+    fp32, _, data = models
+    config = tmp_path / "latency.yaml"
+    config.write_text("quantization:\n  target: openvino\n  advanced:\n    latency_aware: \"on\"\n")
+    result = CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "--config", str(config),
+                                       "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "latency_aware" in lines[0] and "openvino" in lines[0]
