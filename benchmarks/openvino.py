@@ -2,7 +2,7 @@
 and NNCF's default int8, compared on the OpenVINO runtime.
 
     python benchmarks/openvino.py --nncf-python /work/nncf-venv/bin/python [--kit ../shared/bench]
-        [--out DIR] [--rounds 40] [--models NAME,...]
+        [--out DIR] [--rounds 40] [--models NAME,...] [--batch N [--reuse]]
 
 For each model: qtool quantize --target openvino and --target ort-cpu (the kit's calibration
 samples; EfficientNet-Lite0: 48 of the kit's calibration photos with its config, preprocessed to
@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from qtool.evaluation.openvino_runtime import CompiledModel, default_precision  # noqa: E402
 
 QUANTIZERS = ("openvino", "ort-cpu", "nncf")
+BATCH = [1]  # the timed batch, for the table's title
 
 
 def _qtool(*args) -> subprocess.CompletedProcess:
@@ -127,7 +128,12 @@ def _worst_cosine(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
     return worst
 
 
-def measure(model: Path, made: dict, held: Path, rounds: int) -> dict:
+def _stacked(samples: list[dict], batch: int) -> dict:
+    """The first `batch` samples as one batch (samples of one shape)."""
+    return {name: np.concatenate([s[name] for s in samples[:batch]]) for name in samples[0]}
+
+
+def measure(model: Path, made: dict, held: Path, rounds: int, batch: int = 1) -> dict:
     proto = onnx.load(str(model), load_external_data=False)
     inits = {t.name for t in proto.graph.initializer}
     names = [i.name for i in proto.graph.input if i.name not in inits]
@@ -145,7 +151,7 @@ def measure(model: Path, made: dict, held: Path, rounds: int) -> dict:
         figures[label]["cosine"] = float(np.mean([_worst_cosine(r, model_.run(None, s))
                                                   for r, s in zip(references, samples)]))
         figures[label].update(model_.layers())
-    feeds = samples[0]
+    feeds = samples[0] if batch == 1 else _stacked(samples, batch)
     times: dict[str, list[float]] = {label: [] for label in compiled}
     for model_ in compiled.values():
         for _ in range(3):
@@ -163,7 +169,7 @@ def measure(model: Path, made: dict, held: Path, rounds: int) -> dict:
 
 
 def table(rows: list[dict], load: str) -> str:
-    lines = [f"OpenVINO {_ov_version()} CPU, 1 inference thread, batch 1; fp32 baseline at the default precision "
+    lines = [f"OpenVINO {_ov_version()} CPU, 1 inference thread, batch {BATCH[0]}; fp32 baseline at the default precision "
              f"({default_precision()}); {load}",
              "",
              "| model | fp32 ms (default / f32) | int8: qtool openvino / qtool ort-cpu / NNCF: speed vs fp32 default "
@@ -201,7 +207,11 @@ def main() -> None:
     parser.add_argument("--nncf-python", required=True, help="python of a virtual environment with nncf")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--models", default="", help="comma-separated model stems (default: every kit model)")
+    parser.add_argument("--batch", type=int, default=1, help="samples per timed run (held-out samples stacked)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="time the int8 models already in --out instead of quantizing again")
     args = parser.parse_args()
+    BATCH[0] = args.batch
     wanted = {m for m in args.models.split(",") if m}
     rows = []
     loads = []
@@ -213,10 +223,12 @@ def main() -> None:
             work = out / model.stem
             work.mkdir(parents=True, exist_ok=True)
             calib, held, _ = _data(args.kit, model, work)
-            made = quantize(model, calib, work, args.nncf_python)
+            made = {label: {"path": work / name} for label, name in
+                    (("openvino", "qtool_openvino.onnx"), ("ort-cpu", "qtool_ort-cpu.onnx"), ("nncf", "nncf.onnx"))
+                    if (work / name).exists()} if args.reuse else quantize(model, calib, work, args.nncf_python)
             loads.append(os.getloadavg()[0])
             try:
-                figures = measure(model, made, held, args.rounds)
+                figures = measure(model, made, held, args.rounds, args.batch)
             except Exception as exc:  # noqa: BLE001 - the fp32 model itself fails on OpenVINO: say so
                 print(json.dumps({"model": model.stem, "error": str(exc).splitlines()[0]}), flush=True)
                 continue
