@@ -449,6 +449,9 @@ def search(eval_data, labels, target_agreement, target_top1_drop, target_sqnr, t
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per batch.")
 @click.option("--threads", type=click.IntRange(min=1), help="Intra-op threads for the latency runs (default 1).")
 @click.option("--runs", type=click.IntRange(min=1), help="Timed runs per model (default 20).")
+@click.option("--runtime", type=click.Choice(["onnxruntime", "openvino"]),
+              help="Measure fidelity and latency on this runtime (default onnxruntime; openvino needs: "
+                   'pip install "qtool[openvino]").')
 @click.option("--per-layer", is_flag=True, default=None, help="Error of every quantized tensor vs its fp32 twin.")
 @click.option("--sensitivity", is_flag=True, default=None,
               help="Rank layers by the output error each causes alone in int8 (needs --table).")
@@ -473,7 +476,7 @@ def search(eval_data, labels, target_agreement, target_top1_drop, target_sqnr, t
 @click.argument("shard_files", nargs=-1, type=click.Path(path_type=Path))
 @_command
 def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_config, num_samples, batch_size, threads,
-             runs, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_texts_kept,
+             runs, runtime, per_layer, sensitivity, table_path, layer_samples, max_top1_drop, min_agreement, min_texts_kept,
              min_cosine, min_sqnr, min_speedup, json_path, junit_path, html_path, dask, shard, shard_output, merge, shard_files):
     """Compare FP32_MODEL and INT8_MODEL on --data: accuracy, fidelity, latency, size; exit 1 on a failed threshold.
 
@@ -506,7 +509,9 @@ def evaluate(fp32_model, int8_model, data, labels, config_path, task, task_confi
                         task=task, task_config=str(task_config) if task_config else None, per_layer=per_layer,
                         sensitivity=sensitivity, layer_samples=layer_samples, max_top1_drop=max_top1_drop,
                         min_agreement=min_agreement, min_texts_kept=min_texts_kept, min_cosine=min_cosine,
-                        min_sqnr=min_sqnr, min_speedup=min_speedup, dask=dask)
+                        min_sqnr=min_sqnr, min_speedup=min_speedup, dask=dask, runtime=runtime)
+    if eval_cfg.runtime != "onnxruntime" and (shard or merge):
+        raise click.UsageError(f"--runtime {eval_cfg.runtime} measures in one process: no --shard or --merge")
     if shard:
         k, n = parse_shard(shard)
         start = time.perf_counter()

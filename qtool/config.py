@@ -199,6 +199,9 @@ class QuantizeConfig:
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
         _check_alpha("smooth_quant", self.smooth_quant)
+        runtime = TARGETS[self.target].measured_on
+        if self.advanced.latency_aware == "on" and runtime != "onnxruntime":
+            raise ValueError(f"latency_aware times candidates on onnxruntime; target {self.target} runs on {runtime}")
 
 
 TASKS = ("auto", "classification", "detection", "ctc", "generic")
@@ -218,6 +221,7 @@ class EvaluateConfig:
     sensitivity: bool = False  # one layer at a time in int8 (needs the calibration table)
     layer_samples: int = 32  # samples used by per_layer and sensitivity
     dask: Optional[str] = None  # a Dask scheduler address (tcp://host:8786) or local[:N]; shards run there
+    runtime: str = "onnxruntime"  # where fidelity and latency are measured: onnxruntime or openvino
     # CI thresholds; None: not checked. Percentages for top-1 drop (points) and agreement.
     max_top1_drop: Optional[float] = None
     min_agreement: Optional[float] = None
@@ -231,6 +235,7 @@ class EvaluateConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         _one_of("task", self.task, TASKS)
+        _one_of("runtime", self.runtime, ("onnxruntime", "openvino"))
         for name in ("max_top1_drop", "min_agreement", "min_texts_kept"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 100.0:

@@ -61,6 +61,24 @@ class Target:
     saturates_without_vnni: bool = False
     # The model runs in onnxruntime: quantize prints which kernels it picks (qtool.graph.kernels).
     onnxruntime_kernels: bool = False
+    # Where activation Q/DQ pairs go (qtool.plan.planner): "every_op" (each quantized op's inputs
+    # and output, the integer-kernel convention of onnxruntime, TensorRT, LiteRT) or
+    # "inputs_of_int8_ops" (only where an op with a constant weight reads an activation: Conv,
+    # ConvTranspose, Gemm, MatMul; a Concat feeding one gets them on its inputs, sharing one
+    # scale), for a runtime that folds each pair into its int8 layer and fuses the elementwise
+    # ops after a layer into it in float: a pair anywhere else would run as a separate op.
+    activation_placement: str = "every_op"
+    # A symmetric int8 activation whose calibrated range has no negative value is written uint8 with
+    # zero point 0 (scale max/255: every code on the values it takes), as OpenVINO's FakeQuantize
+    # with a low bound of 0 is (qtool.table.resolve; qtool.quantization.checks allows it).
+    unsigned_nonnegative: bool = False
+    # The runtime the measured choices score candidates on, as it computes them
+    # (qtool.choices.measure): "onnxruntime" or "openvino" (at f32, qtool.evaluation.openvino_runtime).
+    measured_on: str = "onnxruntime"
+    # SmoothQuant may insert a Mul by 1/s before static int8 MatMul/Gemm readers where the producer
+    # cannot take the division (a LayerNorm the residual stream reads too), as for dynamic MatMuls:
+    # a runtime that folds that Mul into the quantizer after it (qtool.plan.smooth_quant.find_sites).
+    smooth_inserts: bool = False
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -83,6 +101,12 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("litert", "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules",
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
+    Target("openvino", "OpenVINO CPU: int8 symmetric activations (uint8 with zero point 0 where the range has no "
+           "negative value) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel weights, no "
+           "onnxruntime rewrites", "OpenVINO CPU",
+           activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
+           activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, measured_on="openvino",
+           smooth_inserts=True),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")
@@ -135,6 +159,8 @@ def describe(options) -> str:
     weights = f"int8 symmetric {'per-channel' if options.per_channel else 'per-tensor'} weights " \
               f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
+    if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
+        acts += " (uint8 where the range has no negative value)"
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]
     tail = f"; overridden: {', '.join(overridden)}" if overridden else ""

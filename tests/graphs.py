@@ -123,3 +123,33 @@ def calibrated(folder: Path, rng, built: onnx.ModelProto, options, shape=(3, 8, 
     onnx.save(built, path)
     data = write_samples(folder / "data", rng, shape, count=count)
     return path, calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
+
+
+def fused_block_model(rng, c=8, size=12) -> onnx.ModelProto:
+    """A small net with the patterns a runtime fuses into its layers: x -> Conv -> SiLU (Sigmoid,
+    Mul) -> depthwise Conv -> Add residual -> Clip -> Concat with a Conv branch (after Relu) ->
+    Conv -> HardSwish -> GlobalAveragePool -> Flatten -> Gemm -> Mul by a constant -> y, and a
+    MatMul by a weight on the Flatten -> z."""
+    def w(*shape):
+        return rng.normal(0, 0.3, shape).astype(np.float32)
+    inits = [init("w1", w(c, 3, 3, 3)), init("b1", w(c)), init("wd", w(c, 1, 3, 3)), init("bd", w(c)),
+             init("w2", w(c, c, 1, 1)), init("w3", w(c, 2 * c, 1, 1)), init("b3", w(c)),
+             init("lo", np.float32(0)), init("hi", np.float32(6)), init("wg", w(5, c)), init("bg", w(5)),
+             init("k", np.float32(0.5)), init("wm", w(c, 4))]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c1"], ["s1"], name="sig1"),
+             helper.make_node("Mul", ["c1", "s1"], ["a1"], name="silu1"),
+             helper.make_node("Conv", ["a1", "wd", "bd"], ["dw"], name="dwconv", pads=[1, 1, 1, 1], group=c),
+             helper.make_node("Add", ["dw", "a1"], ["res"], name="residual"),
+             helper.make_node("Clip", ["res", "lo", "hi"], ["r6"], name="clip"),
+             helper.make_node("Conv", ["a1", "w2"], ["c2"], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Concat", ["r6", "r2"], ["cat"], name="concat", axis=1),
+             helper.make_node("Conv", ["cat", "w3", "b3"], ["c3"], name="conv3"),
+             helper.make_node("HardSwish", ["c3"], ["h3"], name="hswish"),
+             helper.make_node("GlobalAveragePool", ["h3"], ["gap"], name="gap"),
+             helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+             helper.make_node("Gemm", ["flat", "wg", "bg"], ["g"], name="gemm", transB=1),
+             helper.make_node("Mul", ["g", "k"], ["y"], name="scale"),
+             helper.make_node("MatMul", ["flat", "wm"], ["z"], name="matmul")]
+    return model(nodes, [tensor("x", ["N", 3, size, size])], [tensor("y", None), tensor("z", None)], inits)

@@ -19,8 +19,8 @@ from onnx import helper
 from tests import graphs
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, RANGES_ONLY, run_qtool
 
-REPORT_KEYS = ["qtool_version", "onnxruntime_version", "task", "models", "data", "outputs", "classification", "size",
-               "macs", "latency", "per_layer", "sensitivity", "thresholds", "passed"]
+REPORT_KEYS = ["qtool_version", "onnxruntime_version", "task", "models", "data", "outputs", "runtime", "classification",
+               "size", "macs", "latency", "per_layer", "sensitivity", "thresholds", "passed"]
 
 
 @pytest.fixture(scope="module")

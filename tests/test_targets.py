@@ -112,7 +112,7 @@ def test_the_known_targets_are_the_entries_of_TARGETS(toy):
 
 
 def test_an_unknown_target_is_refused():
-    with pytest.raises(ValueError, match="target must be one of ort-cpu, tensorrt, litert, got 'toy'"):
+    with pytest.raises(ValueError, match="target must be one of ort-cpu, tensorrt, litert, openvino, got 'toy'"):
         QuantizeConfig(target="toy")
 
 

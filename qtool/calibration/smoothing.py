@@ -18,8 +18,9 @@ from qtool.graph.index import GraphIndex
 from qtool.graph.modelio import input_specs
 from qtool.graph.runtime import create_session
 from qtool.plan.planner import QuantPlan
-from qtool.plan.smooth_quant import find_sites, smoothing_alpha, smoothing_scales, weight_maxima
+from qtool.plan.smooth_quant import find_sites, smooths_static, smoothing_alpha, smoothing_scales, weight_maxima
 from qtool.prepare.equalize import activation_scales, activation_sites
+from qtool.targets import target_of
 
 
 # A tensor read through an inserted Mul is smoothed only when its largest channel maximum is at
@@ -45,8 +46,10 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
     if options.smooth_scales:
         return options
     smoothing = options.smooth_quant is not None or options.advanced.smooth_dynamic is not None
-    alpha = smoothing_alpha(options, bool(plan.dynamic_matmuls)) if smoothing else None
-    sites = find_sites(model, insert=bool(plan.dynamic_matmuls)) if alpha is not None else []
+    alpha = smoothing_alpha(options, bool(plan.dynamic_matmuls) or smooths_static(model, options)) \
+        if smoothing else None
+    insert = bool(plan.dynamic_matmuls) or target_of(options).smooth_inserts
+    sites = find_sites(model, insert=insert) if alpha is not None else []
     equalized = activation_sites(model) if options.advanced.equalize_activations else []
     if not sites and not equalized:
         return options

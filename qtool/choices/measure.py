@@ -19,6 +19,7 @@ from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.modelio import InputSpec, input_specs, load_model
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
 from qtool.table.table import CalibrationTable
+from qtool.targets import target_of
 
 SAMPLES = 16  # calibration samples the candidates are measured on
 KEEP = 0.99  # a mean cosine at which the first candidate is kept without measuring the others
@@ -31,7 +32,8 @@ def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg
     them, how many samples that is); `specs`: the model's inputs."""
     source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, SAMPLES)
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
-    return Evaluator(Path(model_path), samples, None, cfg.evaluation.threads), sum(len(b) for b in samples)
+    return (Evaluator(Path(model_path), samples, None, cfg.evaluation.threads,
+                      runtime=target_of(cfg.quantization).measured_on), sum(len(b) for b in samples))
 
 
 def ranges_only(options: QuantizeConfig) -> QuantizeConfig:

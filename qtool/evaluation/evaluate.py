@@ -28,7 +28,7 @@ from qtool.data.batching import batch_refusal
 from qtool.data.dataset import Batch, DataLike, batches, check_shippable, count_samples, open_data
 from qtool.errors import QtoolError
 from qtool.data.labels import Labels, labels_for
-from qtool.evaluation import shards
+from qtool.evaluation import openvino_runtime, shards
 from qtool.evaluation.latency import measure_latency
 from qtool.evaluation.layer_error import layer_errors, twins, worst
 from qtool.evaluation.macs import int8_macs, sample_shapes
@@ -64,6 +64,10 @@ def _check_requests(inputs: EvaluateInputs, cfg: EvaluateConfig) -> None:
         raise QtoolError(f"min_texts_kept (--min-texts-kept) is a figure of --task ctc, not {cfg.task}")
     if cfg.task_config and cfg.task != "detection":
         raise QtoolError(f"a task config (--task-config) is for --task detection, not {cfg.task}")
+    if cfg.runtime == "openvino":
+        openvino_runtime.require()
+        if cfg.dask:
+            raise QtoolError("--runtime openvino measures in this process: drop --dask")
 
 
 def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: EvaluateConfig,
@@ -82,7 +86,9 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     labels = labels_for(source, inputs.labels) if inputs.labels else None
     if engine is None:
         run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
-        latency = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg)
+        latency = measure_latency(str(inputs.fp32), str(inputs.int8), run.first_batch, cfg) \
+            if cfg.runtime == "onnxruntime" else openvino_runtime.measure_latency(
+                inputs.fp32, inputs.int8, run.first_batch.feeds, cfg.threads, cfg.warmup, cfg.runs)
     else:
         run = _compare_on(engine, inputs, source, labels, outputs, cfg, detection, progress)
         latency = shards.latency_on(engine, inputs.fp32, inputs.int8, source, run.first_batch, cfg)
@@ -137,6 +143,8 @@ def build_report(inputs: EvaluateInputs, int8_model: onnx.ModelProto, folder: bo
     report = EvaluationReport(
         qtool_version=__version__,
         onnxruntime_version=ort.__version__,
+        runtime={"name": cfg.runtime,
+                 "version": ort.__version__ if cfg.runtime == "onnxruntime" else openvino_runtime.version()},
         task=task.name,
         models={name: {"path": str(path), "size_bytes": sizes[name]}
                 for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},
@@ -165,8 +173,11 @@ class _Comparison:
 def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: list[str], cfg: EvaluateConfig,
              detection: DetectionConfig, progress: bool) -> _Comparison:
     """Both models over the data, batch by batch: per-output fidelity and the task's figures."""
-    fp32 = create_session(str(inputs.fp32), label=str(inputs.fp32))
-    int8 = create_session(str(inputs.int8), label=str(inputs.int8))
+    if cfg.runtime == "openvino":  # OpenVINO's default inference precision, as deployed
+        fp32, int8 = (openvino_runtime.CompiledModel(p, cfg.threads) for p in (inputs.fp32, inputs.int8))
+    else:
+        fp32 = create_session(str(inputs.fp32), label=str(inputs.fp32))
+        int8 = create_session(str(inputs.int8), label=str(inputs.int8))
     fidelity = {name: FidelityAccumulator() for name in outputs}
     run: Optional[_Comparison] = None
     wanted = cfg.layer_samples if cfg.per_layer or cfg.sensitivity else 0

@@ -120,15 +120,18 @@ def cosine_db(cosines: np.ndarray) -> float:
 class Evaluator:
     """fp32 outputs computed once; each candidate's outputs compared with them."""
 
-    def __init__(self, model_path: Path, data: list[Batch], labels: Optional[Labels], threads: int):
-        self.data, self.labels, self.threads = data, labels, threads
-        session = create_session(str(model_path), threads, str(model_path))
+    def __init__(self, model_path: Path, data: list[Batch], labels: Optional[Labels], threads: int,
+                 runtime: str = "onnxruntime"):
+        """runtime: where the models run ("openvino": compiled at f32 by OpenVINO's CPU plugin,
+        qtool.evaluation.openvino_runtime, as a target that deploys there computes them)."""
+        self.data, self.labels, self.threads, self.runtime = data, labels, threads, runtime
+        session = self._session(str(model_path), str(model_path))
         self.outputs = [o.name for o in session.get_outputs()]
         self.reference = [session.run(self.outputs, batch.feeds) for batch in data]
 
     def __call__(self, qmodel: onnx.ModelProto) -> tuple[dict, list[np.ndarray]]:
         """(figures, the candidate's first output per batch)."""
-        session = create_session(qmodel, self.threads, "candidate")
+        session = self._session(qmodel, "candidate")
         fidelity = [FidelityAccumulator() for _ in self.outputs]
         classes = ClassificationAccumulator()
         first, cosines = [], []
@@ -147,6 +150,14 @@ class Evaluator:
             figures.update(top1=result["top1"]["int8"], top1_fp32=result["top1"]["fp32"],
                            top1_drop=result["top1_drop"])
         return figures, first
+
+    def _session(self, model, label: str):
+        if self.runtime == "openvino":
+            from qtool.evaluation.openvino_runtime import CompiledModel, require
+
+            require("--target openvino's measured choices (scored on OpenVINO)")
+            return CompiledModel(model, self.threads, "f32", label=label)
+        return create_session(model, self.threads, label)
 
 
 @dataclass(frozen=True)

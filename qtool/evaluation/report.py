@@ -41,6 +41,7 @@ class EvaluationReport:
     sensitivity: Optional[dict] = None
     thresholds: tuple[Verdict, ...] = ()
     passed: bool = True  # every threshold met (True when none was set)
+    runtime: Optional[dict] = None  # {"name", "version"}: where fidelity and latency were measured
 
     @property
     def classification(self) -> Optional[dict]:
@@ -62,6 +63,8 @@ class EvaluationReport:
         """The report as JSON-ready data, in the key order of the JSON file."""
         out = {"qtool_version": self.qtool_version, "onnxruntime_version": self.onnxruntime_version,
                "task": self.task, "models": self.models, "data": self.data, "outputs": self.outputs}
+        if self.runtime is not None:
+            out["runtime"] = self.runtime
         if self.task_figures is not None:
             out[self.task] = self.task_figures
         out.update(size=self.size, macs=self.macs, latency=self.latency)
@@ -127,6 +130,13 @@ def summary_rows(report: EvaluationReport) -> list[tuple[str, str, str, str]]:
                      f"{lat['fp32_ms']['median']:.2f} ms", f"{lat['int8_ms']['median']:.2f} ms",
                      f"speedup {lat['speedup']:.2f}x"))
         rows.append(("latency p90", f"{lat['fp32_ms']['p90']:.2f} ms", f"{lat['int8_ms']['p90']:.2f} ms", ""))
+        if "fp32_f32_ms" in lat:
+            rows.append((f"latency, fp32 at f32 (default {lat['fp32_precision']}), median",
+                         f"{lat['fp32_f32_ms']['median']:.2f} ms", "", f"speedup {lat['speedup_vs_f32']:.2f}x"))
+        if "int8_layers" in lat:
+            layers = lat["int8_layers"]
+            rows.append(("heavy ops in int8 (runtime model)", "", f"{layers['int8_heavy_ops']} of "
+                         f"{layers['heavy_ops']}", f"{layers['unfused_fake_quantize']} FakeQuantize unfused"))
     size = report.size
     rows.append(("file size", f"{size['fp32_bytes'] / 1e6:.2f} MB", f"{size['int8_bytes'] / 1e6:.2f} MB",
                  f"{size['ratio']:.2f}x smaller"))
@@ -169,6 +179,10 @@ def _sensitivity_lines(section: dict, count: int = 10) -> list[str]:
 
 def render_table(report: EvaluationReport) -> str:
     header = f"{report.data['samples']} samples from {report.data_name}, task {report.task}"
+    if report.runtime is not None:
+        header += f", on {report.runtime['name']} {report.runtime['version']}"
+        if report.latency and "fp32_precision" in report.latency:
+            header += f" (fp32 baseline at its default precision {report.latency['fp32_precision']})"
     lines = [header] + _align(summary_rows(report))
     if report.per_layer is not None:
         lines += [""] + _per_layer_lines(report.per_layer)

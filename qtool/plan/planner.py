@@ -166,7 +166,10 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             node = nodes[index]
             del rules[index]
             plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
-    if target_of(options).float_outputs:
+    inputs_only = target_of(options).activation_placement == "inputs_of_int8_ops"
+    if inputs_only:
+        _int8_layers_only(nodes, rules, ctx, plan)
+    elif target_of(options).float_outputs:
         _float_before_float(nodes, rules, chosen_float, ctx, plan)
 
     # Compute op -> activation pairs that the runtime fuses: the compute output gets no Q/DQ.
@@ -199,6 +202,8 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             ordered.append(name)
 
     ties = scope.ties
+    if inputs_only:
+        want = _concat_inputs(want, ctx, ties, quantized)
     # Movement ops ("tie") are quantized only where their data input already is, so a
     # Reshape on a float path does not pull Q/DQ into it. Graph order makes chains work.
     for index, node in enumerate(nodes):
@@ -227,7 +232,7 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
         outputs = _planned_outputs(node, rule)
         tied_inputs = [n for n in (node.input[i] for i in inputs if i < len(node.input)) if n in quantized]
         tied_outputs = []
-        for out in outputs:
+        for out in ([] if inputs_only else outputs):
             if out and out not in fused and out not in ctx.outputs and ctx.is_float(out):
                 want(out)
                 tied_outputs.append(out)
@@ -339,6 +344,70 @@ def _planned_outputs(node: onnx.NodeProto, rule: OpRule) -> list[str]:
 
 
 _CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def _int8_layers_only(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, plan) -> None:
+    """A runtime that quantizes only where its int8 layers read (Target.activation_placement
+    "inputs_of_int8_ops"): the ops with a constant float weight (Conv, ConvTranspose, Gemm, a MatMul
+    by a weight) keep their rule; every other op (activations, elementwise, pooling, movement, a
+    MatMul of two activations) computes in float, fused into the layer before it by the runtime."""
+    for index in sorted(rules):
+        node, rule = nodes[index], rules[index]
+        weight = node.input[rule.weight] if rule.weight is not None and rule.weight < len(node.input) else ""
+        if rule.kernel is None and weight and ctx.is_constant(weight) and ctx.is_float(weight):
+            continue
+        del rules[index]
+        plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
+
+
+# Ops that only move or select values: a quantizer on their output equals one on their input, so
+# inputs-only placement puts it where the values are computed (a Resize only when nearest).
+_MOVERS = ("MaxPool", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Slice", "Resize")
+
+
+def _moved_from(name: str, ctx: GraphIndex) -> str:
+    """The tensor whose values `name` only moves or selects, through a chain of _MOVERS."""
+    while True:
+        producer = ctx.producer.get(name)
+        if producer is None or producer.op_type not in _MOVERS or producer.domain not in ("", "ai.onnx"):
+            return name
+        if producer.op_type == "MaxPool" and len(producer.output) > 1 and producer.output[1]:
+            return name  # its indices are read
+        if producer.op_type == "Resize" and attribute(producer, "mode", b"nearest") not in (b"nearest", "nearest"):
+            return name
+        data = producer.input[0]
+        if not data or ctx.is_constant(data) or not ctx.is_float(data):
+            return name
+        name = data
+
+
+def _concat_inputs(want: Callable[[str], None], ctx: GraphIndex, ties: list[list[str]],
+                   quantized: Collection[str]) -> Callable[[str], None]:
+    """`want` for inputs-only placement: a layer's input is quantized where its values are computed,
+    above the ops that only move or select them (a Split, MaxPool, nearest Resize, Reshape), so that
+    the producing layer's kernel writes the codes; one that a Concat of float activations makes is
+    quantized so on each of the Concat's inputs, one scale shared by them (a tie group), and the
+    Concat only copies codes."""
+    def resolve(name: str, depth: int = 0) -> list[str]:
+        source = _moved_from(name, ctx)
+        producer = ctx.producer.get(source)
+        parts = list(producer.input) if producer is not None and producer.op_type == "Concat" \
+            and producer.domain in ("", "ai.onnx") and depth < 8 else []
+        if len(parts) >= 2 and all(p and not ctx.is_constant(p) and ctx.is_float(p) for p in parts):
+            found = [t for part in parts for t in resolve(part, depth + 1)]
+            if all(t in quantized for t in found):
+                return found
+        for candidate in (source, name):
+            want(candidate)
+            if candidate in quantized:
+                return [candidate]
+        return []
+
+    def want_input(name: str) -> None:
+        tied = list(dict.fromkeys(resolve(name)))
+        if len(tied) > 1:
+            ties.append(tied)
+    return want_input
 
 
 def _float_before_float(nodes: list, rules: dict[int, OpRule], chosen_float: set[int], ctx: GraphIndex,
@@ -550,14 +619,15 @@ def prepared_with_strategy(model_path: str | Path, options: QuantizeConfig
     scales = dict(options.smooth_scales)
     equalized = equalize_activations(model, scales)
     if scales:
-        smooth(model, scales, insert=strategy == "dynamic")
+        smooth(model, scales, insert=strategy == "dynamic" or target_of(options).smooth_inserts)
     plan = build_plan(model, options)
     plan.notes.extend(prepared.notes)
     if equalized:
         plan.notes.append(f"{EQUALIZED_NOTE} in {equalized} Conv -> activation -> depthwise Conv chain(s), "
                           "exactly (one int8 range per activation then fits every channel)")
     if scales:
-        plan.notes.append(f"SmoothQuant (alpha {smoothing_alpha(options, strategy == 'dynamic')}): the activation "
+        alpha = smoothing_alpha(options, strategy == "dynamic" or target_of(options).smooth_inserts)
+        plan.notes.append(f"SmoothQuant (alpha {alpha}): the activation "
                           f"ranges of {len(scales)} MatMul/Gemm inputs moved into their weights")
     elif options.smooth_quant is not None:
         plan.notes.append("SmoothQuant smoothed nothing: no LayerNorm or linear layer output is read by "

@@ -177,6 +177,20 @@ def smoothing_alpha(options, dynamic: bool) -> Optional[float]:
     return options.advanced.smooth_dynamic if dynamic else None
 
 
+def smooths_static(model: onnx.ModelProto, options) -> bool:
+    """Whether the dynamic MatMuls' default alpha (smooth_dynamic) also smooths the static int8
+    MatMuls of `model`: on a target whose runtime folds an inserted Mul into the quantizer after
+    it (Target.smooth_inserts), in a graph with a LayerNorm (a transformer's residual stream,
+    whose outlier channels one static range cannot hold)."""
+    from qtool.plan.ops.blocks import NORM_OPS
+    from qtool.targets import target_of
+
+    if not target_of(options).smooth_inserts:
+        return False
+    return (any(n.op_type in NORM_OPS for n in model.graph.node)
+            or bool(list(layer_norm_chains(GraphIndex(model)))))
+
+
 def weight_maxima(inits: Mapping[str, onnx.TensorProto], site: Site) -> np.ndarray:
     """max over the consumers' weights (`inits`: the graph's initializers by name) of |W| per input channel."""
     ranges = [np.abs(np.moveaxis(numpy_helper.to_array(inits[name]), axis, 0)).max(axis=1)

@@ -67,7 +67,9 @@ def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
             continue  # put in 16 bits on request (qtool.table.qparams.sixteen_bit): no 8-bit constraint applies
         if node.op_type == "QuantizeLinear" or (constant and not is_weight and zero.dtype != np.int32):
             # an activation, or a constant operand quantized like one
-            if zero.dtype != expected:
+            if target.unsigned_nonnegative and symmetric and zero.dtype == np.uint8 and int(zero) == 0:
+                pass  # a symmetric range with no negative value, written uint8 (Target.unsigned_nonnegative)
+            elif zero.dtype != expected:
                 problems.append(f"{node.input[0]}: activation type {zero.dtype}, target wants {expected.__name__}")
             elif symmetric and int(zero) != (0 if expected == np.int8 else 128):
                 problems.append(f"{node.input[0]}: zero point {int(zero)} on a symmetric target")

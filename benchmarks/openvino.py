@@ -1,0 +1,244 @@
+"""Every kit model on OpenVINO: fp32 (bf16 and f32), qtool --target openvino, qtool --target ort-cpu
+and NNCF's default int8, compared on the OpenVINO runtime.
+
+    python benchmarks/openvino.py --nncf-python /work/nncf-venv/bin/python [--kit ../shared/bench]
+        [--out DIR] [--rounds 40] [--models NAME,...] [--batch N [--reuse]]
+
+For each model: qtool quantize --target openvino and --target ort-cpu (the kit's calibration
+samples; EfficientNet-Lite0: 48 of the kit's calibration photos with its config, preprocessed to
+.npz once so that every quantizer sees the same arrays), and NNCF's `nncf.quantize` with its
+defaults on the ONNX model in NNCF's own virtual environment (benchmarks/openvino_nncf.py;
+model_type TRANSFORMER for a model with LayerNormalization), each timed. Then every model
+compiled with OpenVINO's CPU plugin, 1 inference thread: the fp32 model at the default precision
+(bf16 on a CPU that has it) and at f32, the three int8 models at the default. Latency: batch 1,
+the models taking turns run by run on one held-out sample for `rounds` rounds, medians.
+Fidelity: over held-out samples (the kit's eval/ folder, else every fourth calibration file held
+back from calibration; EfficientNet: 32 dev photos), the mean of each sample's worst output
+cosine to the fp32 model's on OpenVINO at f32. From each int8 runtime model: the heavy ops
+(Convolution, FullyConnected, MatMul, Deconvolution) that run in int8, and the FakeQuantize ops
+left unfused. Prints JSON lines, then a markdown table with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+ROOT = Path(__file__).resolve().parents[1]
+# this file's folder comes first on sys.path when run as a script: this file would then be the
+# `openvino` package that `import openvino` finds
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+from qtool.evaluation.openvino_runtime import CompiledModel, default_precision  # noqa: E402
+
+QUANTIZERS = ("openvino", "ort-cpu", "nncf")
+BATCH = [1]  # the timed batch, for the table's title
+
+
+def _qtool(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], env=env, capture_output=True, text=True)
+
+
+def _split(calib: Path, work: Path) -> tuple[Path, Path]:
+    """Every fourth file held back: (calibration folder, held-back folder), as symlinks."""
+    kept, held = work / "calib", work / "held"
+    for folder in (kept, held):
+        folder.mkdir(exist_ok=True)
+    for i, sample in enumerate(sorted(calib.iterdir())):
+        link = (held if i % 4 == 3 else kept) / sample.name
+        if not link.exists():
+            link.symlink_to(sample)
+    return kept, held
+
+
+def _photos_as_arrays(model: Path, folder: Path, config: Path, out: Path, count: int) -> Path:
+    """`count` photos of `folder` preprocessed by the config, one .npz a sample."""
+    from qtool.config import load_config
+    from qtool.data.dataset import batches, open_data
+    from qtool.graph.modelio import input_specs, load_model
+
+    out.mkdir(exist_ok=True)
+    if len(list(out.iterdir())) >= count:
+        return out
+    source = open_data(folder, input_specs(load_model(model)), load_config(config).preprocess)
+    for i, batch in enumerate(batches(source, 1, count)):
+        np.savez(out / f"s{i:03d}.npz", **batch.feeds)
+    return out
+
+
+def _feeds(folder: Path, names: list[str]) -> list[dict]:
+    found = []
+    for path in sorted(folder.iterdir()):
+        with np.load(path) as archive:
+            found.append({n: archive[n] for n in names if n in archive})
+    return found
+
+
+def _data(kit: Path, model: Path, work: Path) -> tuple[Path, Path, Path | None]:
+    """(calibration folder, held-out folder, qtool config or None)."""
+    name = model.stem
+    if (kit / "inputs" / name).is_dir():
+        held = kit / "inputs" / name / "eval"
+        if held.is_dir():
+            return kit / "inputs" / name / "calib", held, None
+        return (*_split(kit / "inputs" / name / "calib", work), None)
+    config = ROOT / "configs" / "efficientnet_lite0.yaml"
+    calib = _photos_as_arrays(model, kit / "data" / "calib" / "images", config, work / "calib", 48)
+    held = _photos_as_arrays(model, kit / "data" / "imagenet_dev" / "images", config, work / "held", 32)
+    return calib, held, None  # the arrays are preprocessed already
+
+
+def quantize(model: Path, calib: Path, work: Path, nncf_python: str) -> dict:
+    """label -> {"path", "seconds"} or {"error"}."""
+    made = {}
+    for target in ("openvino", "ort-cpu"):
+        out = work / f"qtool_{target}.onnx"
+        start = time.perf_counter()
+        done = _qtool("quantize", model, "--data", calib, "--target", target, "-o", out)
+        made[target] = {"path": out, "seconds": time.perf_counter() - start} if done.returncode == 0 else \
+            {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    transformer = any(n.op_type == "LayerNormalization" for n in onnx.load(str(model), load_external_data=False).graph.node)
+    out = work / "nncf.onnx"
+    done = subprocess.run([nncf_python, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model), str(calib), str(out),
+                           *(["--transformer"] if transformer else [])], capture_output=True, text=True)
+    if done.returncode == 0:
+        made["nncf"] = {"path": out, **json.loads(done.stdout.strip().splitlines()[-1])}
+    else:
+        made["nncf"] = {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    return made
+
+
+def _worst_cosine(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
+    worst = 1.0
+    for a, b in zip(ref, got):
+        a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+        denom = np.linalg.norm(a) * np.linalg.norm(b)
+        worst = min(worst, float(a @ b / denom) if denom else float(np.allclose(a, b)))
+    return worst
+
+
+def _stacked(samples: list[dict], batch: int) -> dict:
+    """The first `batch` samples as one batch (samples of one shape)."""
+    return {name: np.concatenate([s[name] for s in samples[:batch]]) for name in samples[0]}
+
+
+def measure(model: Path, made: dict, held: Path, rounds: int, batch: int = 1) -> dict:
+    proto = onnx.load(str(model), load_external_data=False)
+    inits = {t.name for t in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in inits]
+    samples = _feeds(held, names)
+    compiled = {"fp32": CompiledModel(model, 1), "fp32_f32": CompiledModel(model, 1, "f32")}
+    for label, entry in made.items():
+        if "path" in entry:
+            try:
+                compiled[label] = CompiledModel(entry["path"], 1)
+            except Exception as exc:  # noqa: BLE001 - report it in the table
+                entry["error"] = str(exc).splitlines()[0]
+    figures: dict = {label: {} for label in compiled}
+    references = [compiled["fp32_f32"].run(None, s) for s in samples]
+    for label, model_ in compiled.items():
+        figures[label]["cosine"] = float(np.mean([_worst_cosine(r, model_.run(None, s))
+                                                  for r, s in zip(references, samples)]))
+        figures[label].update(model_.layers())
+    feeds = samples[0] if batch == 1 else _stacked(samples, batch)
+    times: dict[str, list[float]] = {label: [] for label in compiled}
+    for model_ in compiled.values():
+        for _ in range(3):
+            model_.run(None, feeds)
+    for _ in range(rounds):
+        for label, model_ in compiled.items():
+            start = time.perf_counter()
+            model_.run(None, feeds)
+            times[label].append(time.perf_counter() - start)
+    for label, values in times.items():
+        figures[label]["ms"] = 1e3 * float(np.median(values))
+    for label, entry in made.items():
+        figures.setdefault(label, {}).update({k: v for k, v in entry.items() if k != "path"})
+    return figures
+
+
+def table(rows: list[dict], load: str) -> str:
+    lines = [f"OpenVINO {_ov_version()} CPU, 1 inference thread, batch {BATCH[0]}; fp32 baseline at the default precision "
+             f"({default_precision()}); {load}",
+             "",
+             "| model | fp32 ms (default / f32) | int8: qtool openvino / qtool ort-cpu / NNCF: speed vs fp32 default "
+             "| worst-output cosine on OpenVINO | unfused FakeQuantize | int8 heavy ops | quantize s |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        f = row["figures"]
+        cells = {k: [] for k in ("speed", "cos", "fq", "int8", "secs")}
+        for label in QUANTIZERS:
+            entry = f.get(label, {})
+            if "ms" not in entry:
+                for k in cells:
+                    cells[k].append("failed" if k == "speed" else "-")
+                continue
+            cells["speed"].append(f"{f['fp32']['ms'] / entry['ms']:.2f}x")
+            cells["cos"].append(f"{entry['cosine']:.4f}")
+            cells["fq"].append(str(entry["unfused_fake_quantize"]))
+            cells["int8"].append(f"{entry['int8_heavy_ops']}/{entry['heavy_ops']}")
+            cells["secs"].append(f"{entry['seconds']:.0f}" if "seconds" in entry else "-")
+        lines.append(f"| {row['model']} | {f['fp32']['ms']:.2f} / {f['fp32_f32']['ms']:.2f} | "
+                     + " | ".join(" / ".join(cells[k]) for k in ("speed", "cos", "fq", "int8", "secs")) + " |")
+    return "\n".join(lines)
+
+
+def _ov_version() -> str:
+    from qtool.evaluation.openvino_runtime import version
+
+    return version()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--nncf-python", required=True, help="python of a virtual environment with nncf")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--models", default="", help="comma-separated model stems (default: every kit model)")
+    parser.add_argument("--batch", type=int, default=1, help="samples per timed run (held-out samples stacked)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="time the int8 models already in --out instead of quantizing again")
+    args = parser.parse_args()
+    BATCH[0] = args.batch
+    wanted = {m for m in args.models.split(",") if m}
+    rows = []
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp)
+        for model in sorted((args.kit / "models").glob("*.onnx")):
+            if wanted and model.stem not in wanted:
+                continue
+            work = out / model.stem
+            work.mkdir(parents=True, exist_ok=True)
+            calib, held, _ = _data(args.kit, model, work)
+            made = {label: {"path": work / name} for label, name in
+                    (("openvino", "qtool_openvino.onnx"), ("ort-cpu", "qtool_ort-cpu.onnx"), ("nncf", "nncf.onnx"))
+                    if (work / name).exists()} if args.reuse else quantize(model, calib, work, args.nncf_python)
+            loads.append(os.getloadavg()[0])
+            try:
+                figures = measure(model, made, held, args.rounds, args.batch)
+            except Exception as exc:  # noqa: BLE001 - the fp32 model itself fails on OpenVINO: say so
+                print(json.dumps({"model": model.stem, "error": str(exc).splitlines()[0]}), flush=True)
+                continue
+            loads.append(os.getloadavg()[0])
+            row = {"model": model.stem, "figures": figures}
+            rows.append(row)
+            print(json.dumps(row, default=str), flush=True)
+    load = f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores" if loads else ""
+    print(table(rows, load))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""OpenVINO as the runtime an evaluation measures on (`qtool evaluate --runtime openvino`).
+
+OpenVINO reads the ONNX QDQ model itself: each QuantizeLinear/DequantizeLinear pair becomes a
+FakeQuantize, which its low-precision transformations fold into int8 kernels. Both models are
+compiled for the CPU with `threads` inference threads; the fp32 model at OpenVINO's default
+inference precision (bf16 on CPUs that have it, else f32) and, where that is not f32, at f32 too,
+so the report shows both baselines. What the compiled int8 model runs in int8 is read from its
+runtime model: each heavy op's (Convolution, which includes grouped ones, Deconvolution,
+FullyConnected, MatMul) runtime precision, and the FakeQuantize ops left as ops of their own.
+OpenVINO is an optional extra: pip install "qtool[openvino]".
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from qtool.errors import QtoolError
+
+RUNTIMES = ("onnxruntime", "openvino")
+INSTALL = 'pip install "qtool[openvino]"'
+# layer types of the CPU plugin's runtime model that do the multiply-accumulate work
+HEAVY_OPS = ("Convolution", "Deconvolution", "FullyConnected", "MatMul")
+INT8 = ("u8", "i8")
+
+
+def require(why: str = "--runtime openvino"):
+    """The openvino module, or a one-line error (exit 2) saying how to install it."""
+    try:
+        import openvino
+    except ImportError:
+        raise QtoolError(f"{why} needs OpenVINO, which is not installed: {INSTALL}") from None
+    return openvino
+
+
+def version() -> str:
+    """The installed package's version (2026.4.1)."""
+    from importlib.metadata import PackageNotFoundError, version as package_version
+
+    try:
+        return package_version("openvino")
+    except PackageNotFoundError:  # a build from source
+        return require().get_version().split("-")[0]
+
+
+def default_precision() -> str:
+    """OpenVINO's default inference precision on this CPU: bf16 or f32 (f16 on some ARM CPUs)."""
+    ov = require()
+    return ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+
+
+class CompiledModel:
+    """A model compiled for OpenVINO's CPU plugin, run like an onnxruntime session:
+    `run(output_names, feeds)` returns the outputs in the order asked."""
+
+    def __init__(self, model, threads: int = 1, precision: Optional[str] = None, label: Optional[str] = None):
+        """model: a path, or an onnx.ModelProto (read from its bytes)."""
+        ov = require()
+        config = {"INFERENCE_NUM_THREADS": threads}
+        if precision is not None:
+            config["INFERENCE_PRECISION_HINT"] = precision
+        core = ov.Core()
+        try:
+            source = str(model) if isinstance(model, (str, Path)) else core.read_model(model.SerializeToString(), b"")
+            self.compiled = core.compile_model(source, "CPU", config)
+        except Exception as exc:  # OpenVINO raises RuntimeError with a multi-line message
+            raise QtoolError(f"OpenVINO cannot compile it: {_reason(exc)}",
+                             label or (model if isinstance(model, (str, Path)) else "model")) from exc
+        self.request = self.compiled.create_infer_request()
+        self.names = [o.get_any_name() for o in self.compiled.outputs]
+
+    def get_outputs(self) -> list:
+        """The outputs' names, as onnxruntime's session lists them (`.name`)."""
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(name=name) for name in self.names]
+
+    def run(self, outputs: Optional[list[str]], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        result = self.request.infer(feeds)
+        by_name = {self.names[i]: np.array(value) for i, value in enumerate(result.values())}
+        return [by_name[name] for name in (outputs or self.names)]
+
+    def layers(self) -> dict:
+        """The runtime model's heavy ops and how many run in int8, and the FakeQuantize ops left
+        unfused (each a separate pass over its tensor)."""
+        kinds = []
+        for op in self.compiled.get_runtime_model().get_ordered_ops():
+            info = op.get_rt_info()
+            kinds.append((info["layerType"].astype(str), info["runtimePrecision"].astype(str)))
+        heavy = [precision for kind, precision in kinds if kind in HEAVY_OPS]
+        return {"heavy_ops": len(heavy), "int8_heavy_ops": sum(p in INT8 for p in heavy),
+                "unfused_fake_quantize": sum(kind == "FakeQuantize" for kind, _ in kinds)}
+
+
+def _reason(exc: Exception) -> str:
+    """OpenVINO's multi-line message in one line: its lines that say what failed, not where in
+    OpenVINO's sources ("Exception from src/...", "Check ... failed at src/...")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith(("Exception from", "Check '"))]
+    text = " ".join(said[:4] or lines[:1])
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def measure_latency(fp32_path: str | Path, int8_path: str | Path, feeds: dict[str, np.ndarray], threads: int,
+                    warmup: int, runs: int) -> dict:
+    """Median and p90 milliseconds per batch on OpenVINO, the models taking turns run by run: the
+    fp32 model at the default precision (and at f32 where that is not f32) and the int8 model;
+    the speedup is over the default precision's fp32."""
+    default = default_precision()
+    models = {"fp32": CompiledModel(fp32_path, threads), "int8": CompiledModel(int8_path, threads)}
+    if default != "f32":
+        models["fp32_f32"] = CompiledModel(fp32_path, threads, "f32")
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(warmup):
+        for model in models.values():
+            model.run(None, feeds)
+    for _ in range(runs):
+        for name, model in models.items():
+            start = time.perf_counter()
+            model.run(None, feeds)
+            times[name].append(time.perf_counter() - start)
+    result = {"runtime": "openvino", "batch_size": len(next(iter(feeds.values()))), "threads": threads,
+              "runs": runs, "fp32_precision": default}
+    for name, values in times.items():
+        result[f"{name}_ms"] = {"median": 1e3 * float(np.median(values)),
+                                "p90": 1e3 * float(np.percentile(values, 90))}
+    result["speedup"] = result["fp32_ms"]["median"] / result["int8_ms"]["median"]
+    if "fp32_f32_ms" in result:
+        result["speedup_vs_f32"] = result["fp32_f32_ms"]["median"] / result["int8_ms"]["median"]
+    result["int8_layers"] = models["int8"].layers()
+    return result

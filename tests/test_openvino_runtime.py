@@ -1,0 +1,142 @@
+"""qtool evaluate --runtime openvino: both models compiled with OpenVINO, fidelity and latency
+measured there, the report naming the runtime, its version, the fp32 baseline's precision (and the
+f32 one where the default is not f32) and how many heavy ops run in int8; without openvino
+installed, one line saying how to install it (exit 2)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+import qtool
+from qtool.cli import main
+from tests import graphs
+
+CONFIG = {"calibration": {"method": "minmax"}, "quantization": {"target": "openvino"}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ov")
+    fp32 = folder / "m.onnx"
+    onnx.save(graphs.fused_block_model(np.random.default_rng(0)), fp32)
+    data = graphs.write_samples(folder / "data", np.random.default_rng(1), (3, 12, 12), count=8)
+    int8 = folder / "int8.onnx"
+    onnx.save(qtool.quantize(str(fp32), data=str(data), config=CONFIG, progress=False).model, int8)
+    return fp32, int8, data
+
+
+def test_without_openvino_the_runtime_says_how_to_install_it(models, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino raises ImportError
+    fp32, int8, data = models
+    result = CliRunner().invoke(main, ["evaluate", str(fp32), str(int8), "--data", str(data), "--runtime", "openvino"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and 'pip install "qtool[openvino]"' in lines[0]
+
+
+def test_the_default_runtime_is_onnxruntime(models):
+    fp32, int8, data = models
+    report = qtool.evaluate(fp32, int8, data, {"evaluation": {"batch_size": 1, "runs": 3}}, progress=False)
+    assert report.runtime["name"] == "onnxruntime" and report.to_dict()["runtime"] == report.runtime
+    assert "fp32_precision" not in report.latency
+
+
+def test_evaluate_on_openvino(models):
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from qtool.evaluation.openvino_runtime import default_precision
+
+    fp32, int8, data = models
+    report = qtool.evaluate(fp32, int8, data, {"evaluation": {"batch_size": 1, "runs": 3, "runtime": "openvino"}},
+                            progress=False)
+    import openvino
+
+    assert report.runtime == {"name": "openvino", "version": openvino.get_version().split("-")[0]}
+    latency = report.latency
+    assert latency["runtime"] == "openvino" and latency["fp32_precision"] == default_precision()
+    assert ("fp32_f32_ms" in latency) == (default_precision() != "f32")
+    # four Convs (one depthwise), the Gemm and the MatMul: all six run in int8
+    assert latency["int8_layers"]["heavy_ops"] == 6 and latency["int8_layers"]["int8_heavy_ops"] == 6
+    assert all(out["cosine"] > 0.999 for out in report.outputs.values())
+    # the CLI's text names the runtime and the baseline's precision
+    result = CliRunner().invoke(main, ["evaluate", str(fp32), str(int8), "--data", str(data), "--runtime", "openvino",
+                                       "--runs", "2", "--batch-size", "1"])
+    assert result.exit_code == 0, result.output
+    assert f"on openvino {report.runtime['version']}" in result.output
+    assert f"default precision {default_precision()}" in result.output and "heavy ops in int8" in result.output
+
+
+def test_fp32_on_openvino_runs_all_in_float(models):
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from qtool.evaluation.openvino_runtime import CompiledModel
+
+    fp32, _, data = models
+    layers = CompiledModel(fp32, 1, "f32").layers()
+    assert layers["heavy_ops"] == 6 and layers["int8_heavy_ops"] == 0 and layers["unfused_fake_quantize"] == 0
+
+
+def _quantize_cli(models, tmp_path):
+    fp32, _, data = models
+    return CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "--target", "openvino",
+                                     "-o", str(tmp_path / "q.onnx")])
+
+
+def test_without_openvino_the_targets_measured_choices_say_how_to_install_it(models, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    result = _quantize_cli(models, tmp_path)  # calibration.method auto: measured candidates
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and 'pip install "qtool[openvino]"' in lines[0] and "measured choices" in lines[0]
+
+
+def test_the_targets_measured_choices_score_on_openvino(models, tmp_path, monkeypatch):
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from qtool.evaluation import openvino_runtime
+
+    compiled = []
+    real = openvino_runtime.CompiledModel.__init__
+
+    def counting(self, model, threads=1, precision=None, label=None):
+        compiled.append(precision)
+        real(self, model, threads, precision, label)
+
+    monkeypatch.setattr(openvino_runtime.CompiledModel, "__init__", counting)
+    result = _quantize_cli(models, tmp_path)
+    assert result.exit_code == 0, result.output
+    # the fp32 reference and at least one candidate, compiled at f32
+    assert len(compiled) >= 2 and set(compiled) == {"f32"}
+
+
+def test_a_model_openvino_cannot_compile_is_one_line(tmp_path):
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from onnx import helper
+
+    from qtool.errors import QtoolError
+    from qtool.evaluation.openvino_runtime import CompiledModel
+
+    path = tmp_path / "unknown.onnx"
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="example.unknown")
+    graph = helper.make_graph([node], "g", [graphs.tensor("x", ["N", 4])], [graphs.tensor("y", None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("example.unknown", 1)])
+    onnx.save(model, path)
+    with pytest.raises(QtoolError) as raised:
+        CompiledModel(path)
+    message = str(raised.value)
+    assert "OpenVINO cannot compile it" in message and "\n" not in message and "NoSuchOp" in message
+    assert "Exception from src" not in message
+
+
+def test_latency_tuning_which_times_onnxruntime_is_refused_for_the_openvino_target(models, tmp_path):
+    fp32, _, data = models
+    config = tmp_path / "latency.yaml"
+    config.write_text("quantization:\n  target: openvino\n  advanced:\n    latency_aware: \"on\"\n")
+    result = CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "--config", str(config),
+                                       "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "latency_aware" in lines[0] and "openvino" in lines[0]

@@ -1,0 +1,236 @@
+"""--target openvino: Q/DQ only where OpenVINO's int8 layers read (Target.activation_placement
+"inputs_of_int8_ops"), a Concat feeding one quantized on its inputs with one scale, nothing on a
+layer's output or between the ops OpenVINO fuses into it, static int8 weight MatMuls with the
+transformer blocks float, no onnxruntime rewrite; the model runs in onnxruntime and in OpenVINO."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+import qtool
+from qtool.targets import TARGETS
+from tests import graphs
+from tests.test_transformer_blocks import _attention_model, _gelu_model, _ln_model
+
+CONFIG = {"calibration": {"method": "minmax"}, "quantization": {"target": "openvino"}}
+LAYERS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def _quantize(tmp_path, built: onnx.ModelProto, shape, config=CONFIG):
+    path = tmp_path / "m.onnx"
+    onnx.save(built, path)
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(1), shape, count=8)
+    result = qtool.quantize(str(path), data=str(data), config=config, progress=False)
+    onnx.checker.check_model(result.model, full_check=True)
+    return path, data, result
+
+
+def _quantized_tensors(model: onnx.ModelProto) -> set[str]:
+    """The float tensors a QuantizeLinear reads (activations; weights are stored int8)."""
+    return {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def _readers_of_dequantized(model: onnx.ModelProto) -> dict[str, set[str]]:
+    """Activation DequantizeLinear outputs -> the op types reading them."""
+    inits = {t.name for t in model.graph.initializer}
+    readers: dict[str, set[str]] = {}
+    activation_dq = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] not in inits}
+    for node in model.graph.node:
+        for name in node.input:
+            if name in activation_dq:
+                readers.setdefault(name, set()).add(node.op_type)
+    return readers
+
+
+def _params(model: onnx.ModelProto, tensor: str) -> tuple[float, int]:
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor)
+    return float(inits[q.input[1]]), int(inits[q.input[2]])
+
+
+def _activation_types(model: onnx.ModelProto) -> dict[str, type]:
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    return {n.input[0]: inits[n.input[2]].dtype.type for n in model.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def _movers_model(rng) -> onnx.ModelProto:
+    """x -> Conv -> Relu (r) -> Split (a, b); b -> MaxPool (same size) -> m; Concat(a, m, Resize
+    nearest of a 2x-pooled r) -> Conv -> y: every input the last Conv reads only moves r's values."""
+    def w(*shape):
+        return rng.normal(0, 0.3, shape).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Split", ["r"], ["a", "b"], name="split", axis=1, num_outputs=2),
+             helper.make_node("MaxPool", ["b"], ["m"], name="pool", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("AveragePool", ["r"], ["half"], name="down", kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Resize", ["half", "", "scales"], ["up"], name="up", mode="nearest"),
+             helper.make_node("Concat", ["a", "m", "up"], ["cat"], name="concat", axis=1),
+             helper.make_node("Conv", ["cat", "w2"], ["y"], name="conv2")]
+    inits = [graphs.init("w1", w(8, 3, 3, 3)), graphs.init("w2", w(4, 16, 1, 1)),
+             graphs.init("scales", np.array([1, 1, 2, 2], np.float32))]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)], inits, opset=18)
+
+
+def test_quantizers_go_above_ops_that_only_move_values(tmp_path):
+    path, data, result = _quantize(tmp_path, _movers_model(np.random.default_rng(0)), (3, 8, 8))
+    model = result.model
+    # the Split's and MaxPool's inputs are r: one quantizer there, on conv1's Relu, which OpenVINO
+    # fuses into the Conv; the Resize's input is the AveragePool's output, tied to r
+    assert _quantized_tensors(model) == {"x", "r", "half"}
+    assert _params(model, "r") == _params(model, "half")
+    assert min(_cosines(path, model, data)) > 0.999
+
+
+def _cosines(path, model: onnx.ModelProto, data) -> list[float]:
+    feeds = [{"x": np.load(f)} for f in sorted(data.iterdir())]
+    fp32 = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    int8 = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    found = []
+    for f in feeds:
+        for a, b in zip(fp32.run(None, f), int8.run(None, f)):
+            a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+            found.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+    return found
+
+
+def test_the_openvino_target_is_data():
+    target = TARGETS["openvino"]
+    assert target.activation_placement == "inputs_of_int8_ops"
+    assert not target.dynamic_matmul and not target.int8_embeddings and not target.kernels
+    assert not (target.prepare_passes or target.finish_passes or target.form_passes)
+    assert target.per_channel
+
+
+def test_qdq_only_on_the_inputs_of_int8_layers(tmp_path):
+    path, data, result = _quantize(tmp_path, graphs.fused_block_model(np.random.default_rng(0)), (3, 12, 12))
+    model = result.model
+    # the inputs of conv1 (x), of dwconv and conv2 (a1), the Concat's inputs (r6, r2: one scale
+    # shared, so the Concat copies codes) and the Gemm's and MatMul's, above the Flatten that only
+    # reshapes it (gap); nothing on a layer's output, the SiLU, the residual Add, Clip, Relu,
+    # HardSwish or the Mul by a constant
+    assert _quantized_tensors(model) == {"x", "a1", "r6", "r2", "gap"}
+    assert _params(model, "r6") == _params(model, "r2")
+    # symmetric: int8 with zero point 0, or uint8 with zero point 0 where the range has no negative
+    # value (after Clip and Relu: every code on the values taken)
+    types = _activation_types(model)
+    assert types["x"] == types["a1"] == np.int8 and types["r6"] == types["r2"] == np.uint8
+    assert all(zero == 0 for _, zero in map(lambda t: _params(model, t), types))
+    for readers in _readers_of_dequantized(model).values():
+        # a1 is also the residual Add's other input: it reads the codes the depthwise Conv reads;
+        # the Flatten only reshapes the Gemm's and MatMul's input
+        assert readers <= {"Conv", "Gemm", "MatMul", "Concat", "Add", "Flatten"}
+    # weights int8 symmetric per output channel (the depthwise Conv's too)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    weights = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+               and inits[n.input[0]].dtype == np.int8]
+    assert len(weights) == 6
+    for dq in weights:
+        scale, zero = inits[dq.input[1]], inits[dq.input[2]]
+        assert scale.ndim == 1 and scale.size > 1 and not zero.any()
+    # no onnxruntime form: standard domain only, no extra op
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    assert {n.op_type for n in model.graph.node} - {"QuantizeLinear", "DequantizeLinear"} == \
+        {n.op_type for n in onnx.load(path).graph.node}
+    assert min(_cosines(path, model, data)) > 0.999
+
+
+@pytest.mark.parametrize("build", [lambda rng: _attention_model(rng, "bert"), lambda rng: _gelu_model(rng, "erf"),
+                                   _ln_model], ids=["attention", "gelu", "layernorm"])
+def test_transformer_weight_matmuls_static_int8_with_the_blocks_float(tmp_path, build):
+    built = build(np.random.default_rng(0))
+    path, data, result = _quantize(tmp_path, built, (6, 16))
+    model = result.model
+    ops = {n.op_type for n in model.graph.node}
+    assert not ops & {"DynamicQuantizeLinear", "MatMulInteger"}  # never dynamic
+    nodes = {n.name: n for n in built.graph.node}
+    weights = {t.name for t in built.graph.initializer}
+    expected = {nodes[n].input[0] for n in nodes if nodes[n].op_type == "MatMul" and nodes[n].input[1] in weights}
+    assert _quantized_tensors(model) == expected  # the MatMuls of two activations and every block float
+    assert min(_cosines(path, model, data)) > 0.99
+
+
+def test_openvino_runs_the_layers_in_int8(tmp_path):
+    ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    path, data, result = _quantize(tmp_path, graphs.fused_block_model(np.random.default_rng(0)), (3, 12, 12))
+    written = tmp_path / "int8.onnx"
+    onnx.save(result.model, written)
+    core = ov.Core()
+    compiled = core.compile_model(str(written), "CPU", {"INFERENCE_NUM_THREADS": 1})
+    ops = [(o.get_rt_info()["layerType"].astype(str), o.get_rt_info()["runtimePrecision"].astype(str))
+           for o in compiled.get_runtime_model().get_ordered_ops()]
+    layers = [p for t, p in ops if t in ("Convolution", "FullyConnected", "MatMul")]
+    assert len(layers) == 6 and all(p in ("u8", "i8") for p in layers)
+    # the only FakeQuantize left as an op of its own: the graph's input and the pooled vector,
+    # which no layer writes
+    assert sum(t == "FakeQuantize" for t, _ in ops) <= 2
+    reference = core.compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"})
+    for f in sorted(data.iterdir()):
+        x = np.load(f)
+        for a, b in zip(reference({"x": x}).values(), compiled({"x": x}).values()):
+            a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+            assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.999
+
+
+def _residual_layer_norm_model(rng) -> onnx.ModelProto:
+    """x -> LayerNormalization (gamma 40 on channel 0: an outlier channel) -> ln; ln -> MatMul -> h;
+    y = ln + h: the residual stream reads ln too, so SmoothQuant cannot fold into the LayerNorm."""
+    d = 16
+    gamma = np.ones(d, np.float32)
+    gamma[0] = 40.0
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["ln"], name="ln", axis=-1),
+             helper.make_node("MatMul", ["ln", "w"], ["h"], name="mm"),
+             helper.make_node("Add", ["ln", "h"], ["y"], name="residual")]
+    inits = [graphs.init("gamma", gamma), graphs.init("beta", np.zeros(d, np.float32)),
+             graphs.init("w", rng.normal(0, 0.3, (d, d)).astype(np.float32))]
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 6, d])], [graphs.tensor("y", None)], inits, opset=17)
+
+
+def test_smoothquant_by_default_in_a_transformer_through_an_inserted_mul(tmp_path):
+    path, data, result = _quantize(tmp_path, _residual_layer_norm_model(np.random.default_rng(0)), (6, 16))
+    model = result.model
+    assert any("SmoothQuant (alpha 0.8)" in note for note in result.notes)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    matmul = next(n for n in model.graph.node if n.op_type == "MatMul")
+    dq = producer[matmul.input[0]]
+    quantized = producer[producer[dq.input[0]].input[0]]  # DQ <- Q <- the tensor the MatMul reads
+    assert quantized.op_type == "Mul" and "ln" in quantized.input  # ln / s, read by the MatMul only
+    residual = next(n for n in model.graph.node if n.name == "residual")
+    assert "ln" in residual.input  # the residual stream keeps ln as it is
+    assert min(_cosines(path, model, data)) > 0.99
+
+
+@pytest.mark.slow
+def test_a_yolo_detector_fuses_every_quantizer_on_openvino(tmp_path):
+    """nudenet's YOLOv8n: every Conv in int8 on OpenVINO, no FakeQuantize left but the input's and
+    the DFL Softmax's (NNCF's model leaves the same two), and the same fidelity on OpenVINO as on
+    onnxruntime (an ort-cpu model's head Concat pairs are computed differently by OpenVINO)."""
+    ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from tests.conftest import kit_path, kit_samples
+
+    model = kit_path("models", "nudenet_yolov8n_320.onnx")
+    samples = kit_samples("nudenet_yolov8n_320", 24, tmp_path / "calib")
+    held = [dict(np.load(p)) for p in sorted(kit_path("inputs", "nudenet_yolov8n_320", "calib").glob("*.npz"))[-6:]]
+    result = qtool.quantize(str(model), data=str(tmp_path / "calib"), config=CONFIG, progress=False)
+    assert len(samples) == 24
+    written = tmp_path / "int8.onnx"
+    onnx.save(result.model, written)
+    core = ov.Core()
+    compiled = core.compile_model(str(written), "CPU", {"INFERENCE_NUM_THREADS": 1})
+    kinds = [(o.get_rt_info()["layerType"].astype(str), o.get_rt_info()["runtimePrecision"].astype(str))
+             for o in compiled.get_runtime_model().get_ordered_ops()]
+    convs = [p for t, p in kinds if t == "Convolution"]
+    assert len(convs) == 64 and all(p in ("u8", "i8") for p in convs)
+    assert sum(t == "FakeQuantize" for t, _ in kinds) == 2
+    reference = core.compile_model(str(model), "CPU", {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"})
+    session = ort.InferenceSession(str(written), providers=["CPUExecutionProvider"])
+    on_ov, on_ort = [], []
+    for feeds in held:
+        ref = next(iter(reference(feeds).values())).ravel().astype(np.float64)
+        for got, found in ((next(iter(compiled(feeds).values())), on_ov), (session.run(None, feeds)[0], on_ort)):
+            got = got.ravel().astype(np.float64)
+            found.append(ref @ got / (np.linalg.norm(ref) * np.linalg.norm(got)))
+    assert np.mean(on_ov) > 0.995 and abs(np.mean(on_ov) - np.mean(on_ort)) < 0.001
