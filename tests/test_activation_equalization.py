@@ -15,6 +15,7 @@ from qtool.graph.edit import with_outputs
 from qtool.graph.runtime import create_session
 from qtool.plan.planner import prepared_model
 from qtool.prepare.equalize import activation_sites
+from qtool.table.table import smoothed_options
 from tests.graphs import init, model, tensor, write_samples
 
 C = 8
@@ -281,3 +282,22 @@ def test_a_depthwise_channel_multiplier_keeps_the_fp32_outputs(tmp_path, how):
     ref = create_session(str(path)).run(None, {"x": x})[0]
     got = create_session(prepared).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_a_chain_settled_float_by_its_equalized_labels_quantizes_as_exported(tmp_path):
+    """The latency tuning and a settled config name the nodes of the equalized graph; undoing the
+    chain's equalization brings back nodes they cannot name (the written-out hard-swish's Div):
+    those go float with the chain (calibration, which saw the equalized graph, has no range for them)."""
+    from qtool.graph.index import node_label
+
+    path, data = _saved(tmp_path, "written_out_affine")
+    table = api.calibrate(path, data, progress=False)
+    equalized, plan = prepared_model(path, smoothed_options(QuantizeConfig(), table))
+    chain = [node_label(n) for n in equalized.graph.node if node_label(n) != "conv_b"]
+    original = {node_label(n) for n in onnx.load(path).graph.node}
+    assert original - {node_label(n) for n in equalized.graph.node}  # nodes only the exported graph has
+    result = api.quantize(path, table=table, config={"quantization": {"advanced": {"float_nodes": chain}}})
+    assert any("equalization of 1 chain(s) left out" in note for note in result.notes)
+    assert sum(n.op_type == "Conv" for n in result.model.graph.node) == 3  # conv_a, dw, conv_b: no gate
+    x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
+    create_session(result.model).run(None, {"x": x})

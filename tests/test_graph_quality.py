@@ -243,7 +243,7 @@ def test_presets_and_one_by_one_overrides():
     mixed = override(QuantizeConfig(per_channel=False), target="tensorrt")
     assert (mixed.activation_dtype, mixed.per_channel) == ("int8", False)
     assert override(override(QuantizeConfig(), target="litert"), target="ort-cpu").activation_dtype == "uint8"
-    assert set(TARGETS) == {"ort-cpu", "tensorrt", "litert"}
+    assert set(TARGETS) == {"ort-cpu", "tensorrt", "litert", "openvino"}
 
 
 @pytest.mark.parametrize("target", ["tensorrt", "litert"])

@@ -137,7 +137,7 @@ def fold_affine(model: onnx.ModelProto) -> int:
     a Conv/ConvTranspose/Gemm with constant weight (and bias) into that layer, in place; returns
     how many were folded (module doc). One at a time, the first in graph order each time; the index
     follows each fold (the layer takes over the folded op's output, which no longer reads its own),
-    rather than being rebuilt (a PP-OCR recognizer has 56 such folds)."""
+    rather than being rebuilt (a recognizer can have dozens of such folds)."""
     graph = model.graph
     folded = 0
     index = GraphIndex(graph)

@@ -282,9 +282,13 @@ def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, pla
     undone = {tensor for tensor, chain in chains.items() if not chain & quantized}
     if not undone:
         return model, plan
-    fewer = replace(options, smooth_scales=tuple((t, s) for t, s in options.smooth_scales if t not in undone))
+    fewer = with_options(options, smooth_scales=tuple((t, s) for t, s in options.smooth_scales if t not in undone))
+    before = {node_label(n) for n in scoped_nodes(model.graph)}
     model, prepared = prepared_model(model_path, fewer)
-    replanned = build_plan(model, fewer, keep_float=keep_float)
+    # the nodes an undone chain brings back (a written-out hard-swish's Div, its affine Mul and Add)
+    # belong to that float chain: calibration, which saw the equalized graph, has no range for them
+    restored = [node_label(n) for n in scoped_nodes(model.graph) if node_label(n) not in before]
+    replanned = build_plan(model, fewer, keep_float=[*keep_float, *restored])
     replanned.notes = ([n for n in plan.notes if EQUALIZED_NOTE not in n]
                        + [n for n in prepared.notes if EQUALIZED_NOTE in n]
                        + [f"the activation equalization of {len(undone)} chain(s) left out: they stay float "

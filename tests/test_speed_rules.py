@@ -1,0 +1,154 @@
+"""qtool.plan.speed: float_for_speed's decisions on small real graphs, from their shapes alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from qtool.config import AdvancedConfig, QuantizeConfig
+from qtool.plan.planner import build_plan
+from qtool.plan.speed import COSTS, Costs, cost_terms, float_for_speed, sample_shapes
+from tests.graphs import init, model, tensor
+
+FLOAT_FORM = QuantizeConfig(advanced=AdvancedConfig(hard_activations="float"))  # the hard-swish's float form (DQ, op, Q)
+
+
+def _conv(rng, name, x, y, c_in, c_out, k=1, group=1, stride=1):
+    w = rng.normal(0, 0.2, (c_out, c_in // group, k, k)).astype(np.float32)
+    b = rng.normal(0, 0.1, c_out).astype(np.float32)
+    node = helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [y], name=name, group=group,
+                            kernel_shape=[k, k], pads=[k // 2] * 4, strides=[stride, stride])
+    return node, [init(f"{name}_w", w), init(f"{name}_b", b)]
+
+
+def mobile_block(rng, size=112, channels=16):
+    """x -> 1x1 expand -> HardSwish -> 3x3 depthwise -> HardSwish -> 1x1 project -> y: a MobileNetV3 /
+    PP-LCNet block at the first stages' resolution, few channels."""
+    nodes, inits = [], []
+    for node, tensors in (_conv(rng, "expand", "x", "e", channels, 2 * channels),
+                          _conv(rng, "depthwise", "h1", "d", 2 * channels, 2 * channels, k=3, group=2 * channels),
+                          _conv(rng, "project", "h2", "p", 2 * channels, channels)):
+        nodes.append(node)
+        inits += tensors
+    nodes.insert(1, helper.make_node("HardSwish", ["e"], ["h1"], name="hardswish_1"))
+    nodes.insert(3, helper.make_node("HardSwish", ["d"], ["h2"], name="hardswish_2"))
+    nodes.append(helper.make_node("Softsign", ["p"], ["y"], name="out"))  # a float reader: y is not int8
+    return model(nodes, [tensor("x", [1, channels, size, size])], [tensor("y", None)], inits)
+
+
+def large_conv(rng, size=14, channels=256):
+    """x -> 3x3 Conv (256 -> 256) -> Relu -> y: 2304 MACs per output value."""
+    conv, inits = _conv(rng, "conv", "x", "c", channels, channels, k=3)
+    nodes = [conv, helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Softsign", ["r"], ["y"], name="out")]
+    return model(nodes, [tensor("x", [1, channels, size, size])], [tensor("y", None)], inits)
+
+
+def sandwich(rng, size=28, channels=128):
+    """Two large 3x3 Convs with a depthwise Conv between them: its int8 kernel gains nothing, but
+    floating it alone would put a DequantizeLinear and a QuantizeLinear around it."""
+    nodes, inits = [], []
+    for node, tensors in (_conv(rng, "conv_a", "x", "a", channels, channels, k=3),
+                          _conv(rng, "middle", "a", "m", channels, channels, k=3, group=channels),
+                          _conv(rng, "conv_b", "m", "b", channels, channels, k=3)):
+        nodes.append(node)
+        inits += tensors
+    nodes.append(helper.make_node("Softsign", ["b"], ["y"], name="out"))
+    return model(nodes, [tensor("x", [1, channels, size, size])], [tensor("y", None)], inits)
+
+
+def pointwise_chain(rng, size=56, channels=96):
+    """x -> (1x1 Conv -> HardSwish) x 2 -> 3x3 Conv -> y: 96 MACs per value in the 1x1 Convs."""
+    nodes, inits, last = [], [], "x"
+    for i in range(2):
+        conv, tensors = _conv(rng, f"pointwise_{i}", last, f"c{i}", channels, channels)
+        nodes += [conv, helper.make_node("HardSwish", [f"c{i}"], [f"h{i}"], name=f"hardswish_{i}")]
+        inits += tensors
+        last = f"h{i}"
+    conv, tensors = _conv(rng, "conv", last, "c", channels, channels, k=3)
+    nodes += [conv, helper.make_node("Softsign", ["c"], ["y"], name="out")]
+    return model(nodes, [tensor("x", [1, channels, size, size])], [tensor("y", None)], inits + tensors)
+
+
+def squeeze_excite(rng, channels=64):
+    """A squeeze-and-excitation gate's two 1x1 Convs on a 1x1 map: about 1000 MACs each."""
+    first, a = _conv(rng, "squeeze", "x", "s", channels, channels // 4)
+    second, b = _conv(rng, "excite", "r", "e", channels // 4, channels)
+    nodes = [first, helper.make_node("Relu", ["s"], ["r"], name="relu"), second,
+             helper.make_node("HardSigmoid", ["e"], ["g"], name="gate"),
+             helper.make_node("Softsign", ["g"], ["y"], name="out")]
+    return model(nodes, [tensor("x", [1, channels, 1, 1])], [tensor("y", None)], a + b)
+
+
+def decide(built, options=FLOAT_FORM, costs: Costs = COSTS) -> tuple[list[str], list[str]]:
+    shapes = sample_shapes(built, {i.name: np.zeros([d.dim_value for d in i.type.tensor_type.shape.dim],
+                                                    np.float32) for i in built.graph.input})
+    return float_for_speed(built, build_plan(built, options), shapes, options, costs)
+
+
+def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
+    """Each decision the tests below expect, true or false with `costs`."""
+    chain, reasons = decide(mobile_block(np.random.default_rng(0)), costs=costs)
+    big, _ = decide(large_conv(np.random.default_rng(1)), costs=costs)
+    middle, _ = decide(sandwich(np.random.default_rng(2)), costs=costs)
+    wide, _ = decide(mobile_block(np.random.default_rng(3), size=7, channels=256), costs=costs)
+    gate, _ = decide(squeeze_excite(np.random.default_rng(5)), costs=costs)
+    pointwise = pointwise_chain(np.random.default_rng(4))
+    float_form, _ = decide(pointwise, costs=costs)
+    integer_form, _ = decide(pointwise, QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer")), costs=costs)
+    return {
+        # a depthwise Conv and the float-form HardSwish around it cost per value and gain nothing per MAC
+        "the high-resolution chain goes float": {"depthwise", "hardswish_2", "hardswish_1"} <= set(chain),
+        # every dense layer float would leave no int8 layer: the one that costs least in int8 stays
+        "one of its dense layers stays int8": len({"expand", "project"} - set(chain)) == 1,
+        "one reason, by cause": len(reasons) == 1 and "depthwise Convs" in reasons[0],
+        "a large Conv stays int8": big == [],
+        # the cut weighs the Q/DQ a float island would need: the depthwise Conv stays with its neighbours
+        "a depthwise Conv between large Convs stays int8": middle == [],
+        # per value the block pays the same; per MAC its 1x1 Convs gain with 16x the channels
+        "the block's 1x1 Convs stay int8 at 7x7 with 256 channels": not {"expand", "project"} & set(wide),
+        # 96 MACs per value: less than the float-form hard-swish's four passes cost, more than two
+        "1x1 Convs with a float-form HardSwish go float": float_form == ["pointwise_0", "hardswish_0", "pointwise_1",
+                                                                          "hardswish_1"],
+        "with the integer form they stay int8": integer_form == [],
+        # an integer kernel's fixed cost is more than 1000 MACs save; one Conv stays (an int8 model)
+        "a squeeze-excite gate's small Convs go float": len({"squeeze", "excite"} & set(gate)) == 1,
+    }
+
+
+def test_decisions():
+    failed = [what for what, held in outcomes().items() if not held]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("planted", [
+    {"passes": 0.0, "tap": 0.0, "depthwise_mac": 0.0, "depthwise_float_mac": 0.0},  # int8 pays nothing per value
+    {"mac": 0.1},  # a dense MAC saves 10x what it does
+    {"integer_kernel": 1e6},  # an integer kernel's fixed cost 300x too high: int8 layers never pay off
+    {"boundary": 0.0},  # Q/DQ free: islands of float in int8 cost nothing
+])
+def test_a_cost_planted_wrong_changes_a_decision(planted):
+    """test_decisions fails when a cost is planted wrong."""
+    assert not all(outcomes(replace(COSTS, **planted)).values())
+
+
+def test_integer_form_costs_fewer_passes_than_float_form():
+    """The hard-swish's integer form (QLinearAdd + QLinearMul) adds two passes, its float form four."""
+    built = mobile_block(np.random.default_rng(4))
+    shapes = sample_shapes(built, {"x": np.zeros((1, 16, 112, 112), np.float32)})
+    integer = cost_terms(built, build_plan(built, QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer"))), shapes,
+                         QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer")))
+    floated = cost_terms(built, build_plan(built, FLOAT_FORM), shapes, FLOAT_FORM)
+    values = 32 * 112 * 112
+    for label in ("hardswish_1", "hardswish_2"):  # float fuses each into the Conv before it
+        assert floated.nodes[label]["passes"] == 4 * values
+        assert integer.nodes[label]["passes"] == 2 * values
+
+
+def test_nodes_without_shapes_keep_their_plan():
+    built = mobile_block(np.random.default_rng(5))
+    labels, _ = float_for_speed(built, build_plan(built, FLOAT_FORM), {}, FLOAT_FORM)
+    assert labels == []
