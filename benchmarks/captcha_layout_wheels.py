@@ -19,8 +19,7 @@
 
 Each model: 32 samples calibrate, 16 are held out (seeded). Per quantizer: the cosine of the worst
 output to fp32 (mean / min over the held-out samples), the task kept, the speedup over fp32 (1
-thread, batch 1, the models taking turns, median) and the time to quantize (qtool with an empty
-latency cache, as on a first run). onnxruntime's quantize_static (QDQ, per-channel, MinMax) gets
+thread, batch 1, the models taking turns, median) and the time to quantize (qtool's plain command). onnxruntime's quantize_static (QDQ, per-channel, MinMax) gets
 the two ddddocr models converted to opset 13 by onnx's version converter, as qtool converts them:
 at opset 11-12 it writes per-channel DequantizeLinear nodes that onnxruntime refuses to load.
 

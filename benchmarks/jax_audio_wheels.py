@@ -21,7 +21,7 @@ chunks of 5120 samples (every 2560), the embeddings of 76-frame windows (every 8
 head's 16 consecutive embeddings. The first two thirds of each model's samples calibrate, the last
 third is held out. Per quantizer: the cosine of the worst output to fp32 (mean / min over the
 held-out samples), the task, the speedup over fp32 (1 thread, batch 1, the models taking turns,
-median) and the time to quantize (qtool with an empty latency cache, as on a first run).
+median) and the time to quantize (qtool's plain command).
 
     python benchmarks/jax_audio_wheels.py                # downloads magika (16 MB) and openwakeword (9 MB)
     python benchmarks/jax_audio_wheels.py --wheels DIR   # the two wheels, already downloaded

@@ -25,10 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _qtool(*args, cache: Path | None = None) -> subprocess.CompletedProcess:
-    """qtool in a process of its own; with `cache`, the latency-aware choice cached there (an empty
-    folder: measured, as on a first run)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"QTOOL_CACHE_DIR": str(cache)} if cache else {}))
+def _qtool(*args) -> subprocess.CompletedProcess:
+    """qtool in a process of its own (this checkout's)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], env=env, capture_output=True, text=True)
 
 

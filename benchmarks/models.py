@@ -6,8 +6,8 @@
 set otherwise).
 
 qtool: the plain command of benchmarks/kit.py (`qtool quantize MODEL --data <calib> -o out.onnx`,
-EfficientNet-Lite0 with the kit's photos and its config), latency-aware fallback included, its
-choices measured in the run (an empty cache in each model's work folder).
+EfficientNet-Lite0 with the kit's photos and its config): its choices settled in the run, nothing
+timed (the latency tuning is opt-in).
 onnxruntime: `quantize_static` (QDQ, per-channel, its defaults otherwise: MinMax, uint8
 activations, int8 weights) with a CalibrationDataReader over the same calibration samples,
 read by qtool's data loading (the kit's preprocessing), and `quantize_dynamic` with default
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -194,16 +193,14 @@ def run_model(kit: Path, model: Path, work: Path, extra: dict[str, Path]) -> dic
     paths = {"fp32": model, **{v: work / f"{v}.onnx" for v in (*VARIANTS, *extra)}}
     row: dict = {"model": name, "errors": {}, "seconds": {}}
     calib, held, preprocess, args, limit = data_split(kit, model, work)
-    cache = work / "latency-cache"  # emptied: the latency-aware choices are measured in the run
-    shutil.rmtree(cache, ignore_errors=True)
     start = time.perf_counter()
-    done = _qtool("quantize", model, "--data", calib, *args, "-o", paths["qtool"], cache=cache)
+    done = _qtool("quantize", model, "--data", calib, *args, "-o", paths["qtool"])
     row["seconds"]["qtool"] = time.perf_counter() - start
     if done.returncode:
         row["errors"]["qtool"] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"
     for label, config in extra.items():
         start = time.perf_counter()
-        done = _qtool("quantize", model, "--data", calib, "--config", config, "-o", paths[label], cache=cache)
+        done = _qtool("quantize", model, "--data", calib, "--config", config, "-o", paths[label])
         row["seconds"][label] = time.perf_counter() - start
         if done.returncode:
             row["errors"][label] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"
@@ -250,7 +247,7 @@ def timed_medians(paths: dict[str, Path], samples: list[dict], warmup: int = 2) 
 
 def wheel_rows(label: str, model: Path, feeds: list[dict], cut: int, work: Path, kinds: tuple[str, ...], task,
                ort_model: Optional[Path] = None) -> list[str]:
-    """Table rows of one model from outside the kit: qtool's plain command (an empty latency cache)
+    """Table rows of one model from outside the kit: qtool's plain command
     and onnxruntime's quantizers `kinds` (given `ort_model`, a converted copy, where the file as
     given does not suit them), calibrated on feeds[:cut] and compared with fp32 on the rest:
     cosine mean / min, task(fp32 outputs, int8 outputs), speedup, time to quantize."""
@@ -261,7 +258,7 @@ def wheel_rows(label: str, model: Path, feeds: list[dict], cut: int, work: Path,
     held = feeds[cut:]
     paths, seconds, errors = {"fp32": model}, {}, {}
     start = time.perf_counter()
-    done = _qtool("quantize", model, "--data", calib, "-o", work / "qtool.onnx", cache=work / "cache")
+    done = _qtool("quantize", model, "--data", calib, "-o", work / "qtool.onnx")
     seconds["qtool"] = time.perf_counter() - start
     if done.returncode:
         errors["qtool"] = f"fails: {(done.stderr.strip().splitlines() or [''])[-1][:100]}"

@@ -17,7 +17,7 @@ from qtool.config import QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.table.formats import amct, ncnn, ort, qtool_json, tengine, tensorrt, tpu_mlir
 from qtool.table.formats.base import FormatContext, TableFormat
-from qtool.table.formats.model_view import ModelView, model_view
+from qtool.table.formats.model_view import model_view
 from qtool.table.table import CalibrationTable, check_values
 
 
