@@ -243,11 +243,11 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
     settled, after = built(graph, cfg)
     decisions += after
     plan = graph.plan
-    # how the table was made (the range method `auto` chose) before what quantizing it did
     if outcome is not None:  # the search's float layers and range method replay as settled options
         decisions.append(Decision("quantization.advanced.float_nodes", outcome.float_layers, "mixed-precision search"))
         settled = apply(replace(settled, calibration=replace(settled.calibration, method=outcome.method)),
                         decisions[-1:])
+    # how the table was made before what quantizing it did, then the decisions that compared candidates
     notes = tuple(dict.fromkeys([*table.notes, *graph.notes,
                                  *(d.note() for d in decisions if len(d.measured) > 1 or d.details)]))
     return QuantizeResult(graph.model, table, notes, len(plan.quantized_nodes), plan.int8_weights(),
