@@ -4,7 +4,6 @@ mixed-precision search."""
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import numpy as np

@@ -7,7 +7,6 @@ one evaluator, one prepared graph and plan for all their candidates, each distin
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +16,7 @@ from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import DataLike, batches, open_data, spread_samples
 from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.modelio import InputSpec, input_specs, load_model
-from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
+from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model, ranges_only
 from qtool.table.table import CalibrationTable
 from qtool.targets import target_of
 
@@ -34,11 +33,6 @@ def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
     return (Evaluator(Path(model_path), samples, None, cfg.evaluation.threads,
                       runtime=target_of(cfg.quantization).measured_on), sum(len(b) for b in samples))
-
-
-def ranges_only(options: QuantizeConfig) -> QuantizeConfig:
-    """The options of a measured candidate: the data-driven weight steps run once, on the choice."""
-    return replace(options, bias_correction="off", weight_rounding="nearest")
 
 
 def figures(measured: dict) -> dict:

@@ -263,12 +263,16 @@ class Candidates:
         return path
 
 
+def ranges_only(options: QuantizeConfig) -> QuantizeConfig:
+    """The options of a measured candidate: the data-driven weight steps run once, on the choice."""
+    return replace(options, bias_correction="off", weight_rounding="nearest")
+
+
 def candidates(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                data: Optional[Callable[[int], Iterable[Batch]]] = None,
                shared: Optional[SharedGraphs] = None) -> Candidates:
     """The prepared model of `options` (ranges only) ready to build candidates from."""
-    ranges_only = replace(options, bias_correction="off", weight_rounding="nearest")
-    return Candidates(_prepare(model_path, table, ranges_only, None, True, data, shared))
+    return Candidates(_prepare(model_path, table, ranges_only(options), None, True, data, shared))
 
 
 def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig,
