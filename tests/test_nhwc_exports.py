@@ -47,6 +47,23 @@ def _nhwc_model(rng, pad_value=0.0, pad_mode="constant", channel_pad=False) -> o
     return graphs.model(nodes, [graphs.tensor("x", [1, SIZE, FEATURES])], [graphs.tensor("y", [1, SIZE, (FEATURES + 1) * 8])], inits, opset=13)
 
 
+def _conv1d_model(rng, blocks=4, channels=32, length=400) -> onnx.ModelProto:
+    """x [1, channels, length] -> blocks x (Unsqueeze -> Conv 1x3 -> Squeeze -> Relu): a Conv1D as a
+    TensorFlow export writes it, a Conv2D of height 1."""
+    nodes, inits, last = [], [graphs.init("axis", np.array([2], np.int64))], "x"
+    for i in range(blocks):
+        inits += [graphs.init(f"w{i}", (rng.normal(0, 1, (channels, channels, 1, 3)) / np.sqrt(3 * channels))
+                              .astype(np.float32)), graphs.init(f"b{i}", np.zeros(channels, np.float32))]
+        nodes += [helper.make_node("Unsqueeze", [last, "axis"], [f"u{i}"]),
+                  helper.make_node("Conv", [f"u{i}", f"w{i}", f"b{i}"], [f"c{i}"], pads=[0, 1, 0, 1]),
+                  helper.make_node("Squeeze", [f"c{i}", "axis"], [f"s{i}"]),
+                  helper.make_node("Relu", [f"s{i}"], [f"r{i}"])]
+        last = f"r{i}"
+    nodes.append(helper.make_node("Identity", [last], ["y"]))
+    return graphs.model(nodes, [graphs.tensor("x", [1, channels, length])],
+                        [graphs.tensor("y", [1, channels, length])], inits, opset=13)
+
+
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {"x": x})[0]
@@ -77,13 +94,15 @@ def test_a_pad_that_is_not_the_convs_to_do_stays(kind):
     np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-5, atol=1e-5)
 
 
-def test_the_int8_convs_of_an_nhwc_export_meet_no_requantization(tmp_path):
+@pytest.mark.parametrize("form", ["nhwc", "conv1d"])
+def test_the_int8_convs_of_an_nhwc_export_meet_no_requantization(tmp_path, form):
     """The plain command: onnxruntime's int8 graph keeps one QuantizeLinear (the input) and one
     DequantizeLinear (the output); every Conv, its Pad and its activation run as one QLinearConv."""
     rng = np.random.default_rng(2)
     source = tmp_path / "nhwc.onnx"
-    onnx.save(_nhwc_model(rng), source)
-    data = graphs.write_samples(tmp_path / "calib", rng, (SIZE, FEATURES), count=8)
+    onnx.save(_nhwc_model(rng) if form == "nhwc" else _conv1d_model(rng), source)
+    shape = (SIZE, FEATURES) if form == "nhwc" else (32, 400)
+    data = graphs.write_samples(tmp_path / "calib", rng, shape, count=8)
     out = tmp_path / "q.onnx"
     api.quantize(source, data=data, progress=False).save(out)
     ops = optimized_ops(out, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)

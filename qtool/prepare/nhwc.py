@@ -3,9 +3,10 @@
 TensorFlow and TFLite exports wrap each NCHW Conv in layout Transposes and pad with a separate
 Pad node. onnxruntime folds both into a float Conv, but not into an integer one: in a QDQ model
 a Pad keeps a DequantizeLinear/QuantizeLinear pair of its own, and an activation after the
-Conv's output Transpose cannot fuse into the Conv (its own range, a requantization). So a zero
-Pad (constant mode, spatial axes, read by nothing else) becomes the Conv's padding, and an
-elementwise activation read after a Conv's only Transpose moves in front of that Transpose.
+Conv's output Transpose (or the Squeeze/Reshape of a Conv1D written as a Conv2D) cannot fuse
+into the Conv (its own range, a requantization). So a zero Pad (constant mode, spatial axes,
+read by nothing else) becomes the Conv's padding, and an elementwise activation read after a
+Conv's only layout move (Transpose, Reshape, Squeeze, Unsqueeze, Flatten) moves in front of it.
 """
 
 from __future__ import annotations
@@ -100,10 +101,13 @@ def _reads_only(index: GraphIndex, name: str, node: onnx.NodeProto) -> bool:
     return reader is not None and list(reader.output) == list(node.output)
 
 
-def activations_before_transposes(model: onnx.ModelProto) -> int:
-    """Conv -> Transpose -> activation becomes Conv -> activation -> Transpose, where the Transpose is
-    the Conv's only reader and the activation the Transpose's; returns how many moved. The
-    activation keeps reading one tensor elementwise, so the same values reach the same names."""
+_LAYOUT = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten")  # move values, compute none
+
+
+def activations_before_layout_moves(model: onnx.ModelProto) -> int:
+    """Conv -> layout move -> activation becomes Conv -> activation -> layout move, where the move is
+    the Conv's only reader and the activation the move's; returns how many moved. The activation
+    reads one tensor elementwise, so the same values reach the same names."""
     graph = model.graph
     index = GraphIndex(model)
     moved = 0
@@ -112,19 +116,19 @@ def activations_before_transposes(model: onnx.ModelProto) -> int:
             continue
         if any(name and not index.is_constant(name) for name in act.input[1:]):
             continue
-        transpose = index.producer.get(act.input[0])
-        if transpose is None or transpose.op_type != "Transpose" or transpose.domain not in _STANDARD:
+        move = index.producer.get(act.input[0])
+        if move is None or move.op_type not in _LAYOUT or move.domain not in _STANDARD:
             continue
-        if not _reads_only(index, transpose.output[0], act):
+        if not _reads_only(index, move.output[0], act):
             continue
-        conv = index.producer.get(transpose.input[0])
-        if conv is None or conv.op_type != "Conv" or not _reads_only(index, conv.output[0], transpose):
+        conv = index.producer.get(move.input[0])
+        if conv is None or conv.op_type != "Conv" or not _reads_only(index, conv.output[0], move):
             continue
-        inner = act.output[0] + "_before_transpose"
-        act.input[0], act.output[0], transpose.input[0], transpose.output[0] = \
+        inner = act.output[0] + "_before_move"
+        act.input[0], act.output[0], move.input[0], move.output[0] = \
             conv.output[0], inner, inner, act.output[0]
         moved += 1
-    if moved:  # each moved activation now precedes its Transpose: restore a topological order
+    if moved:  # each moved activation now precedes its move: restore a topological order
         order = topological_order(graph)
         if order is not None:
             replace_nodes(graph, [graph.node[k] for k in order])
