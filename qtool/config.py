@@ -33,6 +33,7 @@ EMBEDDING_AUTO_BYTES = 1 << 20
 # auto: dynamic for transformer graphs (qtool.plan.dynamic), static otherwise
 MATMUL_STRATEGIES = ("auto", "static", "dynamic")
 DYNAMIC_WEIGHTS = ("auto", "column", "tensor")  # auto: measured (qtool.choices.dynamic_weights), else column
+HEAD_TAILS = ("auto", "off")
 LATENCY_AWARE = ("off", "on")  # on: the opt-in timing search of qtool.choices.latency
 # auto: measured (qtool.choices.hard_forms) where quantize has calibration data, else integer
 HARD_ACTIVATIONS = ("auto", "integer", "float")
@@ -144,12 +145,16 @@ class AdvancedConfig:
     # rewritten) exactly so that every channel of their activations spans the same range
     # (qtool.prepare.equalize); measured on the calibration data, kept in the table's smoothing scales
     equalize_activations: bool = True
+    # auto: with calibration data, the own tails of outputs that int8 moves far from fp32 (each output
+    # by its own SQNR) are kept float when that brings them closer (qtool.choices.heads); off: never
+    head_tails: str = "auto"
 
     def __post_init__(self):
         _one_of("embeddings", self.embeddings, EMBEDDINGS)
         _one_of("dynamic_weights", self.dynamic_weights, DYNAMIC_WEIGHTS)
         _one_of("latency_aware", self.latency_aware, LATENCY_AWARE)
         _one_of("hard_activations", self.hard_activations, HARD_ACTIVATIONS)
+        _one_of("head_tails", self.head_tails, HEAD_TAILS)
         _check_alpha("smooth_dynamic", self.smooth_dynamic)
 
 
@@ -322,6 +327,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             raise ValueError(f"{key} must be a number, got {value!r}")
         return float(value)
     if annotation is str:
+        if isinstance(value, bool):  # YAML 1.1 reads an unquoted off/on (no/yes) as a boolean
+            value = "on" if value else "off"
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
         return value

@@ -65,7 +65,7 @@ def test_search_without_a_target_is_a_usage_error(tmp_path):
 def test_the_settled_choices_live_under_quantization_advanced():
     assert {f for f in AdvancedConfig.__dataclass_fields__} == {
         "dynamic_weights", "hard_activations", "smooth_dynamic", "equalize_activations", "embeddings",
-        "latency_aware", "float_nodes"}
+        "latency_aware", "float_nodes", "head_tails"}
     cfg = load_config({"quantization": {"advanced": {"dynamic_weights": "column", "float_nodes": ["a"]}}})
     assert cfg.quantization.advanced == AdvancedConfig(dynamic_weights="column", float_nodes=("a",))
     written = config_mapping(cfg)["quantization"]["advanced"]
@@ -86,3 +86,12 @@ def test_misplaced_and_mistyped_keys_are_named(quantization, message):
     with pytest.raises(QtoolError) as error:
         load_config({"quantization": quantization})
     assert message in str(error.value)
+
+
+def test_an_unquoted_off_in_yaml_means_off(tmp_path):
+    """YAML 1.1 reads `off` as false: the keys whose values are words take it as "off"."""
+    path = tmp_path / "c.yaml"
+    path.write_text("quantization:\n  bias_correction: off\n  advanced:\n    head_tails: off\n    latency_aware: on\n")
+    cfg = load_config(path)
+    assert (cfg.quantization.bias_correction, cfg.quantization.advanced.head_tails,
+            cfg.quantization.advanced.latency_aware) == ("off", "off", "on")

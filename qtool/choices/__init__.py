@@ -18,6 +18,7 @@ import onnx
 from qtool.choices.decision import Decision, apply, replaced
 from qtool.choices.dynamic_weights import choose_dynamic_weights
 from qtool.choices.hard_forms import choose_hard_forms
+from qtool.choices.heads import choose_head_tails
 from qtool.choices.latency import choose as choose_latency, timer
 from qtool.choices.measure import Scoring
 from qtool.config import Config
@@ -59,8 +60,12 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
     options, decision = choose_hard_forms(model_path, model, measurable, table, cfg, scoring)
     decisions += [decision] if decision else []
     cfg = replace(cfg, quantization=options)
+    # 4. the tails of heads that int8 moves far from fp32, each output on its own scale (measured)
+    options, decision = choose_head_tails(model, table, cfg, scoring if measurable is not None else None)
+    decisions += [decision] if decision else []
+    cfg = replace(cfg, quantization=options)
     cfg = apply(cfg, decisions)
-    # 4. latency tuning (opt-in: it times candidates on this machine)
+    # 5. latency tuning (opt-in: it times candidates on this machine)
     if cfg.quantization.advanced.latency_aware == "on":
         decisions.append(_latency(model_path, input_specs(model), table, cfg, calib_data,
                                   scoring.shared if scoring else None))
@@ -79,8 +84,9 @@ def _latency(model_path, specs: list[InputSpec], table: CalibrationTable, cfg: C
 
 
 def _settled(cfg: Config) -> Config:
-    """Nothing left to measure: the latency tuning's outcome is in advanced.float_nodes."""
-    return replace(cfg, quantization=replaced(cfg.quantization, "advanced.latency_aware", "off"))
+    """Nothing left to measure: the latency tuning's and the head tails' outcomes are in advanced.float_nodes."""
+    options = replaced(cfg.quantization, "advanced.latency_aware", "off")
+    return replace(cfg, quantization=replaced(options, "advanced.head_tails", "off"))
 
 
 def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:

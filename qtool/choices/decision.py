@@ -41,7 +41,13 @@ class Decision:
 def _figures(figures: dict) -> str:
     if "cosine_db" in figures:
         return f"{figures['cosine_db']:.1f} dB (mean cosine {figures['cosine']:.4f})"
-    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {_each(v)}" if isinstance(v, dict)
+                     else f"{k} {v}" for k, v in figures.items())
+
+
+def _each(values: dict) -> str:
+    """Per-output figures: "(name 12.3, name 45.6)"."""
+    return "(" + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()) + ")"
 
 
 def apply(cfg: Config, decisions: list[Decision]) -> Config:

@@ -143,8 +143,10 @@ class Evaluator:
             classes.update(ref[0], test[0], labels)
         result = classes.result()
         cosines = np.concatenate(cosines)
+        each = {name: acc.result() for name, acc in zip(self.outputs, fidelity)}
         figures = {"agreement": result["agreement"], "mean_kl": result["mean_kl"],
-                   "sqnr_db": min(acc.result()["sqnr_db"] for acc in fidelity),
+                   "sqnr_db": min(r["sqnr_db"] for r in each.values()),
+                   "outputs": {name: {"sqnr_db": r["sqnr_db"], "cosine": r["cosine"]} for name, r in each.items()},
                    "cosine": float(np.mean(cosines)), "cosine_db": cosine_db(cosines), "samples": result["samples"]}
         if "top1" in result:
             figures.update(top1=result["top1"]["int8"], top1_fp32=result["top1"]["fp32"],
