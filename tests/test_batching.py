@@ -85,6 +85,27 @@ def test_a_graph_with_batch_one_baked_in_is_calibrated_one_sample_at_a_time(tmp_
     assert not any(d.option == "calibration.batch_size" for d in again.decisions)
 
 
+def test_samples_of_varying_lengths_are_probed_with_the_first_stacked_with_itself(tmp_path):
+    """A sequence model with batch 1 baked in after its first axis (a traced attention view,
+    [S, 1, 3, 2]): its first 32 samples all differ in length, so the first batches hold one sample
+    each, and only later samples of one length batch together."""
+    rng = np.random.default_rng(5)
+    concat_axis = numpy_helper.from_array(np.array([1, 3, 2], np.int64), "tail")
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+             helper.make_node("MatMul", ["t", "w"], ["m"], name="mm"),
+             helper.make_node("Shape", ["x"], ["shape"], start=1, end=2),
+             helper.make_node("Concat", ["shape", "tail"], ["s"], axis=0),
+             helper.make_node("Reshape", ["m", "s"], ["r"], name="node_view"),
+             helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    model = _model(nodes, [_weight(rng), concat_axis], ["S", 1, 3, 2], input_shape=("N", "S", 6))
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    lengths = list(range(3, 35)) + [5] * 8
+    folder = _folder(tmp_path, [{"x": rng.normal(0, 1, (1, n, 6)).astype(np.float32)} for n in lengths])
+    result = qtool.quantize(tmp_path / "m.onnx", data=folder, progress=False)
+    assert [d.value for d in result.decisions if d.option == "calibration.batch_size"] == [1]
+    assert result.table.num_samples == len(lengths)
+
+
 def test_a_generator_is_probed_without_losing_its_first_samples(tmp_path):
     rng = np.random.default_rng(1)
     onnx.save(baked_reshape(rng), str(tmp_path / "m.onnx"))

@@ -5,8 +5,9 @@ and evaluate stack samples of one shape along the inputs' first axis when every 
 dynamic (qtool.data.dataset.batches). Exporters often bake batch 1 into the graph all the same (a
 Reshape to a constant shape, an Expand or a Tile to a fixed one, a Squeeze of the batch axis):
 onnxruntime then refuses a batch of several samples, or the outputs mix them. So a job probes once,
-on its first real batch of several samples, before anything runs on batches: the fp32 model at the
-configured batch size, then its first sample alone. When the batch is refused, or an output does
+on its first real batch of several samples (or, when the first samples differ in shape, the first
+one stacked with itself), before anything runs on batches: the fp32 model at the configured batch
+size, then its first sample alone. When the batch is refused, or an output does
 not hold the batch (no axis of its grows from 1 for one sample to n for n: a 0-d scalar, a sum
 over the batch, detections of all samples in one list), while the sample runs, the job feeds one
 sample at a time throughout, with one note. When the sample is refused too, the model does not run on the data:
@@ -41,13 +42,20 @@ def batch_refusal(model: onnx.ModelProto | str, source: DataSource | MemorySourc
         source = copy.copy(source)
         source.data = head
     try:
-        first = next((b for b in itertools.islice(batches(source, batch_size, LOOK_AHEAD * batch_size), LOOK_AHEAD)
-                      if len(b) > 1), None)
+        head = list(itertools.islice(batches(source, batch_size, LOOK_AHEAD * batch_size), LOOK_AHEAD))
     except QtoolError:  # the data's own errors: reported where the job reads it, after the model's
         return None
+    first = next((b for b in head if len(b) > 1), None)
+    if first is None and head:  # samples of varying shapes: later ones may still batch, so the first
+        first = _repeated(head[0], model_batch_size(source.specs, batch_size))  # sample is stacked with itself
     if first is None:
         return None
     return refusal(model, first, label)
+
+
+def _repeated(batch: Batch, n: int) -> Batch:
+    """`batch`'s first sample n times, as a batch: what any n samples of its shape make."""
+    return Batch([batch.keys[0]] * n, {name: np.repeat(array[:1], n, axis=0) for name, array in batch.feeds.items()})
 
 
 def refusal(model: onnx.ModelProto | str, batch: Batch, label: str = "fp32 model") -> Optional[str]:
