@@ -464,6 +464,36 @@ def skip_layer_norm(rng):
     return g.build(extra_domains=("com.microsoft",))
 
 
+def attention(rng):
+    g = Graph(13)
+    x = g.input("input", [2, 4, 16])
+    y = g.node("Attention", [x, g.weight(rng, "qkv_w", (16, 48), 0.25), g.weight(rng, "qkv_b", (48,), 0.1)],
+               name="attention", domain="com.microsoft", num_heads=2)
+    g.output(g.node("MatMul", [y, g.weight(rng, "w", (16, 8), 0.3)], name="matmul"), shape=[2, 4, 8])
+    return g.build(extra_domains=("com.microsoft",))
+
+
+def embed_layer_norm(rng):
+    g = Graph(13)
+    i32 = TensorProto.INT32
+    ids = g.input("input_ids", [1, 6], draw=lambda r: r.integers(0, 40, (1, 6)).astype(np.int32), elem=i32)
+    seg = g.input("segment_ids", [1, 6], draw=lambda r: r.integers(0, 2, (1, 6)).astype(np.int32), elem=i32)
+    ins = [ids, seg, g.weight(rng, "word", (40, 16), 0.5), g.weight(rng, "pos", (8, 16), 0.2),
+           g.weight(rng, "segment", (2, 16), 0.2), g.weight(rng, "gamma", (16,), 0.5), g.weight(rng, "beta", (16,), 0.1)]
+    y, _ = g.node("EmbedLayerNormalization", ins, ["embedded", "mask_index"], name="embed", domain="com.microsoft",
+                  epsilon=1e-12)
+    g.output(g.node("MatMul", [y, g.weight(rng, "w", (16, 8), 0.3)], name="matmul"), shape=[1, 6, 8])
+    return g.build(extra_domains=("com.microsoft",))
+
+
+def bias_gelu(rng):
+    g = Graph(13)
+    y = g.node("MatMul", [g.input("input", [3, 16]), g.weight(rng, "w", (16, 16), 0.3)], name="matmul")
+    y = g.node("BiasGelu", [y, g.weight(rng, "bias", (16,), 0.1)], name="biasgelu", domain="com.microsoft")
+    g.output(g.node("MatMul", [y, g.weight(rng, "w2", (16, 8), 0.3)], name="matmul2"), shape=[3, 8])
+    return g.build(extra_domains=("com.microsoft",))
+
+
 GRAPHS: list[tuple[str, Callable]] = [
     ("conv", conv),
     ("conv_no_bias", lambda rng: conv(rng, bias=False)),
@@ -523,6 +553,9 @@ GRAPHS: list[tuple[str, Callable]] = [
     ("lstm", lstm),
     ("unsqueeze_matmul_squeeze", squeeze_matmul),
     ("skip_layer_norm", skip_layer_norm),
+    ("attention", attention),
+    ("embed_layer_norm", embed_layer_norm),
+    ("bias_gelu", bias_gelu),
 ]
 
 CALIBRATION_SAMPLES = 8
@@ -597,8 +630,8 @@ def quantize_static_model(fp32_path: Path, out: Path, calibration: list[dict]) -
     return True
 
 
-WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Einsum", "LSTM", "GRU", "Gather", "MatMulInteger",
-            "ConvInteger", "DynamicQuantizeLSTM")
+WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Einsum", "LSTM", "GRU", "Gather", "Attention",
+            "MatMulInteger", "ConvInteger", "DynamicQuantizeLSTM", "QAttention")
 
 
 def int8_weights(path) -> int:
