@@ -152,11 +152,12 @@ def pad_conv(rng):
     return g.build()
 
 
-def conv_resize(rng, mode="nearest"):
-    g = Graph(13)
+def conv_resize(rng, mode="nearest", opset=13):
+    g = Graph(opset)
     y = _conv(g, rng, g.input("input", [1, 2, 8, 8]), 2, 4, "conv")
     scales = g.const("scales", np.array([1, 1, 2, 2], dtype=np.float32))
-    y = g.node("Resize", [y, "", scales], name="resize", mode=mode)
+    roi = g.const("roi", np.array([], dtype=np.float32)) if opset < 13 else ""  # opset 11 needs the input
+    y = g.node("Resize", [y, roi, scales], name="resize", mode=mode)
     g.output(_conv(g, rng, y, 4, 4, "conv2"))
     return g.build()
 
@@ -513,6 +514,7 @@ GRAPHS: list[tuple[str, Callable]] = [
     ("pad_reflect_conv", pad_conv),
     ("conv_resize_nearest", conv_resize),
     ("conv_resize_linear", lambda rng: conv_resize(rng, mode="linear")),
+    ("conv_resize_opset11", lambda rng: conv_resize(rng, opset=11)),
     ("conv_reshape_gemm", conv_reshape),
     ("conv_transpose_matmul", conv_transpose_op),
     ("conv_squeeze_unsqueeze", conv_squeeze_unsqueeze),
@@ -630,8 +632,9 @@ def quantize_static_model(fp32_path: Path, out: Path, calibration: list[dict]) -
     return True
 
 
-WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Einsum", "LSTM", "GRU", "Gather", "Attention",
-            "MatMulInteger", "ConvInteger", "DynamicQuantizeLSTM", "QAttention")
+WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Einsum", "LSTM", "GRU", "Gather", "Attention")
+# integer kernels, and which of their inputs are weights (the others include 8-bit zero points)
+KERNEL_WEIGHTS = {"MatMulInteger": (1,), "ConvInteger": (1,), "DynamicQuantizeLSTM": (1, 2), "QAttention": (1,)}
 
 
 def int8_weights(path) -> int:
@@ -639,10 +642,10 @@ def int8_weights(path) -> int:
     layer with weights was quantized. An Add's constant operand does not count: an op with no int8
     neighbour may rightly stay float."""
     model = onnx.load(str(path))
-    eight = {t.name for t in model.graph.initializer
-             if t.data_type in (TensorProto.INT8, TensorProto.UINT8) and int(np.prod(t.dims)) > 1}
+    eight = {t.name for t in model.graph.initializer if t.data_type in (TensorProto.INT8, TensorProto.UINT8)}
     dequantized = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
     read = {dequantized.get(name, name) for n in model.graph.node if n.op_type in WEIGHTED for name in n.input}
+    read |= {n.input[i] for n in model.graph.node for i in KERNEL_WEIGHTS.get(n.op_type, ()) if i < len(n.input)}
     return len(read & eight)
 
 
