@@ -465,6 +465,43 @@ def skip_layer_norm(rng):
     return g.build(extra_domains=("com.microsoft",))
 
 
+def conv_reshape_split(rng):
+    g = Graph(13)
+    y = _conv(g, rng, g.input("input", [3, 3, 2, 2]), 3, 4, "conv", k=1, pads=0, bias=False)
+    y = g.node("Reshape", [y, g.const("shape", _ints([3, 16]))], name="reshape")
+    g.node("Split", [y, g.const("split", _ints([1, 1, 1]))], ["output_1", "output_2", "output_3"], name="split",
+           axis=0)
+    g.output("output_1", "output_2", "output_3")
+    return g.build()
+
+
+def relu_convs_add(rng):
+    g = Graph(13)
+    r = g.node("Relu", [g.input("input", [1, 3, 1, 3])], name="relu1")
+    a = _conv(g, rng, r, 3, 3, "conv1", k=1, pads=0)
+    a = _conv(g, rng, g.node("Relu", [a], name="relu2"), 3, 3, "conv2", k=1, pads=0)
+    b = _conv(g, rng, r, 3, 3, "conv3", k=1, pads=0)
+    g.output(g.node("Add", [a, b], name="add"))
+    return g.build()
+
+
+def clip_relu(rng):
+    g = Graph(13)
+    y = g.node("Clip", [g.input("input", [1, 3, 1, 3]), g.const("lo", np.float32(-0.5)), g.const("hi", np.float32(0.5))],
+               name="clip")
+    g.output(g.node("Relu", [y], name="relu"))
+    return g.build()
+
+
+def topk(rng):
+    g = Graph(16)
+    values, indices = g.node("TopK", [g.input("input", [1, 10]), g.const("k", _ints([3]))], ["values", "indices"],
+                             name="topk", axis=1)
+    g.output(values)
+    g.output(indices, elem=TensorProto.INT64)
+    return g.build()
+
+
 def attention(rng):
     g = Graph(13)
     x = g.input("input", [2, 4, 16])
@@ -555,6 +592,10 @@ GRAPHS: list[tuple[str, Callable]] = [
     ("lstm", lstm),
     ("unsqueeze_matmul_squeeze", squeeze_matmul),
     ("skip_layer_norm", skip_layer_norm),
+    ("conv_reshape_split", conv_reshape_split),
+    ("relu_convs_add", relu_convs_add),
+    ("clip_relu", clip_relu),
+    ("topk", topk),
     ("attention", attention),
     ("embed_layer_norm", embed_layer_norm),
     ("bias_gelu", bias_gelu),
