@@ -24,6 +24,7 @@ from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.prepare.float16 import widen_float16
 from qtool.prepare.fused_activations import write_out_fused_activations
+from qtool.prepare.nhwc import activations_before_layout_moves, fold_pads_into_convs
 from qtool.errors import QtoolError
 
 MIN_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist
@@ -338,6 +339,8 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     outputs_made_by_nodes(prepared)
     explicit_pads(prepared)
     remove_identities(prepared)
+    fold_pads_into_convs(prepared)
+    activations_before_layout_moves(prepared)
     fused = write_out_fused_activations(prepared, default_opset(prepared))
     fold_batchnorm(prepared)
     fold_affine(prepared)
