@@ -242,6 +242,26 @@ def conv_transpose(rng, group=1):
     return g.build()
 
 
+def conv_transpose_fp16(rng):
+    g = Graph(19)
+    h = TensorProto.FLOAT16
+    x = g.input("input", [1, 1, 7, 7], draw=lambda r: r.integers(-1, 2, (1, 1, 7, 7)).astype(np.float16), elem=h)
+    w = g.const("weight", np.ones((1, 1, 2, 2), np.float16))
+    b = g.const("bias", np.array([0.17], np.float16))
+    g.output(g.node("ConvTranspose", [x, w, b], name="convtranspose", kernel_shape=[2, 2]), elem=h)
+    return g.build()
+
+
+def conv_fp16(rng):
+    g = Graph(13)
+    h = TensorProto.FLOAT16
+    x = g.input("input", [1, 4, 8, 8], draw=lambda r: r.normal(0, 1, (1, 4, 8, 8)).astype(np.float16), elem=h)
+    w = g.const("w", rng.normal(0, 0.3, (6, 4, 3, 3)).astype(np.float16))
+    y = g.node("Conv", [x, w, g.const("b", rng.normal(0, 0.1, 6).astype(np.float16))], name="conv", pads=[1] * 4)
+    g.output(g.node("Relu", [y], name="relu"), elem=h)
+    return g.build()
+
+
 def depthwise_conv(rng):
     g = Graph(13)
     y = _conv(g, rng, g.input("input", [1, 8, 10, 10]), 8, 8, "dw", group=8)
@@ -436,14 +456,26 @@ def gru(rng):
     return g.build()
 
 
-def lstm(rng):
+def lstm(rng, directions=1, bias=True):
     g = Graph(13)
     h = 8
     x = g.input("input", [5, 1, 6])
-    ins = [x, g.weight(rng, "W", (1, 4 * h, 6), 0.3), g.weight(rng, "R", (1, 4 * h, h), 0.3),
-           g.weight(rng, "B", (1, 8 * h), 0.1)]
-    y, _, _ = g.node("LSTM", ins, ["y", "y_h", "y_c"], name="lstm", hidden_size=h)
+    ins = [x, g.weight(rng, "W", (directions, 4 * h, 6), 0.3), g.weight(rng, "R", (directions, 4 * h, h), 0.3)]
+    if bias:
+        ins.append(g.weight(rng, "B", (directions, 8 * h), 0.1))
+    y, _, _ = g.node("LSTM", ins, ["y", "y_h", "y_c"], name="lstm", hidden_size=h,
+                     direction="bidirectional" if directions == 2 else "forward")
     g.output(y)
+    return g.build()
+
+
+def lstm_matmul(rng):
+    g = Graph(14)
+    h = 7
+    x = g.input("input", [1, "batch", 2], draw=lambda r: r.random((1, 3, 2)).astype(np.float32))
+    y = g.node("LSTM", [x, g.weight(rng, "W", (1, 4 * h, 2), 0.3), g.weight(rng, "R", (1, 4 * h, h), 0.3)],
+               ["y"], name="lstm", hidden_size=h)
+    g.output(g.node("MatMul", [y, g.weight(rng, "w", (h, 4), 0.3)], name="matmul"))
     return g.build()
 
 
@@ -564,6 +596,8 @@ GRAPHS: list[tuple[str, Callable]] = [
     ("conv_gather_elements", conv_gather_elements),
     ("convtranspose", conv_transpose),
     ("convtranspose_grouped", lambda rng: conv_transpose(rng, group=2)),
+    ("convtranspose_fp16", conv_transpose_fp16),
+    ("conv_fp16", conv_fp16),
     ("depthwise_conv", depthwise_conv),
     ("conv_swish", conv_sigmoid_mul),
     ("conv_add_residual", conv_add_residual),
@@ -590,6 +624,8 @@ GRAPHS: list[tuple[str, Callable]] = [
     ("slice_steps_float16", lambda rng: slice_steps(rng, TensorProto.FLOAT16)),
     ("gru", gru),
     ("lstm", lstm),
+    ("lstm_bidirectional", lambda rng: lstm(rng, directions=2)),
+    ("lstm_matmul", lstm_matmul),
     ("unsqueeze_matmul_squeeze", squeeze_matmul),
     ("skip_layer_norm", skip_layer_norm),
     ("conv_reshape_split", conv_reshape_split),
