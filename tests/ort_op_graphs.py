@@ -639,10 +639,19 @@ GRAPHS: list[tuple[str, Callable]] = [
 
 CALIBRATION_SAMPLES = 8
 HELD_OUT_SAMPLES = 16
-# Options the plain command gets here besides the model, the data and the output: none. (A
-# default that keeps small layers float for speed would be switched off here, so that these
-# graphs keep being quantized and compared.)
-COMMAND_OPTIONS: tuple[str, ...] = ()
+
+
+def layers_int8_config() -> Optional[dict]:
+    """The config under which every layer with weights the plan can quantize is int8: a speed rule
+    (quantization.advanced.speed_rule, where the config has it) off. None where the plain command
+    has no such rule: then it is that config. These graphs are tiny, so a rule that keeps layers
+    float where onnxruntime runs them faster would leave some of them float, which is right for
+    speed and closer to fp32, but says nothing of whether they can be quantized."""
+    from qtool.config import AdvancedConfig
+
+    if "speed_rule" in getattr(AdvancedConfig, "__dataclass_fields__", {}):
+        return {"quantization": {"advanced": {"speed_rule": "off"}}}
+    return None
 
 
 def graph(name: str):
@@ -734,17 +743,28 @@ class Comparison:
     ours: Optional[tuple[str, float]]  # None: our model did not run
     ours_error: str
     theirs: Optional[tuple[str, float]]  # None: quantize_static failed or its model did not run
-    ours_quantized: int
+    ours_quantized: int  # int8 weights under layers_int8_config (the plain command's where it is None)
     theirs_quantized: int
+
+
+def _quantize(fp32: Path, data: Path, out: Path, config: Optional[dict] = None):
+    from click.testing import CliRunner
+
+    from qtool.cli import main
+
+    extra = []
+    if config is not None:
+        import yaml
+
+        path = out.with_suffix(".yaml")
+        path.write_text(yaml.safe_dump(config))
+        extra = ["--config", str(path)]
+    return CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "-o", str(out), *extra])
 
 
 def compare(name: str, folder: Path) -> Comparison:
     """The graph quantized by the plain command (in this process) and by quantize_static, both
     measured on the same held-out samples."""
-    from click.testing import CliRunner
-
-    from qtool.cli import main
-
     model, draw = graph(name)
     fp32 = folder / "model.onnx"
     onnx.save(model, fp32)
@@ -752,15 +772,21 @@ def compare(name: str, folder: Path) -> Comparison:
     held_out = draw_samples(draw, HELD_OUT_SAMPLES, seed=1)
     data = write_data(folder / "data", calibration)
     ours_path, theirs_path = folder / "ours.onnx", folder / "theirs.onnx"
-    result = CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "-o", str(ours_path),
-                                       *COMMAND_OPTIONS])
+    result = _quantize(fp32, data, ours_path)
+    output = result.output + result.stderr
     ours, error, ours_q = None, "", 0
     if result.exit_code == 0:
-        ours_q = int8_weights(ours_path)
         try:
             ours = fidelity(fp32, ours_path, held_out)
         except Exception as exc:  # reported by the caller
             error = str(exc).splitlines()[0]
+        config = layers_int8_config()
+        if config is None:
+            ours_q = int8_weights(ours_path)
+        else:
+            layers = _quantize(fp32, data, folder / "ours_int8.onnx", config)
+            output += layers.output + layers.stderr
+            ours_q = int8_weights(folder / "ours_int8.onnx") if layers.exit_code == 0 else 0
     theirs, theirs_q = None, 0
     if quantize_static_model(fp32, theirs_path, calibration):
         theirs_q = int8_weights(theirs_path)
@@ -768,4 +794,4 @@ def compare(name: str, folder: Path) -> Comparison:
             theirs = fidelity(fp32, theirs_path, held_out)
         except Exception:
             theirs = None
-    return Comparison(name, result.exit_code, result.output + result.stderr, ours, error, theirs, ours_q, theirs_q)
+    return Comparison(name, result.exit_code, output, ours, error, theirs, ours_q, theirs_q)
