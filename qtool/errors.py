@@ -45,6 +45,12 @@ class RunRefused(QtoolError):
         self.reason = reason or message
 
 
+class LoadRefused(QtoolError):
+    """onnxruntime refused to load a model (qtool.graph.runtime.create_session): exit 2 when the model
+    is the user's; when it is one qtool derived from a model onnxruntime loads (the prepared graph
+    with observers, a candidate), qtool.graph.runtime.job_model makes it an InternalError."""
+
+
 class InternalError(Exception):
     """qtool made something it must not hand out (a quantized model onnxruntime cannot run):
     a bug in qtool, not in the user's input. The CLI exits with EXIT_BUG and writes nothing."""

@@ -1,4 +1,5 @@
-"""User errors: exit code 2 and one line on stderr naming the file, no traceback."""
+"""User errors: exit code 2 and one line on stderr naming the file, no traceback; a model qtool derives
+that onnxruntime cannot load, from one it loads, is exit 3."""
 
 from __future__ import annotations
 
@@ -71,3 +72,58 @@ def test_a_model_quantized_already_is_refused(tmp_path):
     _one_line_error(run_qtool("calibrate", tmp_path / "q.onnx", "--data", data, "-o", tmp_path / "t.json"),
                     "quantized already")
     assert not (tmp_path / "qq.onnx").exists() and not (tmp_path / "t.json").exists()
+
+
+def _conv_then(tmp_path, last_node=None, domain=None):
+    """tests.graphs' Conv model (its last node replaced by `last_node`), 4 samples beside it."""
+    import numpy as np
+    import onnx
+    from onnx import helper
+
+    from tests import graphs
+
+    rng = np.random.default_rng(0)
+    model = graphs.conv_model(rng)
+    if last_node is not None:
+        model.graph.node[-1].CopyFrom(last_node)
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+    onnx.save(model, tmp_path / "m.onnx")
+    return tmp_path / "m.onnx", graphs.write_samples(tmp_path / "data", rng, (8, 12, 12), count=4)
+
+
+def test_a_model_onnxruntime_cannot_load_is_exit_2_naming_it(tmp_path):
+    from click.testing import CliRunner
+    from onnx import helper
+
+    from qtool.cli import main
+
+    path, data = _conv_then(tmp_path, helper.make_node("Foo", ["conv"], ["y"], name="out", domain="com.example"),
+                            "com.example")
+    result = CliRunner().invoke(main, ["quantize", str(path), "--data", str(data), "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 2, result.output + result.stderr
+    assert result.stderr.startswith(f"error: {path}: onnxruntime cannot load it:"), result.stderr
+
+
+def test_a_model_qtool_derives_that_onnxruntime_cannot_load_is_exit_3(tmp_path, monkeypatch):
+    """The model loads; the graph qtool makes from it to observe calibration tensors does not (a
+    Cast of a tensor with no name, as a rewrite of an absent optional input once wrote): qtool's
+    bug, exit 3, not the user's model (exit 2)."""
+    from click.testing import CliRunner
+    from onnx import helper
+
+    import qtool.calibration.observer as observer
+    from qtool.cli import main
+
+    made = observer.with_reductions
+
+    def broken(model, *args, **kwargs):
+        reduced, outputs = made(model, *args, **kwargs)
+        reduced.graph.node.append(helper.make_node("Cast", [""], ["nothing"], name="cast_nothing", to=6))
+        return reduced, outputs
+
+    monkeypatch.setattr(observer, "with_reductions", broken)
+    path, data = _conv_then(tmp_path)
+    result = CliRunner().invoke(main, ["quantize", str(path), "--data", str(data), "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 3, result.output + result.stderr
+    assert "internal error" in result.stderr and f"onnxruntime loads {path} itself" in result.stderr, result.stderr
+    assert not (tmp_path / "q.onnx").exists()

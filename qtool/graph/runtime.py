@@ -16,7 +16,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from qtool.graph import modelio
 from qtool.graph.index import names_read
-from qtool.errors import QtoolError, RunRefused, allocation_failure
+from qtool.errors import InternalError, LoadRefused, QtoolError, RunRefused, allocation_failure
 
 
 _ENABLE_ALL = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -35,10 +35,17 @@ _JOB_MODEL: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("qtoo
 
 @contextlib.contextmanager
 def job_model(path: object) -> Iterator[None]:
-    """Within this block, a run onnxruntime refuses names `path` as the model (RunRefused)."""
+    """Within this block, a run onnxruntime refuses names `path` as the model (RunRefused). A model
+    qtool derived from `path` that onnxruntime cannot load is qtool's bug (InternalError, exit 3)
+    when onnxruntime loads `path` itself; when it does not, that refusal is the error (exit 2)."""
     token = _JOB_MODEL.set(str(path))
     try:
         yield
+    except LoadRefused as exc:
+        if exc.path == str(path) or not os.path.isfile(str(path)):
+            raise
+        create_session(str(path), label=str(path))  # raises the model's own refusal
+        raise InternalError(f"{exc} (onnxruntime loads {path} itself)") from exc
     finally:
         _JOB_MODEL.reset(token)
 
@@ -181,7 +188,7 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         except Exception as exc:
             if allocation_failure(exc):
                 raise  # the machine's memory, not the model: the job names its model file
-            raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
+            raise LoadRefused(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
         session._qtool_weights = weights  # onnxruntime reads the shared buffers while the session lives
         return session
     source = model if isinstance(model, str) else modelio.serialized(model)
@@ -196,7 +203,7 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
         if allocation_failure(exc):
             raise
-        raise QtoolError(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
+        raise LoadRefused(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
 
 
 def time_models(models: dict[str, "str | onnx.ModelProto"], feeds: dict[str, np.ndarray], threads: int, warmup: int,

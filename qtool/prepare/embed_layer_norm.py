@@ -2,7 +2,7 @@
 
     EmbedLayerNormalization(ids, segments, word, position, segment, gamma, beta, mask)
     ==>  Gather(word, ids) + Gather(position, 0..S-1 or position_ids) [+ Gather(segment, segments)]
-         -> LayerNormalization(gamma, beta)
+         -> LayerNormalization(gamma, beta) (below opset 17 the chain exporters write for it)
          mask_index = ReduceSum(Cast(mask, int32), axis 1)
 
 The fused op reads its tables as float, and the word table is about half a BERT's file. Written
@@ -19,6 +19,28 @@ from onnx import helper, numpy_helper
 from qtool.graph.index import GraphIndex, attribute, default_opset, node_label, replace_nodes
 
 REDUCE_AXES_INPUT_OPSET = 13  # ReduceSum takes its axes as an input from here on
+LAYER_NORM_OPSET = 17  # LayerNormalization exists from here on; below, the chain exporters write
+
+
+def _layer_norm_chain(p: str, x: str, gamma: str, beta: str, out: str, epsilon: float):
+    """LayerNormalization over the last axis as ReduceMean -> Sub -> Pow 2 -> ReduceMean -> Add eps
+    -> Sqrt -> Div -> Mul gamma [-> Add beta] (opsets 13-16: ReduceMean's axes an attribute); the
+    block rules keep the chain float as they keep the op. (nodes, constants)."""
+    values = [numpy_helper.from_array(np.array(2.0, np.float32), p + "_two"),
+              numpy_helper.from_array(np.array(epsilon, np.float32), p + "_epsilon")]
+    scaled = out if not beta else p + "_scaled"
+    nodes = [helper.make_node("ReduceMean", [x], [p + "_mean"], name=p + "_mean", axes=[-1], keepdims=1),
+             helper.make_node("Sub", [x, p + "_mean"], [p + "_centred"], name=p + "_centred"),
+             helper.make_node("Pow", [p + "_centred", p + "_two"], [p + "_squares"], name=p + "_squares"),
+             helper.make_node("ReduceMean", [p + "_squares"], [p + "_variance"], name=p + "_variance", axes=[-1],
+                              keepdims=1),
+             helper.make_node("Add", [p + "_variance", p + "_epsilon"], [p + "_stabilised"], name=p + "_stabilised"),
+             helper.make_node("Sqrt", [p + "_stabilised"], [p + "_deviation"], name=p + "_deviation"),
+             helper.make_node("Div", [p + "_centred", p + "_deviation"], [p + "_normed"], name=p + "_normed"),
+             helper.make_node("Mul", [p + "_normed", gamma], [scaled], name=p)]
+    if beta:
+        nodes.append(helper.make_node("Add", [scaled, beta], [out], name=p + "_beta"))
+    return nodes, values
 
 
 def write_out_embed_layer_norms(model: onnx.ModelProto) -> int:
@@ -59,9 +81,15 @@ def write_out_embed_layer_norms(model: onnx.ModelProto) -> int:
                                       name=p + "_add"))
         if len(terms) == 3:
             nodes.append(helper.make_node("Add", [p + "_partial", terms[2]], [summed], name=p + "_add_segments"))
-        nodes.append(helper.make_node("LayerNormalization", [summed, gamma] + ([beta] if beta else []),
-                                      [outputs[0]], name=p, axis=-1, epsilon=attribute(node, "epsilon", 1e-12)))
-        if outputs[1]:
+        epsilon = attribute(node, "epsilon", 1e-12)
+        if opset >= LAYER_NORM_OPSET:
+            nodes.append(helper.make_node("LayerNormalization", [summed, gamma] + ([beta] if beta else []),
+                                          [outputs[0]], name=p, axis=-1, epsilon=epsilon))
+        else:
+            layer_norm, values = _layer_norm_chain(p, summed, gamma, beta, outputs[0], epsilon)
+            nodes += layer_norm
+            constants += values
+        if outputs[1] and mask:  # without a mask, a mask_index nobody reads is not written
             counted = p + "_mask_int32"
             nodes.append(helper.make_node("Cast", [mask], [counted], name=counted, to=onnx.TensorProto.INT32))
             if opset >= REDUCE_AXES_INPUT_OPSET:

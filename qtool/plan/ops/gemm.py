@@ -1,4 +1,7 @@
-"""Gemm: Y = alpha * A' B' + beta * C. The weight B's output axis depends on transB."""
+"""Gemm: Y = alpha * A' B' + beta * C. The weight B's output axis depends on transB.
+
+A is quantized per tensor, so transA changes nothing of its Q/DQ: onnxruntime's QGemm takes
+transA, alpha and beta (beta != 1 only keeps C float: the planner's int32 bias needs alpha = beta = 1)."""
 
 from qtool.graph.index import attribute
 from qtool.plan.ops.rule import OpRule
@@ -9,10 +12,5 @@ def _gemm_axis(node, rank: int) -> int:
     return 0 if attribute(node, "transB", 0) else 1
 
 
-def _plain_gemm(node, ctx) -> bool:
-    # transA would put the batch on the wrong axis of A; keep such Gemms float.
-    return not attribute(node, "transA", 0)
-
-
 RULES = (OpRule("Gemm", activations=(0,), weight=1, weight_axis=_gemm_axis, bias=2,
-                absorbs_activation=True, float_output=True, applies=_plain_gemm),)
+                absorbs_activation=True, float_output=True),)

@@ -33,8 +33,8 @@ class OpRule:
     activations: Optional[tuple[int, ...]] = (0,)
     # Index of the weight input (quantized per output channel when it is a constant).
     weight: Optional[int] = None
-    # Output-channel axis of the weight, from the node's attributes and the weight's rank.
-    weight_axis: Optional[Callable[[onnx.NodeProto, int], int]] = None
+    # Output-channel axis of the weight, from the node's attributes and the weight's rank (None: per tensor).
+    weight_axis: Optional[Callable[[onnx.NodeProto, int], Optional[int]]] = None
     # Index of the bias input, quantized to int32 with scale s_input * s_weight.
     bias: Optional[int] = None
     output: str = "own"  # "own" | "tie" | "fixed"
