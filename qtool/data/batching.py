@@ -6,7 +6,9 @@ dynamic (qtool.data.dataset.batches). Exporters often bake batch 1 into the grap
 Reshape to a constant shape, an Expand or a Tile to a fixed one, a Squeeze of the batch axis):
 onnxruntime then refuses a batch of several samples, or the outputs mix them. So a job probes once,
 on its first real batch of several samples, before anything runs on batches: the fp32 model at the
-configured batch size, then its first sample alone. When the batch is refused, or an output does
+configured batch size, then its first sample alone; where the first batches hold one sample each
+(every sample a shape of its own), the first sample twice, since a later pass over other samples
+may still pair two of equal shape. When the batch is refused, or an output does
 not hold the batch (no axis of its grows from 1 for one sample to n for n: a 0-d scalar, a sum
 over the batch, detections of all samples in one list), while the sample runs, the job feeds one
 sample at a time throughout, with one note. When the sample is refused too, the model does not run on the data:
@@ -31,8 +33,9 @@ LOOK_AHEAD = 4  # batches read to find the first of several samples (samples of 
 
 def batch_refusal(model: onnx.ModelProto | str, source: DataSource | MemorySource, batch_size: int,
                   label: str = "fp32 model") -> Optional[str]:
-    """None when `model` runs the first batch of several samples of `source` at `batch_size` as it
-    runs one sample, or when `source` makes no such batch; else why not, in a few words."""
+    """None when `model` runs the first batch of several samples of `source` at `batch_size` (its
+    first sample twice where the first batches hold one sample each) as it runs one sample, or when
+    `source` is empty; else why not, in a few words."""
     if model_batch_size(source.specs, batch_size) <= 1:
         return None
     if isinstance(source, MemorySource) and isinstance(source.data, Iterator):  # read once: read its head again
@@ -41,10 +44,12 @@ def batch_refusal(model: onnx.ModelProto | str, source: DataSource | MemorySourc
         source = copy.copy(source)
         source.data = head
     try:
-        first = next((b for b in itertools.islice(batches(source, batch_size, LOOK_AHEAD * batch_size), LOOK_AHEAD)
-                      if len(b) > 1), None)
+        head = list(itertools.islice(batches(source, batch_size, LOOK_AHEAD * batch_size), LOOK_AHEAD))
     except QtoolError:  # the data's own errors: reported where the job reads it, after the model's
         return None
+    first = next((b for b in head if len(b) > 1), None)
+    if first is None and head:  # samples of varying shapes: a later pass (spread samples) may still pair two
+        first = Batch(head[0].keys * 2, {name: np.concatenate([a, a]) for name, a in head[0].feeds.items()})
     if first is None:
         return None
     return refusal(model, first, label)
