@@ -1,5 +1,5 @@
 """Held-out models: real models of kinds the kit lacks, never tuned on, through the plain command
-against onnxruntime's quantize_static (QDQ) and quantize_dynamic.
+against onnxruntime's quantize_static (QDQ) and quantize_dynamic (benchmarks/README.md, Held-out models).
 
 Models (each from a public source, cached under --cache, default /work/heldout, never in the repo):
 
@@ -352,8 +352,8 @@ def models(kit: Path, cache: Path) -> dict[str, dict]:
         return f"{same}/{len(ref)} segmentations"
 
     def seg_task(ref, got):
-        return "skin / clothes / hair mask IoU " + " / ".join(mask_iou([r[0][0, c] for r in ref], [g[0][0, c] for g in got])
-                                        for c in range(ref[0][0].shape[1]))
+        per_class = (mask_iou([r[0][0, c] for r in ref], [g[0][0, c] for g in got]) for c in range(ref[0][0].shape[1]))
+        return "skin / clothes / hair mask IoU " + " / ".join(per_class)
 
     def retina_task(ref, got):
         return anchors_kept(ref, got, retina_score, None)
