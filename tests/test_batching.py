@@ -275,3 +275,37 @@ def test_an_output_holds_the_batch_when_an_axis_grows_from_one_to_n():
     assert not _stacked((), (), 4)  # a 0-d score
     assert not _stacked((3,), (3,), 4)  # a sum over the batch
     assert not _stacked((1, 4), (4,), 4)  # the batch squeezed away
+
+
+def baked_sequence_view(rng) -> onnx.ModelProto:
+    """x [N, S, 6] -> MatMul -> Reshape to [1, S, 3, 2], the 1 a constant (batch 1 baked into a
+    traced attention view whose length is read from the input) -> Relu. A batch of n samples comes
+    out as one of length n * S."""
+    shape = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+             (("one", [1]), ("two", [2]), ("tail", [3, 2]))]
+    nodes = [helper.make_node("Shape", ["x"], ["sx"]),
+             helper.make_node("Slice", ["sx", "one", "two"], ["s"]),
+             helper.make_node("Concat", ["one", "s", "tail"], ["view"], axis=0),
+             helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Reshape", ["m", "view"], ["r"], name="node_view"),
+             helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    return _model(nodes, [_weight(rng), *shape], [1, "S", 3, 2], input_shape=("N", "S", 6))
+
+
+# sequence lengths with no two neighbours equal, but samples 4 and 6 equal: spread over 24 samples, the
+# choices' 16 samples put them side by side
+LENGTHS = [34, 52, 44, 37, 40, 47, 40, 26, 25, 42, 29, 55, 29, 61, 48, 31, 35, 38, 19, 29, 43, 32, 46, 61]
+
+
+def test_samples_of_varying_shapes_probe_the_batch_with_the_first_sample_twice(tmp_path):
+    rng = np.random.default_rng(7)
+    model = baked_sequence_view(rng)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    samples = [{"x": rng.normal(0, 1, (1, n, 6)).astype(np.float32)} for n in LENGTHS]
+    source = open_data(samples, input_specs(model), PreprocessConfig())
+    # onnxruntime folds the view's length into a -1: a batch of 2 comes out as one sample of length 2S
+    assert "for one sample, [1, 68, 3, 2] for 2" in batch_refusal(str(tmp_path / "m.onnx"), source, 8)
+    result = qtool.quantize(tmp_path / "m.onnx", data=_folder(tmp_path, samples), progress=False)
+    assert [d.value for d in result.decisions if d.option == "calibration.batch_size"] == [1]
+    session = ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.run(None, samples[1])[0].shape == (1, 52, 3, 2)
