@@ -476,6 +476,65 @@ def test_a_log_spectrum_stays_float_with_its_transform(tmp_path):
     assert {"stft_re", "stft_im"} <= set(build_plan(m, STATIC).quantized_nodes)
 
 
+def _constant_q_model(rng, bins: int = 12, taps: int = 32, hop: int = 16, frames: int = 16) -> onnx.ModelProto:
+    """audio [1, 1, T] -> two octaves (the second on the audio averaged down by 2), each a bank of
+    complex filters as one Conv (real and imaginary halves) -> Slice apart -> squares -> Add -> Sqrt
+    (magnitude) -> Concat of the octaves -> square (power) -> Add eps -> Log -> dB -> a CNN (Conv,
+    Relu, Conv) on the log spectrum, as a constant-Q front end exported from TensorFlow writes it."""
+    c, m = graphs.init, helper.make_node
+    nodes, inits, octaves = [], [c("two", np.float32(2)), c("eps", np.float32(1e-8)),
+                                 c("ten", np.float32(10 / np.log(10)))], []
+    for o in range(2):  # the second octave: half the taps and the hop on audio at half the rate
+        t = np.arange(taps >> o)
+        freqs = 0.05 * 2 ** (np.arange(bins) / bins)
+        window = np.hanning(taps >> o)
+        bank = np.concatenate([np.cos(2 * np.pi * np.outer(freqs, t)) * window,
+                               np.sin(2 * np.pi * np.outer(freqs, t)) * window])[:, None, :].astype(np.float32)
+        source = "x"
+        if o:
+            nodes.append(m("AveragePool", ["x"], ["x_half"], name="downsample", kernel_shape=[2], strides=[2]))
+            source = "x_half"
+        inits += [c(f"bank{o}", bank), c(f"lo{o}", np.array([0], np.int64)), c(f"mid{o}", np.array([bins], np.int64)),
+                  c(f"hi{o}", np.array([2 * bins], np.int64)), c(f"ax{o}", np.array([1], np.int64))]
+        nodes += [m("Conv", [source, f"bank{o}"], [f"cq{o}"], name=f"cqt{o}", strides=[hop // (o + 1)]),
+                  m("Slice", [f"cq{o}", f"lo{o}", f"mid{o}", f"ax{o}"], [f"re{o}"], name=f"re{o}"),
+                  m("Slice", [f"cq{o}", f"mid{o}", f"hi{o}", f"ax{o}"], [f"im{o}"], name=f"im{o}"),
+                  m("Pow", [f"re{o}", "two"], [f"re2_{o}"], name=f"re2_{o}"),
+                  m("Mul", [f"im{o}", f"im{o}"], [f"im2_{o}"], name=f"im2_{o}"),
+                  m("Add", [f"re2_{o}", f"im2_{o}"], [f"pw{o}"], name=f"pw{o}"),
+                  m("Sqrt", [f"pw{o}"], [f"mag{o}"], name=f"mag{o}")]
+        octaves.append(f"mag{o}")
+    w1 = rng.normal(0, 0.3, (8, 1, 3, 3)).astype(np.float32)
+    w2 = rng.normal(0, 0.3, (4, 8, 3, 3)).astype(np.float32)
+    inits += [c("w1", w1), c("w2", w2), c("b1", np.zeros(8, np.float32)), c("b2", np.zeros(4, np.float32)),
+              c("chan", np.array([1], np.int64))]
+    nodes += [m("Concat", octaves, ["cqt"], name="octaves", axis=1),
+              m("Pow", ["cqt", "two"], ["power"], name="power"),
+              m("Add", ["power", "eps"], ["power_eps"], name="floor"),
+              m("Log", ["power_eps"], ["ln"], name="log"),
+              m("Mul", ["ln", "ten"], ["db"], name="db"),
+              m("Unsqueeze", ["db", "chan"], ["image"], name="image"),
+              m("Conv", ["image", "w1", "b1"], ["h1"], name="cnn1", pads=[1, 1, 1, 1]),
+              m("Relu", ["h1"], ["r1"], name="relu1"),
+              m("Conv", ["r1", "w2", "b2"], ["y"], name="cnn2", pads=[1, 1, 1, 1])]
+    return graphs.model(nodes, [graphs.tensor("x", [1, 1, hop * frames + taps])], [graphs.tensor("y", None)], inits)
+
+
+def test_a_constant_q_log_spectrum_stays_float_through_its_magnitudes_and_octaves():
+    """The power of a magnitude: the walk from the Log passes the square, the octaves' Concat, each
+    octave's sqrt(re^2 + im^2) and the Slices of one complex Conv back to the filter banks, which stay
+    float with it; the CNN reading the log spectrum goes int8."""
+    m = _constant_q_model(np.random.default_rng(0))
+    assert float_blocks(GraphIndex(m)).counts == {"log spectrum": 1}
+    plan = build_plan(m, STATIC)
+    assert {"cqt0", "cqt1", "re0", "im1", "re2_0", "im2_1", "pw0", "mag1", "octaves", "power", "log", "db"} \
+        <= _float(plan)
+    assert {"cnn1", "cnn2"} <= set(plan.quantized_nodes)
+    m.graph.node[-1].input[0] = "cq0"  # the bank's output read elsewhere too: not the front end's alone
+    m.graph.output[0].CopyFrom(graphs.tensor("y", None))
+    assert "cqt0" not in _float(build_plan(m, STATIC))
+
+
 def test_cnn_without_transformer_blocks_matches_nothing():
     m = graphs.conv_model(np.random.default_rng(0), activation="Relu", pool="MaxPool")
     assert float_blocks(GraphIndex(m)).counts == {}

@@ -327,22 +327,48 @@ _SPECTRUM_OPS = ("Add", "Sub", "Mul", "Div", "Clip", "Max", "Min", "MatMul", "Ge
 _TRANSFORMS = ("Conv", "MatMul", "Gemm")
 
 
-def _transform_of(ctx: GraphIndex, name: str, inside: set[str]) -> list[onnx.NodeProto]:
-    """The linear transform (an STFT written as a Conv or a MatMul with constant weights) and the moves
-    from it to `name`, when nothing outside `inside` (the nodes reading `name`) reads them."""
-    path = []
-    while True:
-        node = ctx.producer.get(name)
-        if node is None or name in ctx.outputs or not all(node_label(r) in inside for r in ctx.consumers.get(name, [])):
+_MAGNITUDE = ("Sqrt", "Abs", "Add", "ReduceSum", "ReduceMean")  # sqrt(re^2 + im^2), sums of squares
+_STACKING = ("Concat", "Slice", "Pad", *_MOVERS)  # octaves and real/imaginary halves stacked or cut apart
+_MAX_SOURCE_NODES = 64
+
+
+def _transforms_of(ctx: GraphIndex, name: str, inside: set[str]) -> list[onnx.NodeProto]:
+    """The linear transforms `name` is computed from (an STFT or a constant-Q bank written as Convs or
+    MatMuls with constant weights) and every node between: moves, the stacking of octaves or of
+    real and imaginary parts (Concat, Slice, Pad), and magnitudes (sqrt of sums of squares). Empty
+    when a path ends anywhere else, or when a node outside them and `inside` (the nodes reading
+    `name`) reads one of their tensors."""
+    found: dict[str, onnx.NodeProto] = {}
+    pending = [name]
+    while pending:
+        node = ctx.producer.get(pending.pop())
+        if node is None or len(found) >= _MAX_SOURCE_NODES:
             return []
-        path.append(node)
-        inside = inside | {node_label(node)}
+        if node_label(node) in found:
+            continue
+        found[node_label(node)] = node
+        square = _square_of(ctx, node)
         if node.op_type in _TRANSFORMS:
-            weights = [i for i in node.input[1:2] if ctx.is_constant(i)]
-            return path if weights else []
-        if node.op_type not in _MOVERS:
+            if not (len(node.input) > 1 and ctx.is_constant(node.input[1])):
+                return []
+        elif square is not None:
+            pending.append(square)
+        elif node.op_type in _STACKING:
+            pending += node.input[:1] if node.op_type != "Concat" else [
+                i for i in node.input if i and not ctx.is_constant(i)]
+        elif node.op_type in _MAGNITUDE:
+            pending += _float_values(ctx, node)
+        else:
             return []
-        name = node.input[0]
+    allowed = set(found) | inside
+    for node in found.values():
+        for out in node.output:
+            if out and out != name and (out in ctx.outputs or any(
+                    node_label(r) not in allowed for r in ctx.consumers.get(out, []))):
+                return []
+    if name in ctx.outputs or any(node_label(r) not in inside for r in ctx.consumers.get(name, [])):
+        return []
+    return _in_order(ctx, found)
 
 
 def _log_spectra(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
@@ -376,7 +402,7 @@ def _log_spectra(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
                 continue
             for name in dict.fromkeys(squared):
                 readers = {node_label(r) for r in ctx.consumers.get(name, [])}
-                for node in _transform_of(ctx, name, readers & set(block)):
+                for node in _transforms_of(ctx, name, readers & set(block)):
                     block[node_label(node)] = node
             last = log
             for _ in range(3):  # to decibels: * 10 / ln 10, a reference level subtracted
