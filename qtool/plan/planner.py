@@ -617,7 +617,10 @@ def prepared_with_strategy(model_path: str | Path, options: QuantizeConfig
     # the scales calibration measured on this graph, so that calibration and quantization agree;
     # equalize_activations takes its own tensors' entries out of them, SmoothQuant folds the rest
     scales = dict(options.smooth_scales)
-    equalized = equalize_activations(model, scales)
+    # a runtime that quantizes only its int8 layers' inputs gets the rewrite's per-channel affine
+    # steps as elementwise ops it fuses, not as depthwise Convs reading a quantizer each
+    equalized = equalize_activations(model, scales,
+                                     elementwise=target_of(options).activation_placement == "inputs_of_int8_ops")
     if scales:
         smooth(model, scales, insert=strategy == "dynamic" or target_of(options).smooth_inserts)
     plan = build_plan(model, options)
