@@ -331,11 +331,11 @@ def activation_scales(maxima: np.ndarray) -> tuple[float, ...]:
 def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, ...]],
                          elementwise: bool = False) -> int:
     """Rewrite every site of `model` whose tensor `scales` names (module comment above) in place, and
-    take those entries out of `scales`; the number rewritten. The per-channel affine steps of the
-    rewrite (a hard-swish's gate, a tail) are depthwise 1x1 Convs, an int8 layer where every op is
-    quantized; `elementwise`: per-channel Mul and Add instead, for a runtime that quantizes only
-    the inputs of its int8 layers and fuses elementwise ops into the layer before (a gate Conv
-    there would read the pre-activation through a quantizer of its own)."""
+    take those entries out of `scales`; the number rewritten. A hard-swish's gate (and a tail) is
+    written as a depthwise 1x1 Conv, an int8 layer where every op is quantized; `elementwise`: as
+    per-channel Muls by constants around the activation as exported (_rescaling_nodes), for a
+    runtime that quantizes only its int8 layers' inputs and fuses such Muls into the Conv before
+    and the quantizer after."""
     index = GraphIndex(model.graph)
     sites = []
     for site in _sites(index):
@@ -359,9 +359,9 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
             replaced.update(_rescaling_nodes(model, site, s, t, spatial=w1.ndim - 2))
             continue
         if site.hard_swish:
-            replaced.update(_gate_nodes(model, site, s, spatial=w1.ndim - 2, elementwise=elementwise))
+            replaced.update(_gate_nodes(model, site, s, spatial=w1.ndim - 2))
         if site.tail:
-            replaced.update(_tail_nodes(model, site, s, t, spatial=w1.ndim - 2, elementwise=elementwise))
+            replaced.update(_tail_nodes(model, site, s, t, spatial=w1.ndim - 2))
     if replaced:
         nodes = []
         for node in model.graph.node:
@@ -417,26 +417,8 @@ def _factors(values: tuple[float, ...], tensor: str, site: ActivationSite) -> np
     return factors
 
 
-def _per_channel_affine(source: str, weight: onnx.TensorProto, bias: onnx.TensorProto, output: str, name: str,
-                        elementwise: bool) -> list[onnx.NodeProto]:
-    """source * weight + bias per channel (axis 1): one depthwise 1x1 Conv, or (`elementwise`) a Mul
-    and an Add whose constants broadcast over axis 1 (`weight` and `bias` reshaped in place)."""
-    channels = bias.dims[0]
-    if not elementwise:
-        spatial = len(weight.dims) - 2
-        return [helper.make_node("Conv", [source, weight.name, bias.name], [output], name=name, group=channels,
-                                 kernel_shape=[1] * spatial)]
-    shape = [1, channels] + [1] * (len(weight.dims) - 2)
-    for tensor in (weight, bias):
-        del tensor.dims[:]
-        tensor.dims.extend(shape)
-    scaled = f"{output}_scaled"
-    return [helper.make_node("Mul", [source, weight.name], [scaled], name=f"{name}_scale"),
-            helper.make_node("Add", [scaled, bias.name], [output], name=name)]
-
-
 def _tail_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray, t: np.ndarray,
-                spatial: int, elementwise: bool = False) -> dict[str, list[onnx.NodeProto]]:
+                spatial: int) -> dict[str, list[onnx.NodeProto]]:
     """The scalar affine after the hard-swish (and the written-out form's "/ 6") as one depthwise 1x1
     Conv from hardswish(x) / s, or 6 hardswish(x) / s, to y / t; the nodes it replaces go."""
     a, b = site.affine
@@ -451,17 +433,18 @@ def _tail_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray, t: 
     weight = numpy_helper.from_array((a * s / t).astype(np.float32).reshape((-1, 1) + (1,) * spatial),
                                      _tail_weight(site.tensor))
     bias = numpy_helper.from_array((b / t).astype(np.float32), f"{site.tensor}_equalized_tail_b")
-    last = site.tail[-1]
-    affine = _per_channel_affine(source, weight, bias, last.output[0], last.name or last.output[0], elementwise)
     model.graph.initializer.extend([weight, bias])
-    return {**{node.output[0]: [] for node in gone}, last.output[0]: affine}
+    last = site.tail[-1]
+    conv = helper.make_node("Conv", [source, weight.name, bias.name], [last.output[0]],
+                            name=last.name or last.output[0], group=s.size, kernel_shape=[1] * spatial)
+    return {**{node.output[0]: [] for node in gone}, last.output[0]: [conv]}
 
 
 def _gate_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray,
-                spatial: int, elementwise: bool = False) -> dict[str, list[onnx.NodeProto]]:
+                spatial: int) -> dict[str, list[onnx.NodeProto]]:
     """Output of the node to replace -> the nodes replacing it: the gate of hard-swish as a
-    per-channel affine of x' (weight s * slope, bias offset; _per_channel_affine) and, for the
-    HardSwish op, the Clip and Mul it computed inside."""
+    depthwise 1x1 Conv of x' (weight s * slope, bias offset) and, for the HardSwish op, the Clip and
+    Mul it computed inside."""
     x, gate = site.tensor, site.swish[0]
     if gate.op_type == "Add":
         slope, offset, top = 1.0, 3.0, None  # the Clip after it stays
@@ -473,16 +456,16 @@ def _gate_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray,
     weight = numpy_helper.from_array((s * slope).astype(np.float32).reshape((-1, 1) + (1,) * spatial),
                                      _gate_weight(x))
     bias = numpy_helper.from_array(np.full(s.size, offset, np.float32), f"{name}_gate_b")
-    label = gate.name or gate.output[0]
-    linear, gated = f"{name}_gate_linear", f"{name}_gate"
-    affine = _per_channel_affine(x, weight, bias, gate.output[0] if top is None else linear,
-                                 label if top is None else f"{label}_gate", elementwise)
     model.graph.initializer.extend([weight, bias])
+    label = gate.name or gate.output[0]
     if top is None:
-        return {gate.output[0]: affine}
+        return {gate.output[0]: [helper.make_node("Conv", [x, weight.name, bias.name], [gate.output[0]],
+                                                  name=label, group=s.size, kernel_shape=[1] * spatial)]}
     bounds = [numpy_helper.from_array(np.array(v, np.float32), f"{name}_gate_{k}") for k, v in (("lo", 0.0), ("hi", top))]
     model.graph.initializer.extend(bounds)
-    rewritten = [*affine,
+    linear, gated = f"{name}_gate_linear", f"{name}_gate"
+    rewritten = [helper.make_node("Conv", [x, weight.name, bias.name], [linear], name=f"{label}_gate",
+                                  group=s.size, kernel_shape=[1] * spatial),
                  helper.make_node("Clip", [linear, bounds[0].name, bounds[1].name], [gated], name=f"{label}_clip")]
     if gate.op_type == "HardSigmoid":
         rewritten[-1].output[0] = gate.output[0]
