@@ -301,3 +301,24 @@ def test_a_chain_settled_float_by_its_equalized_labels_quantizes_as_exported(tmp
     assert sum(n.op_type == "Conv" for n in result.model.graph.node) == 3  # conv_a, dw, conv_b: no gate
     x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
     create_session(result.model).run(None, {"x": x})
+
+
+@pytest.mark.parametrize("form", SWISH_FORMS)
+def test_an_inputs_only_target_gets_the_rewrite_as_elementwise_ops(tmp_path, form):
+    """OpenVINO quantizes only what its int8 layers read: the rewritten hard-swish's gate (and tail)
+    are per-channel Mul/Add it fuses into conv_a, not depthwise Convs that would read the
+    pre-activation through a quantizer of their own; the rewrite stays exact."""
+    path, data = _saved(tmp_path, form)
+    options, equalized = _equalized(path, data, QuantizeConfig(target="openvino"))
+    assert [n.name for n in equalized.graph.node if n.op_type == "Conv"] == ["conv_a", "dw", "conv_b"]
+    x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
+    np.testing.assert_allclose(create_session(equalized).run(None, {"x": x})[0],
+                               create_session(str(path)).run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    result = api.quantize(path, data=data, config={"calibration": {"method": "minmax"},
+                                                   "quantization": {"target": "openvino"}})
+    assert any("equalized across channels in 1" in note for note in result.notes)
+    written = result.model.graph.node
+    assert sorted(n.name for n in written if n.op_type == "Conv") == ["conv_a", "conv_b", "dw"]
+    # a quantizer on x, on the depthwise Conv's input and on conv_b's, none on the pre-activation
+    assert len([n for n in written if n.op_type == "QuantizeLinear"]) == 3
+    assert "a" not in {n.input[0] for n in written if n.op_type == "QuantizeLinear"}

@@ -57,6 +57,15 @@ def _activation_types(model: onnx.ModelProto) -> dict[str, type]:
     return {n.input[0]: inits[n.input[2]].dtype.type for n in model.graph.node if n.op_type == "QuantizeLinear"}
 
 
+def _range_of(path, data, tensor: str) -> tuple[float, float]:
+    """The fp32 model's min and max of `tensor` over the samples in `data`."""
+    from qtool.graph.edit import with_outputs
+
+    session = ort.InferenceSession(with_outputs(onnx.load(path), [tensor]).SerializeToString())
+    values = [session.run([tensor], {session.get_inputs()[0].name: np.load(f)})[0] for f in sorted(data.iterdir())]
+    return float(min(v.min() for v in values)), float(max(v.max() for v in values))
+
+
 def _movers_model(rng) -> onnx.ModelProto:
     """x -> Conv -> Relu (r) -> Split (a, b); b -> MaxPool (same size) -> m; Concat(a, m, Resize
     nearest of a 2x-pooled r) -> Conv -> y: every input the last Conv reads only moves r's values."""
@@ -118,7 +127,13 @@ def test_qdq_only_on_the_inputs_of_int8_layers(tmp_path):
     # value (after Clip and Relu: every code on the values taken)
     types = _activation_types(model)
     assert types["x"] == types["a1"] == np.int8 and types["r6"] == types["r2"] == np.uint8
-    assert all(zero == 0 for _, zero in map(lambda t: _params(model, t), types))
+    assert all(_params(model, t)[1] == 0 for t in types if t != "gap")
+    # gap, which only the Gemm and the MatMul read (through the Flatten), is asymmetric int8 over
+    # its range: OpenVINO's int8 FullyConnected takes the zero point, its Convolution does not
+    lo, hi = _range_of(path, data, "gap")
+    assert types["gap"] == np.int8 and lo < 0
+    scale, zero = _params(model, "gap")
+    assert zero != 0 and scale == pytest.approx((hi - lo) / 255, rel=1e-5)
     for readers in _readers_of_dequantized(model).values():
         # a1 is also the residual Add's other input: it reads the codes the depthwise Conv reads;
         # the Flatten only reshapes the Gemm's and MatMul's input
@@ -175,12 +190,12 @@ def test_openvino_runs_the_layers_in_int8(tmp_path):
             assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.999
 
 
-def _residual_layer_norm_model(rng) -> onnx.ModelProto:
-    """x -> LayerNormalization (gamma 40 on channel 0: an outlier channel) -> ln; ln -> MatMul -> h;
+def _residual_layer_norm_model(rng, outlier: float = 40.0) -> onnx.ModelProto:
+    """x -> LayerNormalization (gamma `outlier` on channel 0: an outlier channel) -> ln; ln -> MatMul -> h;
     y = ln + h: the residual stream reads ln too, so SmoothQuant cannot fold into the LayerNorm."""
     d = 16
     gamma = np.ones(d, np.float32)
-    gamma[0] = 40.0
+    gamma[0] = outlier
     nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["ln"], name="ln", axis=-1),
              helper.make_node("MatMul", ["ln", "w"], ["h"], name="mm"),
              helper.make_node("Add", ["ln", "h"], ["y"], name="residual")]
@@ -189,8 +204,12 @@ def _residual_layer_norm_model(rng) -> onnx.ModelProto:
     return graphs.model(nodes, [graphs.tensor("x", ["N", 6, d])], [graphs.tensor("y", None)], inits, opset=17)
 
 
-def test_smoothquant_by_default_in_a_transformer_through_an_inserted_mul(tmp_path):
-    path, data, result = _quantize(tmp_path, _residual_layer_norm_model(np.random.default_rng(0)), (6, 16))
+@pytest.mark.parametrize("outlier", [40.0, 2.0])
+def test_smoothquant_by_default_in_a_transformer_through_an_inserted_mul(tmp_path, outlier):
+    """The inserted Mul folds into OpenVINO's quantizer after it, so it is inserted with or without
+    an outlier channel (onnxruntime's dynamic MatMuls get it only past OUTLIER_RATIO)."""
+    built = _residual_layer_norm_model(np.random.default_rng(0), outlier)
+    path, data, result = _quantize(tmp_path, built, (6, 16))
     model = result.model
     assert any("SmoothQuant (alpha 0.8)" in note for note in result.notes)
     producer = {o: n for n in model.graph.node for o in n.output}
@@ -234,3 +253,28 @@ def test_a_yolo_detector_fuses_every_quantizer_on_openvino(tmp_path):
             got = got.ravel().astype(np.float64)
             found.append(ref @ got / (np.linalg.norm(ref) * np.linalg.norm(got)))
     assert np.mean(on_ov) > 0.995 and abs(np.mean(on_ov) - np.mean(on_ort)) < 0.001
+
+
+def test_a_tensor_a_conv_reads_too_keeps_zero_point_zero(tmp_path):
+    """s (signed) feeds a Conv and, through a Flatten, a Gemm: the Conv reads it, so it stays symmetric (OpenVINO's int8 Convolution takes no zero point); p, which
+    only the Gemm reads (quantized as p4, above the Flatten), is asymmetric."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["s"], name="conv1"),
+             helper.make_node("Conv", ["s", "w2"], ["c"], name="conv2"),
+             helper.make_node("Flatten", ["s"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "wg"], ["g"], name="gemm", transB=1),
+             helper.make_node("GlobalAveragePool", ["c"], ["p4"]),
+             helper.make_node("Flatten", ["p4"], ["p"], name="flat_p"),
+             helper.make_node("Gemm", ["p", "wp"], ["y"], name="head", transB=1)]
+    inits = [graphs.init("w1", rng.normal(0, 0.5, (4, 3, 1, 1)).astype(np.float32)),
+             graphs.init("b1", np.array([2.0, 1.5, 1.0, 3.0], np.float32)),
+             graphs.init("w2", rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32)),
+             graphs.init("wg", rng.normal(0, 0.3, (5, 4 * 4 * 4)).astype(np.float32)),
+             graphs.init("wp", rng.normal(0, 0.3, (5, 4)).astype(np.float32))]
+    built = graphs.model(nodes, [graphs.tensor("x", ["N", 3, 4, 4])],
+                         [graphs.tensor("g", None), graphs.tensor("y", None)], inits)
+    path, data, result = _quantize(tmp_path, built, (3, 4, 4))
+    assert {"s", "p4"} <= _quantized_tensors(result.model)  # p4: above the Flatten
+    assert _range_of(path, data, "s")[0] < 0 and _range_of(path, data, "p4")[0] < 0
+    assert _params(result.model, "s")[1] == 0
+    assert _params(result.model, "p4")[1] != 0

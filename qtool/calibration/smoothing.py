@@ -25,7 +25,8 @@ from qtool.targets import target_of
 
 # A tensor read through an inserted Mul is smoothed only when its largest channel maximum is at
 # least this many times the median one (a per-tensor range then leaves the typical channel three
-# bits fewer); below that the Mul costs more time than it gains (docs/accuracy.md, "SmoothQuant").
+# bits fewer); below that the Mul costs more time than it gains (docs/accuracy.md, "SmoothQuant"),
+# except on a runtime that folds the Mul into the quantizer after it (Target.smooth_inserts).
 OUTLIER_RATIO = 8.0
 
 
@@ -70,8 +71,11 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
                 flat = np.moveaxis(value, axis, -1).reshape(-1, count)
                 np.maximum(maxima[name], np.abs(flat).max(axis=0), out=maxima[name])
     equal = tuple((key, activation_scales(maxima[name])) for key, name in measured)
-    # an inserted Mul costs a pass over the tensor: only where outlier channels stretch its range
-    sites = [site for site in sites if not site.readers or outlier_ratio(maxima[site.tensor]) >= OUTLIER_RATIO]
+    # an inserted Mul costs a pass over the tensor: only where outlier channels stretch its range,
+    # unless the runtime folds it into the quantizer after it (Target.smooth_inserts)
+    folds = target_of(options).smooth_inserts
+    sites = [site for site in sites
+             if not site.readers or folds or outlier_ratio(maxima[site.tensor]) >= OUTLIER_RATIO]
     inits = GraphIndex(model).initializers
     scales = tuple((site.tensor, tuple(float(s) for s in smoothing_scales(
         maxima[site.tensor], weight_maxima(inits, site), alpha))) for site in sites) + equal

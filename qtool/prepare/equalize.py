@@ -328,9 +328,14 @@ def activation_scales(maxima: np.ndarray) -> tuple[float, ...]:
     return tuple(float(s) for s in np.clip(maxima / top, 1.0 / MAX_GAIN, 1.0))
 
 
-def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, ...]]) -> int:
+def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, ...]],
+                         elementwise: bool = False) -> int:
     """Rewrite every site of `model` whose tensor `scales` names (module comment above) in place, and
-    take those entries out of `scales`; the number rewritten."""
+    take those entries out of `scales`; the number rewritten. A hard-swish's gate (and a tail) is
+    written as a depthwise 1x1 Conv, an int8 layer where every op is quantized; `elementwise`: as
+    per-channel Muls by constants around the activation as exported (_rescaling_nodes), for a
+    runtime that quantizes only its int8 layers' inputs and fuses such Muls into the Conv before
+    and the quantizer after."""
     index = GraphIndex(model.graph)
     sites = []
     for site in _sites(index):
@@ -350,6 +355,9 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
             _replace(inits[first.input[2]], numpy_helper.to_array(inits[first.input[2]]).astype(np.float64) / s)
         w2 = numpy_helper.to_array(inits[second.input[1]]).astype(np.float64)
         _replace(inits[second.input[1]], _scale_second(w2, t, depthwise=True))
+        if elementwise and (site.hard_swish or site.tail):
+            replaced.update(_rescaling_nodes(model, site, s, t, spatial=w1.ndim - 2))
+            continue
         if site.hard_swish:
             replaced.update(_gate_nodes(model, site, s, spatial=w1.ndim - 2))
         if site.tail:
@@ -360,10 +368,44 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
             nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
         del model.graph.node[:]
         model.graph.node.extend(nodes)
-    # x, the hard-swish's product and result (its gate's tensors keep their values), the tail's result
+    # x, the hard-swish's product and result (its gate's tensors keep their values), the tail's result;
+    # in the elementwise form the activation computes on the restored x, so its tensors keep theirs
     mark_rescaled(model, [name for site in sites for name in
-                          (site.tensor, site.output, *(n.output[0] for n in site.swish if n.op_type not in GATE_OPS))])
+                          (site.tensor, site.output, *(n.output[0] for n in site.swish
+                                                       if n.op_type not in GATE_OPS and not elementwise))])
     return len(sites)
+
+
+def _rescaling_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray, t: np.ndarray,
+                     spatial: int) -> dict[str, list[onnx.NodeProto]]:
+    """The elementwise form of a rewritten chain: x' = x / s (the first Conv's output) times s gives
+    x back, the activation and its tail compute as exported, and their result times 1 / t is the
+    depthwise Conv's equalized input. Each step is a per-channel Mul by a constant, which a runtime
+    that fuses elementwise ops folds into the Conv before (x' * s) and into the quantizer after
+    (* 1 / t: that quantizer becomes one with a range per channel)."""
+    shape = (1, -1) + (1,) * spatial
+    restore = numpy_helper.from_array(s.astype(np.float32).reshape(shape), _gate_weight(site.tensor))
+    shrink = numpy_helper.from_array((1.0 / t).astype(np.float32).reshape(shape), _tail_weight(site.tensor))
+    model.graph.initializer.extend([restore, shrink])
+    x, restored, result = site.tensor, f"{site.tensor}_restored", site.output
+    unscaled = f"{result}_unscaled"
+    nodes = [*site.swish, *site.tail]
+    replaced: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        for i, name in enumerate(copy.input):
+            if name == x:
+                copy.input[i] = restored
+        for i, name in enumerate(copy.output):
+            if name == result:
+                copy.output[i] = unscaled
+        replaced[node.output[0]] = [copy]
+    label = node_label(site.first)
+    replaced[nodes[-1].output[0]].append(helper.make_node("Mul", [unscaled, shrink.name], [result],
+                                                          name=f"{label}_equalized_out"))
+    replaced[x] = [site.first, helper.make_node("Mul", [x, restore.name], [restored], name=f"{label}_equalized_in")]
+    return replaced
 
 
 def _factors(values: tuple[float, ...], tensor: str, site: ActivationSite) -> np.ndarray:
