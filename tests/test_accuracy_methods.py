@@ -195,6 +195,30 @@ def test_adaptive_rounding_lowers_a_real_layers_output_error(effnet_setup):
         assert np.abs(adaround.round_layer(w, scales7, layer, iterations=20, qmax=63).astype(int)).max() <= 63
 
 
+@pytest.mark.slow
+def test_adaptive_rounding_splits_its_work_without_changing_a_bit(effnet_setup, monkeypatch):
+    """The two ways adaptive rounding bounds its cost give the model it gave without them: a
+    depthwise conv's patches gathered a few channels at a time (the same second moments) and the
+    Adam steps run on row blocks, one thread each (the same int8 weights as one block)."""
+    cfg, model, data, table = effnet_setup
+    plan = build_plan(model, cfg.quantization)
+    wanted = {"_blocks.15._project_conv.weight", "_blocks.6._depthwise_conv.weight"}
+    plan.weights = {k: v for k, v in plan.weights.items() if k in wanted}
+    layers = adaround.collect_inputs(model, plan, data)
+    monkeypatch.setattr(adaround, "PATCH_BYTES", 4 * 25 * adaround.PATCHES_PER_BATCH * 7)  # 7 channels at a time
+    chunked = adaround.collect_inputs(model, plan, data)
+    for name in wanted:
+        np.testing.assert_array_equal(chunked[name].second, layers[name].second)
+        assert chunked[name].count == layers[name].count
+    name = "_blocks.15._project_conv.weight"
+    w = _weights(model)[name]
+    scales = qp.weight_scales(w, plan.weights[name].axis)
+    assert len(adaround._blocks(w.shape[0], int(np.prod(w.shape[1:])))) > 1
+    blocked = adaround.round_layer(w, scales, layers[name], iterations=30)
+    monkeypatch.setattr(adaround, "MAX_BLOCKS", 1)
+    np.testing.assert_array_equal(blocked, adaround.round_layer(w, scales, layers[name], iterations=30))
+
+
 def _crushed_model(rng) -> onnx.ModelProto:
     """x -> conv_a -> relu -> conv_b -> gap -> flatten -> y [N, 6]; conv_b's per-tensor weights are crushed."""
     return graphs.crushed_conv_pair(rng, [helper.make_node("GlobalAveragePool", ["b"], ["g"], name="gap"),
