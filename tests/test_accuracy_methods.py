@@ -195,6 +195,35 @@ def test_adaptive_rounding_lowers_a_real_layers_output_error(effnet_setup):
         assert np.abs(adaround.round_layer(w, scales7, layer, iterations=20, qmax=63).astype(int)).max() <= 63
 
 
+@pytest.mark.slow
+def test_adaptive_rounding_splits_its_work_without_changing_a_bit(effnet_setup, monkeypatch):
+    """The two ways adaptive rounding bounds its cost give what it gave without them: a depthwise
+    conv's patches gathered a few channels at a time (the same second moments as from all its
+    patches at once) and the Adam steps run on row blocks, one thread each (the same int8 weights
+    as one block)."""
+    cfg, model, data, table = effnet_setup
+    plan = build_plan(model, cfg.quantization)
+    depthwise = "_blocks.6._depthwise_conv.weight"
+    node = next(n for n in model.graph.node if n.op_type == "Conv" and n.input[1] == depthwise)
+    x = _run(with_outputs(model, [node.input[0]]), data[0].feeds, [node.input[0]])[0]
+    kernel = tuple(_weights(model)[depthwise].shape[2:])
+    whole = adaround._patches(x, node, kernel, np.random.default_rng(0))
+    flat = np.ascontiguousarray(whole.reshape(whole.shape[0], whole.shape[1], -1).transpose(1, 2, 0))
+    monkeypatch.setattr(adaround, "PATCH_BYTES", flat[:7].nbytes)  # 7 channels at a time
+    second, count = adaround._depthwise_second(x, node, kernel, np.random.default_rng(0))
+    np.testing.assert_array_equal(second, flat @ flat.transpose(0, 2, 1))
+    assert count == whole.shape[0]
+    name = "_blocks.15._project_conv.weight"
+    plan.weights = {k: v for k, v in plan.weights.items() if k == name}
+    layer = adaround.collect_inputs(model, plan, data)[name]
+    w = _weights(model)[name]
+    scales = qp.weight_scales(w, plan.weights[name].axis)
+    assert len(adaround._blocks(w.shape[0], int(np.prod(w.shape[1:])))) > 1
+    blocked = adaround.round_layer(w, scales, layer, iterations=30)
+    monkeypatch.setattr(adaround, "MAX_BLOCKS", 1)
+    np.testing.assert_array_equal(blocked, adaround.round_layer(w, scales, layer, iterations=30))
+
+
 def _crushed_model(rng) -> onnx.ModelProto:
     """x -> conv_a -> relu -> conv_b -> gap -> flatten -> y [N, 6]; conv_b's per-tensor weights are crushed."""
     return graphs.crushed_conv_pair(rng, [helper.make_node("GlobalAveragePool", ["b"], ["g"], name="gap"),

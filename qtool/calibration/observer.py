@@ -17,6 +17,7 @@ from typing import Callable, Collection, Iterable, Optional
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.calibration import saturation
@@ -294,5 +295,8 @@ def _observing_session(weights: SharedWeights, names: list[str], histogram_for: 
     if not names and not known:
         return None, {}, []
     reduced, outputs = with_reductions(weights.light, names, set(histogram_for), sample_limit, shapes, known)
-    return (create_session(reduced, threads, "the fp32 model with calibration observers", weights=weights), outputs,
+    # priority order: each tensor's reductions run soon after it is made (with the default order
+    # nudenet's observing session held 1.3 GB at batch 8, with this one 0.6 GB; same statistics)
+    return (create_session(reduced, threads, "the fp32 model with calibration observers", weights=weights,
+                           order=ort.ExecutionOrder.PRIORITY_BASED, spin=False), outputs,
             [o for t in [*names, *known] for o in outputs[t][:4] if o])

@@ -159,7 +159,7 @@ class Evaluator:
 
             require("--target openvino's measured choices (scored on OpenVINO)")
             return CompiledModel(model, self.threads, "f32", label=label)
-        return create_session(model, self.threads, label)
+        return create_session(model, self.threads, label, spin=False)
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,15 @@ worse on the calibration inputs. Usage and figures: docs/accuracy.md.
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from threadpoolctl import threadpool_limits
 
 from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
@@ -27,15 +30,18 @@ from qtool.graph.edit import with_outputs
 from qtool.graph.index import attribute
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import WEIGHT_QMAX
-from qtool.graph.runtime import create_session
+from qtool.graph.runtime import allowed_cores, create_session
 from qtool.targets import weight_qmax
 
 PATCHES_PER_BATCH = 2048
+PATCH_BYTES = 2**25  # a depthwise conv's patches gathered at most this many bytes at a time
 ITERATIONS = 200
 LEARNING_RATE = 0.05
 REG_WEIGHT = 0.01
 ZETA, GAMMA = 1.1, -0.1
 WARMUP = 0.2  # fraction of the steps without the regulariser
+BLOCK_VALUES = 2**15  # weights per row block of a layer's optimisation (see _blocks)
+MAX_BLOCKS = 8
 _MEMO: dict = {}  # the last model's layer statistics and roundings (see adaptive_rounding)
 
 
@@ -63,8 +69,9 @@ def _kind(node: onnx.NodeProto, weight: np.ndarray) -> Optional[tuple[str, int]]
     return None
 
 
-def _patches(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Up to PATCHES_PER_BATCH input patches of a 2-D conv: [P, C, kh, kw]."""
+def _grid(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator):
+    """(padded x, batch index [P], rows [P, kh], columns [P, kw]) of up to PATCHES_PER_BATCH random
+    input patches of a 2-D conv."""
     if x.ndim != 4 or len(kernel) != 2:
         raise ValueError("2-D convolutions only")
     n, c, h, w = x.shape
@@ -83,7 +90,32 @@ def _patches(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: 
     oy, ox = np.divmod(rest, ow)
     ys = oy[:, None] * sh + np.arange(kh)[None, :] * dh  # [P, kh]
     xs = ox[:, None] * sw + np.arange(kw)[None, :] * dw  # [P, kw]
+    return xp, bi, ys, xs
+
+
+def _patches(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Up to PATCHES_PER_BATCH input patches of a 2-D conv: [P, C, kh, kw]."""
+    xp, bi, ys, xs = _grid(x, node, kernel, rng)
+    c = xp.shape[1]
     return xp[bi[:, None, None, None], np.arange(c)[None, :, None, None], ys[:, None, :, None], xs[:, None, None, :]]
+
+
+def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...],
+                      rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    """(sum of x x^T per input channel [C, k, k], patches) of a depthwise conv's random patches,
+    gathered a few channels at a time: all channels' patches at once are P x C x k floats (236 MB
+    for 1152 channels of 5x5), the per-channel sums C x k x k."""
+    xp, bi, ys, xs = _grid(x, node, kernel, rng)
+    c, k, count = xp.shape[1], kernel[0] * kernel[1], bi.shape[0]
+    step = max(1, PATCH_BYTES // (4 * k * count))
+    parts = []
+    for lo in range(0, c, step):
+        channels = np.arange(lo, min(c, lo + step))
+        # [c, kh, kw, P] -> [c, k, P]: the patches' values channel by channel, laid out for batched BLAS
+        flat = xp[bi[None, None, None, :], channels[:, None, None, None], ys.T[None, :, None, :],
+                  xs.T[None, None, :, :]].reshape(len(channels), k, count).astype(np.float32, copy=False)
+        parts.append(flat @ flat.transpose(0, 2, 1))
+    return np.concatenate(parts), count
 
 
 def _accumulate(layer: _Layer, x: np.ndarray, weight: np.ndarray, rng: np.random.Generator) -> None:
@@ -96,16 +128,20 @@ def _accumulate(layer: _Layer, x: np.ndarray, weight: np.ndarray, rng: np.random
             if cols.shape[0] > PATCHES_PER_BATCH:
                 cols = cols[rng.choice(cols.shape[0], PATCHES_PER_BATCH, replace=False)]
             patches = cols.reshape(cols.shape[0], x.shape[1], 1, 1)
+        elif layer.kind == "depthwise":
+            patches = None
+            part, rows = _depthwise_second(x, node, kernel, rng)
         else:
             patches = _patches(x, node, kernel, rng)
-        patches = patches.astype(np.float32)
-        if layer.kind == "depthwise":
-            flat = np.ascontiguousarray(patches.reshape(patches.shape[0], patches.shape[1], -1).transpose(1, 2, 0))
-            part = flat @ flat.transpose(0, 2, 1)  # [C, k, k]: batched BLAS, not einsum
-        else:
-            flat = patches.reshape(patches.shape[0], -1)
-            part = flat.T @ flat
-        rows = patches.shape[0]
+        if patches is not None:
+            patches = patches.astype(np.float32, copy=False)
+            if layer.kind == "depthwise":
+                flat = np.ascontiguousarray(patches.reshape(patches.shape[0], patches.shape[1], -1).transpose(1, 2, 0))
+                part = flat @ flat.transpose(0, 2, 1)  # [C, k, k]: batched BLAS, not einsum
+            else:
+                flat = patches.reshape(patches.shape[0], -1)
+                part = flat.T @ flat
+            rows = patches.shape[0]
     else:
         flat = x.reshape(-1, x.shape[-1]).astype(np.float32)
         part, rows = flat.T @ flat, flat.shape[0]
@@ -134,7 +170,7 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     names = list(dict.fromkeys(layer.node.input[0] for layer in layers.values()))
     graph_inputs = {i.name for i in model.graph.input}
     fetched = [n for n in names if n not in graph_inputs]
-    session = create_session(with_outputs(model, fetched), threads, "fp32 model")
+    session = create_session(with_outputs(model, fetched), threads, "fp32 model", spin=False)
     rng = np.random.default_rng(seed)
     failed = set()
     for batch in data:
@@ -164,7 +200,7 @@ def _row_errors(err: np.ndarray, second: np.ndarray, kind: str, multiplier: int)
 
 def _h(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sig = 1.0 / (1.0 + np.exp(-v))
-    sig = sig.astype(v.dtype)
+    sig = sig.astype(v.dtype, copy=False)
     raw = sig * (ZETA - GAMMA) + GAMMA
     h = np.clip(raw, 0.0, 1.0)
     grad = np.where((raw > 0) & (raw < 1), sig * (1 - sig) * (ZETA - GAMMA), 0.0)
@@ -194,24 +230,7 @@ def round_layer(weight: np.ndarray, scales: np.ndarray, layer: _Layer, iteration
 
     p = np.clip((rest - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
     v = np.log(p / (1 - p)).astype(np.float32)
-    m1 = np.zeros_like(v)
-    m2 = np.zeros_like(v)
-    warm = int(WARMUP * iterations)
-    for step in range(iterations):
-        h, dh = _h(v)
-        err = low32 + h - scaled32  # in units of s: the scale is a per-row constant factor
-        if layer.kind == "depthwise":
-            grad = 2.0 * (c_rows @ err[:, :, None])[:, :, 0] / k
-        else:
-            grad = 2.0 * (err @ c_rows) / k
-        if step >= warm:
-            beta = 20.0 + (2.0 - 20.0) * (step - warm) / max(1, iterations - warm)
-            t = 2.0 * h - 1.0
-            grad = grad - REG_WEIGHT * beta * np.sign(t) * np.abs(t) ** (beta - 1) * 2.0
-        grad = grad * dh
-        m1 = 0.9 * m1 + 0.1 * grad
-        m2 = 0.999 * m2 + 0.001 * grad * grad
-        v = v - LEARNING_RATE * (m1 / (1 - 0.9 ** (step + 1))) / (np.sqrt(m2 / (1 - 0.999 ** (step + 1))) + 1e-8)
+    v = _optimise_rows(v, low32, scaled32, c_rows, layer.kind == "depthwise", iterations)
 
     h, _ = _h(v.astype(np.float64))
     adaptive = np.clip(low + (h >= 0.5), -qmax, qmax)
@@ -221,6 +240,96 @@ def round_layer(weight: np.ndarray, scales: np.ndarray, layer: _Layer, iteration
     chosen = np.where(worse[:, None], nearest, adaptive)
     moved = np.moveaxis(weight, axis, 0).shape
     return np.moveaxis(chosen.reshape(moved), 0, axis).astype(np.int8)
+
+
+def _blocks(out: int, k: int) -> list[slice]:
+    """The row blocks a layer's optimisation is split into: the rows are independent (each row's
+    error and Adam state are its own), so blocks run on separate threads; from the layer's shape
+    alone, never from the machine, so every machine computes the same products and writes the
+    same bytes. Layers under BLOCK_VALUES values stay whole: numpy's per-call cost would dominate."""
+    count = max(1, min(MAX_BLOCKS, out * k // BLOCK_VALUES, out))
+    edges = np.linspace(0, out, count + 1).round().astype(int)
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _optimise_rows(v: np.ndarray, low: np.ndarray, scaled: np.ndarray, c_rows: np.ndarray, depthwise: bool,
+                   iterations: int) -> np.ndarray:
+    """`_optimise` on row blocks, one thread per allowed core, BLAS single-threaded meanwhile:
+    OpenBLAS's own threads on these small products spent about 3x the CPU time of one thread
+    (spinning between calls) for no gain on 2 cores."""
+    blocks = _blocks(*v.shape)
+    workers = min(len(blocks), allowed_cores() or os.cpu_count() or 1)
+    with threadpool_limits(limits=1, user_api="blas"):
+        if workers == 1:
+            return _optimise(v, low, scaled, c_rows, depthwise, iterations)
+        with ThreadPoolExecutor(workers) as pool:
+            parts = pool.map(lambda b: _optimise(v[b], low[b], scaled[b], c_rows[b] if depthwise else c_rows,
+                                                 depthwise, iterations), blocks)
+            return np.concatenate(list(parts))
+
+
+def _optimise(v: np.ndarray, low32: np.ndarray, scaled32: np.ndarray, c_rows: np.ndarray, depthwise: bool,
+              iterations: int) -> np.ndarray:
+    """Adam on the rows' relaxed roundings v (float32): their output error plus the annealed
+    regulariser. The arithmetic of `_h` and of the plain expressions, in place in a few buffers
+    (the elementwise work, not the product with C, is most of a step on the large layers)."""
+    k = v.shape[1]
+    v = v.copy()
+    m1, m2 = np.zeros_like(v), np.zeros_like(v)
+    sig, h, dh, err, a, b = (np.empty_like(v) for _ in range(6))
+    inside = np.empty(v.shape, bool)
+    gain = ZETA - GAMMA
+    warm = int(WARMUP * iterations)
+    for step in range(iterations):
+        # h, dh = _h(v)
+        np.negative(v, out=sig)
+        np.exp(sig, out=sig)
+        sig += 1.0
+        np.divide(1.0, sig, out=sig)
+        np.multiply(sig, gain, out=a)
+        a += GAMMA  # the stretched sigmoid
+        np.clip(a, 0.0, 1.0, out=h)
+        np.greater(a, 0, out=inside)
+        inside &= a < 1
+        np.subtract(1, sig, out=dh)
+        dh *= sig
+        dh *= gain
+        dh *= inside  # where the stretched sigmoid is clipped, no gradient
+        np.add(low32, h, out=err)
+        err -= scaled32  # in units of s: the scale is a per-row constant factor
+        if depthwise:
+            grad = (c_rows @ err[:, :, None])[:, :, 0]
+        else:
+            grad = err @ c_rows
+        grad *= 2.0
+        grad /= k
+        if step >= warm:
+            beta = 20.0 + (2.0 - 20.0) * (step - warm) / max(1, iterations - warm)
+            np.multiply(h, 2.0, out=a)
+            a -= 1.0  # t = 2 h - 1
+            np.sign(a, out=b)
+            b *= REG_WEIGHT * beta
+            np.abs(a, out=a)
+            np.power(a, beta - 1, out=a)
+            b *= a
+            b *= 2.0
+            grad -= b
+        grad *= dh
+        m1 *= 0.9
+        np.multiply(grad, 0.1, out=a)
+        m1 += a
+        m2 *= 0.999
+        np.multiply(grad, 0.001, out=a)
+        a *= grad
+        m2 += a
+        np.divide(m1, 1 - 0.9 ** (step + 1), out=a)
+        a *= LEARNING_RATE
+        np.divide(m2, 1 - 0.999 ** (step + 1), out=b)
+        np.sqrt(b, out=b)
+        b += 1e-8
+        a /= b
+        v -= a
+    return v
 
 
 def output_error(weight: np.ndarray, q: np.ndarray, scales: np.ndarray, layer: _Layer) -> float:
