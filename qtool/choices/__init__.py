@@ -83,6 +83,12 @@ def _settled(cfg: Config) -> Config:
     return replace(cfg, quantization=replaced(cfg.quantization, "advanced.latency_aware", "off"))
 
 
+_ON_WITH_DATA = "auto: on with calibration data, unless it fails on the graph"
+# the rule each data-driven step's `auto` follows, as its Decision records it
+DATA_STEP_RULES = {"bias_correction": "auto: fast with calibration data (each channel's shift applied as far as the "
+                                      "samples agree on it), unless it fails on the graph; off with a table only"}
+
+
 def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
     """What the build settled: the data-driven weight steps `auto` ran (on with calibration data,
     unless the step fails on the graph), and the nodes the run check kept float (onnxruntime
@@ -90,8 +96,7 @@ def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
     decisions = []
     for option, value in graph.data_steps.items():
         if getattr(cfg.quantization, option) == "auto":
-            decisions.append(Decision(f"quantization.{option}", value, "auto: on with calibration data, unless it "
-                                      "fails on the graph"))
+            decisions.append(Decision(f"quantization.{option}", value, DATA_STEP_RULES.get(option, _ON_WITH_DATA)))
     if graph.kept_float:
         decisions.append(Decision("quantization.advanced.float_nodes", graph.kept_float,
                                   "onnxruntime cannot run them in int8 (run check)"))
