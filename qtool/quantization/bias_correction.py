@@ -2,11 +2,14 @@
 
 Rounding errors are not zero-mean per output channel, and the shift adds up layer after layer
 (nets with depthwise convs and swish/SE lose the most). For each Conv/Gemm with an int32 bias, in
-graph order, the per-channel mean of its output is measured in the fp32 model and in the quantized
-model (earlier layers already corrected), and the difference goes into the bias, whose scale
-s_in x s_w[c] stays exact. Cost: one fp32 pass, and one pass of the quantized model cut into
-slices ending at each corrected layer, each starting from the tensors the previous left (kept for
-the correction samples only), so the quantized model runs about once. Figures: docs/accuracy.md.
+graph order, each sample's per-channel output mean is measured in the fp32 model and in the
+quantized model (earlier layers already corrected); the bias, whose scale s_in x s_w[c] stays
+exact, moves by the mean of those paired differences as far as the samples agree on it
+(`_correction`): a shift measured on a few dozen samples over hundreds of channels is often noise,
+which does not hold on other inputs. Each sample weighs the same, whatever its size (text lines
+of different widths). Cost: one fp32 pass, and one pass of the quantized model cut into slices
+ending at each corrected layer, each starting from the tensors the previous left (kept for the
+correction samples only), so the quantized model runs about once. Figures: benchmarks/README.md.
 """
 
 from __future__ import annotations
