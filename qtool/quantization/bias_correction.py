@@ -196,15 +196,17 @@ def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantP
     return report
 
 
-SIGNIFICANCE = 2.0  # |t| at or below which a channel's measured shift is taken for noise
+SIGNIFICANCE = 1.0  # t at or below which a channel's shift is taken for noise and not applied
 
 
 def _correction(differences: np.ndarray) -> np.ndarray:
     """The shift added to each channel's bias, from `differences` [samples, channels] (fp32 minus
-    int8 per-sample channel means): their mean d, shrunk toward 0 by max(0, 1 - (T/t)^2), where
-    t = d / (its standard error) and T = SIGNIFICANCE. A layer has hundreds of channels and a few
-    dozen samples, so many shifts are noise that does not hold on other inputs (|t| <= T: none of it
-    is applied); a shift the samples agree on is applied nearly whole (positive-part James-Stein)."""
+    int8 per-sample channel means): their mean d, times max(0, 1 - 1/t^2) with t = d / (its
+    standard error): the positive-part James-Stein estimate of the true shift, which minimises the
+    expected squared error of what is applied (d^2 - se^2 estimates the shift's square). A layer
+    has hundreds of channels and a few dozen samples, so many measured shifts are noise that does
+    not hold on other inputs (|t| <= 1: none applied); a shift the samples agree on is applied nearly
+    whole. A stricter threshold (|t| <= 2) lost most of the gain in cross-validation on the kit."""
     mean = differences.mean(axis=0)
     count = differences.shape[0]
     if count < 2:
