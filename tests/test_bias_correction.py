@@ -20,14 +20,18 @@ from tests import graphs
 SAMPLES = 16
 
 
-def _model_and_data(folder):
+def _model_and_data(folder, pooled=False):
     """A 1x1 Conv whose output channel 0 reads input channel 0 (mean 2 in every sample: its weight's
     rounding shifts the output the same way in every sample) and channel 1 reads input channel 1
     (a per-sample offset of +-1, mean 0.15 over the samples: the shift changes sign from sample to
-    sample and its mean is noise). A third channel's big weight makes the per-tensor weight scale coarse."""
+    sample and its mean is noise). A third channel's big weight makes the per-tensor weight scale
+    coarse. `pooled`: a classifier's head after it (GlobalAveragePool, Flatten: [N, 3] outputs)."""
     w = np.zeros((3, 2, 1, 1), np.float32)
     w[0, 0], w[1, 1], w[2, 0] = 0.37, 0.6, 30.0
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c" if pooled else "y"], name="conv")]
+    if pooled:
+        nodes += [helper.make_node("GlobalAveragePool", ["c"], ["p"], name="pool"),
+                  helper.make_node("Flatten", ["p"], ["y"], name="flat")]
     path = folder / "m.onnx"
     onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 2, 6, 6])], [graphs.tensor("y", None)],
                            [graphs.init("w", w), graphs.init("b", np.zeros(3, np.float32))]), path)
@@ -70,8 +74,8 @@ def test_a_shift_the_samples_agree_on_is_corrected_and_noise_is_left_alone(tmp_p
     assert moved[1] == 0
 
 
-def test_bias_correction_is_on_by_default_with_data_and_recorded_as_a_decision(tmp_path):
-    path, data, x = _model_and_data(tmp_path)
+def test_bias_correction_is_on_by_default_with_data_on_a_classifier_and_recorded_as_a_decision(tmp_path):
+    path, data, x = _model_and_data(tmp_path, pooled=True)
     options = {"quantization": {"per_channel": False}}
     result = qtool.quantize(path, data=data, config=options, progress=False)
     [decision] = [d for d in result.decisions if d.option == "quantization.bias_correction"]
@@ -81,3 +85,14 @@ def test_bias_correction_is_on_by_default_with_data_and_recorded_as_a_decision(t
     [off] = [d for d in ranges_only.decisions if d.option == "quantization.bias_correction"]
     assert off.value == "off"  # a table alone: nothing to measure a shift on
     assert _bias(result.model)[0] != _bias(ranges_only.model)[0]
+
+
+def test_auto_is_off_for_a_model_with_per_position_outputs(tmp_path):
+    path, data, x = _model_and_data(tmp_path)  # y: [N, 3, 6, 6]
+    options = {"quantization": {"per_channel": False}}
+    result = qtool.quantize(path, data=data, config=options, progress=False)
+    [decision] = [d for d in result.decisions if d.option == "quantization.bias_correction"]
+    assert decision.value == "off" and "per-position outputs (y)" in decision.rule
+    asked = qtool.quantize(path, data=data, config={"quantization": {"per_channel": False,
+                                                                     "bias_correction": "fast"}}, progress=False)
+    assert _bias(asked.model)[0] != _bias(result.model)[0]  # asked for, it runs

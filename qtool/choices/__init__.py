@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Optional
 
 import onnx
 
+from qtool.choices.bias_correction import choose_bias_correction
 from qtool.choices.decision import Decision, apply, replaced
 from qtool.choices.dynamic_weights import choose_dynamic_weights
 from qtool.choices.hard_forms import choose_hard_forms
@@ -59,6 +60,8 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
     options, decision = choose_hard_forms(model_path, model, measurable, table, cfg, scoring)
     decisions += [decision] if decision else []
     cfg = replace(cfg, quantization=options)
+    # bias correction's auto: off for per-position outputs (the graph); else left to the build (built records it)
+    decisions += [d for d in [choose_bias_correction(model, cfg.quantization)] if d]
     cfg = apply(cfg, decisions)
     # 4. latency tuning (opt-in: it times candidates on this machine)
     if cfg.quantization.advanced.latency_aware == "on":
@@ -85,8 +88,9 @@ def _settled(cfg: Config) -> Config:
 
 _ON_WITH_DATA = "auto: on with calibration data, unless it fails on the graph"
 # the rule each data-driven step's `auto` follows, as its Decision records it
-DATA_STEP_RULES = {"bias_correction": "auto: fast with calibration data (each channel's shift applied as far as the "
-                                      "samples agree on it), unless it fails on the graph; off with a table only"}
+DATA_STEP_RULES = {"bias_correction": "auto: fast with calibration data on a model with per-sample vector outputs "
+                                      "(each channel's shift applied as far as the samples agree on it), unless it "
+                                      "fails on the graph; off with a table only"}
 
 
 def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
