@@ -288,7 +288,8 @@ def _quantize_options(func):
                           "fp32)."),
         click.option("--bias-correction", type=click.Choice(["auto", "fast", "off"]),
                      help="Correct int32 biases by the per-channel output mean shifts the calibration samples agree "
-                          "on (default auto: fast when --data is given, off with a table only)."),
+                          "on (default auto: fast when --data is given and the model's outputs are [N, C] vectors, "
+                          "else off)."),
         click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
                      help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
                           "auto: adaptive when --data is given; default nearest)."),

@@ -171,7 +171,7 @@ class QuantizeConfig:
     from_target: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
     equalize: bool = False  # cross-layer equalization of Conv->act->Conv pairs before calibration
     # fast: correct int32 biases by the per-channel output mean shifts the samples agree on; auto:
-    # fast when quantize has calibration data (settled by qtool.choices.built)
+    # fast when quantize has calibration data and the outputs are [N, C] (qtool.choices.bias_correction)
     bias_correction: str = "auto"
     weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
