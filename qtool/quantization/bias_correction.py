@@ -47,7 +47,7 @@ class BiasCorrectionReport:
     mean_abs_shift_before: float = 0.0  # mean |E[y] - E[y_q]| over channels, as measured
     samples: int = 0
     channels: int = 0
-    channels_corrected: int = 0  # the channels whose shift was significant (qtool.quantization.bias_correction._correction)
+    channels_corrected: int = 0  # those whose bias moved: a significant shift (_correction)
 
 
 class _SampleMeans:
@@ -209,7 +209,7 @@ def _correction(differences: np.ndarray) -> np.ndarray:
     whole. A stricter threshold (|t| <= 2) lost most of the gain in cross-validation on the kit."""
     mean = differences.mean(axis=0)
     count = differences.shape[0]
-    if count < 2:
+    if count < 2:  # one sample: no spread to judge the shift by, applied whole
         return mean
     error2 = differences.var(axis=0, ddof=1) / count
     with np.errstate(divide="ignore", invalid="ignore"):
