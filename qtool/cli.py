@@ -287,8 +287,9 @@ def _quantize_options(func):
                      help="Cross-layer equalization of Conv->Relu/ReLU6->Conv weights before calibration (exact in "
                           "fp32)."),
         click.option("--bias-correction", type=click.Choice(["auto", "fast", "off"]),
-                     help="Correct int32 biases by the per-channel output mean shift on the calibration data "
-                          "(auto: fast when --data is given; default off, configs/efficientnet_lite0.yaml: auto)."),
+                     help="Correct int32 biases by the per-channel output mean shifts the calibration samples agree "
+                          "on: fast, off (the default), or auto (fast when --data is given and the model's outputs are "
+                          "[N, C] vectors, else off)."),
         click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
                      help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
                           "auto: adaptive when --data is given; default nearest)."),

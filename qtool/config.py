@@ -175,7 +175,9 @@ class QuantizeConfig:
     # Names of the fields filled from the target preset (not given by the user).
     from_target: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
     equalize: bool = False  # cross-layer equalization of Conv->act->Conv pairs before calibration
-    bias_correction: str = "off"  # fast: correct int32 biases by the per-channel output mean shift
+    # fast: correct int32 biases by the per-channel output mean shifts the samples agree on; auto:
+    # fast when quantize has calibration data and the outputs are [N, C] (qtool.choices.bias_correction)
+    bias_correction: str = "off"
     weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
     # MatMul/Gemm with a constant weight: static (Q/DQ from calibrated ranges) or dynamic (int8 weight,

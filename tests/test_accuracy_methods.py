@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 from qtool.quantization import adaround
 
 from qtool.table import qparams as qp
-from qtool.quantization.bias_correction import _Means
+from qtool.quantization.bias_correction import _SampleMeans
 from qtool.calibration.calibrate import calibrate
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig, load_config
 from qtool.data.dataset import Batch, batches, open_data
@@ -139,10 +139,10 @@ def _channel_shift(fp32, qmodel, data, tensor):
     """Mean over channels of |E[y] - E[y_q]| for one Conv output."""
     means = []
     for m in (fp32, qmodel):
-        acc = _Means()
+        acc = _SampleMeans()
         for batch in data:
             acc.update(_run(with_outputs(m, [tensor]), batch.feeds, [tensor])[0], 1)
-        means.append(acc.mean)
+        means.append(acc.values.mean(axis=0))
     return float(np.mean(np.abs(means[0] - means[1])))
 
 

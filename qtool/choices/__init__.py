@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Optional
 
 import onnx
 
+from qtool.choices.bias_correction import choose_bias_correction
 from qtool.choices.decision import Decision, apply, replaced
 from qtool.choices.dynamic_weights import choose_dynamic_weights
 from qtool.choices.hard_forms import choose_hard_forms
@@ -64,6 +65,8 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
     options, decision = choose_head_tails(model, table, cfg, scoring if measurable is not None else None)
     decisions += [decision] if decision else []
     cfg = replace(cfg, quantization=options)
+    # bias correction's auto: off for per-position outputs (the graph); else left to the build (built records it)
+    decisions += [d for d in [choose_bias_correction(model, cfg.quantization)] if d]
     cfg = apply(cfg, decisions)
     # 5. latency tuning (opt-in: it times candidates on this machine)
     if cfg.quantization.advanced.latency_aware == "on":
@@ -89,6 +92,13 @@ def _settled(cfg: Config) -> Config:
     return replace(cfg, quantization=replaced(options, "advanced.head_tails", "off"))
 
 
+_ON_WITH_DATA = "auto: on with calibration data, unless it fails on the graph"
+# the rule each data-driven step's `auto` follows, as its Decision records it
+DATA_STEP_RULES = {"bias_correction": "auto: fast with calibration data on a model with per-sample vector outputs "
+                                      "(each channel's shift applied as far as the samples agree on it), unless it "
+                                      "fails on the graph; off with a table only"}
+
+
 def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
     """What the build settled: the data-driven weight steps `auto` ran (on with calibration data,
     unless the step fails on the graph), and the nodes the run check kept float (onnxruntime
@@ -96,8 +106,7 @@ def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
     decisions = []
     for option, value in graph.data_steps.items():
         if getattr(cfg.quantization, option) == "auto":
-            decisions.append(Decision(f"quantization.{option}", value, "auto: on with calibration data, unless it "
-                                      "fails on the graph"))
+            decisions.append(Decision(f"quantization.{option}", value, DATA_STEP_RULES.get(option, _ON_WITH_DATA)))
     if graph.kept_float:
         decisions.append(Decision("quantization.advanced.float_nodes", graph.kept_float,
                                   "onnxruntime cannot run them in int8 (run check)"))

@@ -389,7 +389,8 @@ class _Steps:
             if report is not None:
                 qmodel = corrected
                 ran["bias_correction"] = "fast"
-                notes.append(f"bias correction: {report.layers} layers on {report.samples} samples "
+                notes.append(f"bias correction: {report.layers} layers on {report.samples} samples, "
+                             f"{report.channels_corrected} of {report.channels} channels with a significant shift "
                              f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
         notes += _target_rewrites(qmodel, options)
         check_no_bad_scales(qmodel)
