@@ -137,7 +137,7 @@ class AdvancedConfig:
     # the graph and its shapes (qtool.plan.speed; a target with Target.speed_costs); nothing timed. The
     # nodes it chooses are written to float_nodes in the settled config (and the rule to off)
     speed_rule: str = "auto"
-    # Nodes (exact labels: name, or first output) kept float, as settled by the latency tuning and by
+    # Nodes (exact labels: name, or first output) kept float, as settled by the speed rule, the latency tuning and
     # the run check (nodes onnxruntime cannot run in int8); unlike exclude_nodes, no patterns
     float_nodes: tuple[str, ...] = ()
     # HardSigmoid/HardSwish between uint8 tensors (targets whose form passes write them): integer, written as onnxruntime's integer

@@ -2,9 +2,10 @@
 
 The order is written once, in `settle`: each choice sees the ones before it. A choice decided
 from the data measures quantized candidates (qtool.choices.measure); one decided from the graph
-reads it (the MatMul strategy, the embedding tables, the nodes kept float for speed). Each gives a Decision (qtool.choices.decision) whose value goes into the config, so
-the settled config (quantize --save-config) replays the same model without measuring anything.
-Timing the quantizing machine (qtool.choices.latency) runs only when asked for.
+reads it (the MatMul strategy, the embedding tables, the nodes kept float for speed). Each gives a
+Decision (qtool.choices.decision) whose value goes into the config, so the settled config
+(quantize --save-config) replays the same model without measuring anything. Timing
+the quantizing machine (qtool.choices.latency) runs only when asked for.
 """
 
 from __future__ import annotations
