@@ -5,10 +5,10 @@
     python benchmarks/speed_rules.py --fit [--models a,b] [--out DIR]
 
 Table: per kit model, the plain command of benchmarks/kit.py (EfficientNet-Lite0: the 256 calibration
-photos and its config) three ways: `int8`, the plain command (every node the plan
-quantizes), `latency` with --latency-aware (the opt-in timing search), and `rule`: the
-timing search replaced by float_for_speed (its nodes kept float the way the search's choice is applied:
-replanned, float chains unequalized, quantized again, run-checked). Each is compared with fp32 on
+photos and its config) three ways: `int8` with the speed rule off (`advanced.speed_rule: off`: every
+node the plan quantizes), `latency` with --latency-aware and the speed rule off (the opt-in timing
+search), and `rule`, the plain command as it is (the speed rule of qtool.choices.speed, on by default
+for ort-cpu). Each is compared with fp32 on
 benchmarks/models.py's held-out samples (worst output's cosine, mean / min over samples; the task) and
 timed against it at batch 1, 1 thread (benchmarks/models.py's timed_medians: the models taking turns
 in one process; --rounds N: N rounds, the median ratio).
@@ -56,20 +56,6 @@ def _candidates(model_path, specs, table, cfg, calib_data, shared):
     return candidates(model_path, table, cfg.quantization, calib_data, shared)
 
 
-def _rule_choice(model_path, specs, table, cfg, calib_data, shared):
-    from qtool.choices import Decision
-    from qtool.plan.speed import float_for_speed, sample_shapes
-
-    built = _candidates(model_path, specs, table, cfg, calib_data, shared)
-    graph = built.prepared
-    labels, reasons = float_for_speed(graph.model, graph.plan, sample_shapes(graph.model, built.feeds),
-                                      cfg.quantization)
-    notes = tuple(f"speed rule: {reason}" for reason in reasons)
-    if labels:
-        notes += (f"speed rule keeps float: {' '.join(labels)}",)
-    return Decision("quantization.advanced.float_nodes", tuple(labels), "speed rule", details=notes)
-
-
 def _catching_choice(model_path, specs, table, cfg, calib_data, shared):
     from qtool.choices import Decision
 
@@ -90,14 +76,30 @@ def _cli(argv: list[str], standalone: bool = True) -> None:
             raise
 
 
+def _rule_off(args: tuple, out: Path) -> tuple:
+    """`args` with `quantization.advanced.speed_rule: off` (merged into the config they give)."""
+    import yaml
+
+    args = tuple(map(str, args))
+    config = {}
+    if "--config" in args:
+        at = args.index("--config")
+        config = yaml.safe_load(Path(args[at + 1]).read_text()) or {}
+        args = args[:at] + args[at + 2:]
+    config.setdefault("quantization", {}).setdefault("advanced", {})["speed_rule"] = "off"
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(config))
+    return (*args, "--config", str(path))
+
+
 def quantize(row: str, model: Path, calib: Path, args: tuple, out: Path, cache: Path) -> tuple[float, str, int]:
     """(seconds, the notes about float-for-speed choices, exit code) of one plain command."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    tuned = ("--latency-aware",) if row in ("latency", "rule") else ()  # the rule row replaces the timing
-    command = ["quantize", str(model), "--data", str(calib), *map(str, args), *tuned, "-o", str(out)]
-    prefix = [sys.executable, __file__, "--hooked"] if row == "rule" else [sys.executable, "-m", "qtool"]
+    args = _rule_off(args, out) if row in ("int8", "latency") else tuple(map(str, args))
+    tuned = ("--latency-aware",) if row == "latency" else ()
+    command = ["quantize", str(model), "--data", str(calib), *args, *tuned, "-o", str(out)]
     start = time.perf_counter()
-    done = subprocess.run([*prefix, *command], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "qtool", *command], env=env, capture_output=True, text=True)
     notes = [line for line in (done.stdout + done.stderr).splitlines()
              if ("latency-aware" in line and "cache" not in line) or "speed rule" in line]
     if done.returncode:
@@ -160,9 +162,9 @@ def cpu_medians(paths: dict, samples: list[dict], count: int = 8, runs: int = 10
 
 def kept_float(notes: str) -> str:
     """What a row kept float for speed, from its notes."""
-    rule = re.search(r"speed rule keeps float: (.*)", notes)
+    rule = re.search(r"float_nodes = (.*?): speed rule", notes)
     if rule:
-        return f"{len(rule.group(1).split())} nodes"
+        return f"{len(rule.group(1).split(', '))} nodes"
     counts = [int(n) for n in re.findall(r"(\d+) (?:\w+ )?nodes?\b[^:\n]*kept float \(latency-aware", notes)]
     by_size = re.findall(r"(\d+) nodes whose outputs hold at least", notes)
     total = sum(counts) + (int(by_size[-1]) if by_size else 0)
@@ -249,6 +251,7 @@ def candidates(name: str, kit: Path, out: Path) -> None:
     if name == "efficientnet_lite0_dyn":  # the mixes' speed does not depend on the data-driven constants
         args = (*args, "--bias-correction", "off", "--weight-rounding", "nearest")
     _patched(_catching_choice)
+    args = _rule_off(args, work / "int8.onnx")  # the mixes are of the plan with every node int8
     _cli(["quantize", str(model), "--data", str(calib), *map(str, args), "--latency-aware", "-o",
           str(work / "int8.onnx")], False)
     c = CAUGHT
@@ -360,10 +363,6 @@ def _nonnegative(A: np.ndarray, b: np.ndarray, free: int, sweeps: int = 20000) -
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--hooked":
-        _patched(_rule_choice)
-        _cli(sys.argv[2:])
-        return
     if len(sys.argv) > 1 and sys.argv[1] == "--candidates":
         candidates(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))
         return

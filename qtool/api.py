@@ -231,7 +231,8 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
             table, _ = read_table(table, table_format, model, cfg.quantization)
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
         calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
-        cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges, scoring)
+        cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges, scoring,
+                                 shared)
         decisions = sized + decisions
         outcome = None
         if search is not None:

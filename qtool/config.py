@@ -34,6 +34,7 @@ EMBEDDING_AUTO_BYTES = 1 << 20
 MATMUL_STRATEGIES = ("auto", "static", "dynamic")
 DYNAMIC_WEIGHTS = ("auto", "column", "tensor")  # auto: measured (qtool.choices.dynamic_weights), else column
 HEAD_TAILS = ("auto", "off")
+SPEED_RULES = ("auto", "off")  # auto: qtool.choices.speed on a target with Target.speed_costs
 LATENCY_AWARE = ("off", "on")  # on: the opt-in timing search of qtool.choices.latency
 # auto: measured (qtool.choices.hard_forms) where quantize has calibration data, else integer
 HARD_ACTIVATIONS = ("auto", "integer", "float")
@@ -122,6 +123,9 @@ class AdvancedConfig:
 
     # Embedding tables read by Gather: int8 per row, weight-only (the rows are dequantized after the Gather)
     embeddings: str = "auto"
+    # The tables `embeddings: int8` stores int8 (initializer names), as `auto` settled them; None: every
+    # table read by row Gathers only
+    embedding_tables: Optional[tuple[str, ...]] = None
     # Scales of the dynamic MatMuls' int8 weights: per output column, or one per tensor (onnxruntime's
     # kernel rescales a per-column product in an extra pass); auto: per tensor when the calibration
     # data measures no loss from it, else per column
@@ -130,7 +134,11 @@ class AdvancedConfig:
     # (qtool.choices.latency); opt-in, since its outcome depends on the machine. The nodes it
     # chooses are written to float_nodes in the settled config (quantize --save-config)
     latency_aware: str = "off"
-    # Nodes (exact labels: name, or first output) kept float, as settled by the latency tuning and by
+    # auto: keep float the quantized nodes onnxruntime CPU's kernels run faster in float, estimated from
+    # the graph and its shapes (qtool.plan.speed; a target with Target.speed_costs); nothing timed. The
+    # nodes it chooses are written to float_nodes in the settled config (and the rule to off)
+    speed_rule: str = "auto"
+    # Nodes (exact labels: name, or first output) kept float, as settled by the speed rule, the latency tuning and
     # the run check (nodes onnxruntime cannot run in int8); unlike exclude_nodes, no patterns
     float_nodes: tuple[str, ...] = ()
     # HardSigmoid/HardSwish between uint8 tensors (targets whose form passes write them): integer, written as onnxruntime's integer
@@ -153,6 +161,7 @@ class AdvancedConfig:
         _one_of("embeddings", self.embeddings, EMBEDDINGS)
         _one_of("dynamic_weights", self.dynamic_weights, DYNAMIC_WEIGHTS)
         _one_of("latency_aware", self.latency_aware, LATENCY_AWARE)
+        _one_of("speed_rule", self.speed_rule, SPEED_RULES)
         _one_of("hard_activations", self.hard_activations, HARD_ACTIVATIONS)
         _one_of("head_tails", self.head_tails, HEAD_TAILS)
         _check_alpha("smooth_dynamic", self.smooth_dynamic)

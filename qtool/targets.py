@@ -84,6 +84,9 @@ class Target:
     # int8 FullyConnected/MatMul take an activation zero point at no cost, so a GELU's output, whose
     # negative lobe is a few hundredths of its range, keeps its codes; Convs keep zero point 0.
     asymmetric_linear_inputs: bool = False
+    # qtool.plan.speed's kernel costs (fitted on onnxruntime CPU) are this runtime's: `speed_rule: auto`
+    # keeps float the quantized nodes they say run faster in float (qtool.choices.speed).
+    speed_costs: bool = False
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -98,7 +101,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            dynamic_matmul=True, int8_embeddings=True, kernels=("DynamicQuantizeLSTM",),
            prepare_passes=("embed_layer_norm",), finish_passes=("stem_s2d", "channel_pad"),
            form_passes=("hard_activations", "gelu_form", "written_form"),
-           saturates_without_vnni=True, onnxruntime_kernels=True),
+           saturates_without_vnni=True, onnxruntime_kernels=True, speed_costs=True),
     Target("tensorrt", "TensorRT explicit quantization: int8 symmetric activations (scale amax/127, zero point 0), "
            "per-channel weights", "TensorRT",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,

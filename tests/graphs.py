@@ -9,6 +9,23 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 17
+# A test of quantization mechanics on a graph this small sets the speed rule off (qtool.choices.speed):
+# at a few thousand MACs per layer it would rightly keep most of the graph float.
+RULE_OFF = {"speed_rule": "off"}
+
+
+def mechanics(options=None):
+    """`options` (a QuantizeConfig; default the plain one) with the speed rule off."""
+    from qtool.config import QuantizeConfig, with_options
+
+    return with_options(options if options is not None else QuantizeConfig(), **RULE_OFF)
+
+
+def mechanics_yaml(folder: Path, extra: str = "") -> Path:
+    """A config file for the CLI with the speed rule off (and `extra` YAML under quantization:)."""
+    path = folder / "rule_off.yaml"
+    path.write_text(f"quantization:\n  advanced:\n    speed_rule: 'off'\n{extra}")
+    return path
 
 
 def model(nodes, inputs, outputs, initializers=(), opset=OPSET) -> onnx.ModelProto:

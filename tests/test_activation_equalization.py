@@ -16,6 +16,7 @@ from qtool.graph.runtime import create_session
 from qtool.plan.planner import prepared_model
 from qtool.prepare.equalize import activation_sites
 from qtool.table.table import smoothed_options
+from tests import graphs
 from tests.graphs import init, model, tensor, write_samples
 
 C = 8
@@ -115,9 +116,10 @@ def test_the_rewrite_is_exact_in_fp32_and_evens_the_channel_ranges(tmp_path, for
 @pytest.mark.parametrize("form", FORMS)
 def test_the_int8_model_gets_closer_to_fp32(tmp_path, form):
     path, data = _saved(tmp_path, form)
-    config = {"calibration": {"method": "minmax"}, "quantization": {}}
+    # the equalization's effect on int8 layers: the speed rule off (it would keep this small graph float)
+    config = {"calibration": {"method": "minmax"}, "quantization": {"advanced": dict(graphs.RULE_OFF)}}
     off = api.quantize(path, data=data, config={**config, "quantization": {"advanced": {
-                                                                             "equalize_activations": False}}})
+                                                 "equalize_activations": False, **graphs.RULE_OFF}}})
     on = api.quantize(path, data=data, config=config)
     assert any("equalized across channels in 1" in note for note in on.notes)
     assert not any("equalized" in note for note in off.notes)
@@ -223,7 +225,7 @@ def test_per_layer_error_leaves_out_the_rescaled_tensors(tmp_path, form):
 
     path, data = _saved(tmp_path, form)
     result = api.quantize(path, data=data, config={"calibration": {"method": "minmax"},
-                                                   "quantization": {}})
+                                                   "quantization": {"advanced": dict(graphs.RULE_OFF)}})
     rescaled = rescaled_tensors(result.model)
     assert {"a", _dw_input(form)} <= rescaled and "d" not in rescaled
     fp32 = onnx.load(path)

@@ -65,7 +65,7 @@ def test_search_without_a_target_is_a_usage_error(tmp_path):
 def test_the_settled_choices_live_under_quantization_advanced():
     assert {f for f in AdvancedConfig.__dataclass_fields__} == {
         "dynamic_weights", "hard_activations", "smooth_dynamic", "equalize_activations", "embeddings",
-        "latency_aware", "float_nodes", "head_tails"}
+        "latency_aware", "float_nodes", "embedding_tables", "speed_rule", "head_tails"}
     cfg = load_config({"quantization": {"advanced": {"dynamic_weights": "column", "float_nodes": ["a"]}}})
     assert cfg.quantization.advanced == AdvancedConfig(dynamic_weights="column", float_nodes=("a",))
     written = config_mapping(cfg)["quantization"]["advanced"]

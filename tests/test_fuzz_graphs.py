@@ -20,6 +20,7 @@ from onnx import numpy_helper
 
 from qtool.cli import main
 from qtool.plan.ops import RULES
+from tests import graphs
 from tests.fuzz_graphs import HEAD_OPS, TRUNK_OPS, VOCABULARY, baked_batch_model, random_model
 
 EXAMPLES = int(os.environ.get("QTOOL_FUZZ_EXAMPLES", "40"))
@@ -169,7 +170,8 @@ def _quantizes_close_to_fp32(model: onnx.ModelProto, shape: tuple[int, int, int]
         for i, sample in enumerate(samples):
             np.savez(tmp / "data" / f"{i}.npz", **sample)
         result = CliRunner().invoke(main, ["quantize", str(tmp / "m.onnx"), "--data", str(tmp / "data"),
-                                           "--batch-size", "4", "-o", str(tmp / "q.onnx")])
+                                           "--batch-size", "4", "--config", str(graphs.mechanics_yaml(tmp)),
+                                           "-o", str(tmp / "q.onnx")])  # every planned node int8
         assert result.exit_code == 0, result.output + result.stderr
         quantized = onnx.load(str(tmp / "q.onnx"))
         onnx.checker.check_model(quantized, full_check=True)

@@ -189,8 +189,12 @@ def test_valid_auto_pad_becomes_zero_pads_unless_ceil_mode_sizes_the_output():
 
 
 def test_exclusions_on_the_cli_keep_nodes_float(qtool_cli, tmp_path):
+    # the exclusions alone (the speed rule, off here, would keep float the convs the excluded Gemm leaves)
+    config = tmp_path / "c.yaml"
+    config.write_text(EFFNET_CONFIG.read_text().replace("quantization:\n", "quantization:\n  advanced:\n"
+                                                        "    speed_rule: 'off'\n", 1))
     model, _ = _effnet_quantize(qtool_cli, tmp_path, "--exclude-nodes", "node_Conv_88*,node_Conv_802",
-                                "--exclude-op-types", "Gemm,ReduceMean")
+                                "--exclude-op-types", "Gemm,ReduceMean", "--config", config)
     names = {n.name for n in onnx.load(str(EFFNET)).graph.node if n.op_type == "Conv"}
     expected = {n for n in names if n.startswith("node_Conv_88")} | {"node_Conv_802"}
     assert len(expected) > 2 and _float_convs(model) == expected

@@ -22,7 +22,7 @@ from qtool.quantization.quantize import quantize_model
 from tests import graphs
 from tests.conftest import kit_path
 
-PLAIN = QuantizeConfig()
+PLAIN = graphs.mechanics()  # the forms' mechanics: every HardSwish/HardSigmoid int8 (the speed rule off)
 
 
 def _model(rng) -> onnx.ModelProto:
@@ -211,7 +211,8 @@ def test_float_written_out_blocks_run_as_hard_sigmoid(form, ops):
 def test_the_float_form_when_asked(quantized):
     _, path, data, result = quantized
     floats = api.quantize(path, data=data, progress=False,
-                          config=Config(quantization=QuantizeConfig(advanced=AdvancedConfig(hard_activations="float"))))
+                          config=Config(quantization=graphs.mechanics(
+                              QuantizeConfig(advanced=AdvancedConfig(hard_activations="float")))))
     ops = Counter(n.op_type for n in floats.model.graph.node)
     assert ops["HardSwish"] == ops["HardSigmoid"] == 1 and NOTE.format(2) not in floats.notes
     assert not any(d.option == "quantization.advanced.hard_activations" for d in floats.decisions)  # asked for, not chosen

@@ -215,3 +215,20 @@ def test_wrong_integer_dtype_or_shape_is_one_line_naming_the_file(tmp_path, name
     with pytest.raises(QtoolError, match=message) as caught:
         list(batches(open_data(tmp_path, specs, PreprocessConfig()), 1))
     assert "\n" not in str(caught.value)
+
+
+def test_embedding_auto_is_settled_to_its_tables_and_the_settled_config_replays_them(tmp_path):
+    vocab = (1 << 20) // (4 * DIM)  # 1 MiB: auto takes it
+    _, result, _ = _quantize(tmp_path / "big", _encoder(np.random.default_rng(0), vocab=vocab))
+    settled = {d.option: d.value for d in result.decisions}
+    assert settled["quantization.advanced.embeddings"] == "int8"
+    assert settled["quantization.advanced.embedding_tables"] == ("table",)
+    assert result.settled.quantization.advanced.embedding_tables == ("table",) and result.int8_embeddings == 1
+    # the 3 KB table: auto settles to no table, and the settled value is what a replay reads (int8
+    # with no list would store this table int8 too)
+    _, small, _ = _quantize(tmp_path / "small", _encoder(np.random.default_rng(0)))
+    advanced = small.settled.quantization.advanced
+    assert (advanced.embeddings, advanced.embedding_tables) == ("int8", ()) and small.int8_embeddings == 0
+    _, replay, _ = _quantize(tmp_path / "replay", _encoder(np.random.default_rng(0)), small.settled.quantization)
+    assert replay.int8_embeddings == 0
+    assert replay.model.SerializeToString() == small.model.SerializeToString()

@@ -84,7 +84,7 @@ def test_dynamic_matmuls_are_paired_by_their_outputs_fp32_names(tmp_path):
     fp32 = _block(np.random.default_rng(0))
     onnx.save(fp32, path)
     data = _samples(tmp_path, np.random.default_rng(1))
-    int8 = api.quantize(path, data=data, config=Config(quantization=QuantizeConfig(matmul="dynamic")),
+    int8 = api.quantize(path, data=data, config=Config(quantization=graphs.mechanics(QuantizeConfig(matmul="dynamic"))),
                         progress=False).model
     pairs = twins(fp32, int8)
     # q and k (merged, then split back after their bias Adds) and o; nothing else is quantized

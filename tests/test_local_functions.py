@@ -88,7 +88,7 @@ def test_static_conv_layers_inside_functions_are_calibrated_and_quantized(tmp_pa
     data = graphs.write_samples(tmp_path / "data", rng, (3, 8, 8), count=8)
     table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), QuantizeConfig(), progress=False)
     assert {"x", "h"} <= set(table.tensors)  # the Convs' inputs, read inside the functions
-    result = api.quantize(path, table=table, progress=False)
+    result = api.quantize(path, table=table, progress=False, config=Config(quantization=graphs.mechanics()))
     onnx.checker.check_model(result.model, full_check=True)
     assert not result.model.functions
     assert result.int8_weights == 2 and result.activations >= 2
@@ -102,7 +102,7 @@ def test_transformer_blocks_inside_functions_get_dynamic_matmuls(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(_attention_block(rng), path)
     data = graphs.write_samples(tmp_path / "data", rng, (T, D), count=8)
-    result = api.quantize(path, data=data, config=Config(quantization=QuantizeConfig()), progress=False)
+    result = api.quantize(path, data=data, config=Config(quantization=graphs.mechanics()), progress=False)
     onnx.checker.check_model(result.model, full_check=True)
     ops = Counter(n.op_type for n in result.model.graph.node)
     assert ops["MatMulInteger"] == 4  # per block: q and k merged into one, o

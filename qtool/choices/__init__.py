@@ -2,9 +2,10 @@
 
 The order is written once, in `settle`: each choice sees the ones before it. A choice decided
 from the data measures quantized candidates (qtool.choices.measure); one decided from the graph
-reads it. Each gives a Decision (qtool.choices.decision) whose value goes into the config, so
-the settled config (quantize --save-config) replays the same model without measuring anything.
-Timing the quantizing machine (qtool.choices.latency) runs only when asked for.
+reads it (the MatMul strategy, the embedding tables, the nodes kept float for speed). Each gives a
+Decision (qtool.choices.decision) whose value goes into the config, so the settled config
+(quantize --save-config) replays the same model without measuring anything. Timing
+the quantizing machine (qtool.choices.latency) runs only when asked for.
 """
 
 from __future__ import annotations
@@ -25,30 +26,42 @@ from qtool.choices.measure import Scoring
 from qtool.config import Config
 from qtool.data.dataset import Batch, DataLike
 from qtool.graph.modelio import InputSpec, input_specs
-from qtool.plan.planner import auto_strategy
-from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, candidates
-from qtool.table.table import CalibrationTable
+from qtool.choices.embeddings import choose_embeddings
+from qtool.choices.speed import choose_float_for_speed
+from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, candidates, ranges_only
+from qtool.table.table import CalibrationTable, smoothed_options
 
 __all__ = ["Decision", "Scoring", "apply", "settle", "built"]
 
 
 def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTable, data: Optional[DataLike],
            cfg: Config, calib_data: Optional[Callable[[int], Iterable[Batch]]] = None,
-           ranges: Optional[Decision] = None, scoring: Optional[Scoring] = None) -> tuple[Config, list[Decision]]:
+           ranges: Optional[Decision] = None, scoring: Optional[Scoring] = None,
+           shared: Optional[SharedGraphs] = None) -> tuple[Config, list[Decision]]:
     """(cfg with every `auto` the back end would meet replaced by a value, the decisions in order).
     `model`: the one at `model_path`, loaded; `data`: the calibration data (None: only the table);
     `ranges`: the range method's decision, made with the table (qtool.choices.ranges); `scoring`:
-    the job's (its evaluator and prepared graphs; the range choice's when it measured)."""
+    the job's (its evaluator and prepared graphs; the range choice's when it measured); `shared`: the
+    job's prepared graphs where there is no scoring."""
     decisions = [ranges] if ranges is not None else []
     if cfg.calibration.method == "auto" and ranges is None:
         decisions.append(Decision("calibration.method", table.method, "the table's"))
     measurable = data  # what the measured choices may score candidates on
     if scoring is None and measurable is not None:
         scoring = Scoring(model_path, measurable, cfg, specs=input_specs(model))
-    # 1. MatMul strategy (the prepared graph)
-    strategy, why = auto_strategy(model_path, cfg.quantization)
+    shared = scoring.shared if scoring is not None else (shared or SharedGraphs())
+    # 1. MatMul strategy and embedding tables (the prepared graph, which every build of the job shares)
+    prepared = smoothed_options(ranges_only(cfg.quantization), table)
+    graph = shared.graph(model_path, table, prepared)
+    strategy = graph.strategy
     if cfg.quantization.matmul == "auto":
-        decisions.append(Decision("quantization.matmul", strategy, why or "no transformer or recurrent structure"))
+        decisions.append(Decision("quantization.matmul", strategy,
+                                  graph.chosen or "no transformer or recurrent structure"))
+    tables = choose_embeddings(graph.plan, cfg.quantization)
+    if tables:
+        decisions += tables
+        cfg = apply(cfg, tables)
+        shared.alias(model_path, table, prepared, smoothed_options(ranges_only(cfg.quantization), table))
     # 2. dynamic MatMuls' weight scales (measured)
     if measurable is not None:
         options, decision = choose_dynamic_weights(model_path, strategy, measurable, table, cfg, scoring)
@@ -68,10 +81,14 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
     # bias correction's auto: off for per-position outputs (the graph); else left to the build (built records it)
     decisions += [d for d in [choose_bias_correction(model, cfg.quantization)] if d]
     cfg = apply(cfg, decisions)
-    # 5. latency tuning (opt-in: it times candidates on this machine)
+    # 5. float for speed (the graph's shapes and onnxruntime CPU's kernel costs)
+    decision = choose_float_for_speed(model_path, table, cfg, calib_data, shared)
+    if decision is not None:
+        decisions.append(decision)
+        cfg = apply(cfg, [decision])
+    # 6. latency tuning (opt-in: it times candidates on this machine)
     if cfg.quantization.advanced.latency_aware == "on":
-        decisions.append(_latency(model_path, input_specs(model), table, cfg, calib_data,
-                                  scoring.shared if scoring else None))
+        decisions.append(_latency(model_path, input_specs(model), table, cfg, calib_data, shared))
         cfg = apply(cfg, decisions[-1:])
     return _settled(cfg), decisions
 
@@ -87,9 +104,11 @@ def _latency(model_path, specs: list[InputSpec], table: CalibrationTable, cfg: C
 
 
 def _settled(cfg: Config) -> Config:
-    """Nothing left to measure: the latency tuning's and the head tails' outcomes are in advanced.float_nodes."""
+    """Nothing left to measure or read: the latency tuning's, the head tails' and the speed rule's
+    outcomes are in advanced.float_nodes."""
     options = replaced(cfg.quantization, "advanced.latency_aware", "off")
-    return replace(cfg, quantization=replaced(options, "advanced.head_tails", "off"))
+    options = replaced(options, "advanced.head_tails", "off")
+    return replace(cfg, quantization=replaced(options, "advanced.speed_rule", "off"))
 
 
 _ON_WITH_DATA = "auto: on with calibration data, unless it fails on the graph"

@@ -58,7 +58,8 @@ def apply(cfg: Config, decisions: list[Decision]) -> Config:
         options = getattr(cfg, section)
         value = decision.value
         if isinstance(value, (tuple, list)):
-            value = tuple(dict.fromkeys([*current(options, ".".join(path)), *value]))
+            held = current(options, ".".join(path))
+            value = tuple(dict.fromkeys([*(held if isinstance(held, tuple) else ()), *value]))
         cfg = dataclasses.replace(cfg, **{section: replaced(options, ".".join(path), value)})
     return cfg
 

@@ -343,17 +343,19 @@ def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: Quantize
     multiply per gathered value. Every reader must be such a Gather, else the float table stays in
     the file and nothing is saved. `auto` takes tables of EMBEDDING_AUTO_BYTES or more (below that
     the saving is small and the graph stays as it was), on a target with Target.int8_embeddings only:
-    where the int8 Gather -> Cast -> Mul was measured."""
+    where the int8 Gather -> Cast -> Mul was measured; `int8` with `embedding_tables` takes those only."""
     if options.advanced.embeddings == "float" or (options.advanced.embeddings == "auto"
                                                   and not target_of(options).int8_embeddings):
         return {}
     auto = options.advanced.embeddings == "auto"
+    listed = options.advanced.embedding_tables  # as `auto` settled them (qtool.choices.embeddings)
     in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
     tables: dict[str, list[str]] = {}
     for name, init in ctx.initializers.items():
         users = ctx.consumers.get(name, [])
         if (not users or name in ctx.outputs or name in in_bodies or init.data_type != onnx.TensorProto.FLOAT
-                or len(init.dims) < 2 or (auto and 4 * math.prod(init.dims) < EMBEDDING_AUTO_BYTES)):
+                or len(init.dims) < 2 or (auto and 4 * math.prod(init.dims) < EMBEDDING_AUTO_BYTES)
+                or (not auto and listed is not None and name not in listed)):
             continue
         if all(_row_gather(node, name, ctx, options, only) for node in users):
             tables[name] = [node_label(node) for node in users]
@@ -626,13 +628,6 @@ EQUALIZED_NOTE = "activation ranges equalized across channels"
 
 def prepared_model(model_path: str | Path, options: QuantizeConfig) -> tuple[onnx.ModelProto, QuantPlan]:
     return prepared_with_strategy(model_path, options)[:2]
-
-
-def auto_strategy(model_path: str | Path, options: QuantizeConfig) -> tuple[str, Optional[str]]:
-    """The MatMul strategy prepared_model takes for `options` (with `auto`'s note), read on the prepared
-    graph as it does: functions inlined and a float16 model widened change what the graph holds."""
-    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False)
-    return matmul_strategy(prepared.model, GraphIndex(prepared.model), options)
 
 
 def prepared_with_strategy(model_path: str | Path, options: QuantizeConfig

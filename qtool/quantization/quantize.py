@@ -105,11 +105,14 @@ class _Graph:
     plan: QuantPlan
     unreached: list[str]
     made_up: Optional[run_check.Reference] = None
+    # the MatMul strategy it was prepared for, and `matmul: auto`'s note (None: not auto, or nothing to say)
+    strategy: str = "static"
+    chosen: Optional[str] = None
 
 
 # the options that change only what is built on the prepared graph and plan, not them
 _BUILD_ONLY = ("bias_correction", "weight_rounding", "correction_samples")
-_BUILD_ONLY_ADVANCED = ("hard_activations", "dynamic_weights", "latency_aware")
+_BUILD_ONLY_ADVANCED = ("hard_activations", "dynamic_weights", "latency_aware", "speed_rule")
 
 
 class SharedGraphs:
@@ -123,16 +126,34 @@ class SharedGraphs:
 
     def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
         """`options`: smoothed by the table already."""
-        defaults, advanced = QuantizeConfig(), AdvancedConfig()
-        key = (str(model_path), with_options(options, **{k: getattr(defaults, k) for k in _BUILD_ONLY},
-                                             **{k: getattr(advanced, k) for k in _BUILD_ONLY_ADVANCED}),
-               frozenset(name for name in table.tensors if _seen(table)(name)))
+        key = self._key(model_path, table, options)
         if key not in self._graphs:
             graph, strategy = _prepared_graph(model_path, table, options)
             self._graphs[key] = graph
             if strategy is not None:  # `auto` settled to a strategy it reports nothing about: the same graph
                 self._graphs[(key[0], replace(key[1], matmul=strategy), key[2])] = graph
         return self._graphs[key]
+
+    def alias(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
+              same: QuantizeConfig) -> None:
+        """`same` (smoothed) makes the graph `options` made: a choice settled to the value it took."""
+        graph = self.graph(model_path, table, options)
+        self._graphs[self._key(model_path, table, same)] = graph
+
+    @staticmethod
+    def _key(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> tuple:
+        defaults, advanced = QuantizeConfig(), AdvancedConfig()
+        return (str(model_path), with_options(options, **{k: getattr(defaults, k) for k in _BUILD_ONLY},
+                                              **{k: getattr(advanced, k) for k in _BUILD_ONLY_ADVANCED}),
+                frozenset(name for name in table.tensors if _seen(table)(name)))
+
+
+def reference_batch(model: onnx.ModelProto, data: Optional[Callable[[int], Iterable[Batch]]],
+                    options: QuantizeConfig) -> Optional[dict]:
+    """The run check's feeds for `model`: the first calibration batch, else made up from the input
+    specs (None: no inputs it runs on)."""
+    ref = _reference(model, [], data, options)
+    return ref.feeds if ref.outputs is not None else None
 
 
 def _prepared_graph(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig
@@ -149,7 +170,7 @@ def _prepared_graph(model_path: str | Path, table: CalibrationTable, options: Qu
     check_finite_constants(model, plan, model_path)
     same = (options.matmul == "auto" and chosen is None
             and matmul_strategy(model, GraphIndex(model), options) == (strategy, None))  # build_plan's too
-    return _Graph(model, plan, unreached), strategy if same else None
+    return _Graph(model, plan, unreached, strategy=strategy, chosen=chosen), strategy if same else None
 
 
 def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig, table_path: object,

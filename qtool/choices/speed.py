@@ -1,0 +1,42 @@
+"""Float for speed, settled from the graph (quantization option `advanced.speed_rule: auto`, the
+default on a target with Target.speed_costs): the quantized nodes that qtool.plan.speed's kernel
+costs say onnxruntime CPU runs faster in float, on the shapes of the first calibration batch's first
+sample (batch 1). An int8 model no faster than fp32 is what that runtime's user quantizes to avoid;
+the costs are a model of its kernels, so nothing is timed and the same graph and shapes give the same
+nodes on any machine. The nodes go to `advanced.float_nodes` in the settled config, which replays them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from qtool.choices.decision import Decision
+from qtool.config import Config
+from qtool.data.dataset import Batch
+from qtool.plan.speed import float_for_speed, sample_shapes
+from qtool.quantization.quantize import SharedGraphs, ranges_only, reference_batch
+from qtool.table.table import CalibrationTable, smoothed_options
+from qtool.targets import target_of
+
+OPTION = "quantization.advanced.float_nodes"
+RULE = "speed rule: faster in float by onnxruntime CPU's kernel costs on the graph's shapes (batch 1; nothing timed)"
+
+
+def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg: Config,
+                           calib_data: Optional[Callable[[int], Iterable[Batch]]],
+                           shared: SharedGraphs) -> Optional[Decision]:
+    """The decision on the nodes kept float for speed; None when `speed_rule` is off."""
+    options = cfg.quantization
+    if options.advanced.speed_rule == "off":
+        return None
+    if not target_of(options).speed_costs:
+        return Decision("quantization.advanced.speed_rule", "off",
+                        f"its kernel costs are onnxruntime CPU's, not {target_of(options).runtime}'s")
+    smoothed = smoothed_options(ranges_only(options), table)
+    graph = shared.graph(model_path, table, smoothed)
+    feeds = reference_batch(graph.model, calib_data, smoothed)
+    if feeds is None:
+        return Decision(OPTION, (), "speed rule: no inputs the model runs on, so no shapes")
+    labels, reasons = float_for_speed(graph.model, graph.plan, sample_shapes(graph.model, feeds), options)
+    return Decision(OPTION, tuple(labels), RULE, details=tuple(reasons))
