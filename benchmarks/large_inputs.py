@@ -25,6 +25,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import quantize_time  # noqa: E402
 from quantize_time import CHILD_ORT, CHILD_STAGES, STAGES, run_child  # noqa: E402
 
 MEAN, STD = np.array([0.485, 0.456, 0.406], np.float32), np.array([0.229, 0.224, 0.225], np.float32)
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--stages", action="store_true")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another checkout whose qtool runs too, interleaved (its 'before' column)")
     args = parser.parse_args()
     model = args.kit / "models" / "rapidocr_v4_det.onnx"
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,11 +65,15 @@ def main() -> None:
         data = work / "samples"
         shapes = samples(args.kit, args.size, args.images, data)
         print(f"{len(shapes)} samples: {shapes}", file=sys.stderr)
-        runs: dict[str, list[dict]] = {"qtool": [], "ort": []}
+        runs: dict[str, list[dict]] = {"qtool": [], "ort": [], "before": []}
         loads = [os.getloadavg()[0]]
+        qtool = [sys.executable, "-m", "qtool", "quantize", str(model), "--data", str(data), "-o"]
         for _ in range(args.repeat):
-            runs["qtool"].append(run_child([sys.executable, "-m", "qtool", "quantize", str(model), "--data", str(data),
-                                            "-o", str(work / "q.onnx")]))
+            if args.before is not None:
+                quantize_time.ROOT = args.before.resolve()  # run_child's PYTHONPATH
+                runs["before"].append(run_child([*qtool, str(work / "before.onnx")]))
+                quantize_time.ROOT = ROOT
+            runs["qtool"].append(run_child([*qtool, str(work / "q.onnx")]))
             code = CHILD_ORT.format(root=str(ROOT), model=str(model), data=str(data), config="",
                                     out=str(work / "ort.onnx"))
             runs["ort"].append(run_child([sys.executable, "-c", code]))
@@ -87,11 +94,16 @@ def main() -> None:
 
     print(f"load average {min(loads):.1f}-{max(loads):.1f} (1 min), {os.cpu_count()} cores; "
           f"{len(shapes)} images, longer side {args.size}; medians of {args.repeat}")
-    print("| qtool wall / CPU s, peak RSS | quantize_static wall / CPU s, peak RSS | CPU qtool / quantize_static |")
-    print("|---|---|---|")
-    print(f"| {median('qtool', 'wall'):.0f} / {median('qtool', 'cpu'):.1f}, {median('qtool', 'rss_mb'):.0f} MB "
-          f"| {median('ort', 'wall'):.0f} / {median('ort', 'cpu'):.1f}, {median('ort', 'rss_mb'):.0f} MB "
-          f"| {median('qtool', 'cpu') / median('ort', 'cpu'):.2f}x |")
+    tools = [t for t in ("before", "qtool", "ort") if runs[t]]
+    names = {"before": "qtool before", "qtool": "qtool", "ort": "quantize_static"}
+    print("| " + " | ".join(f"{names[t]}: wall / CPU s, peak RSS" for t in tools)
+          + " | CPU qtool / quantize_static |" + (" before |" if runs["before"] else ""))
+    print("|---" * (len(tools) + 1 + bool(runs["before"])) + "|")
+    cells = [f"{median(t, 'wall'):.0f} / {median(t, 'cpu'):.1f}, {median(t, 'rss_mb'):.0f} MB" for t in tools]
+    cells.append(f"{median('qtool', 'cpu') / median('ort', 'cpu'):.2f}x")
+    if runs["before"]:
+        cells.append(f"{median('before', 'cpu') / median('ort', 'cpu'):.2f}x")
+    print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

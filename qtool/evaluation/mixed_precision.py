@@ -1,14 +1,17 @@
 """Automatic mixed precision: keep the fewest layers in float that meet a quality target.
 
 The model is quantized once, all int8, and evaluated; if it misses the target, layers change
-precision greedily. Each step scores every move (an int8 layer to float, a static MatMul/Gemm to
-dynamic int8, and when asked for, to 16-bit activations) on the samples at stake (`focus_samples`:
-for an agreement or top-1 target the near-ties, which are the images int8 flips), keeps the move
-that helps most (ties: fewer int8 MACs lost), evaluates the whole set, and stops when the target
-holds, or fails (ThresholdError) when the float-layer or MAC budget runs out. Precisions change
-inside the finished int8 model (qtool.quantization.float_fallback), so a candidate costs one
-session and the model verified is the one written. Design: docs/design/mixed-precision.md.
-"""
+precision. Every move (an int8 layer to float, a static MatMul/Gemm to dynamic int8, and when asked
+for, to 16-bit activations) is scored once on the samples at stake (`focus_samples`: for an
+agreement or top-1 target the near-ties, which are the images int8 flips), which ranks them (ties:
+fewer int8 MACs lost); then the search bisects on how many of the top-ranked moves to take together,
+each prefix evaluated on the whole set: about 2 log2(n) evaluations, not one scoring round per
+layer. Only when no prefix within the float-layer and MAC budgets meets the target (layers that
+help only together, a float layer's output staying quantized while an int8 layer reads it) does it
+keep the best move and rank again from there; it fails (ThresholdError) when the budgets run out.
+Precisions change inside the finished int8 model (qtool.quantization.float_fallback), so a
+candidate costs one session, no re-calibration, and the model verified is the one written.
+Design: docs/design/mixed-precision.md."""
 
 from __future__ import annotations
 
@@ -89,7 +92,7 @@ class Candidate:
 class MixedPrecisionResult:
     chosen: Candidate
     tried: list[dict] = field(default_factory=list)  # every candidate's k and figures
-    ranking: list[str] = field(default_factory=list)  # the first step's moves, most helpful first
+    ranking: list[str] = field(default_factory=list)  # the first ranking's moves, most helpful first
     table: Optional[CalibrationTable] = None  # the table of the chosen model's ranges
 
 
@@ -389,7 +392,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
            log: Callable[[str], None] = lambda message: None,
            engine: Optional[Engine] = None,
            alternatives: Callable[[], Sequence[CalibrationTable]] = tuple, int16: bool = False) -> MixedPrecisionResult:
-    """The verified model with the fewest layers in float found by the greedy search (module
+    """The verified model with the fewest layers in float found by the ranked bisection (module
     doc); ThresholdError if none within `max_float_layers` and `min_int8_macs` (a fraction of
     the MACs that must stay int8) meets `target`. With an engine, each step's candidates are
     scored on its workers (`_Focus.scores`). `int16`: offer 16-bit activations as a layer's move.
