@@ -505,17 +505,18 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
             chosen = _bisect(prefixes, lambda after: candidate(start, after)[0], target)
             if chosen is not None:
                 return MixedPrecisionResult(chosen, tried, ranking, start.table)
-            if len(prefixes) == 1:
+            if len(prefixes) <= 1:
                 break
             # no prefix meets: layers that only help together with others (a layer's output
             # stays quantized while an int8 layer reads it) rank low alone. Keep the best move and
             # rank again from there.
             state = prefixes[0]
-            log(f"  no prefix of the top {len(prefixes)} meets the target: keeping {moves[scored[0][2]][0]} and ranking again ...")
+            log(f"  no prefix of the top {len(prefixes)} meets the target: keeping the first and ranking again ...")
     best = max(tried, key=rank)
     limit = f"--max-float-layers {max_float_layers}"
     if min_int8_macs > 0:
         limit += f", --min-int8-macs {100 * min_int8_macs:g}"
     method = f" ({best['method']} ranges)" if len({t['method'] for t in tried}) > 1 else ""
-    raise ThresholdError(f"target ({target.describe()}) not met with up to {len(state.floats)} layer(s) in float "
+    most = max(t["float_layers"] for t in tried)
+    raise ThresholdError(f"target ({target.describe()}) not met with up to {most} layer(s) in float "
                          f"({limit}); best: {best['float_layers']} float{method}, {describe_figures(best)}")
