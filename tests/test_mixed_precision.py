@@ -238,3 +238,78 @@ def test_the_search_takes_outputs_whose_first_axis_is_not_the_batch(tmp_path):
     evals = [Batch([f"e{i}" for i in range(8)], {"x": rng.normal(0, 1, (8, 3, 8, 8)).astype(np.float32)})]
     found = search(path, table, OPTIONS, Target(cosine=-1.0), evals, None, 3)
     assert found.chosen.float_layers == [] and 0.0 < found.chosen.figures["cosine"] <= 1.0
+
+
+def _crushed_chain(rng, outliers=(40.0, 5.0, 25.0, 10.0, 60.0, 15.0, 30.0, 20.0)) -> onnx.ModelProto:
+    """x -> conv_0 -> relu -> conv_1 -> relu ... -> conv_n -> y: each relu zeroes channel 0 (a bias of
+    -100 before it), and conv_i's one large weight on that dead channel (outliers[i - 1]) adds nothing
+    but sets its per-tensor weight scale: each layer loses its own, different, share of precision."""
+    nodes, inits, source = [], [], "x"
+    for i in range(len(outliers) + 1):
+        w = rng.normal(0, 0.3, (6, 3 if i == 0 else 6, 3, 3)).astype(np.float32)
+        b = np.zeros(6, np.float32)
+        if i:
+            w[:, 0] = 0.0
+            w[0, 0, 1, 1] = outliers[i - 1]
+        last = i == len(outliers)
+        if not last:
+            b[0] = -100.0
+        nodes.append(helper.make_node("Conv", [source, f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv_{i}",
+                                      pads=[1, 1, 1, 1]))
+        inits += [graphs.init(f"w{i}", w), graphs.init(f"b{i}", b)]
+        source = f"c{i}"
+        if not last:
+            nodes.append(helper.make_node("Relu", [source], [f"r{i}"], name=f"relu_{i}"))
+            source = f"r{i}"
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor(source, None)], inits)
+
+
+def test_the_search_keeps_the_shortest_ranked_prefix_that_meets_the_target(tmp_path):
+    """The moves are ranked once and the search bisects on how many of the top-ranked go float: on a
+    chain whose layers each lose a different share of precision, with a target that the top k
+    prefixes meet and no shorter one does, it returns exactly the top k, after about 2 log2(n)
+    evaluations rather than one greedy step per layer; its choice replays as the settled float_nodes."""
+    rng = np.random.default_rng(0)
+    path, table = graphs.calibrated(tmp_path, rng, _crushed_chain(rng), OPTIONS)
+    x = np.random.default_rng(1).normal(0, 1, (16, 3, 8, 8)).astype(np.float32)
+    evals = [Batch([f"s{i}" for i in range(j, j + 8)], {"x": x[j:j + 8]}) for j in range(0, 16, 8)]
+    first = search(path, table, OPTIONS, Target(cosine=0.999999), evals, None, 9)
+    ranking = first.ranking
+    assert len(ranking) == 9 and first.tried[0]["cosine"] < 0.99
+    # every prefix of the ranking, measured apart from the search
+    base = quantize_model(path, table, OPTIONS)
+    prepared, _ = prepared_model(path, OPTIONS)
+    pool = restorable_layers(base.canonical, prepared)
+    from qtool.evaluation.mixed_precision import Evaluator
+
+    evaluate = Evaluator(path, evals, None, 1)
+    cosines = [evaluate(_mix(base, prepared, pool, floats=ranking[:k]))[0]["cosine"] for k in range(len(ranking) + 1)]
+    # the first k >= 3, not a power of two (which the doubling alone would hit), where every shorter
+    # prefix stays below every prefix from k on
+    k = min(k for k in range(3, len(cosines)) if k & (k - 1) and max(cosines[:k]) < min(cosines[k:]))
+    goal = Target(cosine=(max(cosines[:k]) + min(cosines[k:])) / 2)
+    found = search(path, table, OPTIONS, goal, evals, None, 9)
+    assert found.chosen.float_layers == ranking[:k], (cosines, k)
+    assert len(found.tried) <= 2 + 2 * int(np.ceil(np.log2(len(ranking))))  # all-int8, then the bisection
+    # the outcome replays: the chosen layers as settled float_nodes, quantized without a search
+    from qtool import api
+    from qtool.api import MixedPrecisionSearch
+
+    cfg = {"quantization": {"per_channel": False}}
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    for i, sample in enumerate(x):
+        np.save(folder / f"s{i:03d}.npy", sample[None])
+    spec = MixedPrecisionSearch(data=folder, cosine=-1.0, range_methods=())
+    plain = api.search(path, spec, table=table, config=cfg, progress=False).search.figures["cosine"]
+    wanted = Target(cosine=1.0 - (1.0 - plain) / 4)
+    result = api.search(path, replace(spec, cosine=wanted.cosine), table=table, config=cfg, progress=False)
+    settled = result.settled
+    assert tuple(settled.quantization.advanced.float_nodes) == tuple(result.search.float_layers)
+    replay = api.quantize(path, table=table, config=settled, progress=False)
+    def int8_convs(model):
+        weights = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+        return sorted(n.name for n in model.graph.node if n.op_type == "Conv" and n.input[1] in weights)
+
+    assert 0 < len(result.search.float_layers) < 9 and int8_convs(replay.model) == int8_convs(result.model)
+    assert wanted.met(evaluate(replay.model)[0])

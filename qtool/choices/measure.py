@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import onnx
 
 from qtool.config import Config, QuantizeConfig
@@ -21,6 +22,10 @@ from qtool.table.table import CalibrationTable
 from qtool.targets import target_of
 
 SAMPLES = 16  # calibration samples the candidates are measured on
+# ... and at most this many input values over them (16 images of 3 x 320 x 320): a candidate's
+# run costs about what its activations hold, so large inputs (a detector at 960 px) are measured
+# on fewer samples, and the choices cost about the same work whatever the input size
+SCORED_VALUES = SAMPLES * 3 * 320 * 320
 KEEP = 0.99  # a mean cosine at which the first candidate is kept without measuring the others
 MARGIN_DB = 0.5  # what another candidate must gain over the first to be chosen
 MAX_KEYED_BYTES = 2**31 - 1  # protobuf's message limit: larger candidates are measured without a key
@@ -28,9 +33,16 @@ MAX_KEYED_BYTES = 2**31 - 1  # protobuf's message limit: larger candidates are m
 
 def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config) -> tuple[Evaluator, int]:
     """(the fidelity of a candidate int8 model to fp32 on `SAMPLES` calibration samples spread over
-    them, how many samples that is); `specs`: the model's inputs."""
+    them, fewer when they hold more than SCORED_VALUES input values, how many samples that is);
+    `specs`: the model's inputs."""
     source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, SAMPLES)
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
+    count = sum(len(b) for b in samples)
+    values = sum(int(np.size(array)) for batch in samples for array in batch.feeds.values())
+    if values > SCORED_VALUES and count > 1:
+        fewer = max(1, SCORED_VALUES * count // values)
+        source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, fewer)
+        samples = list(batches(source, cfg.calibration.batch_size, fewer))
     return (Evaluator(Path(model_path), samples, None, cfg.evaluation.threads,
                       runtime=target_of(cfg.quantization).measured_on), sum(len(b) for b in samples))
 

@@ -1,14 +1,17 @@
 """Automatic mixed precision: keep the fewest layers in float that meet a quality target.
 
 The model is quantized once, all int8, and evaluated; if it misses the target, layers change
-precision greedily. Each step scores every move (an int8 layer to float, a static MatMul/Gemm to
-dynamic int8, and when asked for, to 16-bit activations) on the samples at stake (`focus_samples`:
-for an agreement or top-1 target the near-ties, which are the images int8 flips), keeps the move
-that helps most (ties: fewer int8 MACs lost), evaluates the whole set, and stops when the target
-holds, or fails (ThresholdError) when the float-layer or MAC budget runs out. Precisions change
-inside the finished int8 model (qtool.quantization.float_fallback), so a candidate costs one
-session and the model verified is the one written. Design: docs/design/mixed-precision.md.
-"""
+precision. Every move (an int8 layer to float, a static MatMul/Gemm to dynamic int8, and when asked
+for, to 16-bit activations) is scored once on the samples at stake (`focus_samples`: for an
+agreement or top-1 target the near-ties, which are the images int8 flips), which ranks them (ties:
+fewer int8 MACs lost); then the search bisects on how many of the top-ranked moves to take together,
+each prefix evaluated on the whole set: about 2 log2(n) evaluations, not one scoring round per
+layer. Only when no prefix within the float-layer and MAC budgets meets the target (layers that
+help only together, a float layer's output staying quantized while an int8 layer reads it) does it
+keep the best move and rank again from there; it fails (ThresholdError) when the budgets run out.
+Precisions change inside the finished int8 model (qtool.quantization.float_fallback), so a
+candidate costs one session, no re-calibration, and the model verified is the one written.
+Design: docs/design/mixed-precision.md."""
 
 from __future__ import annotations
 
@@ -89,7 +92,7 @@ class Candidate:
 class MixedPrecisionResult:
     chosen: Candidate
     tried: list[dict] = field(default_factory=list)  # every candidate's k and figures
-    ranking: list[str] = field(default_factory=list)  # the first step's moves, most helpful first
+    ranking: list[str] = field(default_factory=list)  # the first ranking's moves, most helpful first
     table: Optional[CalibrationTable] = None  # the table of the chosen model's ranges
 
 
@@ -319,6 +322,55 @@ def _moves(state: Precisions, pool: dict, dynamic_pool: list[str], floats_left: 
     return moves
 
 
+def _prefixes(state: Precisions, ranked: list[Precisions], max_float_layers: int,
+              within: Callable[[Precisions], bool]) -> list[Precisions]:
+    """`state` with the changes of the first 1, 2, ... of the `ranked` one-layer moves from it taken
+    together (a layer counts once, at its best-ranked move), skipping a move that would break the
+    float-layer or MAC budget (`within`)."""
+    had = {layer.node for layer in state.floats}
+    found: list[Precisions] = []
+    now, seen = state, set()
+    for move in ranked:
+        floats = tuple(layer for layer in move.floats if layer.node not in had)
+        dynamic = tuple(name for name in move.dynamic if name not in state.dynamic)
+        wide = tuple(name for name in move.int16 if name not in state.int16)
+        names = {layer.node for layer in floats} | set(dynamic) | set(wide)
+        if not names or names & seen:
+            continue
+        after = Precisions(now.floats + floats,
+                           tuple(n for n in now.dynamic if n not in names) + dynamic,
+                           tuple(n for n in now.int16 if n not in names) + wide)
+        if len(after.floats) > max_float_layers or not within(after):
+            continue
+        seen |= names
+        now = after
+        found.append(now)
+    return found
+
+
+def _bisect(prefixes: list[Precisions], build: Callable[[Precisions], Candidate], target: Target
+            ) -> Optional[Candidate]:
+    """The candidate of the shortest prefix that meets `target` found by bisection (the all-int8
+    model, prefix 0, misses it): prefixes of 1, 2, 4, ... moves up to the longest until one meets
+    (None when none does), then halving the interval between the last that missed and it: at most
+    about 2 log2(len) evaluations. Short prefixes first, since a longer one need not do better (a
+    float layer can move the error onto an int8 neighbour)."""
+    low, high, met = 0, 0, None  # prefix `low` misses, `high` meets (counted in moves)
+    while met is None:
+        if high == len(prefixes):
+            return None
+        low, high = high, min(len(prefixes), max(1, 2 * high))
+        found = build(prefixes[high - 1])
+        met = found if target.met(found.figures) else None
+    while high - low > 1:
+        middle = (low + high) // 2
+        found = build(prefixes[middle - 1])
+        if target.met(found.figures):
+            high, met = middle, found
+        else:
+            low = middle
+    return met
+
 @dataclass(frozen=True)
 class _Start:
     """The all-int8 model of one calibration table, and what the search changes in it."""
@@ -342,7 +394,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
            log: Callable[[str], None] = lambda message: None,
            engine: Optional[Engine] = None,
            alternatives: Callable[[], Sequence[CalibrationTable]] = tuple, int16: bool = False) -> MixedPrecisionResult:
-    """The verified model with the fewest layers in float found by the greedy search (module
+    """The verified model with the fewest layers in float found by the ranked bisection (module
     doc); ThresholdError if none within `max_float_layers` and `min_int8_macs` (a fraction of
     the MACs that must stay int8) meets `target`. With an engine, each step's candidates are
     scored on its workers (`_Focus.scores`). `int16`: offer 16-bit activations as a layer's move.
@@ -423,10 +475,9 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
     total, int8_now = summary.total or 1, summary.int8
     focus = _Focus(evaluate, target, focus_samples, int8_first)
     origin = f" from the {start.table.method} ranges" if start.table is not table else ""
-    log(f"changing layers to float (or dynamic int8) one at a time{origin}, measured on the "
+    log(f"ranking the layers once (one float, or dynamic int8, at a time){origin}, measured on the "
         f"{sum(len(b) for b in focus.batches)} evaluation samples"
         f"{' whose top-1 is most at stake' if focus.classify else ''} ...")
-    ranking: list[str] = []
 
     around = _neighbours(base.source, base.plan, mixer.chains, int16_pool)
 
@@ -439,6 +490,7 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
         return (int8_now - lost(move)) / (total - sum(macs.get(layer.node, 0) for layer in move.floats)
                                           + sum(fp32_macs.get(layer.node, 0) for layer in move.floats))
 
+    ranking: list[str] = []
     with focus.on_workers(engine, mixer) as common:
         while True:
             moves = [(name, move) for name, move in _moves(state, pool, dynamic_pool,
@@ -447,17 +499,26 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
             if not moves:
                 break
             scores = focus.scores(mixer, [move for _, move in moves], engine, common)
-            scored = sorted(((score, lost(move), i) for i, (score, (_, move)) in enumerate(zip(scores, moves))))
-            if not ranking:
-                ranking = [moves[i][0] for _, _, i in scored]
-            state = moves[scored[0][2]][1]
-            current, _ = candidate(start, state)
-            if target.met(current.figures):
-                return MixedPrecisionResult(current, tried, ranking, start.table)
+            scored = sorted((score, lost(move), i) for i, (score, (_, move)) in enumerate(zip(scores, moves)))
+            ranking = ranking or [moves[i][0] for _, _, i in scored]
+            prefixes = _prefixes(state, [moves[i][1] for _, _, i in scored], max_float_layers,
+                                 lambda after: int8_share(after) >= min_int8_macs)
+            log(f"keeping the top-ranked of {len(moves)} moves, bisecting on how many (1 to {len(prefixes)}) ...")
+            chosen = _bisect(prefixes, lambda after: candidate(start, after)[0], target)
+            if chosen is not None:
+                return MixedPrecisionResult(chosen, tried, ranking, start.table)
+            if len(prefixes) <= 1:
+                break
+            # no prefix meets: layers that only help together with others (a layer's output
+            # stays quantized while an int8 layer reads it) rank low alone. Keep the best move and
+            # rank again from there.
+            state = prefixes[0]
+            log(f"  no prefix of the top {len(prefixes)} meets the target: keeping the first and ranking again ...")
     best = max(tried, key=rank)
     limit = f"--max-float-layers {max_float_layers}"
     if min_int8_macs > 0:
         limit += f", --min-int8-macs {100 * min_int8_macs:g}"
     method = f" ({best['method']} ranges)" if len({t['method'] for t in tried}) > 1 else ""
-    raise ThresholdError(f"target ({target.describe()}) not met with up to {len(state.floats)} layer(s) in float "
+    most = max(t["float_layers"] for t in tried)
+    raise ThresholdError(f"target ({target.describe()}) not met with up to {most} layer(s) in float "
                          f"({limit}); best: {best['float_layers']} float{method}, {describe_figures(best)}")

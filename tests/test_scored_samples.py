@@ -1,0 +1,39 @@
+"""The measured choices score candidates on a bounded number of input values: large inputs (a
+detector at 960 px) are measured on fewer of the spread samples, small ones on all SAMPLES."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from qtool.choices.measure import SAMPLES, SCORED_VALUES, measurer
+from qtool.config import load_config
+from qtool.graph.modelio import input_specs
+
+from tests import graphs
+
+
+def _dynamic_conv(tmp_path) -> str:
+    rng = np.random.default_rng(0)
+    model = graphs.model([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")],
+                         [graphs.tensor("x", ["N", 3, "H", "W"])], [graphs.tensor("y", None)],
+                         [graphs.init("w", rng.normal(0, 0.3, (4, 3, 1, 1)).astype(np.float32))])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    return str(path)
+
+
+def test_large_inputs_are_scored_on_fewer_samples(tmp_path):
+    path = _dynamic_conv(tmp_path)
+    specs = input_specs(onnx.load(path))
+    cfg = load_config(None)
+    rng = np.random.default_rng(1)
+    small = graphs.write_samples(tmp_path / "small", rng, (3, 32, 32), count=24)
+    evaluate, count = measurer(path, specs, small, cfg)
+    assert count == SAMPLES == sum(len(b) for b in evaluate.data)
+    large = graphs.write_samples(tmp_path / "large", rng, (3, 640, 640), count=8)  # 1.2 M values each
+    evaluate, count = measurer(path, specs, large, cfg)
+    assert count == SCORED_VALUES // (3 * 640 * 640) == sum(len(b) for b in evaluate.data) == 4
+    # spread over the data, not its first files
+    assert [k for b in evaluate.data for k in b.keys] == ["s000.npy", "s002.npy", "s004.npy", "s006.npy"]
