@@ -100,7 +100,8 @@ def test_per_layer_errors_on_workers_equal_one_process(tmp_path, client):
     onnx.save(_crushed_model(rng), path)
     data = graphs.write_samples(tmp_path / "data", rng, (3, 8, 8), count=12)
     config = {"calibration": {"batch_size": 2}, "evaluation": {"batch_size": 2, "per_layer": True,
-                                                               "layer_samples": 7, "runs": 1, "warmup": 0}}
+                                                               "layer_samples": 7, "runs": 1, "warmup": 0},
+              "quantization": {"advanced": dict(graphs.RULE_OFF)}}  # toy layers: float for speed otherwise
     qtool.quantize(path, data=data, config=config).save(int8)
     single = qtool.evaluate(path, int8, data, config, progress=False)
     dask = qtool.evaluate(path, int8, data, config, progress=False, executor=client.get_executor())
@@ -117,7 +118,7 @@ def test_search_data_dask_calibrates_and_searches_on_workers_writing_the_same_mo
     data = graphs.write_samples(tmp_path / "data", rng, (3, 8, 8), count=8)
     evals = graphs.write_samples(tmp_path / "eval", np.random.default_rng(2), (3, 8, 8), count=8)
     config = tmp_path / "c.yaml"
-    config.write_text("quantization:\n  per_channel: false\n")
+    config.write_text("quantization:\n  per_channel: false\n  advanced:\n    speed_rule: 'off'\n")  # toy layers
     args = ["search", str(path), "--data", str(data), "--config", str(config), "--batch-size", "2", "--eval-data",
             str(evals), "--target-sqnr", "20", "--max-float-layers", "2"]
     outputs = []

@@ -295,7 +295,7 @@ def test_the_search_keeps_the_shortest_ranked_prefix_that_meets_the_target(tmp_p
     from qtool import api
     from qtool.api import MixedPrecisionSearch
 
-    cfg = {"quantization": {"per_channel": False}}
+    cfg = {"quantization": {"per_channel": False, "advanced": dict(graphs.RULE_OFF)}}  # toy layers
     folder = tmp_path / "eval"
     folder.mkdir()
     for i, sample in enumerate(x):
