@@ -478,11 +478,11 @@ def test_a_log_spectrum_stays_float_with_its_transform(tmp_path):
 
 def _constant_q_model(rng, bins: int = 12, taps: int = 32, hop: int = 16, frames: int = 16) -> onnx.ModelProto:
     """audio [1, 1, T] -> two octaves (the second on the audio averaged down by 2), each a bank of
-    complex filters as one Conv (real and imaginary halves) -> Slice apart -> squares -> Add -> Sqrt
-    (magnitude) -> Concat of the octaves -> square (power) -> Add eps -> Log -> dB -> a CNN (Conv,
+    complex filters as one Conv (real and imaginary halves) -> Slice apart (the imaginary half negated)
+    -> squares -> Add -> Sqrt -> a constant scale (magnitude) (a Shape reads one) -> Concat of the octaves -> square (power) -> Add eps -> Log -> dB -> a CNN (Conv,
     Relu, Conv) on the log spectrum, as a constant-Q front end exported from TensorFlow writes it."""
     c, m = graphs.init, helper.make_node
-    nodes, inits, octaves = [], [c("two", np.float32(2)), c("eps", np.float32(1e-8)),
+    nodes, inits, octaves = [], [c("two", np.float32(2)), c("eps", np.float32(1e-8)), c("norm", np.float32(0.25)),
                                  c("ten", np.float32(10 / np.log(10)))], []
     for o in range(2):  # the second octave: half the taps and the hop on audio at half the rate
         t = np.arange(taps >> o)
@@ -500,15 +500,18 @@ def _constant_q_model(rng, bins: int = 12, taps: int = 32, hop: int = 16, frames
                   m("Slice", [f"cq{o}", f"lo{o}", f"mid{o}", f"ax{o}"], [f"re{o}"], name=f"re{o}"),
                   m("Slice", [f"cq{o}", f"mid{o}", f"hi{o}", f"ax{o}"], [f"im{o}"], name=f"im{o}"),
                   m("Pow", [f"re{o}", "two"], [f"re2_{o}"], name=f"re2_{o}"),
-                  m("Mul", [f"im{o}", f"im{o}"], [f"im2_{o}"], name=f"im2_{o}"),
+                  m("Neg", [f"im{o}"], [f"conj{o}"], name=f"conj{o}"),
+                  m("Mul", [f"conj{o}", f"conj{o}"], [f"im2_{o}"], name=f"im2_{o}"),
                   m("Add", [f"re2_{o}", f"im2_{o}"], [f"pw{o}"], name=f"pw{o}"),
-                  m("Sqrt", [f"pw{o}"], [f"mag{o}"], name=f"mag{o}")]
+                  m("Sqrt", [f"pw{o}"], [f"root{o}"], name=f"root{o}"),
+                  m("Mul", [f"root{o}", "norm"], [f"mag{o}"], name=f"mag{o}")]
         octaves.append(f"mag{o}")
     w1 = rng.normal(0, 0.3, (8, 1, 3, 3)).astype(np.float32)
     w2 = rng.normal(0, 0.3, (4, 8, 3, 3)).astype(np.float32)
     inits += [c("w1", w1), c("w2", w2), c("b1", np.zeros(8, np.float32)), c("b2", np.zeros(4, np.float32)),
               c("chan", np.array([1], np.int64))]
     nodes += [m("Concat", octaves, ["cqt"], name="octaves", axis=1),
+              m("Shape", ["mag0"], ["mag_shape"], name="mag_shape"),  # reads no values
               m("Pow", ["cqt", "two"], ["power"], name="power"),
               m("Add", ["power", "eps"], ["power_eps"], name="floor"),
               m("Log", ["power_eps"], ["ln"], name="log"),
@@ -527,7 +530,8 @@ def test_a_constant_q_log_spectrum_stays_float_through_its_magnitudes_and_octave
     m = _constant_q_model(np.random.default_rng(0))
     assert float_blocks(GraphIndex(m)).counts == {"log spectrum": 1}
     plan = build_plan(m, STATIC)
-    assert {"cqt0", "cqt1", "re0", "im1", "re2_0", "im2_1", "pw0", "mag1", "octaves", "power", "log", "db"} \
+    assert {"cqt0", "cqt1", "re0", "im1", "conj0", "re2_0", "im2_1", "pw0", "root1", "mag1", "octaves", "power",
+            "log", "db"} \
         <= _float(plan)
     assert {"cnn1", "cnn2"} <= set(plan.quantized_nodes)
     m.graph.node[-1].input[0] = "cq0"  # the bank's output read elsewhere too: not the front end's alone

@@ -329,13 +329,14 @@ _TRANSFORMS = ("Conv", "MatMul", "Gemm")
 
 _MAGNITUDE = ("Sqrt", "Abs", "Add", "ReduceSum", "ReduceMean")  # sqrt(re^2 + im^2), sums of squares
 _STACKING = ("Concat", "Slice", "Pad", *_MOVERS)  # octaves and real/imaginary halves stacked or cut apart
-_MAX_SOURCE_NODES = 64
+_MAX_SOURCE_NODES = 512
 
 
 def _transforms_of(ctx: GraphIndex, name: str, inside: set[str]) -> list[onnx.NodeProto]:
     """The linear transforms `name` is computed from (an STFT or a constant-Q bank written as Convs or
     MatMuls with constant weights) and every node between: moves, the stacking of octaves or of
-    real and imaginary parts (Concat, Slice, Pad), and magnitudes (sqrt of sums of squares). Empty
+    real and imaginary parts (Concat, Slice, Pad), signs and scalings by constants, and magnitudes (sqrt of
+    sums of squares). Empty
     when a path ends anywhere else, or when a node outside them and `inside` (the nodes reading
     `name`) reads one of their tensors."""
     found: dict[str, onnx.NodeProto] = {}
@@ -358,15 +359,18 @@ def _transforms_of(ctx: GraphIndex, name: str, inside: set[str]) -> list[onnx.No
                 i for i in node.input if i and not ctx.is_constant(i)]
         elif node.op_type in _MAGNITUDE:
             pending += _float_values(ctx, node)
+        elif node.op_type == "Neg" or (node.op_type in ("Mul", "Div") and len(_float_values(ctx, node)) == 1):
+            pending += _float_values(ctx, node)  # a sign or a constant scale
         else:
             return []
     allowed = set(found) | inside
-    for node in found.values():
+    for node in found.values():  # a Shape beside them reads no values
         for out in node.output:
             if out and out != name and (out in ctx.outputs or any(
-                    node_label(r) not in allowed for r in ctx.consumers.get(out, []))):
+                    node_label(r) not in allowed and r.op_type != "Shape" for r in ctx.consumers.get(out, []))):
                 return []
-    if name in ctx.outputs or any(node_label(r) not in inside for r in ctx.consumers.get(name, [])):
+    if name in ctx.outputs or any(node_label(r) not in inside and r.op_type != "Shape"
+                                  for r in ctx.consumers.get(name, [])):
         return []
     return _in_order(ctx, found)
 
