@@ -42,7 +42,7 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
     """Fold each zero Pad [-> Transpose] -> Conv chain into the Conv's pads; returns how many."""
     graph = model.graph
     index = GraphIndex(model)
-    dropped: set[int] = set()
+    dropped: set[str] = set()  # the folded Pads, by output name
     stale: set[str] = set()
     folded = 0
     for pad in graph.node:
@@ -81,10 +81,10 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
             stale.add(transpose.output[0])  # its shape loses the padding
         else:
             reader.input[0] = pad.input[0]
-        dropped.add(id(pad))
+        dropped.add(pad.output[0])
         folded += 1
     if folded:
-        replace_nodes(graph, [n for n in graph.node if id(n) not in dropped])
+        replace_nodes(graph, [n for n in graph.node if not (n.op_type == "Pad" and n.output[0] in dropped)])
         kept = [v for v in graph.value_info if v.name not in stale]
         del graph.value_info[:]
         graph.value_info.extend(kept)
