@@ -9,7 +9,9 @@ import onnxruntime as ort
 from onnx import helper
 
 from qtool import api
-from qtool.choices.heads import LAGGING_DB, head_tails
+from qtool.choices.heads import LAGGING_DB, choose_head_tails, head_tails
+from qtool.choices.measure import Scoring
+from qtool.config import load_config
 from qtool.evaluation.metrics import sqnr_db
 from tests import graphs
 
@@ -94,10 +96,17 @@ def test_a_lagging_head_keeps_its_own_tail_float_and_the_choice_replays(tmp_path
     assert not any(d.measured for d in replay.decisions if d.option == "quantization.advanced.float_nodes")
 
 
-def test_a_model_with_one_output_has_no_head_decision(tmp_path):
+def test_a_model_with_one_output_has_no_head_decision(tmp_path, monkeypatch):
     rng = np.random.default_rng(2)
+    model = _two_heads(rng, second_head=False)
     source = tmp_path / "one.onnx"
-    onnx.save(_two_heads(rng, second_head=False), source)
+    onnx.save(model, source)
     data = graphs.write_samples(tmp_path / "calib", rng, (3, 32, 32), count=8)
     result = api.quantize(source, data=data, progress=False)
     assert not any("below" in d.rule and d.option == "quantization.advanced.float_nodes" for d in result.decisions)
+    # and nothing is built or measured to find that out
+    built = []
+    monkeypatch.setattr(Scoring, "build", lambda self, table, options: built.append(options))
+    cfg = load_config(None)
+    options, decision = choose_head_tails(model, result.table, cfg, Scoring(source, data, cfg))
+    assert decision is None and options == cfg.quantization and not built

@@ -19,7 +19,7 @@ import onnx
 from qtool.choices.decision import Decision
 from qtool.choices.measure import MARGIN_DB, Scoring
 from qtool.config import Config, QuantizeConfig, with_options
-from qtool.graph.index import node_label
+from qtool.graph.index import GraphIndex, node_label
 from qtool.table.table import CalibrationTable
 
 OPTION = "quantization.advanced.float_nodes"
@@ -30,20 +30,14 @@ MAX_SHARE = 0.25  # the tails kept float hold at most this share of the quantize
 def head_tails(model: onnx.ModelProto, lagging: set[str]) -> list[onnx.NodeProto]:
     """The nodes every output of which feeds only `lagging` graph outputs (through nodes of the
     same kind), in graph order: the tails that no other output shares."""
-    graph = model.graph
-    readers: dict[str, list[int]] = {}
-    for k, node in enumerate(graph.node):
-        for name in node.input:
-            readers.setdefault(name, []).append(k)
-    outputs = {o.name for o in graph.output}
-    tail: set[int] = set()
-    for k in range(len(graph.node) - 1, -1, -1):  # readers come later in a sorted graph
-        made = [name for name in graph.node[k].output if name]
-        used = [name for name in made if name in outputs or readers.get(name)]
-        if used and all((name not in outputs or name in lagging) and all(r in tail for r in readers.get(name, ()))
-                        for name in used):
-            tail.add(k)
-    return [graph.node[k] for k in sorted(tail)]
+    index = GraphIndex(model)
+    tail: set[str] = set()  # node labels
+    for node in reversed(model.graph.node):  # readers come later in a sorted graph
+        used = [name for name in node.output if name and (name in index.outputs or index.consumers.get(name))]
+        if used and all((name not in index.outputs or name in lagging)
+                        and all(node_label(r) in tail for r in index.consumers.get(name, ())) for name in used):
+            tail.add(node_label(node))
+    return [node for node in model.graph.node if node_label(node) in tail]
 
 
 def _by_output(figures: dict) -> dict[str, float]:
