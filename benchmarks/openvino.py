@@ -159,8 +159,9 @@ def measure(model: Path, made: dict, held: Path, rounds: int, batch: int = 1) ->
     for model_ in compiled.values():
         for _ in range(3):
             model_.run(None, feeds)
-    for _ in range(rounds):
-        for label, model_ in compiled.items():
+    order = list(compiled.items())
+    for round_ in range(rounds):  # the order turns each round: no model always runs after the same one
+        for label, model_ in order[round_ % len(order):] + order[:round_ % len(order)]:
             start, start_cpu = time.perf_counter(), time.process_time()
             model_.run(None, feeds)
             cpu[label].append(time.process_time() - start_cpu)

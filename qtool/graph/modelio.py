@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -85,13 +86,41 @@ def external_files(path: str | Path) -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
+# A job loads its model several times (calibration, each prepared graph): the last file loaded and
+# checked is kept, keyed by its bytes, and a copy handed out, instead of parsing, serialising and
+# checking it again. Only single-file models up to this size are kept (the copy stays in memory).
+_KEPT_BYTES = 512 << 20
+_kept: dict[tuple, onnx.ModelProto] = {}
+
+
+def _key(path: Path) -> Optional[tuple]:
+    """The cache key of a model file: its path, size and CRC-32 (None: not kept, or unreadable)."""
+    try:
+        if not path.is_file() or path.stat().st_size > _KEPT_BYTES:
+            return None
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return str(path.resolve()), len(data), zlib.crc32(data)
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
 def load_model(path: str | Path) -> onnx.ModelProto:
     """Load and check a model; every failure is one line naming the file.
 
     External data locations are validated before any of them is opened, then read.
     """
     path = Path(path)
+    key = _key(path)
+    if key is not None and key in _kept:
+        return _copy(_kept[key])
     model = _read_proto(path)
+    kept = key is not None and not external_data.external_tensors(model)
     external_data.check_locations(model, path)
     external_data.load_data(model, path)
     order = topological_order(model.graph)
@@ -104,6 +133,9 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0]
         raise QtoolError(f"model fails the ONNX checker: {first}", path) from None
+    if kept:
+        _kept.clear()
+        _kept[key] = _copy(model)
     return model
 
 
