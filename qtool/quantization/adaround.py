@@ -107,14 +107,19 @@ def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ..
     for 1152 channels of 5x5), the per-channel sums C x k x k."""
     xp, bi, ys, xs = _grid(x, node, kernel, rng)
     c, k, count = xp.shape[1], kernel[0] * kernel[1], bi.shape[0]
+    # each patch as a strided window of xp: [n, c, y, x, kh, kw] views, so the gather below indexes
+    # by three arrays of P (batch, first row, first column) and copies each patch's c x kh x kw block
+    span = (ys[0, -1] - ys[0, 0] + 1, xs[0, -1] - xs[0, 0] + 1)
+    step_y = ys[0, 1] - ys[0, 0] if kernel[0] > 1 else 1
+    step_x = xs[0, 1] - xs[0, 0] if kernel[1] > 1 else 1
+    windows = np.lib.stride_tricks.sliding_window_view(xp, span, axis=(2, 3))[..., ::step_y, ::step_x]
     step = max(1, PATCH_BYTES // (4 * k * count))
     parts = []
     for lo in range(0, c, step):
-        channels = np.arange(lo, min(c, lo + step))
-        # [c, kh, kw, P] -> [c, k, P]: the patches' values channel by channel, laid out for batched BLAS
-        flat = xp[bi[None, None, None, :], channels[:, None, None, None], ys.T[None, :, None, :],
-                  xs.T[None, None, :, :]].reshape(len(channels), k, count).astype(np.float32, copy=False)
-        parts.append(flat @ flat.transpose(0, 2, 1))
+        # [P, c, kh, kw] -> [c, P, k]: the patches channel by channel (runs of k values), for batched BLAS
+        block = windows[bi, lo:lo + step, ys[:, 0], xs[:, 0]]
+        flat = np.ascontiguousarray(block.reshape(count, -1, k).transpose(1, 0, 2)).astype(np.float32, copy=False)
+        parts.append(flat.transpose(0, 2, 1) @ flat)
     return np.concatenate(parts), count
 
 
@@ -194,8 +199,8 @@ def _row_errors(err: np.ndarray, second: np.ndarray, kind: str, multiplier: int)
     """e_o C e_o^T per row (err in weight units)."""
     if kind == "depthwise":
         c = np.repeat(second, multiplier, axis=0)  # row o reads input channel o // multiplier
-        return np.einsum("ok,okl,ol->o", err, c, err)
-    return np.einsum("ok,kl,ol->o", err, second, err)
+        return (err[:, None, :] @ c @ err[:, :, None])[:, 0, 0]
+    return ((err @ second) * err).sum(axis=1)  # BLAS: einsum's three-operand loop took seconds
 
 
 def _h(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
