@@ -558,3 +558,29 @@ def test_rows_of_a_constant_table_feed_matmul_integer_as_gathered_codes(tmp_path
     tokens = np.load(sorted(data.glob("*.npy"))[0])
     np.testing.assert_allclose(float_run.run(None, {"tokens": tokens})[0], sessions[0].run(None, {"tokens": tokens})[0],
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_transformer_job_prepares_its_graph_once_for_every_choice_and_the_build(tmp_path, monkeypatch):
+    """`matmul: auto` settles to dynamic, the embeddings and the rest settle too: the choices and the
+    final build, which name those values (the build with every `auto` settled, head tails included),
+    share the one graph the job prepared with `auto` (it differs only by auto's note). Calibration
+    prepares twice (the smoothing is measured first). The speed rule is off so that no node it keeps
+    float changes the final build's plan."""
+    import qtool.plan.planner as planner
+    import qtool.quantization.quantize as quantize
+
+    calls = []
+    original = planner.prepared_with_strategy
+
+    def counted(model_path, options):
+        calls.append(options.matmul)
+        return original(model_path, options)
+
+    monkeypatch.setattr(planner, "prepared_with_strategy", counted)
+    monkeypatch.setattr(quantize, "prepared_with_strategy", counted)
+    path = tmp_path / "model.onnx"
+    onnx.save(_block(np.random.default_rng(0)), path)
+    result = api.quantize(path, data=_samples(tmp_path, np.random.default_rng(1)), progress=False,
+                          config={"quantization": {"advanced": graphs.RULE_OFF}})
+    assert {d.option: d.value for d in result.decisions}["quantization.matmul"] == "dynamic"
+    assert calls == ["auto"] * 3, calls

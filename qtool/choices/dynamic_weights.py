@@ -19,8 +19,8 @@ from qtool.choices.decision import Decision
 from qtool.choices.measure import Scoring, figures
 from qtool.config import Config, QuantizeConfig, with_options
 from qtool.data.dataset import DataLike
-from qtool.plan.planner import prepared_model
 from qtool.quantization.dynamic_matmul import per_tensor_sqnr
+from qtool.quantization.quantize import ranges_only
 from qtool.table.table import CalibrationTable, smoothed_options
 
 TOLERANCE = 1e-4  # mean cosine per-tensor weights may lose against per-column ones
@@ -42,7 +42,9 @@ def choose_dynamic_weights(model_path: str | Path, strategy: str, data: DataLike
         return column, Decision(OPTION, "column", "weights per tensor already (per_channel off)")
     if strategy != "dynamic":
         return column, Decision(OPTION, "column", "no dynamic MatMul")
-    prepared, plan = prepared_model(model_path, smoothed_options(column, table))  # the graph quantize_model makes
+    evaluate = scoring if scoring is not None else Scoring(model_path, data, cfg)
+    graph = evaluate.shared.graph(model_path, table, smoothed_options(ranges_only(column), table))  # the job's
+    prepared, plan = graph.model, graph.plan
     layers = len(plan.dynamic_matmuls)
     if not layers:
         return column, Decision(OPTION, "column", "no dynamic MatMul")
@@ -50,7 +52,6 @@ def choose_dynamic_weights(model_path: str | Path, strategy: str, data: DataLike
     if weight_sqnr < MIN_WEIGHT_SQNR:
         return column, Decision(OPTION, "column", f"per tensor, a weight's median column of the {layers} dynamic "
                                 f"MatMul(s) would keep an SQNR of {weight_sqnr:.1f} dB, below {MIN_WEIGHT_SQNR}")
-    evaluate = scoring if scoring is not None else Scoring(model_path, data, cfg)
     tensor = with_options(options, dynamic_weights="tensor")
     per_column = evaluate(evaluate.build(table, column).model)
     per_tensor = evaluate(evaluate.build(table, tensor).model)

@@ -112,7 +112,7 @@ class _Graph:
 
 # the options that change only what is built on the prepared graph and plan, not them
 _BUILD_ONLY = ("bias_correction", "weight_rounding", "correction_samples")
-_BUILD_ONLY_ADVANCED = ("hard_activations", "dynamic_weights", "latency_aware", "speed_rule")
+_BUILD_ONLY_ADVANCED = ("hard_activations", "dynamic_weights", "latency_aware", "speed_rule", "head_tails")
 
 
 class SharedGraphs:
@@ -130,8 +130,11 @@ class SharedGraphs:
         if key not in self._graphs:
             graph, strategy = _prepared_graph(model_path, table, options)
             self._graphs[key] = graph
-            if strategy is not None:  # `auto` settled to a strategy it reports nothing about: the same graph
-                self._graphs[(key[0], replace(key[1], matmul=strategy), key[2])] = graph
+            if strategy is not None:  # naming the strategy `auto` settled to makes the same graph, less auto's note
+                named = graph if graph.chosen is None else replace(
+                    graph, plan=replace(graph.plan, notes=[n for n in graph.plan.notes if n != graph.chosen]),
+                    chosen=None)
+                self._graphs[(key[0], replace(key[1], matmul=strategy), key[2])] = named
         return self._graphs[key]
 
     def alias(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
@@ -139,6 +142,9 @@ class SharedGraphs:
         """`same` (smoothed) makes the graph `options` made: a choice settled to the value it took."""
         graph = self.graph(model_path, table, options)
         self._graphs[self._key(model_path, table, same)] = graph
+        named = self._key(model_path, table, replace(options, matmul=graph.strategy))
+        if options.matmul == "auto" and named in self._graphs:  # and with the strategy named, as graph() keeps it
+            self._graphs[self._key(model_path, table, replace(same, matmul=graph.strategy))] = self._graphs[named]
 
     @staticmethod
     def _key(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> tuple:
@@ -158,7 +164,8 @@ def reference_batch(model: onnx.ModelProto, data: Optional[Callable[[int], Itera
 
 def _prepared_graph(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig
                     ) -> tuple[_Graph, Optional[str]]:
-    """(the graph, the strategy `matmul: auto` settled to where naming it instead makes the same graph)."""
+    """(the graph, the strategy `matmul: auto` settled to where naming it instead makes the same graph
+    but for auto's note)."""
     # the graph calibration saw, equalized if asked
     model, plan, strategy, chosen = prepared_with_strategy(model_path, options)
     # If branches and loop bodies the calibration data never ran have no ranges: they stay float
@@ -168,8 +175,8 @@ def _prepared_graph(model_path: str | Path, table: CalibrationTable, options: Qu
         plan.notes += unreached_notes
     model, plan = _unequalize_float_chains(model_path, model, plan, options, unreached)  # excluded, or dynamic
     check_finite_constants(model, plan, model_path)
-    same = (options.matmul == "auto" and chosen is None
-            and matmul_strategy(model, GraphIndex(model), options) == (strategy, None))  # build_plan's too
+    same = (options.matmul == "auto"
+            and matmul_strategy(model, GraphIndex(model), options)[0] == strategy)  # build_plan's too
     return _Graph(model, plan, unreached, strategy=strategy, chosen=chosen), strategy if same else None
 
 
