@@ -67,9 +67,10 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
     maxima = {name: np.zeros(count) for name, count in zip(names, channels)}
     for batch in batches(source, calib.batch_size, calib.num_samples):
         for name, axis, count, value in zip(names, axes, channels, session.run(names, batch.feeds)):
-            if value.size:
-                flat = np.moveaxis(value, axis, -1).reshape(-1, count)
-                np.maximum(maxima[name], np.abs(flat).max(axis=0), out=maxima[name])
+            if value.size:  # max |x| per channel as max(max, -min): no copy of the tensor
+                others = tuple(a for a in range(value.ndim) if a != axis % value.ndim)
+                np.maximum(maxima[name], np.maximum(value.max(axis=others), -value.min(axis=others)),
+                           out=maxima[name])
     equal = tuple((key, activation_scales(maxima[name])) for key, name in measured)
     # an inserted Mul costs a pass over the tensor: only where outlier channels stretch its range,
     # unless the runtime folds it into the quantizer after it (Target.smooth_inserts)
