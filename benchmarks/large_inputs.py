@@ -79,7 +79,7 @@ def main() -> None:
             runs["ort"].append(run_child([sys.executable, "-c", code]))
             loads.append(os.getloadavg()[0])
             print(json.dumps({k: {x: round(y, 1) for x, y in v[-1].items() if isinstance(y, float)}
-                              for k, v in runs.items()}), file=sys.stderr, flush=True)
+                              for k, v in runs.items() if v}), file=sys.stderr, flush=True)
         if args.stages:
             out = work / "stages.json"
             code = CHILD_STAGES.format(root=str(ROOT), stages=STAGES, out=str(out))
