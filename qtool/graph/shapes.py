@@ -22,11 +22,11 @@ _SHAPE_ONLY_BYTES = 1 << 16  # initializers above this lose their payload in the
 def _payload_bytes(tensor: onnx.TensorProto) -> int:
     """The tensor's data size from its dims and type (ByteSize() walks the message: slower, and
     called for every initializer on every shape inference)."""
+    if tensor.data_type == onnx.TensorProto.STRING:  # variable-length items
+        return tensor.ByteSize()
     try:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     except (KeyError, TypeError, ValueError):
-        return tensor.ByteSize()
-    if tensor.data_type == onnx.TensorProto.STRING:
         return tensor.ByteSize()
     count = 1
     for dim in tensor.dims:
