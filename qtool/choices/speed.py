@@ -35,7 +35,10 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
                         f"its kernel costs are onnxruntime CPU's, not {target_of(options).runtime}'s")
     smoothed = smoothed_options(ranges_only(options), table)
     graph = shared.graph(model_path, table, smoothed)
-    feeds = reference_batch(graph.model, calib_data, smoothed)
+    # the first calibration sample as calibration batches it (the model runs on that batch size),
+    # read without running the model; without data, inputs made up from the specs that it runs on
+    first = next(iter(calib_data(1)), None) if calib_data is not None else None
+    feeds = first.feeds if first is not None else reference_batch(graph.model, None, smoothed)
     if feeds is None:
         return Decision(OPTION, (), "speed rule: no inputs the model runs on, so no shapes")
     labels, reasons = float_for_speed(graph.model, graph.plan, sample_shapes(graph.model, feeds), options)
