@@ -35,8 +35,8 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
                         f"its kernel costs are onnxruntime CPU's, not {target_of(options).runtime}'s")
     smoothed = smoothed_options(ranges_only(options), table)
     graph = shared.graph(model_path, table, smoothed)
-    # the first calibration sample as calibration batches it (the model runs on that batch size),
-    # read without running the model; without data, inputs made up from the specs that it runs on
+    # the first calibration sample (the shapes are read at batch 1), taken without running the model;
+    # without data, inputs made up from the input specs that the model runs on
     first = next(iter(calib_data(1)), None) if calib_data is not None else None
     feeds = first.feeds if first is not None else reference_batch(graph.model, None, smoothed)
     if feeds is None:
