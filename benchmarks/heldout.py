@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kit import _qtool  # noqa: E402
 from models import _quantize_ort, timed_medians  # noqa: E402
+from qtool.evaluation.metrics import sample_cosines  # noqa: E402
 from qtool.evaluation.detection import nms  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
 
@@ -442,12 +443,7 @@ def cosines(ref: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> tuple[l
     """(per sample the worst output's cosine; per output the mean cosine over samples)."""
     table = []
     for r_outs, g_outs in zip(ref, got):
-        row = []
-        for r, g in zip(r_outs, g_outs):
-            a, b = r.astype(np.float64).ravel(), g.astype(np.float64).ravel()
-            d = np.linalg.norm(a) * np.linalg.norm(b)
-            row.append(float(a @ b / d) if d else float(np.array_equal(a, b)))
-        table.append(row)
+        table.append([float(sample_cosines(r.reshape(1, -1), g.reshape(1, -1))[0]) for r, g in zip(r_outs, g_outs)])
     table = np.array(table)
     return table.min(1).tolist(), table.mean(0).tolist()
 

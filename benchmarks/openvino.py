@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
+from qtool.evaluation.metrics import sample_cosines  # noqa: E402
 from qtool.evaluation.openvino_runtime import CompiledModel, default_precision  # noqa: E402
 
 QUANTIZERS = ("openvino", "ort-cpu", "nncf")
@@ -122,12 +123,7 @@ def quantize(model: Path, calib: Path, work: Path, nncf_python: str) -> dict:
 
 
 def _worst_cosine(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
-    worst = 1.0
-    for a, b in zip(ref, got):
-        a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
-        denom = np.linalg.norm(a) * np.linalg.norm(b)
-        worst = min(worst, float(a @ b / denom) if denom else float(np.allclose(a, b)))
-    return worst
+    return min([1.0] + [float(sample_cosines(a.reshape(1, -1), b.reshape(1, -1))[0]) for a, b in zip(ref, got)])
 
 
 def _stacked(samples: list[dict], batch: int) -> dict:

@@ -32,7 +32,12 @@ def model(nodes, inputs, outputs, initializers=(), opset=OPSET) -> onnx.ModelPro
     graph = helper.make_graph(nodes, "test", inputs, outputs, list(initializers))
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     m.ir_version = 8
-    # outputs declared without a shape get the inferred one (the checker wants a shape)
+    return checked(m)
+
+
+def checked(m: onnx.ModelProto) -> onnx.ModelProto:
+    """`m` with its outputs declared without a shape given the inferred one (the checker wants a
+    shape), checked in full."""
     done = onnx.shape_inference.infer_shapes(m).graph
     inferred = {v.name: v for v in list(done.value_info) + list(done.output)}
     for out in m.graph.output:

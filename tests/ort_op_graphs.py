@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.graphs import checked
+
 F = TensorProto.FLOAT
 
 
@@ -58,14 +60,8 @@ class Graph:
         opsets = [helper.make_opsetid("", self.opset)] + [helper.make_opsetid(d, 1) for d in extra_domains]
         m = helper.make_model(graph, opset_imports=opsets)
         m.ir_version = 8 if self.opset < 21 else 10
-        done = onnx.shape_inference.infer_shapes(m).graph
-        inferred = {v.name: v for v in list(done.value_info) + list(done.output)}
-        for out in m.graph.output:
-            if not out.type.tensor_type.HasField("shape") and out.name in inferred:
-                out.CopyFrom(inferred[out.name])
-        onnx.checker.check_model(m, full_check=True)
         draws = dict(self.draws)
-        return m, lambda rng: {name: draw(rng) for name, draw in draws.items()}
+        return checked(m), lambda rng: {name: draw(rng) for name, draw in draws.items()}
 
 
 def _ints(values):
