@@ -214,3 +214,37 @@ def test_shared_weights_leave_an_initializer_no_node_reads_in_the_graph():
     x = np.ones((1, 64), np.float32)
     np.testing.assert_allclose(create_session(weights.light, weights=weights).run(None, {"x": x})[0], x @ w,
                                rtol=1e-5)
+
+
+def test_a_session_of_a_large_model_proto_shares_its_weights_and_computes_the_same(tmp_path):
+    """A proto with SHARE_MIN_BYTES of initializers hands them to onnxruntime as shared values
+    instead of serialising them: the session must compute what the file's own session computes."""
+    from qtool.graph.runtime import SHARE_MIN_BYTES, create_session
+
+    side = 2048  # one float32 2048 x 2048 weight: 16 MiB, the threshold
+    assert side * side * 4 >= SHARE_MIN_BYTES
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 1, (side, side)).astype(np.float32)
+    b = rng.normal(0, 1, side).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, side])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, side])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    shared = create_session(model)
+    assert shared._qtool_weights is not None and set(shared._qtool_weights.values) == {"w", "b"}
+    x = rng.normal(0, 1, (2, side)).astype(np.float32)
+    np.testing.assert_array_equal(shared.run(None, {"x": x})[0],
+                                  create_session(str(tmp_path / "m.onnx")).run(None, {"x": x})[0])
+    assert len(model.graph.initializer[0].raw_data) == side * side * 4  # the caller's model keeps its weights
+
+
+def test_keep_initializers_deletes_the_others_in_place_and_keeps_the_order():
+    from qtool.graph.index import keep_initializers
+
+    graph = helper.make_graph([], "g", [], [], [numpy_helper.from_array(np.full(3, i, np.float32), f"t{i}")
+                                                for i in range(6)])
+    keep_initializers(graph, lambda t: t.name in {"t1", "t2", "t4"})
+    assert [t.name for t in graph.initializer] == ["t1", "t2", "t4"]
+    assert [float(numpy_helper.to_array(t)[0]) for t in graph.initializer] == [1.0, 2.0, 4.0]

@@ -27,7 +27,9 @@ from qtool.table.table import CalibrationTable, TableEntry
 
 
 def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: CalibrationConfig, options: QuantizeConfig,
-                model_path: str | Path, num_samples: int, model: onnx.ModelProto) -> CalibrationTable:
+                model_path: str | Path, num_samples: int, model: onnx.ModelProto,
+                model_sha256: Optional[str] = None) -> CalibrationTable:
+    """The table of `stats`; `model_sha256`: the model file's, when the caller has it already."""
     methods = methods_for(model, plan.activations, calib)
     method = resolve_method(calib.method)
     ranges = {name: choose_range(stats[name], methods.get(name, method), calib) for name in plan.activations}
@@ -35,7 +37,7 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     settings = {"batch_size": calib.batch_size, **_range_settings(calib), **_quantize_settings(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     unreached = unreached_bodies(model.graph, plan.activations, lambda t: stats[t].seen)[1]
-    table = CalibrationTable(Path(model_path).name, sha256_file(model_path), method, settings, num_samples,
+    table = CalibrationTable(Path(model_path).name, model_sha256 or sha256_file(model_path), method, settings, num_samples,
                              notes=tuple(plan.notes + unreached), smoothing=dict(options.smooth_scales))
     for name in plan.activations:
         s = stats[name]
@@ -102,7 +104,8 @@ def calibrate_methods(model_path: str | Path, data: DataLike, preprocess: Prepro
         check_method(method)
     model, plan, options, stats, seen = _statistics(model_path, data, preprocess, calib, options, progress, engine,
                                                     all_histograms=True)
-    return [build_table(plan, stats, replace(calib, method=method), options, model_path, seen, model)
+    sha = sha256_file(model_path)
+    return [build_table(plan, stats, replace(calib, method=method), options, model_path, seen, model, sha)
             for method in methods]
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import (attribute, bodies, default_opset, made_in, names_read, replace_nodes, scoped_nodes,
-                               set_attribute)
+from qtool.graph.index import (attribute, bodies, default_opset, keep_initializers, made_in, names_read,
+                               replace_nodes, scoped_nodes, set_attribute)
 from qtool.graph.shapes import elem_types, inferred
 
 
@@ -192,10 +192,7 @@ def drop_unread(graph: onnx.GraphProto) -> None:
         if len(kept) == len(graph.node):
             break  # `read` is what the nodes kept read
         replace_nodes(graph, kept)
-    if any(t.name not in read for t in graph.initializer):
-        kept_inits = [t for t in graph.initializer if t.name in read]
-        del graph.initializer[:]
-        graph.initializer.extend(kept_inits)
+    keep_initializers(graph, lambda t: t.name in read)
 
 
 RESCALED_KEY = "qtool.rescaled_tensors"  # metadata: tensors whose values a rewrite rescaled

@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import heapq
 
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import onnx
@@ -139,6 +139,29 @@ def replace_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto],
     del graph.node[:]
     graph.node.extend(nodes)
     graph.initializer.extend(initializers)
+
+
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """The tensor's data size from its dims and type: ByteSize() walks the message, 0.2 ms a
+    tensor, and the graph passes ask it of every initializer."""
+    if tensor.data_type == onnx.TensorProto.STRING:  # variable-length items
+        return tensor.ByteSize()
+    try:
+        itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        return tensor.ByteSize()
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count * itemsize
+
+
+def keep_initializers(graph: onnx.GraphProto, kept: Callable[[onnx.TensorProto], bool]) -> None:
+    """In place: `graph` keeps the initializers for which `kept` is true, in their order. Each
+    other one is deleted where it stands: emptying the list and extending it again would copy every
+    kept tensor's bytes (0.1 s per pass over a 90 MB transformer)."""
+    for i in reversed([i for i, t in enumerate(graph.initializer) if not kept(t)]):
+        del graph.initializer[i]
 
 
 def rename_reads(nodes: Iterable[onnx.NodeProto], renamed: dict[str, str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import re
 import tempfile
@@ -32,12 +33,20 @@ from qtool.errors import QtoolError
 PROTOBUF_LIMIT = 2**31 - 1
 
 
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
+@contextlib.contextmanager
+def _mapped(path: str | Path) -> Iterator[object]:
+    """The file's bytes as a read-only buffer, mapped rather than copied (b"" when empty)."""
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            yield data
+
+
+def sha256_file(path: str | Path) -> str:
+    with _mapped(path) as data:
+        return hashlib.sha256(data).hexdigest()
 
 
 def serialized(model: onnx.ModelProto) -> Optional[bytes]:
@@ -98,10 +107,10 @@ def _key(path: Path) -> Optional[tuple]:
     try:
         if not path.is_file() or path.stat().st_size > _KEPT_BYTES:
             return None
-        data = path.read_bytes()
+        with _mapped(path) as data:
+            return str(path.resolve()), len(data), zlib.crc32(data)
     except OSError:
         return None
-    return str(path.resolve()), len(data), zlib.crc32(data)
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

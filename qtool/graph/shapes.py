@@ -15,23 +15,9 @@ from typing import Collection, Mapping, Optional, Sequence
 import onnx
 
 from qtool.graph import modelio
+from qtool.graph.index import tensor_bytes
 
 _SHAPE_ONLY_BYTES = 1 << 16  # initializers above this lose their payload in the shape-inference copy
-
-
-def _payload_bytes(tensor: onnx.TensorProto) -> int:
-    """The tensor's data size from its dims and type (ByteSize() walks the message: slower, and
-    called for every initializer on every shape inference)."""
-    if tensor.data_type == onnx.TensorProto.STRING:  # variable-length items
-        return tensor.ByteSize()
-    try:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-    except (KeyError, TypeError, ValueError):
-        return tensor.ByteSize()
-    count = 1
-    for dim in tensor.dims:
-        count *= dim
-    return count * itemsize
 
 
 def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -47,7 +33,7 @@ def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
     for name in ("node", "input", "output", "value_info"):
         getattr(graph, name).extend(getattr(model.graph, name))
     for tensor in model.graph.initializer:
-        if _payload_bytes(tensor) > _SHAPE_ONLY_BYTES:
+        if tensor_bytes(tensor) > _SHAPE_ONLY_BYTES:
             tensor = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
         graph.initializer.append(tensor)
     return light

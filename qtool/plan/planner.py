@@ -634,7 +634,8 @@ def prepared_with_strategy(model_path: str | Path, options: QuantizeConfig
                            ) -> tuple[onnx.ModelProto, QuantPlan, str, Optional[str]]:
     """prepared_model's (model, plan), and the MatMul strategy it prepared them for with `auto`'s
     note (qtool.plan.dynamic.matmul_strategy; None when `matmul` was not `auto`, or auto reports nothing)."""
-    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False)
+    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False,
+                       in_place=True)
     model = prepared.model
     strategy, chosen = matmul_strategy(model, GraphIndex(model), options)
     if strategy == "static":  # Mul has integer kernels, Div none; dynamic quantizes neither and keeps Gelu's Div

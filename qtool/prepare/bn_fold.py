@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.graph.index import GraphIndex, attribute, names_read, replace_nodes, set_attribute
+from qtool.graph.index import GraphIndex, attribute, keep_initializers, names_read, replace_nodes, set_attribute
 
 _FOLDABLE = ("Conv", "ConvTranspose", "Gemm")
 
@@ -83,9 +83,7 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
         keep = [n for n in graph.node if id(n) not in drop]
         replace_nodes(graph, keep)
         used = {name for node in graph.node for name in names_read(node)}
-        kept = [t for t in graph.initializer if t.name in used or t.name in outputs]
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
+        keep_initializers(graph, lambda t: t.name in used or t.name in outputs)
     return len(drop)
 
 
@@ -189,9 +187,7 @@ def fold_affine(model: onnx.ModelProto) -> int:
         folded += 1
     if folded:
         used = {name for node in graph.node for name in names_read(node)} | {o.name for o in graph.output}
-        kept = [t for t in graph.initializer if t.name in used]
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
+        keep_initializers(graph, lambda t: t.name in used)
     return folded
 
 

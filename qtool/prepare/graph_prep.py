@@ -17,8 +17,9 @@ import numpy as np
 import onnx
 from onnx import inliner, numpy_helper, version_converter
 
-from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, default_opset, made_in, names_read,
-                               rename_reads, replace_nodes, scoped_nodes, set_attribute)
+from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, default_opset, keep_initializers,
+                               made_in, names_read, rename_reads, replace_nodes, scoped_nodes, set_attribute,
+                               tensor_bytes)
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
@@ -146,7 +147,7 @@ def fold_constant_moves(model: onnx.ModelProto) -> None:
             if foldable(node, known, outputs):
                 moves.add(index)
                 known |= set(node.output)
-        large = {t.name for t in graph.initializer if t.ByteSize() >= _LARGE_BYTES}
+        large = {t.name for t in graph.initializer if tensor_bytes(t) >= _LARGE_BYTES}
         return {name for index, node in enumerate(graph.node) if index not in moves
                 for name in names_read(node) if name in large}
 
@@ -176,9 +177,7 @@ def fold_constant_moves(model: onnx.ModelProto) -> None:
         # it goes (a graph input's stays)
         read = ({name for node in graph.node for name in names_read(node)} | outputs
                 | {i.name for i in graph.input})
-        used = [t for t in graph.initializer if t.name in read]
-        del graph.initializer[:]
-        graph.initializer.extend(used)
+        keep_initializers(graph, lambda t: t.name in read)
 
     fold(model.graph, {}, main=True)
 
@@ -324,13 +323,15 @@ def refuse_quantized(model: onnx.ModelProto, path: object = None) -> None:
 
 
 def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,
-            per_channel: bool = True, divisions: bool = True) -> Prepared:
-    """Return a prepared copy; the input model is not modified. `divisions` False keeps Div by a
+            per_channel: bool = True, divisions: bool = True, in_place: bool = False) -> Prepared:
+    """Return a prepared copy; the input model is not modified (`in_place`: it is the copy, for a
+    caller that holds the only reference, as load_model returns it). `divisions` False keeps Div by a
     constant as it is: where no Mul is quantized (dynamic MatMul strategy) the Mul gains nothing and
     hides GELU's x / sqrt(2) from onnxruntime's Gelu fusion."""
     refuse_quantized(model, path)
-    prepared = onnx.ModelProto()
-    prepared.CopyFrom(model)
+    prepared = model if in_place else onnx.ModelProto()
+    if not in_place:
+        prepared.CopyFrom(model)
     prepared, inlined = inline_functions(prepared, path)
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
     halves = widen_float16(prepared)

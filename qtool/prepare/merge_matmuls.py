@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import GraphIndex, body_reads, default_opset, node_label, replace_nodes
+from qtool.graph.index import GraphIndex, body_reads, default_opset, keep_initializers, node_label, replace_nodes
 
 MERGED_SUFFIX = "_merged"
 SPLIT_INPUT_OPSET = 13  # Split takes its sizes as an input (older opsets are left alone: rare, and unmeasured)
@@ -60,9 +60,8 @@ def merge_shared_input_matmuls(model: onnx.ModelProto, keep: Collection[str] = (
     replace_nodes(model.graph, nodes)
     replaced = {m.matmul.input[1] for g in merged for m in g}
     replaced |= {m.bias_input for g in merged if _biased(g) for m in g}
-    kept = [t for t in model.graph.initializer if t.name not in replaced]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept + added)
+    keep_initializers(model.graph, lambda t: t.name not in replaced)
+    model.graph.initializer.extend(added)
     return len(merged)
 
 

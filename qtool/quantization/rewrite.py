@@ -20,8 +20,8 @@ from onnx import helper, numpy_helper
 
 from qtool.table import qparams as qp
 from qtool.graph.edit import drop_unread
-from qtool.graph.index import (GraphIndex, attribute, bodies, default_opset, made_in, matches, names_read, node_label,
-                               replace_nodes, scoped_initializers)
+from qtool.graph.index import (GraphIndex, attribute, bodies, default_opset, keep_initializers, made_in, matches,
+                               names_read, node_label, replace_nodes, scoped_initializers)
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import QuantPlan, row_gather
 from qtool.quantization.ort_cpu.weight_only import KERNELS, MS_DOMAIN, stored_once, use_kernel_domain
@@ -265,9 +265,8 @@ def _install(graph: onnx.GraphProto, builder: "_Builder", new_nodes: list[onnx.N
     """The rewritten nodes in place of the graph's (the builder's head first); the initializers no
     node reads any more go (an int8 copy replaced them), the builder's new ones join."""
     used = {name for node in new_nodes + builder.head for name in names_read(node)}
-    keep_inits = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep_inits + builder.initializers)
+    keep_initializers(graph, lambda t: t.name in used)
+    graph.initializer.extend(builder.initializers)
     replace_nodes(graph, builder.head + new_nodes)
 
 

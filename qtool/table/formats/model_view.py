@@ -62,7 +62,7 @@ class ModelView:
 
 
 def model_view(model_path: str | Path, options: QuantizeConfig) -> ModelView:
-    model = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel).model
+    model = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, in_place=True).model
     plan = build_plan(model, options)
     quantized = set(plan.quantized_nodes)
     inits = {t.name: t for t in model.graph.initializer}
