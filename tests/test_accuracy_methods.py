@@ -224,6 +224,28 @@ def test_adaptive_rounding_splits_its_work_without_changing_a_bit(effnet_setup, 
     np.testing.assert_array_equal(blocked, adaround.round_layer(w, scales, layer, iterations=30))
 
 
+@pytest.mark.parametrize("pads,strides,dilations", [([2, 1, 0, 1], [1, 1], [1, 1]), ([1, 0, 2, 2], [2, 2], [1, 1]),
+                                                     ([2, 2, 2, 2], [1, 2], [2, 1])])
+def test_conv_patches_and_depthwise_moments_are_the_windows_the_conv_reads(pads, strides, dilations):
+    """Each patch is the kh x kw window (pads, strides, dilations as the Conv's) the conv reads
+    at one output position, and a depthwise conv's second moments are those windows' products."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 1, (2, 5, 9, 11)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], group=5, pads=pads, strides=strides, dilations=dilations)
+    kernel = (3, 2)
+    xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    oh = (xp.shape[2] - dilations[0] * (kernel[0] - 1) - 1) // strides[0] + 1
+    ow = (xp.shape[3] - dilations[1] * (kernel[1] - 1) - 1) // strides[1] + 1
+    windows = {xp[b, :, y * strides[0]:y * strides[0] + dilations[0] * (kernel[0] - 1) + 1:dilations[0],
+                  z * strides[1]:z * strides[1] + dilations[1] * (kernel[1] - 1) + 1:dilations[1]].tobytes()
+               for b in range(2) for y in range(oh) for z in range(ow)}
+    patches = adaround._patches(x, node, kernel, np.random.default_rng(1))
+    assert patches.shape[1:] == (5, 3, 2) and all(p.tobytes() in windows for p in patches)
+    second, count = adaround._depthwise_second(x, node, kernel, np.random.default_rng(1))
+    flat = patches.reshape(count, 5, -1).transpose(1, 0, 2).astype(np.float64)
+    np.testing.assert_allclose(second, flat.transpose(0, 2, 1) @ flat, rtol=1e-5, atol=1e-5)
+
+
 def _crushed_model(rng) -> onnx.ModelProto:
     """x -> conv_a -> relu -> conv_b -> gap -> flatten -> y [N, 6]; conv_b's per-tensor weights are crushed."""
     return graphs.crushed_conv_pair(rng, [helper.make_node("GlobalAveragePool", ["b"], ["g"], name="gap"),
