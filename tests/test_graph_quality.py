@@ -425,3 +425,17 @@ def test_efficientnet_stem_runs_as_space_to_depth_in_integer_kernels(tmp_path, m
     np.testing.assert_array_equal(_run(result.model, {"input": x})[0], _run(padded.model, {"input": x})[0])
     errors = {e.tensor: e for e in layer_errors(onnx.load(EFFNET), result.model, [Batch(["a", "b"], {"input": x})])}
     assert errors["input"].sqnr_db > 30
+
+
+def test_stem_padding_follows_the_fast_kernels_output_channels():
+    """onnxruntime's fast int8 Conv takes 16 or more output channels in multiples of 4 (20 and 28 as
+    well as 32, not 18 or 12): a stem is padded to 4 input channels only where it then runs there,
+    and the padded model computes the same outputs."""
+    from qtool.quantization.ort_cpu.channel_pad import pad_input_channels
+
+    x = np.random.default_rng(0).uniform(-2.5, 2.5, (1, 3, 24, 24)).astype(np.float32)
+    for outputs, padded in ((20, True), (28, True), (32, True), (18, False), (12, False)):
+        model = _qdq_stem([1, 1, 1, 1], height=24, out_channels=outputs, stride=1)
+        before = _run(model, {"input": x})[0]
+        assert (pad_input_channels(model) == ["input"]) is padded, outputs
+        np.testing.assert_array_equal(_run(model, {"input": x})[0], before)

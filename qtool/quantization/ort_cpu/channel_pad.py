@@ -2,7 +2,7 @@
 
 onnxruntime's x86 QLinearConv uses its fast kernel (MLAS ConvSym: int8 weights with zero point 0,
 indirect convolution) only when a non-grouped convolution's input channels are a multiple of 4
-(and its output channels at least 16, a multiple of 8). An RGB stem misses it and falls back to
+(and its output channels at least 16, a multiple of 4: input_chain.fast_outputs). An RGB stem misses it and falls back to
 im2col + GEMM. So the quantized graph input gets a fourth channel filled with its zero point (a Pad
 between its QuantizeLinear and DequantizeLinear) and the stem's int8 weight a zero input channel:
 bit-identical outputs. Applied only where the quantized input feeds nothing but such convolutions;
@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.quantization.ort_cpu.input_chain import insert_on_codes, quantized_inputs
+from qtool.quantization.ort_cpu.input_chain import fast_outputs, insert_on_codes, quantized_inputs
 
 from qtool.graph.index import GraphIndex, attribute
 
@@ -36,8 +36,7 @@ def pad_input_channels(model: onnx.ModelProto) -> list[str]:
         channels = weights[0][1].shape[1]
         if channels % ALIGN == 0 or any(w[1].shape[1] != channels for w in weights):
             continue
-        # ConvSym also wants at least 16 output channels, a multiple of 8: otherwise padding buys nothing
-        if any(w[1].shape[0] < 16 or w[1].shape[0] % 8 for w in weights):
+        if not all(fast_outputs(w[1].shape[0]) for w in weights):  # otherwise padding buys nothing
             continue
         extra = ALIGN - channels % ALIGN
         for init_name, weight in {w[0]: w[1] for w in weights}.items():

@@ -20,7 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.graph.runtime import create_session
-from qtool.quantization.ort_cpu.input_chain import insert_on_codes, quantized_inputs
+from qtool.quantization.ort_cpu.input_chain import fast_outputs, insert_on_codes, quantized_inputs
 from qtool.graph.index import GraphIndex, attribute, set_attribute
 
 BLOCK = 2
@@ -72,8 +72,7 @@ def _plan(conv, data_name, producer, inits, height, width):
     weight = numpy_helper.to_array(inits[dq.input[0]])
     if weight.dtype != np.int8 or weight.shape[2:] != (3, 3):
         return None
-    # onnxruntime's fast kernel (ConvSym) wants >= 16 output channels, a multiple of 8 (as channel_pad)
-    if weight.shape[0] < 16 or weight.shape[0] % 8:
+    if not fast_outputs(weight.shape[0]):
         return None
     pads = list(attribute(conv, "pads", [0, 0, 0, 0]))
     if any(p not in (0, 1) for p in pads[:2]):
