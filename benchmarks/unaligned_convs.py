@@ -28,12 +28,14 @@ def _session(cin: int, cout: int, k: int, int8: bool) -> ort.InferenceSession:
     conv = {"kernel_shape": [k, k], "pads": [k // 2] * 4}
     if int8:
         scales = (np.abs(w).max(axis=(1, 2, 3)) / 127).astype(np.float32)
-        inits = [numpy_helper.from_array(np.clip(np.rint(w / scales[:, None, None, None]), -127, 127).astype(np.int8), "wq"),
+        codes = np.clip(np.rint(w / scales[:, None, None, None]), -127, 127).astype(np.int8)
+        inits = [numpy_helper.from_array(codes, "wq"),
                  numpy_helper.from_array(scales, "ws"), numpy_helper.from_array(np.zeros(cout, np.int8), "wz"),
                  numpy_helper.from_array(np.zeros(cout, np.int32), "bq"),
                  numpy_helper.from_array((0.02 * scales).astype(np.float32), "bs"),
                  numpy_helper.from_array(np.zeros(cout, np.int32), "bz"),
-                 numpy_helper.from_array(np.array(0.02, np.float32), "s"), numpy_helper.from_array(np.array(128, np.uint8), "z")]
+                 numpy_helper.from_array(np.array(0.02, np.float32), "s"),
+                 numpy_helper.from_array(np.array(128, np.uint8), "z")]
         nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
                  helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
                  helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
@@ -44,7 +46,8 @@ def _session(cin: int, cout: int, k: int, int8: bool) -> ort.InferenceSession:
     else:
         inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.zeros(cout, np.float32), "b")]
         nodes = [helper.make_node("Conv", ["x", "w", "b"], ["out"], **conv)]
-    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, cin, SIZE, SIZE])],
+    graph = helper.make_graph(nodes, "conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, cin, SIZE, SIZE])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8

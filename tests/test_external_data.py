@@ -226,8 +226,8 @@ def test_a_session_of_a_large_model_proto_shares_its_weights_and_computes_the_sa
     rng = np.random.default_rng(0)
     w = rng.normal(0, 1, (side, side)).astype(np.float32)
     b = rng.normal(0, 1, side).astype(np.float32)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
-                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, side])],
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, side])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, side])],
                               [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

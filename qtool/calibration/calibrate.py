@@ -37,8 +37,8 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     settings = {"batch_size": calib.batch_size, **_range_settings(calib), **_quantize_settings(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     unreached = unreached_bodies(model.graph, plan.activations, lambda t: stats[t].seen)[1]
-    table = CalibrationTable(Path(model_path).name, model_sha256 or sha256_file(model_path), method, settings, num_samples,
-                             notes=tuple(plan.notes + unreached), smoothing=dict(options.smooth_scales))
+    table = CalibrationTable(Path(model_path).name, model_sha256 or sha256_file(model_path), method, settings,
+                             num_samples, notes=tuple(plan.notes + unreached), smoothing=dict(options.smooth_scales))
     for name in plan.activations:
         s = stats[name]
         qp = params[name]

@@ -2,12 +2,12 @@
 
 onnxruntime's x86 QLinearConv uses its fast kernel (MLAS ConvSym: int8 weights with zero point 0,
 indirect convolution) only when a non-grouped convolution's input channels are a multiple of 4
-(and its output channels at least 16, a multiple of 4: input_chain.fast_outputs). An RGB stem misses it and falls back to
-im2col + GEMM. So the quantized graph input gets a fourth channel filled with its zero point (a Pad
-between its QuantizeLinear and DequantizeLinear) and the stem's int8 weight a zero input channel:
-bit-identical outputs. Applied only where the quantized input feeds nothing but such convolutions;
-the padded tensor has a new name, so no tool mistakes it for the fp32 input. Figures:
-docs/targets.md, "Fusion-aware placement".
+(and its output channels at least 16, a multiple of 4: input_chain.fast_outputs). An RGB stem
+misses it and falls back to im2col + GEMM. So the quantized graph input gets a fourth channel
+filled with its zero point (a Pad between its QuantizeLinear and DequantizeLinear) and the stem's
+int8 weight a zero input channel: bit-identical outputs. Applied only where the quantized input
+feeds nothing but such convolutions; the padded tensor has a new name, so no tool mistakes it for
+the fp32 input. Figures: docs/targets.md, "Fusion-aware placement".
 """
 
 from __future__ import annotations
