@@ -108,3 +108,44 @@ def test_the_int8_convs_of_an_nhwc_export_meet_no_requantization(tmp_path, form)
     ops = optimized_ops(out, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     assert ops["QLinearConv"] == 4
     assert ops["QuantizeLinear"] == 1 and ops["DequantizeLinear"] == 1 and ops["Pad"] == 0
+
+
+def _rgb_nhwc_stem(rng, stride: int, outputs: int) -> onnx.ModelProto:
+    """x [1, 32, 32, 3] (channels last, as a Keras export takes images) -> Transpose to NCHW -> 3x3
+    stem Conv -> Relu -> 1x1 Conv -> Relu -> GlobalAveragePool -> Flatten."""
+    inits = [graphs.init("w0", (rng.normal(0, 1, (outputs, 3, 3, 3)) / np.sqrt(27)).astype(np.float32)),
+             graphs.init("b0", rng.normal(0, 0.1, outputs).astype(np.float32)),
+             graphs.init("w1", (rng.normal(0, 1, (64, outputs, 1, 1)) / np.sqrt(outputs)).astype(np.float32)),
+             graphs.init("b1", rng.normal(0, 0.1, 64).astype(np.float32))]
+    nodes = [helper.make_node("Transpose", ["x"], ["nchw"], perm=[0, 3, 1, 2], name="to_nchw"),
+             helper.make_node("Conv", ["nchw", "w0", "b0"], ["c0"], kernel_shape=[3, 3], strides=[stride] * 2,
+                              pads=[1, 1, 1, 1], name="stem"),
+             helper.make_node("Relu", ["c0"], ["r0"]),
+             helper.make_node("Conv", ["r0", "w1", "b1"], ["c1"], kernel_shape=[1, 1], name="pointwise"),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("GlobalAveragePool", ["r1"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["y"])]
+    return graphs.model(nodes, [graphs.tensor("x", [1, 32, 32, 3])], [graphs.tensor("y", [1, 64])], inits, opset=13)
+
+
+@pytest.mark.parametrize("stride,outputs,rewrite", [(2, 16, "SpaceToDepth"), (1, 20, "Pad")])
+def test_an_rgb_stem_behind_the_inputs_layout_transpose_gets_the_fast_int8_kernel(tmp_path, stride, outputs, rewrite):
+    """A channels-last export's stem reads the input through a Transpose: the stem rewrites see
+    through it (space-to-depth for a stride-2 3x3 stem, channel padding otherwise), every Conv runs
+    integer, and the per-layer error still compares the rewritten tensor with fp32's."""
+    from qtool.data.dataset import Batch
+    from qtool.evaluation.layer_error import layer_errors
+
+    rng = np.random.default_rng(3)
+    source = tmp_path / "rgb.onnx"
+    onnx.save(_rgb_nhwc_stem(rng, stride, outputs), source)
+    data = graphs.write_samples(tmp_path / "calib", rng, (32, 32, 3), count=8)
+    out = tmp_path / "q.onnx"
+    result = api.quantize(source, data=data, progress=False)
+    result.save(out)
+    assert [n.op_type for n in result.model.graph.node if n.op_type in ("SpaceToDepth", "Pad")] == [rewrite]
+    ops = optimized_ops(out, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    assert ops["QLinearConv"] == 2 and ops.get("Conv", 0) == 0
+    batches = [Batch([str(i)], {"x": rng.normal(0, 1, (1, 32, 32, 3)).astype(np.float32)}) for i in range(2)]
+    errors = {e.tensor: e for e in layer_errors(onnx.load(source), result.model, batches)}
+    assert errors["nchw"].sqnr_db > 30  # the transposed input, compared in its own layout

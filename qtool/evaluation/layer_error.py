@@ -83,12 +83,15 @@ def twins(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[TensorPair]:
         tensor = out[: -len(DQ_SUFFIX)]
         if tensor in rescaled:
             continue
-        if tensor.endswith(PAD_SUFFIX) and tensor[: -len(PAD_SUFFIX)] in inputs:
-            # an input padded with zero channels (qtool.quantization.ort_cpu.channel_pad): compared on its real channels
-            pairs.append(TensorPair(tensor[: -len(PAD_SUFFIX)], "", "input", -1, out))
-        elif tensor.endswith(S2D_SUFFIX) and tensor[: -len(S2D_SUFFIX)] in inputs:
-            # an input rearranged into 2x2 blocks (qtool.quantization.ort_cpu.stem_s2d): compared in the input's layout
-            pairs.append(TensorPair(tensor[: -len(S2D_SUFFIX)], "", "input", -1, out))
+        suffix = next((s for s in (PAD_SUFFIX, S2D_SUFFIX) if tensor.endswith(s)), "")
+        base = tensor[: -len(suffix)] if suffix else tensor
+        if suffix and base in inputs:
+            # an input padded with zero channels (qtool.quantization.ort_cpu.channel_pad: compared on its real
+            # channels) or rearranged into 2x2 blocks (stem_s2d: compared in the input's layout)
+            pairs.append(TensorPair(base, "", "input", -1, out))
+        elif suffix and base in producers:  # the same, behind the input's NHWC-to-NCHW Transpose
+            producer = producers[base]
+            pairs.append(TensorPair(base, node_label(producer), producer.op_type, position[id(producer)], out))
         elif tensor in inputs:
             pairs.append(TensorPair(tensor, "", "input", -1))
         elif tensor in producers and producers[tensor].op_type != "Constant":

@@ -1,6 +1,7 @@
 """A quantized graph input as the QDQ rewrite leaves it: input -> QuantizeLinear ->
-DequantizeLinear -> the Convs that read it; and how to slip a node in between the Q and
-the DQ, where it works on the integer codes (4x fewer bytes than on floats).
+DequantizeLinear -> the Convs that read it (input -> NHWC-to-NCHW Transpose -> QuantizeLinear ->
+... for a channels-last export: a TensorFlow or Keras model); and how to slip a node in between
+the Q and the DQ, where it works on the integer codes (4x fewer bytes than on floats).
 
 The stem rewrites (qtool.quantization.ort_cpu.stem_s2d, qtool.quantization.ort_cpu.channel_pad)
 both start here.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from qtool.graph.index import GraphIndex, replace_nodes
+from qtool.graph.index import GraphIndex, attribute, replace_nodes
 
 
 def fast_outputs(channels: int) -> bool:
@@ -25,25 +26,38 @@ def fast_outputs(channels: int) -> bool:
 
 @dataclass
 class InputChain:
-    name: str  # the graph input
-    graph_input: onnx.ValueInfoProto
+    source: str  # the graph input
+    name: str  # the tensor quantized: the graph input, or its NCHW Transpose's output
+    dims: tuple  # its dims in NCHW order (None where not static)
     q: onnx.NodeProto
     dq: onnx.NodeProto
     readers: list[onnx.NodeProto]  # every node reading the DequantizeLinear output
 
 
+_TO_NCHW = [0, 3, 1, 2]
+
+
 def quantized_inputs(model: onnx.ModelProto, index: GraphIndex) -> list[InputChain]:
-    """Graph inputs read only by one QuantizeLinear whose only reader is one DequantizeLinear."""
+    """Graph inputs read only by one QuantizeLinear whose only reader is one DequantizeLinear, or
+    only by an NHWC-to-NCHW Transpose that one such QuantizeLinear alone reads (onnxruntime then
+    quantizes the input itself and cancels the Transpose with its channels-last int8 layout)."""
     chains = []
     for graph_input in model.graph.input:
-        readers = index.consumers.get(graph_input.name, [])
+        name = graph_input.name
+        dims = tuple(d.dim_value if d.HasField("dim_value") else None
+                     for d in graph_input.type.tensor_type.shape.dim)
+        readers = index.consumers.get(name, [])
+        if (len(readers) == 1 and readers[0].op_type == "Transpose" and len(dims) == 4
+                and list(attribute(readers[0], "perm", [])) == _TO_NCHW):
+            name, dims = readers[0].output[0], tuple(dims[axis] for axis in _TO_NCHW)
+            readers = index.consumers.get(name, [])
         if len(readers) != 1 or readers[0].op_type != "QuantizeLinear":
             continue
         q = readers[0]
         dqs = index.consumers.get(q.output[0], [])
         if len(dqs) != 1 or dqs[0].op_type != "DequantizeLinear":
             continue
-        chains.append(InputChain(graph_input.name, graph_input, q, dqs[0], index.consumers.get(dqs[0].output[0], [])))
+        chains.append(InputChain(graph_input.name, name, dims, q, dqs[0], index.consumers.get(dqs[0].output[0], [])))
     return chains
 
 

@@ -32,8 +32,8 @@ def space_to_depth_stems(model: onnx.ModelProto) -> list[str]:
     index = GraphIndex(model)
     done = []
     for chain in quantized_inputs(model, index):
-        height, width = _static_hw(chain.graph_input)
-        if height is None or height % BLOCK or width % BLOCK:
+        height, width = chain.dims[2:] if len(chain.dims) == 4 else (None, None)
+        if height is None or width is None or height % BLOCK or width % BLOCK:
             continue
         convs = chain.readers
         plans = [_plan(conv, chain.dq.output[0], index.producer, index.initializers, height, width) for conv in convs]
@@ -46,7 +46,7 @@ def space_to_depth_stems(model: onnx.ModelProto) -> list[str]:
             set_attribute(conv, "strides", [1, 1])
             set_attribute(conv, "pads", _blocked_pads(pads, height, width))
         insert_on_codes(model, chain, "SpaceToDepth", [], S2D_SUFFIX, blocksize=BLOCK)
-        done.append(chain.name)
+        done.append(chain.source)
     return done
 
 
@@ -104,13 +104,6 @@ def _blocked_pads(pads: list[int], height: int, width: int) -> list[int]:
         out = (size + begin + end - 3) // 2 + 1
         result.append((begin, out - (size // BLOCK - 1) - begin))
     return [result[0][0], result[1][0], result[0][1], result[1][1]]
-
-
-def _static_hw(graph_input) -> tuple:
-    dims = graph_input.type.tensor_type.shape.dim
-    if len(dims) != 4 or not dims[2].HasField("dim_value") or not dims[3].HasField("dim_value"):
-        return None, None
-    return dims[2].dim_value, dims[3].dim_value
 
 
 def _zero_type(q, inits) -> int:
