@@ -2,7 +2,7 @@
 and NNCF's default int8, compared on the OpenVINO runtime.
 
     python benchmarks/openvino.py --nncf-python /work/nncf-venv/bin/python [--kit ../shared/bench]
-        [--out DIR] [--rounds 40] [--models NAME,...] [--batch N [--reuse]]
+        [--out DIR] [--rounds 40] [--models NAME,...] [--batch N [--reuse]] [--variant LABEL=YAML ...]
 
 For each model: qtool quantize --target openvino and --target ort-cpu (the kit's calibration
 samples; EfficientNet-Lite0: 48 of the kit's calibration photos with its config, preprocessed to
@@ -18,7 +18,9 @@ Fidelity: over held-out samples (the kit's eval/ folder, else every fourth calib
 back from calibration; EfficientNet: 32 dev photos), the mean of each sample's worst output
 cosine to the fp32 model's on OpenVINO at f32. From each int8 runtime model: the heavy ops
 (Convolution, FullyConnected, MatMul, Deconvolution) that run in int8, and the FakeQuantize ops
-left unfused. Prints JSON lines, then a markdown table with the machine's load.
+left unfused. `--variant LABEL=YAML` adds a qtool row quantized with `--target openvino --config
+YAML` (configs/openvino_asymmetric.yaml, for one). Prints JSON lines, then a markdown table with
+the machine's load.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from qtool.evaluation.metrics import sample_cosines  # noqa: E402
 from qtool.evaluation.openvino_runtime import CompiledModel, default_precision  # noqa: E402
 
-QUANTIZERS = ("openvino", "ort-cpu", "nncf")
+QUANTIZERS = ["openvino", "ort-cpu", "nncf"]  # and each --variant's label
 BATCH = [1]  # the timed batch, for the table's title
 
 
@@ -102,14 +104,16 @@ def _data(kit: Path, model: Path, work: Path) -> tuple[Path, Path, Path | None]:
     return calib, held, None  # the arrays are preprocessed already
 
 
-def quantize(model: Path, calib: Path, work: Path, nncf_python: str) -> dict:
-    """label -> {"path", "seconds"} or {"error"}."""
+def quantize(model: Path, calib: Path, work: Path, nncf_python: str, variants: dict[str, Path]) -> dict:
+    """label -> {"path", "seconds"} or {"error"}. `variants`: label -> a config for --target openvino."""
     made = {}
-    for target in ("openvino", "ort-cpu"):
-        out = work / f"qtool_{target}.onnx"
+    runs = [(target, ["--target", target]) for target in ("openvino", "ort-cpu")]
+    runs += [(label, ["--target", "openvino", "--config", config]) for label, config in variants.items()]
+    for label, extra in runs:
+        out = work / f"qtool_{label}.onnx"
         start = time.perf_counter()
-        done = _qtool("quantize", model, "--data", calib, "--target", target, "-o", out)
-        made[target] = {"path": out, "seconds": time.perf_counter() - start} if done.returncode == 0 else \
+        done = _qtool("quantize", model, "--data", calib, *extra, "-o", out)
+        made[label] = {"path": out, "seconds": time.perf_counter() - start} if done.returncode == 0 else \
             {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
     transformer = any(n.op_type == "LayerNormalization" for n in onnx.load(str(model), load_external_data=False).graph.node)
     out = work / "nncf.onnx"
@@ -174,7 +178,8 @@ def table(rows: list[dict], load: str) -> str:
     lines = [f"OpenVINO {_ov_version()} CPU, 1 inference thread, batch {BATCH[0]}; fp32 baseline at the default precision "
              f"({default_precision()}); {load}",
              "",
-             "| model | fp32 ms (default / f32) | int8: qtool openvino / qtool ort-cpu / NNCF: speed vs fp32 default "
+             f"| model | fp32 ms (default / f32) | int8: qtool {' / qtool '.join(QUANTIZERS[:2])} / NNCF"
+             f"{''.join(' / ' + label for label in QUANTIZERS[3:])}: speed vs fp32 default "
              "| same, by CPU time | worst-output cosine on OpenVINO | unfused FakeQuantize | int8 heavy ops | quantize s |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -211,10 +216,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--models", default="", help="comma-separated model stems (default: every kit model)")
     parser.add_argument("--batch", type=int, default=1, help="samples per timed run (held-out samples stacked)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=YAML",
+                        help="a further qtool row: --target openvino with --config YAML")
     parser.add_argument("--reuse", action="store_true",
                         help="time the int8 models already in --out instead of quantizing again")
     args = parser.parse_args()
     BATCH[0] = args.batch
+    variants = {label: Path(config) for label, _, config in (v.partition("=") for v in args.variant)}
+    QUANTIZERS.extend(variants)
     wanted = {m for m in args.models.split(",") if m}
     rows = []
     loads = []
@@ -228,7 +237,8 @@ def main() -> None:
             calib, held, _ = _data(args.kit, model, work)
             made = {label: {"path": work / name} for label, name in
                     (("openvino", "qtool_openvino.onnx"), ("ort-cpu", "qtool_ort-cpu.onnx"), ("nncf", "nncf.onnx"))
-                    if (work / name).exists()} if args.reuse else quantize(model, calib, work, args.nncf_python)
+                    if (work / name).exists()} if args.reuse else quantize(model, calib, work, args.nncf_python,
+                                                                           variants)
             loads.append(os.getloadavg()[0])
             try:
                 figures = measure(model, made, held, args.rounds, args.batch)

@@ -215,7 +215,11 @@ class QuantizeConfig:
         if self.correction_samples < 1:
             raise ValueError(f"correction_samples must be >= 1, got {self.correction_samples}")
         _check_alpha("smooth_quant", self.smooth_quant)
-        runtime = TARGETS[self.target].measured_on
+        target = TARGETS[self.target]
+        if not target.int8_conv_zero_points and self.activation_dtype == "int8" and not self.symmetric_activations:
+            raise ValueError(f"target {self.target}: {target.runtime} compiles no int8 Conv input with a zero point; "
+                             "asymmetric activations take activation_dtype uint8 (configs/openvino_asymmetric.yaml)")
+        runtime = target.measured_on
         if self.advanced.latency_aware == "on" and runtime != "onnxruntime":
             raise ValueError(f"latency_aware times candidates on onnxruntime; target {self.target} runs on {runtime}")
 

@@ -84,6 +84,10 @@ class Target:
     # int8 FullyConnected/MatMul take an activation zero point at no cost, so a GELU's output, whose
     # negative lobe is a few hundredths of its range, keeps its codes; Convs keep zero point 0.
     asymmetric_linear_inputs: bool = False
+    # The runtime's int8 convolutions take an int8 input with a zero point. OpenVINO's CPU plugin
+    # compiles no such Convolution ("No suitable implementations"): there asymmetric activations
+    # must be uint8 (the option check in qtool.config refuses int8 ones).
+    int8_conv_zero_points: bool = True
     # qtool.plan.speed's kernel costs (fitted on onnxruntime CPU) are this runtime's: `speed_rule: auto`
     # keeps float the quantized nodes they say run faster in float (qtool.choices.speed).
     speed_costs: bool = False
@@ -114,7 +118,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
            activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, measured_on="openvino",
-           smooth_inserts=True, asymmetric_linear_inputs=True),
+           smooth_inserts=True, asymmetric_linear_inputs=True, int8_conv_zero_points=False),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

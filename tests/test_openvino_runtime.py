@@ -141,3 +141,34 @@ def test_latency_tuning_which_times_onnxruntime_is_refused_for_the_openvino_targ
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "latency_aware" in lines[0] and "openvino" in lines[0]
+
+
+def test_asymmetric_int8_activations_are_refused_for_openvino_and_the_uint8_config_compiles(models, tmp_path):
+    """OpenVINO compiles no int8 Conv input with a zero point: asymmetric activations on the
+    openvino target are uint8 (configs/openvino_asymmetric.yaml), and asking for int8 ones is one
+    line, exit 2, nothing written."""
+    from pathlib import Path
+
+    fp32, _, data = models
+    config = tmp_path / "asym_int8.yaml"
+    config.write_text("quantization:\n  target: openvino\n  symmetric_activations: false\n")
+    out = tmp_path / "q.onnx"
+    result = CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "--config", str(config),
+                                       "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(config) in lines[0] and "uint8" in lines[0] and not out.exists()
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from qtool.evaluation.openvino_runtime import CompiledModel
+
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "openvino_asymmetric.yaml"
+    result = CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "--config", str(shipped),
+                                       "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    written = onnx.load(str(out))
+    zero_points = {t.name: onnx.numpy_helper.to_array(t) for t in written.graph.initializer}
+    activation_zps = [zero_points[n.input[2]] for n in written.graph.node
+                      if n.op_type == "QuantizeLinear" and len(n.input) > 2]
+    assert activation_zps and all(z.dtype == np.uint8 for z in activation_zps)
+    x = np.random.default_rng(2).normal(0, 1, (1, 3, 12, 12)).astype(np.float32)
+    assert np.all(np.isfinite(CompiledModel(out).run(None, {written.graph.input[0].name: x})[0]))
