@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from qtool.evaluation.metrics import sample_cosines  # noqa: E402
 from qtool.evaluation.openvino_runtime import CompiledModel, default_precision  # noqa: E402
 
-QUANTIZERS = ["openvino", "ort-cpu", "nncf"]  # and each --variant's label
+QUANTIZERS = ("openvino", "ort-cpu", "nncf")
 BATCH = [1]  # the timed batch, for the table's title
 
 
@@ -174,18 +174,20 @@ def measure(model: Path, made: dict, held: Path, rounds: int, batch: int = 1) ->
     return figures
 
 
-def table(rows: list[dict], load: str) -> str:
+def table(rows: list[dict], load: str, variants: tuple[str, ...] = ()) -> str:
+    """The markdown table of `rows`: a column group per quantizer, then per --variant label."""
+    labels = (*QUANTIZERS, *variants)
     lines = [f"OpenVINO {_ov_version()} CPU, 1 inference thread, batch {BATCH[0]}; fp32 baseline at the default precision "
              f"({default_precision()}); {load}",
              "",
              f"| model | fp32 ms (default / f32) | int8: qtool {' / qtool '.join(QUANTIZERS[:2])} / NNCF"
-             f"{''.join(' / ' + label for label in QUANTIZERS[3:])}: speed vs fp32 default "
+             f"{''.join(' / ' + label for label in variants)}: speed vs fp32 default "
              "| same, by CPU time | worst-output cosine on OpenVINO | unfused FakeQuantize | int8 heavy ops | quantize s |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         f = row["figures"]
         cells = {k: [] for k in ("speed", "cpu", "cos", "fq", "int8", "secs")}
-        for label in QUANTIZERS:
+        for label in labels:
             entry = f.get(label, {})
             if "ms" not in entry:
                 for k in cells:
@@ -223,7 +225,6 @@ def main() -> None:
     args = parser.parse_args()
     BATCH[0] = args.batch
     variants = {label: Path(config) for label, _, config in (v.partition("=") for v in args.variant)}
-    QUANTIZERS.extend(variants)
     wanted = {m for m in args.models.split(",") if m}
     rows = []
     loads = []
@@ -250,7 +251,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
     load = f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores" if loads else ""
-    print(table(rows, load))
+    print(table(rows, load, tuple(variants)))
 
 
 if __name__ == "__main__":

@@ -69,35 +69,41 @@ def _kind(node: onnx.NodeProto, weight: np.ndarray) -> Optional[tuple[str, int]]
     return None
 
 
-def _layout(shape: tuple[int, ...], node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator):
-    """(pads [top, left, bottom, right], batch index [P], rows [P, kh], columns [P, kw] in the padded
-    input) of up to PATCHES_PER_BATCH random input patches of a 2-D conv of an input of `shape`."""
-    if len(shape) != 4 or len(kernel) != 2:
+def _windows(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator
+             ) -> tuple[np.ndarray, np.ndarray, int]:
+    """(planes, where, P) of up to PATCHES_PER_BATCH random input patches of a 2-D conv: each channel
+    as one row of its n padded planes (padded and moved in one copy), and where each patch's kh x kw
+    values sit in such a row ([P * kh * kw], patch by patch), so that one gather over any block of
+    channels gives [channels, P, kh * kw]."""
+    if x.ndim != 4 or len(kernel) != 2:
         raise ValueError("2-D convolutions only")
-    n, c, h, w = shape
+    n, c, h, w = x.shape
     kh, kw = kernel
     sh, sw = attribute(node, "strides", [1, 1])
     dh, dw = attribute(node, "dilations", [1, 1])
     pads = attribute(node, "pads", [0, 0, 0, 0])
     if attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         raise ValueError("auto_pad")
-    oh = (h + pads[0] + pads[2] - dh * (kh - 1) - 1) // sh + 1
-    ow = (w + pads[1] + pads[3] - dw * (kw - 1) - 1) // sw + 1
+    hp, wp = h + pads[0] + pads[2], w + pads[1] + pads[3]
+    oh = (hp - dh * (kh - 1) - 1) // sh + 1
+    ow = (wp - dw * (kw - 1) - 1) // sw + 1
     total = n * oh * ow
     pick = rng.choice(total, size=min(total, PATCHES_PER_BATCH), replace=False)
     bi, rest = np.divmod(pick, oh * ow)
     oy, ox = np.divmod(rest, ow)
     ys = oy[:, None] * sh + np.arange(kh)[None, :] * dh  # [P, kh]
     xs = ox[:, None] * sw + np.arange(kw)[None, :] * dw  # [P, kw]
-    return pads, bi, ys, xs
+    padded = np.zeros((c, n, hp, wp), x.dtype)
+    padded[:, :, pads[0]:pads[0] + h, pads[1]:pads[1] + w] = x.transpose(1, 0, 2, 3)
+    where = ((bi[:, None, None] * hp + ys[:, :, None]) * wp + xs[:, None, :]).reshape(-1)
+    return padded.reshape(c, -1), where, len(pick)
 
 
 def _patches(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Up to PATCHES_PER_BATCH input patches of a 2-D conv: [P, C, kh, kw]."""
-    pads, bi, ys, xs = _layout(x.shape, node, kernel, rng)
-    xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-    c = xp.shape[1]
-    return xp[bi[:, None, None, None], np.arange(c)[None, :, None, None], ys[:, None, :, None], xs[:, None, None, :]]
+    planes, where, count = _windows(x, node, kernel, rng)
+    gathered = np.take(planes, where, axis=1).reshape(planes.shape[0], count, *kernel)
+    return np.ascontiguousarray(gathered.transpose(1, 0, 2, 3))
 
 
 def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...],
@@ -105,17 +111,8 @@ def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ..
     """(sum of x x^T per input channel [C, k, k], patches) of a depthwise conv's random patches,
     gathered a few channels at a time: all channels' patches at once are P x C x k floats (236 MB
     for 1152 channels of 5x5), the per-channel sums C x k x k."""
-    pads, bi, ys, xs = _layout(x.shape, node, kernel, rng)
-    n, c, h, w = x.shape
-    hp, wp = h + pads[0] + pads[2], w + pads[1] + pads[3]
-    k, count = kernel[0] * kernel[1], bi.shape[0]
-    # each channel as one row of its n padded planes (padded and moved in one copy), and where each
-    # patch's k values sit in it: one gather per block of channels gives [c, P, k] directly (runs
-    # of k values, for batched BLAS)
-    padded = np.zeros((c, n, hp, wp), x.dtype)
-    padded[:, :, pads[0]:pads[0] + h, pads[1]:pads[1] + w] = x.transpose(1, 0, 2, 3)
-    planes = padded.reshape(c, -1)
-    where = ((bi[:, None, None] * hp + ys[:, :, None]) * wp + xs[:, None, :]).reshape(-1)
+    planes, where, count = _windows(x, node, kernel, rng)
+    c, k = planes.shape[0], kernel[0] * kernel[1]
     step = max(1, PATCH_BYTES // (4 * k * count))
     parts = []
     for lo in range(0, c, step):
