@@ -221,16 +221,16 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
             search, cfg, more = _search_batch_size(model, specs, search, cfg)
             sized += more
         measurable = data if data is not None and not isinstance(data, Iterator) else None
+        calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         # one evaluator and one prepared graph for every candidate the choices measure, and the final build
         shared = SharedGraphs()
-        scoring = Scoring(model, measurable, cfg, shared, specs) if measurable is not None else None
+        scoring = Scoring(model, measurable, cfg, shared, specs, calib_data) if measurable is not None else None
         if table is None:
             table, measured, ranges = _calibrated(model, data, cfg, progress, engine, scoring)
         elif not isinstance(table, CalibrationTable):
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
-        calib_data = _calibration_batches(data, specs, cfg) if data is not None else None
         cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges, scoring,
                                  shared)
         decisions = sized + decisions

@@ -115,6 +115,17 @@ def test_a_generator_is_probed_without_losing_its_first_samples(tmp_path):
     assert any("refuses a batch of 8 samples" in note for note in table.notes)
 
 
+def test_the_probe_reads_no_further_than_its_first_batch(tmp_path):
+    """The batch is probed on the first batch of several samples; the files after it are not read
+    (here the ninth is unreadable, which the job reports where it reads it)."""
+    rng = np.random.default_rng(6)
+    onnx.save(baked_reshape(rng), str(tmp_path / "m.onnx"))
+    folder = _folder(tmp_path, _samples(rng, 8))
+    (folder / "8.npz").write_bytes(b"not an npz file")
+    source = open_data(folder, input_specs(baked_reshape(rng)), PreprocessConfig())
+    assert "refuses a batch of 8 samples" in batch_refusal(str(tmp_path / "m.onnx"), source, 8)
+
+
 def test_a_model_that_takes_the_batch_keeps_it(tmp_path):
     rng = np.random.default_rng(2)
     model = scalar_output(rng)

@@ -172,3 +172,22 @@ def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
     result = quantize_model(path, table, settled.quantization)
     assert not any("does not run" in note for note in result.notes)
     assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)
+
+
+def test_candidates_are_checked_on_the_calibration_batch_whose_fp32_outputs_are_computed_once(tmp_path, monkeypatch):
+    """A plain job's candidate builds (here the range choice's, the cubic Resize kept float) and its
+    final build run the check on the first calibration batch, not on made-up inputs: the
+    candidates are checked as the model written is, and fp32 runs that batch once."""
+    from qtool import api
+
+    _cubic_model(tmp_path / "m.onnx")
+    sources = []
+    reference = run_check.reference
+    monkeypatch.setattr(run_check, "reference",
+                        lambda fp32, feeds, source: sources.append(source) or reference(fp32, feeds, source))
+    result = api.quantize(tmp_path / "m.onnx", data=_data(tmp_path), config=graphs.mechanics_yaml(tmp_path),
+                          progress=False)
+    ranges = [d for d in result.decisions if d.option == "calibration.method"]
+    assert ranges and ranges[0].measured  # a candidate built, checked and scored, then the model
+    assert sources == ["the first calibration batch"]
+    assert any("kept in float" in note for note in result.notes)

@@ -48,7 +48,7 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
         decisions.append(Decision("calibration.method", table.method, "the table's"))
     measurable = data  # what the measured choices may score candidates on
     if scoring is None and measurable is not None:
-        scoring = Scoring(model_path, measurable, cfg, specs=input_specs(model))
+        scoring = Scoring(model_path, measurable, cfg, specs=input_specs(model), calib_data=calib_data)
     shared = scoring.shared if scoring is not None else (shared or SharedGraphs())
     # 1. MatMul strategy and embedding tables (the prepared graph, which every build of the job shares)
     prepared = smoothed_options(ranges_only(cfg.quantization), table)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import onnx
 
 from qtool.config import Config, QuantizeConfig
-from qtool.data.dataset import DataLike, batches, open_data, spread_samples
+from qtool.data.dataset import Batch, DataLike, batches, open_data, spread_samples
 from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.modelio import InputSpec, input_specs, load_model
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model, ranges_only
@@ -59,8 +59,11 @@ class Scoring:
     distinct candidate model (two choices may build the same one)."""
 
     def __init__(self, model_path: str | Path, data: DataLike, cfg: Config, shared: Optional[SharedGraphs] = None,
-                 specs: Optional[list[InputSpec]] = None):
-        self.model_path, self.data, self.cfg = model_path, data, cfg
+                 specs: Optional[list[InputSpec]] = None,
+                 calib_data: Optional[Callable[[int], Iterable[Batch]]] = None):
+        """`calib_data`: the job's calibration batches, which the candidates' run check runs on as
+        the final build's does (the same fp32 outputs, computed once); None: made-up inputs."""
+        self.model_path, self.data, self.cfg, self.calib_data = model_path, data, cfg, calib_data
         self.shared = shared if shared is not None else SharedGraphs()
         self._specs = specs
         self._evaluator: Optional[Evaluator] = None
@@ -69,7 +72,8 @@ class Scoring:
 
     def build(self, table: CalibrationTable, options: QuantizeConfig) -> QuantizedGraph:
         """The all-int8 candidate of `table` and `options` (ranges only), as quantize_model makes it."""
-        return quantize_model(self.model_path, table, ranges_only(options), allow_missing=True, shared=self.shared)
+        return quantize_model(self.model_path, table, ranges_only(options), allow_missing=True, data=self.calib_data,
+                              shared=self.shared)
 
     @property
     def count(self) -> int:

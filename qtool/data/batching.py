@@ -41,8 +41,12 @@ def batch_refusal(model: onnx.ModelProto | str, source: DataSource | MemorySourc
         source.data = itertools.chain(head, source.data)
         source = copy.copy(source)
         source.data = head
+    head: list[Batch] = []
     try:
-        head = list(itertools.islice(batches(source, batch_size, LOOK_AHEAD * batch_size), LOOK_AHEAD))
+        for batch in itertools.islice(batches(source, batch_size, LOOK_AHEAD * batch_size), LOOK_AHEAD):
+            head.append(batch)
+            if len(batch) > 1:  # read no further than the first batch of several samples
+                break
     except QtoolError:  # the data's own errors: reported where the job reads it, after the model's
         return None
     first = next((b for b in head if len(b) > 1), None)

@@ -347,10 +347,13 @@ def batches(source: DataSource | MemorySource, batch_size: int, limit: Optional[
         return Batch([s.key for s in group], feeds)
 
     for sample in iter_samples(source, limit):
-        if group and (len(group) == size or _shapes(group[0]) != _shapes(sample)):
+        if group and _shapes(group[0]) != _shapes(sample):
             yield flush()
             group = []
         group.append(sample)
+        if len(group) == size:  # full: given before the next sample is read
+            yield flush()
+            group = []
     if group:
         yield flush()
 

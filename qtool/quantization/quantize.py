@@ -99,12 +99,13 @@ class _Prepared:
 @dataclass
 class _Graph:
     """The prepared graph and plan of one model file for one table's smoothing and reach (what the
-    run check starts from), and the run check's batch on it when it is made up."""
+    run check starts from), and the run check's batches and fp32 outputs on it: one per source of
+    data (the job's calibration batches, by the samples asked of them) or None (made up)."""
 
     model: onnx.ModelProto
     plan: QuantPlan
     unreached: list[str]
-    made_up: Optional[run_check.Reference] = None
+    references: dict = field(default_factory=dict)
     # the MatMul strategy it was prepared for, and `matmul: auto`'s note (None: not auto, or nothing to say)
     strategy: str = "static"
     chosen: Optional[str] = None
@@ -192,12 +193,10 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
-    if samples or data is not None or graph.made_up is None:
-        ref = _reference(model, samples, data, options)
-        if not samples and data is None:
-            graph.made_up = ref
-    else:
-        ref = graph.made_up
+    source = (data, options.correction_samples) if data is not None else None  # samples[0] is data's first batch
+    ref = graph.references.get(source)
+    if ref is None:
+        ref = graph.references[source] = _reference(model, samples, data, options)
     steps = _Steps(table, options, table_path, allow_missing)
     kept: list[str] = []
     fixes: list[str] = []
