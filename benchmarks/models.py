@@ -20,8 +20,8 @@ CTC texts kept identical for the PP-OCR recognizer, and for the romanizer decode
 argmax and full greedy decodes of the 32 eval names, fp32 encoder, identical to fp32's; for the
 DB detector, whose task the README leaves open, the intersection over union of its text pixels
 (probability above its threshold 0.3) with fp32's, pooled over the samples);
-speedup over fp32 (1 thread, batch 1, all four models in one process taking turns, the first of
-each turn rotating, 10 runs on each of the first 8 held-out samples with the sessions made in
+speedup over fp32 (1 thread, batch 1, all four models in one process taking turns, in a fresh
+order each turn, 10 runs on each of the first 8 held-out samples with the sessions made in
 reverse order every other sample, median);
 time to quantize (wall clock; CPU time, peak RSS and qtool's per-stage profile, each quantizer in
 a process of its own: benchmarks/quantize_time.py). A quantizer that fails is reported with its

@@ -244,16 +244,16 @@ def time_models(models: dict[str, "str | onnx.ModelProto"], feeds: dict[str, np.
 def time_sessions(sessions: dict[str, ort.InferenceSession], feeds: dict[str, np.ndarray], warmup: int,
                   runs: int) -> dict[str, list[float]]:
     """Seconds per run of each session: warm-up, then the sessions take turns run by run, so a
-    slowdown from a noisy neighbour hits all of them alike, the first of each turn rotating (a
-    session run right after another one is not always the same one: on a 0.1 ms model, a fixed
-    order moved the medians by 10%)."""
+    slowdown from a noisy neighbour hits all of them alike, in a fresh order each turn (seeded): the
+    session run before another one changes the other's time (on a 0.1 ms model a fixed order moved
+    the medians by 10%; a turning cycle, where each follows the same one, still by 5%)."""
     times: dict[str, list[float]] = {name: [] for name in sessions}
     for _ in range(warmup):
         for session in sessions.values():
             session.run(None, feeds)
-    names = list(sessions)
-    for turn in range(runs):
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
+    names, rng = list(sessions), np.random.default_rng(0)
+    for _ in range(runs):
+        for name in (names[i] for i in rng.permutation(len(names))):
             start = time.perf_counter()
             sessions[name].run(None, feeds)
             times[name].append(time.perf_counter() - start)
