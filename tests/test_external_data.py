@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.graph import modelio, shapes
 from qtool.cli import main
+from qtool.prepare import graph_prep
 from tests.conftest import run_qtool
 
 
@@ -179,6 +180,7 @@ def test_models_over_the_protobuf_limit(tmp_path, monkeypatch):
 
     monkeypatch.setattr(modelio, "PROTOBUF_LIMIT", 5_000)
     monkeypatch.setattr(shapes, "_SHAPE_ONLY_BYTES", 1_000)  # so the shape-inference copy drops payloads
+    monkeypatch.setattr(graph_prep, "_prepared", {})  # prepared again, not the first job's graph
     monkeypatch.setattr(modelio, "on_disk", counting("on_disk", real_on_disk))
     monkeypatch.setattr(shapes, "_shapes_only", counting("shapes_only", real_shapes_only))
     large = runner.invoke(main, ["quantize", str(model), "--data", str(data), "--save-table",

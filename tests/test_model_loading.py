@@ -1,5 +1,6 @@
-"""load_model keeps the last checked model and hands out copies: a job's later loads must see the
-file as it is now and never a copy an earlier caller changed."""
+"""load_model keeps the last checked model and prepare_file the last prepared graph, and both hand
+out copies: a job's later loads must see the file as it is now and never a copy an earlier caller
+changed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import numpy as np
 import onnx
 
 from qtool.graph.modelio import load_model
+from qtool.prepare import graph_prep
+from qtool.prepare.graph_prep import prepare, prepare_file
 from tests.graphs import conv_model
 
 
@@ -34,3 +37,34 @@ def test_a_rewritten_file_of_the_same_size_is_read_again(tmp_path):
     onnx.save(model, str(path))
     after = onnx.numpy_helper.to_array(load_model(path).graph.initializer[0])
     np.testing.assert_allclose(after, before + 1.0)
+
+
+def test_a_job_prepares_its_model_file_once_and_each_caller_gets_its_own_copy(tmp_path, monkeypatch):
+    import qtool
+
+    path = tmp_path / "m.onnx"
+    onnx.save(conv_model(np.random.default_rng(0)), str(path))
+    fresh = prepare(load_model(path)).model.SerializeToString()
+    for _ in range(2):  # the first call prepares the file, the second is handed the kept graph
+        prepared = prepare_file(path)
+        prepared.model.graph.node.pop()
+    assert prepare_file(path).model.SerializeToString() == fresh
+    calls = []
+    monkeypatch.setattr(graph_prep, "prepare", lambda *a, **k: calls.append(1) or prepare(*a, **k))
+    graph_prep._prepared.clear()
+    data = [{"x": np.random.default_rng(i).normal(0, 1, (1, 8, 12, 12)).astype(np.float32)} for i in range(8)]
+    qtool.quantize(path, data=data, progress=False)  # calibration, the candidates, the build
+    assert len(calls) == 1
+
+
+def test_a_rewritten_file_is_prepared_again(tmp_path):
+    path = tmp_path / "m.onnx"
+    model = conv_model(np.random.default_rng(0))
+    onnx.save(model, str(path))
+    before = prepare_file(path).model
+    weight = model.graph.initializer[0]
+    weight.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(weight) + 1.0, weight.name))
+    onnx.save(model, str(path))
+    after = prepare_file(path).model
+    assert after.SerializeToString() == prepare(load_model(path)).model.SerializeToString()
+    assert after.SerializeToString() != before.SerializeToString()

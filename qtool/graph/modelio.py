@@ -113,7 +113,14 @@ def _key(path: Path) -> Optional[tuple]:
         return None
 
 
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+def file_key(path: str | Path) -> Optional[tuple]:
+    """The load cache's key of a single-file model load_model keeps (path, size, CRC-32 of its bytes),
+    else None: a cache of what is made from the file may use it while the file is unchanged."""
+    key = _key(Path(path))
+    return key if key is not None and key in _kept else None
+
+
+def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     return copy
@@ -127,7 +134,7 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     path = Path(path)
     key = _key(path)
     if key is not None and key in _kept:
-        return _copy(_kept[key])
+        return copy_model(_kept[key])
     model = _read_proto(path)
     kept = key is not None and not external_data.external_tensors(model)
     external_data.check_locations(model, path)
@@ -144,7 +151,7 @@ def load_model(path: str | Path) -> onnx.ModelProto:
         raise QtoolError(f"model fails the ONNX checker: {first}", path) from None
     if kept:
         _kept.clear()
-        _kept[key] = _copy(model)
+        _kept[key] = copy_model(model)
     return model
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
 from qtool.errors import QtoolError
-from qtool.graph.modelio import input_specs, load_model
+from qtool.graph.modelio import input_specs
 from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, made_in, matches, node_label,
                                scoped_nodes)
 from qtool.plan.dynamic import dynamic_layer, matmul_strategy
@@ -27,7 +27,7 @@ from qtool.targets import Target, target_of
 from qtool.graph.shapes import infer_shapes
 from qtool.plan.smooth_quant import smooth, smoothing_alpha
 from qtool.prepare.equalize import equalize, equalize_activations
-from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare
+from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare_file
 from qtool.prepare.passes import PASSES as PREPARE_PASSES
 from qtool.prepare.merge_matmuls import merge_shared_input_matmuls
 
@@ -634,8 +634,7 @@ def prepared_with_strategy(model_path: str | Path, options: QuantizeConfig
                            ) -> tuple[onnx.ModelProto, QuantPlan, str, Optional[str]]:
     """prepared_model's (model, plan), and the MatMul strategy it prepared them for with `auto`'s
     note (qtool.plan.dynamic.matmul_strategy; None when `matmul` was not `auto`, or auto reports nothing)."""
-    prepared = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, divisions=False,
-                       in_place=True)
+    prepared = prepare_file(model_path, options.keep_opset, options.per_channel, divisions=False)
     model = prepared.model
     strategy, chosen = matmul_strategy(model, GraphIndex(model), options)
     if strategy == "static":  # Mul has integer kernels, Div none; dynamic quantizes neither and keeps Gelu's Div

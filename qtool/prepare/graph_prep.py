@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Collection, Optional
 
 import numpy as np
@@ -21,6 +22,7 @@ from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, defaul
                                made_in, names_read, rename_reads, replace_nodes, scoped_nodes, set_attribute,
                                tensor_bytes)
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
+from qtool.graph.modelio import copy_model, file_key, load_model
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.prepare.float16 import widen_float16
@@ -320,6 +322,28 @@ def refuse_quantized(model: onnx.ModelProto, path: object = None) -> None:
         ops = ", ".join(f"{count} {op}" for op, count in found.most_common())
         raise QtoolError(f"the model is quantized already ({ops}); qtool quantizes float models: "
                          f"give it the fp32 model", path)
+
+
+# A job prepares its model file several times (calibration, the prepared graphs of the choices'
+# candidates and of the build): the last result is kept, keyed by the file's bytes and the
+# arguments, and a copy handed out.
+_prepared: dict[tuple, Prepared] = {}
+
+
+def prepare_file(path: str | Path, keep_opset: bool = False, per_channel: bool = True,
+                 divisions: bool = True) -> Prepared:
+    """prepare(load_model(path), ...): the same graph, a copy of the last one made from the same file
+    with the same arguments when load_model keeps the file."""
+    key = file_key(path)
+    if key is not None and (key, keep_opset, per_channel, divisions) in _prepared:
+        kept = _prepared[(key, keep_opset, per_channel, divisions)]
+        return Prepared(copy_model(kept.model), kept.notes)
+    prepared = prepare(load_model(path), keep_opset, path, per_channel, divisions=divisions, in_place=True)
+    key = file_key(path)
+    if key is not None:
+        _prepared.clear()
+        _prepared[(key, keep_opset, per_channel, divisions)] = Prepared(copy_model(prepared.model), prepared.notes)
+    return prepared
 
 
 def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = None,

@@ -19,9 +19,9 @@ from onnx import numpy_helper
 
 from qtool.config import QuantizeConfig
 from qtool.table.formats.common import imported_table
-from qtool.prepare.graph_prep import prepare
+from qtool.prepare.graph_prep import prepare_file
 from qtool.graph.index import node_label
-from qtool.graph.modelio import load_model, sha256_file
+from qtool.graph.modelio import sha256_file
 from qtool.plan.ops import rule_for
 from qtool.plan.planner import build_plan
 from qtool.table.qparams import weight_scales
@@ -62,7 +62,7 @@ class ModelView:
 
 
 def model_view(model_path: str | Path, options: QuantizeConfig) -> ModelView:
-    model = prepare(load_model(model_path), options.keep_opset, model_path, options.per_channel, in_place=True).model
+    model = prepare_file(model_path, options.keep_opset, options.per_channel).model
     plan = build_plan(model, options)
     quantized = set(plan.quantized_nodes)
     inits = {t.name: t for t in model.graph.initializer}
