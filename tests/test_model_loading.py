@@ -51,10 +51,13 @@ def test_a_job_prepares_its_model_file_once_and_each_caller_gets_its_own_copy(tm
     assert prepare_file(path).model.SerializeToString() == fresh
     calls = []
     monkeypatch.setattr(graph_prep, "prepare", lambda *a, **k: calls.append(1) or prepare(*a, **k))
-    graph_prep._prepared.clear()
     data = [{"x": np.random.default_rng(i).normal(0, 1, (1, 8, 12, 12)).astype(np.float32)} for i in range(8)]
-    qtool.quantize(path, data=data, progress=False)  # calibration, the candidates, the build
-    assert len(calls) == 1
+    for limit, once in ((1 << 20, True), (1_000, False)):  # a graph over the limit is prepared each time
+        graph_prep._prepared.clear()
+        calls.clear()
+        monkeypatch.setattr(graph_prep, "_KEPT_PREPARED_BYTES", limit)
+        qtool.quantize(path, data=data, progress=False)  # calibration, the candidates, the build
+        assert (len(calls) == 1) == once and calls
 
 
 def test_a_rewritten_file_is_prepared_again(tmp_path):

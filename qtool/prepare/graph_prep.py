@@ -326,22 +326,24 @@ def refuse_quantized(model: onnx.ModelProto, path: object = None) -> None:
 
 # A job prepares its model file several times (calibration, the prepared graphs of the choices'
 # candidates and of the build): the last result is kept, keyed by the file's bytes and the
-# arguments, and a copy handed out.
+# arguments, and a copy handed out. Only graphs with up to this many bytes of initializers: on a
+# larger one copying costs about what preparing does, and the copy is held in memory.
+_KEPT_PREPARED_BYTES = 32 << 20
 _prepared: dict[tuple, Prepared] = {}
 
 
 def prepare_file(path: str | Path, keep_opset: bool = False, per_channel: bool = True,
                  divisions: bool = True) -> Prepared:
     """prepare(load_model(path), ...): the same graph, a copy of the last one made from the same file
-    with the same arguments when load_model keeps the file."""
+    with the same arguments when load_model keeps the file and the graph is small enough to keep."""
     key = file_key(path)
     if key is not None and (key, keep_opset, per_channel, divisions) in _prepared:
         kept = _prepared[(key, keep_opset, per_channel, divisions)]
         return Prepared(copy_model(kept.model), kept.notes)
     prepared = prepare(load_model(path), keep_opset, path, per_channel, divisions=divisions, in_place=True)
     key = file_key(path)
-    if key is not None:
-        _prepared.clear()
+    _prepared.clear()
+    if key is not None and sum(tensor_bytes(t) for t in prepared.model.graph.initializer) <= _KEPT_PREPARED_BYTES:
         _prepared[(key, keep_opset, per_channel, divisions)] = Prepared(copy_model(prepared.model), prepared.notes)
     return prepared
 
