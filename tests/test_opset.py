@@ -170,3 +170,41 @@ def test_docs_describe_keep_opset():
     cli, config = (root / "cli.md").read_text(), (root / "config.md").read_text()
     assert "`--keep-opset`" in cli and "upgrade-opset" not in cli
     assert "| `keep_opset` |" in config and "upgrade_opset" not in config
+
+
+def test_an_ir_3_model_lists_its_weights_as_inputs_and_is_quantized_as_a_newer_one(tmp_path):
+    """Opset 9 at IR version 3 (the old model zoo's form): every initializer is a graph input too,
+    as that IR required. The converted model gets the IR version opset 13 needs, and its weights
+    are constants, not inputs a caller may override: int8 weights, integer kernels, a model that
+    loads and runs on the image alone."""
+    model = conv_model(np.random.default_rng(0), activation="Relu")
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("", 9))
+    model.ir_version = 3
+    model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in model.graph.initializer)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    data = write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
+    result = qtool.quantize(tmp_path / "m.onnx", data=data, progress=False)
+    qmodel = result.model
+    assert qmodel.ir_version >= 7 and _opset(qmodel) == 13
+    assert [i.name for i in qmodel.graph.input] == ["x"] and _weight_scales(qmodel)
+    x = np.random.default_rng(2).normal(0, 1, (1, 8, 12, 12)).astype(np.float32)
+    got = ort.InferenceSession(qmodel.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.shape == ref.shape and np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.99
+
+
+def test_weights_an_exporter_also_lists_as_inputs_are_quantized_with_a_note(tmp_path):
+    """torch's keep_initializers_as_inputs at opset 17: the weights are graph inputs too. They are
+    taken as the constants they are (int8 weights), leave the int8 model's inputs, and a note says so."""
+    model = conv_model(np.random.default_rng(0), activation="Relu")
+    model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in model.graph.initializer)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    data = write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
+    result = qtool.quantize(tmp_path / "m.onnx", data=data, progress=False)
+    assert [i.name for i in result.model.graph.input] == ["x"] and len(_weight_scales(result.model)) == 1
+    assert any(n.startswith("2 initializer(s) also listed as graph inputs") for n in result.notes)

@@ -81,12 +81,33 @@ def settle_opset(model: onnx.ModelProto, keep_opset: bool = False, path: object 
             refused = (f"onnx's version converter could not convert it to opset {MIN_PER_CHANNEL_OPSET} "
                        f"({str(exc).strip().splitlines()[0]})")
         else:
+            _settle_ir_version(converted)
             return converted, f"converted opset {opset} -> {MIN_PER_CHANNEL_OPSET} with onnx's version converter"
     if opset < MIN_QDQ_OPSET:
         raise QtoolError(f"opset {opset} is too old (QuantizeLinear/DequantizeLinear need >= {MIN_QDQ_OPSET}) "
                          f"and {refused}", path)
     return model, (f"opset {opset} kept, as {refused}: per-tensor weights "
                    f"(per-channel DequantizeLinear needs opset {MIN_PER_CHANNEL_OPSET})")
+
+
+def _settle_ir_version(model: onnx.ModelProto) -> None:
+    """The IR version the converted opset needs: the converter keeps the old one, and IR 3 with
+    opset 13 fails the checker once an initializer is added."""
+    model.ir_version = max(model.ir_version, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
+
+
+def weights_out_of_inputs(model: onnx.ModelProto) -> int:
+    """Initializers listed as graph inputs too are taken as constants and leave the inputs; returns
+    how many. IR 3 required the listing, and exporters still write it (torch's
+    keep_initializers_as_inputs). From IR 4 it makes the value an input the caller may override,
+    which onnxruntime then does not take as a constant weight, and neither could quantization."""
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    dropped = len(model.graph.input) - len(inputs)
+    if dropped:
+        del model.graph.input[:]
+        model.graph.input.extend(inputs)
+    return dropped
 
 
 def per_channel_possible(model: onnx.ModelProto) -> bool:
@@ -358,8 +379,12 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     prepared = model if in_place else onnx.ModelProto()
     if not in_place:
         prepared.CopyFrom(model)
+    ir_version = prepared.ir_version
     prepared, inlined = inline_functions(prepared, path)
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
+    listed = weights_out_of_inputs(prepared)
+    listed = (f"{listed} initializer(s) also listed as graph inputs taken as constant weights: the int8 "
+              "model does not list them as inputs") if listed and ir_version >= 4 else None
     halves = widen_float16(prepared)
     constants_to_initializers(prepared)
     fold_constant_moves(prepared)
@@ -377,4 +402,4 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
                f"activation, so that they are quantized") if fused else None
     half = (f"float16 model: quantized in float32 ({halves} float16 tensors, casts and graph inputs/outputs "
             f"widened); its inputs and outputs keep their types") if halves else None
-    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note, half, written) if n))
+    return Prepared(infer_shapes(prepared), tuple(n for n in (inlined, note, listed, half, written) if n))
