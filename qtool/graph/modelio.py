@@ -114,10 +114,15 @@ def _key(path: Path) -> Optional[tuple]:
 
 
 def file_key(path: str | Path) -> Optional[tuple]:
-    """The load cache's key of a single-file model load_model keeps (path, size, CRC-32 of its bytes),
-    else None: a cache of what is made from the file may use it while the file is unchanged."""
-    key = _key(Path(path))
-    return key if key is not None and key in _kept else None
+    """The load cache's key of a model file: path, size and CRC-32 of its bytes (None: too large
+    to keep, or unreadable). What is made from the file may be kept under it while load_model keeps
+    the file (`kept`)."""
+    return _key(Path(path))
+
+
+def kept(key: Optional[tuple]) -> bool:
+    """Whether load_model keeps the file of `key`: a single-file model, the last it loaded."""
+    return key is not None and key in _kept
 
 
 def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -22,7 +22,7 @@ from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, defaul
                                made_in, names_read, rename_reads, replace_nodes, scoped_nodes, set_attribute,
                                tensor_bytes)
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
-from qtool.graph.modelio import copy_model, file_key, load_model
+from qtool.graph.modelio import copy_model, file_key, kept, load_model
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.prepare.float16 import widen_float16
@@ -357,15 +357,15 @@ def prepare_file(path: str | Path, keep_opset: bool = False, per_channel: bool =
                  divisions: bool = True) -> Prepared:
     """prepare(load_model(path), ...): the same graph, a copy of the last one made from the same file
     with the same arguments when load_model keeps the file and the graph is small enough to keep."""
-    key = file_key(path)
-    if key is not None and (key, keep_opset, per_channel, divisions) in _prepared:
-        kept = _prepared[(key, keep_opset, per_channel, divisions)]
-        return Prepared(copy_model(kept.model), kept.notes)
+    small = Path(path).is_file() and Path(path).stat().st_size <= _KEPT_PREPARED_BYTES
+    key = (file_key(path), keep_opset, per_channel, divisions) if small else None  # no CRC of a large file
+    if key in _prepared:
+        return Prepared(copy_model(_prepared[key].model), _prepared[key].notes)
     prepared = prepare(load_model(path), keep_opset, path, per_channel, divisions=divisions, in_place=True)
-    key = file_key(path)
     _prepared.clear()
-    if key is not None and sum(tensor_bytes(t) for t in prepared.model.graph.initializer) <= _KEPT_PREPARED_BYTES:
-        _prepared[(key, keep_opset, per_channel, divisions)] = Prepared(copy_model(prepared.model), prepared.notes)
+    if key is not None and kept(key[0]) and \
+            sum(tensor_bytes(t) for t in prepared.model.graph.initializer) <= _KEPT_PREPARED_BYTES:
+        _prepared[key] = Prepared(copy_model(prepared.model), prepared.notes)
     return prepared
 
 
