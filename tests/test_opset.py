@@ -172,21 +172,28 @@ def test_docs_describe_keep_opset():
     assert "| `keep_opset` |" in config and "upgrade_opset" not in config
 
 
-def test_an_ir_3_model_lists_its_weights_as_inputs_and_is_quantized_as_a_newer_one(tmp_path):
-    """Opset 9 at IR version 3 (the old model zoo's form): every initializer is a graph input too,
-    as that IR required. The converted model gets the IR version opset 13 needs, and its weights
-    are constants, not inputs a caller may override: int8 weights, integer kernels, a model that
-    loads and runs on the image alone."""
+def _quantized_with_weights_as_inputs(tmp_path, opset=None, ir_version=None):
+    """The plain quantize of a Conv -> Relu model whose initializers are graph inputs too, at
+    `opset` and `ir_version` (else conv_model's)."""
     model = conv_model(np.random.default_rng(0), activation="Relu")
-    del model.opset_import[:]
-    model.opset_import.append(helper.make_opsetid("", 9))
-    model.ir_version = 3
+    if opset is not None:
+        del model.opset_import[:]
+        model.opset_import.append(helper.make_opsetid("", opset))
+        model.ir_version = ir_version
     model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                              for t in model.graph.initializer)
     onnx.checker.check_model(model)
     onnx.save(model, str(tmp_path / "m.onnx"))
     data = write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
-    result = qtool.quantize(tmp_path / "m.onnx", data=data, progress=False)
+    return qtool.quantize(tmp_path / "m.onnx", data=data, progress=False)
+
+
+def test_an_ir_3_model_lists_its_weights_as_inputs_and_is_quantized_as_a_newer_one(tmp_path):
+    """Opset 9 at IR version 3 (the old model zoo's form): every initializer is a graph input too,
+    as that IR required. The converted model gets the IR version opset 13 needs, and its weights
+    are constants, not inputs a caller may override: int8 weights, integer kernels, a model that
+    loads and runs on the image alone."""
+    result = _quantized_with_weights_as_inputs(tmp_path, opset=9, ir_version=3)
     qmodel = result.model
     assert qmodel.ir_version >= 7 and _opset(qmodel) == 13
     assert [i.name for i in qmodel.graph.input] == ["x"] and _weight_scales(qmodel)
@@ -199,12 +206,6 @@ def test_an_ir_3_model_lists_its_weights_as_inputs_and_is_quantized_as_a_newer_o
 def test_weights_an_exporter_also_lists_as_inputs_are_quantized_with_a_note(tmp_path):
     """torch's keep_initializers_as_inputs at opset 17: the weights are graph inputs too. They are
     taken as the constants they are (int8 weights), leave the int8 model's inputs, and a note says so."""
-    model = conv_model(np.random.default_rng(0), activation="Relu")
-    model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-                             for t in model.graph.initializer)
-    onnx.checker.check_model(model)
-    onnx.save(model, str(tmp_path / "m.onnx"))
-    data = write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
-    result = qtool.quantize(tmp_path / "m.onnx", data=data, progress=False)
+    result = _quantized_with_weights_as_inputs(tmp_path)
     assert [i.name for i in result.model.graph.input] == ["x"] and len(_weight_scales(result.model)) == 1
     assert any(n.startswith("2 initializer(s) also listed as graph inputs") for n in result.notes)
