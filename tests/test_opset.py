@@ -172,9 +172,9 @@ def test_docs_describe_keep_opset():
     assert "| `keep_opset` |" in config and "upgrade_opset" not in config
 
 
-def _quantized_with_weights_as_inputs(tmp_path, opset=None, ir_version=None):
-    """The plain quantize of a Conv -> Relu model whose initializers are graph inputs too, at
-    `opset` and `ir_version` (else conv_model's)."""
+def _quantized_with_weights_as_inputs(tmp_path, opset=None, ir_version=None, config=None):
+    """The quantize of a Conv -> Relu model whose initializers are graph inputs too, at `opset` and
+    `ir_version` (else conv_model's), with `config` (else the plain command's)."""
     model = conv_model(np.random.default_rng(0), activation="Relu")
     if opset is not None:
         del model.opset_import[:]
@@ -185,7 +185,19 @@ def _quantized_with_weights_as_inputs(tmp_path, opset=None, ir_version=None):
     onnx.checker.check_model(model)
     onnx.save(model, str(tmp_path / "m.onnx"))
     data = write_samples(tmp_path / "data", np.random.default_rng(1), (8, 12, 12), count=8)
-    return qtool.quantize(tmp_path / "m.onnx", data=data, progress=False)
+    return qtool.quantize(tmp_path / "m.onnx", data=data, config=config, progress=False)
+
+
+def test_an_ir_3_model_kept_at_its_opset_gets_a_later_ir_version(tmp_path):
+    """IR 3 at opset 10 with --keep-opset: not converted, per-tensor weights; without the listing of
+    its weights as inputs it needs a later IR version to pass the checker."""
+    config = tmp_path / "keep.yaml"
+    config.write_text("quantization:\n  keep_opset: true\n")
+    result = _quantized_with_weights_as_inputs(tmp_path, opset=10, ir_version=3, config=config)
+    assert _opset(result.model) == 10 and result.model.ir_version >= 5
+    assert [i.name for i in result.model.graph.input] == ["x"]
+    assert [scale.ndim for scale in _weight_scales(result.model)] == [0]
+    onnx.checker.check_model(result.model)
 
 
 def test_an_ir_3_model_lists_its_weights_as_inputs_and_is_quantized_as_a_newer_one(tmp_path):

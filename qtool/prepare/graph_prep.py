@@ -107,6 +107,8 @@ def weights_out_of_inputs(model: onnx.ModelProto) -> int:
     if dropped:
         del model.graph.input[:]
         model.graph.input.extend(inputs)
+    if model.ir_version < 4:  # an unconverted IR 3 model (--keep-opset) needs the listing: a later IR
+        model.ir_version = max(4, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
     return dropped
 
 
