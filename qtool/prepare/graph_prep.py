@@ -81,7 +81,6 @@ def settle_opset(model: onnx.ModelProto, keep_opset: bool = False, path: object 
             refused = (f"onnx's version converter could not convert it to opset {MIN_PER_CHANNEL_OPSET} "
                        f"({str(exc).strip().splitlines()[0]})")
         else:
-            _settle_ir_version(converted)
             return converted, f"converted opset {opset} -> {MIN_PER_CHANNEL_OPSET} with onnx's version converter"
     if opset < MIN_QDQ_OPSET:
         raise QtoolError(f"opset {opset} is too old (QuantizeLinear/DequantizeLinear need >= {MIN_QDQ_OPSET}) "
@@ -90,10 +89,11 @@ def settle_opset(model: onnx.ModelProto, keep_opset: bool = False, path: object 
                    f"(per-channel DequantizeLinear needs opset {MIN_PER_CHANNEL_OPSET})")
 
 
-def _settle_ir_version(model: onnx.ModelProto) -> None:
-    """The IR version the converted opset needs: the converter keeps the old one, and IR 3 with
-    opset 13 fails the checker once an initializer is added."""
-    model.ir_version = max(model.ir_version, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
+def settle_ir_version(model: onnx.ModelProto) -> None:
+    """At least the IR version the model's opset needs, and 4: onnx's version converter keeps the old
+    one (IR 3 at opset 13 fails the checker once an initializer is added), and IR 3 wants every
+    initializer listed as an input, which weights_out_of_inputs undoes."""
+    model.ir_version = max(model.ir_version, 4, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
 
 
 def weights_out_of_inputs(model: onnx.ModelProto) -> int:
@@ -107,8 +107,6 @@ def weights_out_of_inputs(model: onnx.ModelProto) -> int:
     if dropped:
         del model.graph.input[:]
         model.graph.input.extend(inputs)
-    if model.ir_version < 4:  # an unconverted IR 3 model (--keep-opset) needs the listing: a later IR
-        model.ir_version = max(4, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
     return dropped
 
 
@@ -385,6 +383,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     prepared, inlined = inline_functions(prepared, path)
     prepared, note = settle_opset(prepared, keep_opset, path, per_channel)
     listed = weights_out_of_inputs(prepared)
+    settle_ir_version(prepared)
     listed = (f"{listed} initializer(s) also listed as graph inputs taken as constant weights: the int8 "
               "model does not list them as inputs") if listed and ir_version >= 4 else None
     halves = widen_float16(prepared)
