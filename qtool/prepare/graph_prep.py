@@ -93,7 +93,8 @@ def settle_ir_version(model: onnx.ModelProto) -> None:
     """At least the IR version the model's opset needs, and 4: onnx's version converter keeps the old
     one (IR 3 at opset 13 fails the checker once an initializer is added), and IR 3 wants every
     initializer listed as an input, which weights_out_of_inputs undoes."""
-    model.ir_version = max(model.ir_version, 4, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
+    model.ir_version = max(model.ir_version, 4,
+                           onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
 
 
 def weights_out_of_inputs(model: onnx.ModelProto) -> int:
