@@ -102,22 +102,18 @@ _KEPT_BYTES = 512 << 20
 _kept: dict[tuple, onnx.ModelProto] = {}
 
 
-def _key(path: Path) -> Optional[tuple]:
-    """The cache key of a model file: its path, size and CRC-32 (None: not kept, or unreadable)."""
+def file_key(path: str | Path, limit: int = _KEPT_BYTES) -> Optional[tuple]:
+    """The load cache's key of a model file: its path, size and CRC-32 of its bytes (None: not a
+    file, over `limit` bytes, or unreadable). What is made from the file may be kept under it while
+    load_model keeps the file (`kept`)."""
+    path = Path(path)
     try:
-        if not path.is_file() or path.stat().st_size > _KEPT_BYTES:
+        if not path.is_file() or path.stat().st_size > limit:
             return None
         with _mapped(path) as data:
             return str(path.resolve()), len(data), zlib.crc32(data)
     except OSError:
         return None
-
-
-def file_key(path: str | Path) -> Optional[tuple]:
-    """The load cache's key of a model file: path, size and CRC-32 of its bytes (None: too large
-    to keep, or unreadable). What is made from the file may be kept under it while load_model keeps
-    the file (`kept`)."""
-    return _key(Path(path))
 
 
 def kept(key: Optional[tuple]) -> bool:
@@ -137,7 +133,7 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     External data locations are validated before any of them is opened, then read.
     """
     path = Path(path)
-    key = _key(path)
+    key = file_key(path)
     if key is not None and key in _kept:
         return copy_model(_kept[key])
     model = _read_proto(path)

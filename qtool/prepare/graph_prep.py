@@ -358,13 +358,12 @@ def prepare_file(path: str | Path, keep_opset: bool = False, per_channel: bool =
                  divisions: bool = True) -> Prepared:
     """prepare(load_model(path), ...): the same graph, a copy of the last one made from the same file
     with the same arguments when load_model keeps the file and the graph is small enough to keep."""
-    small = Path(path).is_file() and Path(path).stat().st_size <= _KEPT_PREPARED_BYTES
-    key = (file_key(path), keep_opset, per_channel, divisions) if small else None  # no CRC of a large file
+    key = (file_key(path, _KEPT_PREPARED_BYTES), keep_opset, per_channel, divisions)  # no CRC of a larger file
     if key in _prepared:
         return Prepared(copy_model(_prepared[key].model), _prepared[key].notes)
     prepared = prepare(load_model(path), keep_opset, path, per_channel, divisions=divisions, in_place=True)
     _prepared.clear()
-    if key is not None and kept(key[0]) and \
+    if kept(key[0]) and \
             sum(tensor_bytes(t) for t in prepared.model.graph.initializer) <= _KEPT_PREPARED_BYTES:
         _prepared[key] = Prepared(copy_model(prepared.model), prepared.notes)
     return prepared

@@ -44,8 +44,7 @@ def quantized_inputs(model: onnx.ModelProto, index: GraphIndex) -> list[InputCha
     chains = []
     for graph_input in model.graph.input:
         name = graph_input.name
-        dims = tuple(d.dim_value if d.HasField("dim_value") else None
-                     for d in graph_input.type.tensor_type.shape.dim)
+        dims = index.shapes.get(name, ())
         readers = index.consumers.get(name, [])
         if (len(readers) == 1 and readers[0].op_type == "Transpose" and len(dims) == 4
                 and list(attribute(readers[0], "perm", [])) == _TO_NCHW):
