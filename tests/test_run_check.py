@@ -191,3 +191,58 @@ def test_candidates_are_checked_on_the_calibration_batch_whose_fp32_outputs_are_
     assert ranges and ranges[0].measured  # a candidate built, checked and scored, then the model
     assert sources == ["the first calibration batch"]
     assert any("kept in float" in note for note in result.notes)
+
+
+def test_a_candidate_is_scored_on_its_run_checks_session_with_the_same_figures(tmp_path, monkeypatch):
+    """A plain job's range choice scores each candidate on the session its run check made (no
+    session of its own), and the figures are those a fresh session gives."""
+    from qtool import api
+    from qtool.choices.measure import Scoring
+    from qtool.config import load_config
+    from qtool.calibration.calibrate import calibrate
+    from qtool.graph import runtime
+
+    _cubic_model(tmp_path / "m.onnx")
+    data = _data(tmp_path)
+    labels = []
+    made = runtime._session
+    monkeypatch.setattr(runtime, "_session",
+                        lambda source, options, label: labels.append(label) or made(source, options, label))
+    result = api.quantize(tmp_path / "m.onnx", data=data, config=graphs.mechanics_yaml(tmp_path), progress=False)
+    ranges = [d for d in result.decisions if d.option == "calibration.method"]
+    assert ranges and ranges[0].measured  # a candidate built, checked and scored
+    assert "candidate" not in labels
+
+    cfg = load_config(graphs.mechanics_yaml(tmp_path))
+    table = calibrate(tmp_path / "m.onnx", data, cfg.preprocess, cfg.calibration, cfg.quantization, progress=False)
+    scoring = Scoring(tmp_path / "m.onnx", data, cfg)
+    built = scoring.build(table, cfg.quantization).model
+    labels.clear()
+    kept = scoring(built)
+    assert "candidate" not in labels
+    fresh = onnx.ModelProto()
+    fresh.CopyFrom(built)
+    assert scoring._ready()(fresh)[0] == kept
+    assert "candidate" in labels  # another proto: its own session
+
+
+def test_keeping_holds_the_last_passing_models_session_only():
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    feeds = {"x": np.array([1.0, np.inf], np.float32)}
+    passes = run_check.Reference(feeds, ("y",), (np.array([0, np.inf], np.float32),))
+    fails = run_check.Reference(feeds, ("y",), (np.zeros(3, np.float32),))
+    assert run_check.check(model, passes) is None  # outside keeping(): nothing kept anywhere
+    with run_check.keeping() as kept:
+        assert run_check.check(model, passes) is None
+        assert kept.model is model and kept.session is not None
+        assert run_check.check(model, fails) is not None
+        assert kept.model is None and kept.session is None
+        assert run_check.check(model, passes) is None
+    other = onnx.ModelProto()
+    other.CopyFrom(model)
+    assert kept.take(other) is None and kept.model is None  # another proto, even of the same bytes
+    assert run_check._KEEPING.get() is None

@@ -17,6 +17,7 @@ from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import Batch, DataLike, batches, open_data, spread_samples
 from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.modelio import InputSpec, input_specs, load_model
+from qtool.quantization import run_check
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model, ranges_only
 from qtool.table.table import CalibrationTable
 from qtool.targets import target_of
@@ -69,11 +70,16 @@ class Scoring:
         self._evaluator: Optional[Evaluator] = None
         self._count = 0
         self._measured: dict[bytes, dict] = {}
+        self._kept = run_check.Kept()  # the last built candidate's run-check session
 
     def build(self, table: CalibrationTable, options: QuantizeConfig) -> QuantizedGraph:
-        """The all-int8 candidate of `table` and `options` (ranges only), as quantize_model makes it."""
-        return quantize_model(self.model_path, table, ranges_only(options), allow_missing=True, data=self.calib_data,
-                              shared=self.shared)
+        """The all-int8 candidate of `table` and `options` (ranges only), as quantize_model makes it;
+        its run check's session is kept for scoring it next."""
+        with run_check.keeping() as kept:
+            graph = quantize_model(self.model_path, table, ranges_only(options), allow_missing=True,
+                                   data=self.calib_data, shared=self.shared)
+        self._kept = kept
+        return graph
 
     @property
     def count(self) -> int:
@@ -90,9 +96,10 @@ class Scoring:
     def __call__(self, qmodel: onnx.ModelProto) -> dict:
         """The figures of `qmodel` against fp32 (Evaluator's)."""
         evaluate = self._ready()
+        session = self._kept.take(qmodel)
         if qmodel.ByteSize() > MAX_KEYED_BYTES:  # no serialising a model protobuf cannot hold in one message
-            return evaluate(qmodel)[0]
+            return evaluate(qmodel, session)[0]
         key = hashlib.sha256(qmodel.SerializeToString()).digest()
         if key not in self._measured:
-            self._measured[key] = evaluate(qmodel)[0]
+            self._measured[key] = evaluate(qmodel, session)[0]
         return self._measured[key]

@@ -132,9 +132,11 @@ class Evaluator:
         self.outputs = [o.name for o in session.get_outputs()]
         self.reference = [session.run(self.outputs, batch.feeds) for batch in data]
 
-    def __call__(self, qmodel: onnx.ModelProto) -> tuple[dict, list[np.ndarray]]:
-        """(figures, the candidate's first output per batch)."""
-        session = self._session(qmodel, "candidate")
+    def __call__(self, qmodel: onnx.ModelProto, session=None) -> tuple[dict, list[np.ndarray]]:
+        """(figures, the candidate's first output per batch). `session`: one of `qmodel` already made
+        (onnxruntime, 1 thread: the run check's), used where the candidates run alike."""
+        if session is None or self.runtime != "onnxruntime" or self.threads != 1:
+            session = self._session(qmodel, "candidate")
         fidelity = [FidelityAccumulator() for _ in self.outputs]
         classes = ClassificationAccumulator()
         first, cosines = [], []

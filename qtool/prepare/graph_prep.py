@@ -23,6 +23,7 @@ from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, defaul
                                tensor_bytes)
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
 from qtool.graph.modelio import copy_model, file_key, kept, load_model
+from qtool.graph.movement import compute
 from qtool.graph.shapes import infer_shapes
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.prepare.float16 import widen_float16
@@ -150,9 +151,7 @@ def fold_constant_moves(model: onnx.ModelProto) -> None:
     graph. Folded, the planner sees them constant, as it sees stored weights. The main graph's integer
     shape computations are left as exported, and so is a move that would store a large tensor twice
     (a tied embedding table, gathered and transposed for the output layer)."""
-    from onnx.reference import ReferenceEvaluator  # here: its import takes 0.1 s, and only folding needs it
-
-    opsets = list(model.opset_import)
+    opsets, opset = list(model.opset_import), default_opset(model)
 
     def builds_float(node: onnx.NodeProto, known: dict[str, onnx.TensorProto]) -> bool:
         if node.op_type == "Cast":
@@ -186,10 +185,18 @@ def fold_constant_moves(model: onnx.ModelProto) -> None:
             inputs = [name for name in node.input if name]
             if (foldable(node, known, outputs)
                     and (not main or (builds_float(node, known) and not shared.intersection(inputs)))):
-                part = onnx.helper.make_model(onnx.helper.make_graph(
-                    [node], "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in node.output],
-                    [known[name] for name in dict.fromkeys(inputs)]), opset_imports=opsets)
-                for name, value in zip(node.output, ReferenceEvaluator(part).run(None, {})):
+                moved = compute(node, [numpy_helper.to_array(known[name]) if name else None for name in node.input],
+                                opset)
+                if moved is not None:
+                    values = [moved]
+                else:
+                    from onnx.reference import ReferenceEvaluator  # here: its import takes 0.1 s
+
+                    part = onnx.helper.make_model(onnx.helper.make_graph(
+                        [node], "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in node.output],
+                        [known[name] for name in dict.fromkeys(inputs)]), opset_imports=opsets)
+                    values = ReferenceEvaluator(part).run(None, {})
+                for name, value in zip(node.output, values):
                     known[name] = numpy_helper.from_array(np.asarray(value), name)
                     graph.initializer.append(known[name])
                 continue

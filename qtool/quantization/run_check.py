@@ -12,8 +12,10 @@ finite outputs wherever the prepared fp32 graph's are finite on the same batch. 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -44,6 +46,37 @@ class Reference:
     skipped: Optional[str] = None  # why the outputs are not checked
 
 
+@dataclass
+class Kept:
+    """The last model that passed inside `keeping()`, and its session (onnxruntime, 1 thread)."""
+
+    model: Optional[onnx.ModelProto] = None
+    session: object = None
+
+    def take(self, model: onnx.ModelProto):
+        """The session of `model` if it is the kept one (by identity: the proto check ran), else None;
+        the slot is emptied either way."""
+        session = self.session if self.model is model else None
+        self.model = self.session = None
+        return session
+
+
+_KEEPING: ContextVar[Optional[Kept]] = ContextVar("qtool_run_check_keeping", default=None)
+
+
+@contextmanager
+def keeping() -> Iterator[Kept]:
+    """Within it, `check` keeps the session of the last model that passes, for a caller that runs
+    that same model next (a measured choice scores the candidate it has just built: one session
+    fewer per candidate). Outside it nothing is kept, so no session outlives its check."""
+    kept = Kept()
+    token = _KEEPING.set(kept)
+    try:
+        yield kept
+    finally:
+        _KEEPING.reset(token)
+
+
 def made_up_feeds(specs: Sequence[InputSpec], size: int = 1) -> dict[str, np.ndarray]:
     """One batch from the input specs alone (quantize with a table and no data): batch 1, `size`
     for the other dims the specs leave open (an image's height and width)."""
@@ -64,26 +97,27 @@ def ort_reason(exc: BaseException) -> str:
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], label: str, load_only: bool = False):
-    """(outputs, None) or (None, RunFailure)."""
+    """(outputs, None, session) or (None, RunFailure, None)."""
     try:
         session = create_session(model, threads=1, label=label, log_level=4)
     except QtoolError as exc:
-        return None, RunFailure(f"onnxruntime cannot load it: {ort_reason(exc)}")
+        return None, RunFailure(f"onnxruntime cannot load it: {ort_reason(exc)}"), None
     if load_only:
-        return (), None
+        return (), None, session
     try:
-        return tuple(session.run(None, feeds)), None
+        return tuple(session.run(None, feeds)), None, session
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument types
         if allocation_failure(exc):
             raise  # too little memory is no failure of the model: the job reports it
         named = _NODE_NAME.search(str(exc))
-        return None, RunFailure(f"onnxruntime fails running it: {ort_reason(exc)}", named.group(1) if named else None)
+        return None, RunFailure(f"onnxruntime fails running it: {ort_reason(exc)}",
+                                named.group(1) if named else None), None
 
 
 def reference(fp32: onnx.ModelProto, feeds: dict[str, np.ndarray], source: str) -> Reference:
     """fp32's outputs on `feeds` (`source` says where they come from, for the note when fp32 fails)."""
     names = tuple(o.name for o in fp32.graph.output)
-    outputs, failure = _run(fp32, feeds, "fp32 model")
+    outputs, failure, _ = _run(fp32, feeds, "fp32 model")
     if failure is None:
         return Reference(feeds, names, outputs)
     return Reference(feeds, names, None, f"the fp32 model does not run on {source} ({failure.reason})")
@@ -91,7 +125,10 @@ def reference(fp32: onnx.ModelProto, feeds: dict[str, np.ndarray], source: str) 
 
 def check(model: onnx.ModelProto, ref: Reference) -> Optional[RunFailure]:
     """None when `model` passes (see the module doc), else why not."""
-    outputs, failure = _run(model, ref.feeds, "int8 model", load_only=ref.outputs is None)
+    kept = _KEEPING.get()
+    if kept is not None:
+        kept.take(None)  # a model that fails keeps nothing
+    outputs, failure, session = _run(model, ref.feeds, "int8 model", load_only=ref.outputs is None)
     if failure is not None or ref.outputs is None:
         return failure
     for name, got, want in zip(ref.names, outputs, ref.outputs):
@@ -102,6 +139,8 @@ def check(model: onnx.ModelProto, ref: Reference) -> Optional[RunFailure]:
             bad = int(got.size - np.count_nonzero(np.isfinite(got)))
             if bad:
                 return RunFailure(f"output '{name}' has {bad} NaN/Inf value(s) where fp32's are finite")
+    if kept is not None:
+        kept.model, kept.session = model, session
     return None
 
 
