@@ -29,7 +29,7 @@ from qtool.config import Config, load_config
 from qtool.data.batching import LOOK_AHEAD, batch_refusal
 from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
 from qtool.data.labels import labels_for
-from qtool.errors import QtoolError, reports_memory
+from qtool.errors import InternalError, MissingRanges, QtoolError, reports_memory
 from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
 from qtool.choices import Decision, Scoring, apply, built, settle
 from qtool.choices.ranges import choose_ranges
@@ -225,7 +225,8 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
         # one evaluator and one prepared graph for every candidate the choices measure, and the final build
         shared = SharedGraphs()
         scoring = Scoring(model, measurable, cfg, shared, specs, calib_data) if measurable is not None else None
-        if table is None:
+        own_table = table is None
+        if own_table:
             table, measured, ranges = _calibrated(model, data, cfg, progress, engine, scoring)
         elif not isinstance(table, CalibrationTable):
             table_path = table
@@ -239,8 +240,14 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
             graph, outcome, table = _search(model, specs, table, measured, data, cfg, search, calib_data,
                                             log or (lambda message: None), engine, progress)
         else:
-            graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data,
-                                   shared=shared)
+            try:
+                graph = quantize_model(model, table, cfg.quantization, table_path, allow_missing, data=calib_data,
+                                       shared=shared)
+            except MissingRanges as exc:
+                if not own_table:
+                    raise
+                raise InternalError(f"the settled options plan tensors the job's own calibration left without a "
+                                    f"range: {exc}") from exc
     settled, after = built(graph, cfg)
     decisions += after
     plan = graph.plan

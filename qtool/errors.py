@@ -51,6 +51,11 @@ class LoadRefused(QtoolError):
     with observers, a candidate), qtool.graph.runtime.job_model makes it an InternalError."""
 
 
+class MissingRanges(QtoolError):
+    """A calibration table lacks ranges the plan needs: exit 2 for a table the user gave; for the
+    table the job made itself, an inconsistency of qtool's planning (the API makes it an InternalError)."""
+
+
 class InternalError(Exception):
     """qtool made something it must not hand out (a quantized model onnxruntime cannot run):
     a bug in qtool, not in the user's input. The CLI exits with EXIT_BUG and writes nothing."""

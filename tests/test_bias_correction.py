@@ -105,3 +105,36 @@ def test_bias_correction_is_off_by_default(tmp_path):
     result = qtool.quantize(path, data=data, config={"quantization": {"per_channel": False}}, progress=False)
     assert result.settled.quantization.bias_correction == "off"
     assert not [d for d in result.decisions if d.option == "quantization.bias_correction"]
+
+
+def test_a_layer_after_a_pad_whose_amounts_a_chain_of_constant_nodes_builds(tmp_path):
+    """Conv -> Pad -> Conv, the Pad's amounts built by Constant -> Concat -> Cast nodes (as exporters
+    write them): each corrected layer runs in a slice of the model, which must carry the whole
+    constant chain, not only its last node (was exit 3: "Node input ... is not a graph input")."""
+    from click.testing import CliRunner
+
+    from qtool.cli import main
+
+    rng = np.random.default_rng(0)
+    head = helper.make_tensor("head", onnx.TensorProto.INT32, [4], [0, 0, 1, 1])
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1"),
+             helper.make_node("Constant", [], ["p0"], name="p0", value=head),
+             helper.make_node("Concat", ["p0", "p0"], ["p1"], name="p1", axis=0),
+             helper.make_node("Cast", ["p1"], ["pads"], name="pads", to=onnx.TensorProto.INT64),
+             helper.make_node("Pad", ["c1", "pads"], ["padded"], name="pad"),
+             helper.make_node("Conv", ["padded", "w2", "b2"], ["y"], name="conv2")]
+    inits = [graphs.init("w1", rng.normal(0, 0.3, (4, 3, 1, 1)).astype(np.float32)),
+             graphs.init("b1", np.zeros(4, np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32)),
+             graphs.init("b2", np.zeros(4, np.float32))]
+    path = tmp_path / "m.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 3, 6, 6])], [graphs.tensor("y", None)], inits), path)
+    data = graphs.write_samples(tmp_path / "data", rng, (3, 6, 6), count=8)
+    out = tmp_path / "int8.onnx"
+    result = CliRunner().invoke(main, ["quantize", str(path), "--data", str(data), "--bias-correction", "fast",
+                                       "--config", str(graphs.mechanics_yaml(tmp_path)), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    written = onnx.load(out)
+    assert {n.op_type for n in written.graph.node} >= {"Pad", "Concat", "Cast"}  # the chain as exported
+    ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": np.ones((1, 3, 6, 6),
+                                                                                              np.float32)})

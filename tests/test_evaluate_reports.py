@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -267,3 +268,65 @@ def test_shards_merged_give_the_single_report(effnet, tmp_path):
         assert result.exit_code == 2 and message in result.output, result.output
     other_model = runner.invoke(main, ["evaluate", str(EFFNET), str(EFFNET), "--merge", *map(str, parts)])
     assert other_model.exit_code == 2 and "other models" in other_model.output
+
+
+def test_an_output_of_one_value_per_sample_has_its_cosine_over_the_samples(tmp_path):
+    """A score output ([N, 1]) has no per-sample cosine: per sample it would be 1 wherever the sign
+    holds. evaluate reports the cosine of its values over all samples, the same in one batch or
+    many; here the "int8" model scores each sample from another input channel, keeping every sign."""
+    from qtool import api
+
+    def scorer(path, column):
+        w = np.zeros((4, 1), np.float32)
+        w[column] = 1.0
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+                 helper.make_node("Sigmoid", ["m"], ["score"], name="sig")]
+        onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 4])], [graphs.tensor("score", ["N", 1])],
+                               [graphs.init("w", w)]), path)
+
+    rng = np.random.default_rng(0)
+    scorer(tmp_path / "fp32.onnx", 0)
+    scorer(tmp_path / "other.onnx", 1)
+    data = tmp_path / "data"
+    data.mkdir()
+    x = rng.normal(0, 3, (12, 4)).astype(np.float32)
+    for i in range(12):
+        np.save(data / f"s{i:02d}.npy", x[i:i + 1])
+    ref, test = 1 / (1 + np.exp(-x[:, 0].astype(np.float64))), 1 / (1 + np.exp(-x[:, 1].astype(np.float64)))
+    want = float(ref @ test / np.sqrt((ref @ ref) * (test @ test)))
+    for batch in ("1", "4"):
+        config = tmp_path / f"b{batch}.yaml"
+        config.write_text(f"evaluation:\n  batch_size: {batch}\n  runs: 2\n")
+        report = api.evaluate(tmp_path / "fp32.onnx", tmp_path / "other.onnx", data, config, progress=False)
+        assert report.outputs["score"]["cosine"] == pytest.approx(want, abs=1e-6)
+        assert report.outputs["score"]["cosine"] < 0.95
+
+
+def test_a_model_that_quantizes_at_run_time_is_evaluated_one_sample_at_a_time(tmp_path):
+    """DynamicQuantizeLinear takes one range over its whole input: in a batch of 8 a sample's int8
+    output would depend on the samples beside it. evaluate measures such a model one sample at a
+    time (with a warning), so its figures are those of batch 1 whatever the configured batch."""
+    from qtool import api
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")]
+    inits = [graphs.init("w1", rng.normal(0, 0.3, (16, 32)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (32, 8)).astype(np.float32))]
+    model, int8 = tmp_path / "m.onnx", tmp_path / "m.int8.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 16])], [graphs.tensor("y", ["N", 8])], inits), model)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(16):  # samples of very different scales: a shared range would coarsen the small ones
+        np.save(data / f"s{i:02d}.npy", rng.normal(0, 10.0 ** (i % 4 - 2), (1, 16)).astype(np.float32))
+    assert run_qtool("quantize", model, "--data", data, "--matmul", "dynamic", "-o", int8).returncode == 0
+    assert any(n.op_type == "DynamicQuantizeLinear" for n in onnx.load(int8).graph.node)
+    figures = {}
+    for batch in (1, 8):
+        config = tmp_path / f"b{batch}.yaml"
+        config.write_text(f"evaluation:\n  batch_size: {batch}\n  runs: 2\n")
+        with pytest.warns(UserWarning, match="one sample at a time") if batch > 1 else contextlib.nullcontext():
+            report = api.evaluate(model, int8, data, config, progress=False)
+        figures[batch] = report.outputs["y"]
+    assert figures[8] == figures[1]

@@ -303,3 +303,76 @@ def test_a_model_output_that_is_a_constant(tmp_path):
     outputs = session.run(None, {"x": np.zeros((1, 8, 12, 12), np.float32)})
     assert [o.name for o in session.get_outputs()] == ["y", "k"]
     assert np.array_equal(outputs[1], np.arange(6, dtype=np.float32))
+
+
+def test_a_node_kept_float_leaves_the_float_tail_before_it_as_it_was(tmp_path):
+    """x -> Conv -> Sin -> Tanh -> Reshape -> Add(+ the Conv's output) -> y: the Tanh reaches the output
+    through float ops, so the all-int8 plan computes it in float and calibration measures no range
+    for it. With the Reshape after it settled float (as the speed rule settles nodes), the Tanh
+    stays in that tail: it needs no range the job's table lacks (was exit 2, "calibration table
+    has no entry for ... Tanh"), and the model is the all-int8 one's but for the Reshape."""
+    from click.testing import CliRunner
+
+    from qtool.cli import main
+    from qtool.plan.planner import prepared_model
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Sin", ["c"], ["s"], name="sin"),
+             helper.make_node("Tanh", ["s"], ["t"], name="tanh"),
+             helper.make_node("Reshape", ["t", "shape"], ["r"], name="reshape"),
+             helper.make_node("Reshape", ["c", "shape"], ["r2"], name="reshape_c"),
+             helper.make_node("Add", ["r", "r2"], ["y"], name="add")]
+    inits = [graphs.init("w", rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32)),
+             graphs.init("shape", np.array([-1, 4 * 36], np.int64))]
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", 4, 6, 6])], [graphs.tensor("y", None)], inits)
+    path = tmp_path / "model.onnx"
+    onnx.save(m, path)
+    plain = QuantizeConfig()
+    from qtool.config import with_options
+
+    kept = with_options(plain, float_nodes=("reshape",))
+    _, all_int8 = prepared_model(path, plain)
+    _, with_kept = prepared_model(path, kept)
+    assert "t" not in all_int8.activations and "s" not in all_int8.activations
+    assert set(with_kept.activations) <= set(all_int8.activations)
+
+    data = graphs.write_samples(tmp_path / "data", rng, (4, 6, 6), count=8)
+    config = graphs.mechanics_yaml(tmp_path, "    float_nodes: [reshape]\n")
+    out = tmp_path / "int8.onnx"
+    result = CliRunner().invoke(main, ["quantize", str(path), "--data", str(data), "--config", str(config),
+                                       "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    written = onnx.load(out)
+    assert {n.input[0] for n in written.graph.node if n.op_type == "QuantizeLinear"} <= set(all_int8.activations)
+    assert any(n.op_type == "Tanh" and n.output[0] == "t" for n in written.graph.node)
+
+
+def test_a_range_missing_from_the_jobs_own_table_is_qtools_bug_and_from_a_given_table_the_users(tmp_path,
+                                                                                               monkeypatch):
+    """A table the user gives may lack a range the plan needs (exit 2, "calibrate this model again");
+    the table the job calibrated itself never should: that is an InternalError (exit 3), not a
+    message sending the user to calibrate again."""
+    from dataclasses import replace
+
+    from qtool import api
+    from qtool.config import load_config
+    from qtool.errors import InternalError, MissingRanges
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "model.onnx"
+    onnx.save(graphs.conv_model(rng), path)
+    data = graphs.write_samples(tmp_path / "data", rng, (8, 12, 12), count=8)
+    config = graphs.mechanics_yaml(tmp_path)
+    calibrated = api._calibrated
+
+    def lacking(*args, **kwargs):
+        table, measured, ranges = calibrated(*args, **kwargs)
+        return replace(table, tensors={k: v for k, v in table.tensors.items() if k != "x"}), measured, ranges
+
+    monkeypatch.setattr(api, "_calibrated", lacking)
+    with pytest.raises(InternalError, match="own calibration"):
+        api.quantize(path, data=data, config=config, progress=False)
+    given, _, _ = lacking(path, data, load_config(config), False, None)
+    with pytest.raises(MissingRanges, match="calibrate this model again"):
+        api.quantize(path, table=given, data=data, config=config, progress=False)

@@ -36,6 +36,7 @@ from qtool.evaluation.metrics import FidelityAccumulator
 from qtool.evaluation.task import Task, compare_batch, resolve_task
 from qtool.graph.executor import Engine
 from qtool.graph.modelio import external_files, input_specs, load_model, output_names
+from qtool.graph.index import scoped_nodes
 from qtool.quantization.rewrite import DQ_SUFFIX
 from qtool.graph.runtime import create_session
 from qtool.evaluation.report import EvaluationReport
@@ -82,7 +83,7 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     source = open_data(inputs.data, specs, preprocess)
     if engine is not None:
         check_shippable(source, "evaluation on workers (--dask, executor=)")
-    cfg = runnable_batch_size(inputs.fp32, source, cfg)
+    cfg = per_sample_if_quantized_at_run_time(int8_model, runnable_batch_size(inputs.fp32, source, cfg))
     labels = labels_for(source, inputs.labels) if inputs.labels else None
     if engine is None:
         run = _compare(inputs, source, labels, outputs, cfg, detection, progress)
@@ -108,6 +109,25 @@ def runnable_batch_size(fp32: Path, source, cfg: EvaluateConfig) -> EvaluateConf
         return cfg
     warnings.warn(f"evaluating one sample at a time: the model does not take the batches its "
                   f"dynamic first axis declares: {reason}", stacklevel=2)
+    return replace(cfg, batch_size=1)
+
+
+# ops that quantize an activation at run time with one range over the whole tensor, batch included
+RUN_TIME_RANGES = ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
+
+
+def per_sample_if_quantized_at_run_time(int8: onnx.ModelProto, cfg: EvaluateConfig) -> EvaluateConfig:
+    """cfg with batch_size 1, and a warning saying why, when the int8 model quantizes activations at
+    run time: their range spans the batch, so in a batch of several a sample's int8 output would
+    depend on the samples beside it, and the figures would not be those of any one input."""
+    if cfg.batch_size == 1:
+        return cfg
+    found = sorted({n.op_type for n in scoped_nodes(int8.graph) if n.op_type in RUN_TIME_RANGES})
+    if not found:
+        return cfg
+    warnings.warn(f"evaluating one sample at a time: the int8 model quantizes activations at run time "
+                  f"({', '.join(found)}) with one range per batch, so batched samples would change each "
+                  f"other's int8 outputs", stacklevel=2)
     return replace(cfg, batch_size=1)
 
 

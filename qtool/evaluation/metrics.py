@@ -75,7 +75,10 @@ def add_counts(total, part, names: Iterable[str]) -> None:
 
 @dataclass
 class FidelityAccumulator:
-    """Reference vs test tensor: SQNR over everything, mean per-sample cosine, abs errors."""
+    """Reference vs test tensor: SQNR over everything, mean per-sample cosine, abs errors. An output
+    of one value per sample (a score, a presence flag: [N, 1], [N], a 0-d scalar at batch 1) has no
+    per-sample cosine (it would be 1 wherever the sign holds): its cosine is that of its values over
+    all samples."""
 
     signal: float = 0.0
     noise: float = 0.0
@@ -84,6 +87,9 @@ class FidelityAccumulator:
     abs_sum: float = 0.0
     abs_max: float = 0.0
     values: int = 0
+    dot: float = 0.0  # sum of ref * test, and of test * test: the cosine over samples
+    test_power: float = 0.0
+    width: int = 0  # the most values a sample's row had
 
     def update(self, ref: np.ndarray, test: np.ndarray, samples: Optional[int] = None) -> np.ndarray:
         """Add one batch (of `samples` samples, when known: see rows()); returns its cosines, one per
@@ -95,6 +101,10 @@ class FidelityAccumulator:
         self.abs_sum += float(np.sum(np.abs(diff)))
         self.abs_max = max(self.abs_max, float(np.max(np.abs(diff))) if diff.size else 0.0)
         self.values += diff.size
+        self.dot += float(np.sum(ref * test))
+        self.test_power += float(np.sum(test * test))
+        if ref.size:
+            self.width = max(self.width, rows(ref, samples).shape[1])
         cos = sample_cosines(ref, test, samples)
         self.cosine_sum += float(np.sum(cos))
         self.samples += len(cos)
@@ -110,10 +120,22 @@ class FidelityAccumulator:
         self.abs_sum += other.abs_sum
         self.abs_max = max(self.abs_max, other.abs_max)
         self.values += other.values
+        self.dot += other.dot
+        self.test_power += other.test_power
+        self.width = max(self.width, other.width)
+
+    def cosine(self) -> float:
+        """The mean per-sample cosine; over the samples for an output of one value per sample."""
+        if not self.samples:
+            return math.nan
+        if self.width == 1:
+            norms = math.sqrt(self.signal * self.test_power)
+            return self.dot / norms if norms > 0 else (1.0 if self.noise == 0 else 0.0)
+        return self.cosine_sum / self.samples
 
     def result(self) -> dict[str, float]:
         return {
-            "cosine": self.cosine_sum / self.samples if self.samples else math.nan,
+            "cosine": self.cosine(),
             "sqnr_db": sqnr_db(self.signal, self.noise),
             "max_abs_error": self.abs_max,
             "mean_abs_error": self.abs_sum / self.values if self.values else math.nan,

@@ -177,6 +177,7 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
         plan.notes.append(f"blocks kept float ({len(blocks.nodes)} nodes): {found}")
     rules: dict[int, OpRule] = {}
     chosen_float: set[int] = set()  # float by the options, the search or the latency choice
+    chosen_rules: dict[int, OpRule] = {}  # ... and their rules, where they would be int8 otherwise
     for index, node in enumerate(graph.node):
         rule = rule_for(node.op_type, node.domain)
         label = node_label(node)
@@ -185,6 +186,9 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             plan.float_nodes.append(f"{label} ({node.op_type})")
             if chosen:
                 chosen_float.add(index)
+                if (rule is not None and label not in blocks.nodes and _float_note(node, rule, ctx, target_of(options))
+                        is None and (not rule.applies or rule.applies(node, ctx))):
+                    chosen_rules[index] = rule
             continue
         note = _float_note(node, rule, ctx, target_of(options))
         if note is not None or (rule.applies and not rule.applies(node, ctx)):
@@ -229,7 +233,9 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
             fused.add(out)
 
     quantized, ordered = scope.quantized, scope.ordered
-    tail = _float_tail(nodes, rules, ctx, fused) if target_of(options).float_outputs else set()
+    # the tail as if the chosen float nodes were int8: a node kept float leaves its neighbours as they
+    # were (a tensor the all-int8 plan leaves float never gets a Q/DQ, nor needs a range, for it)
+    tail = _float_tail(nodes, {**rules, **chosen_rules}, ctx, fused) if target_of(options).float_outputs else set()
 
     def want(name: str) -> None:
         if (name and name not in quantized and ctx.is_float(name) and not ctx.is_constant(name) and name not in fused

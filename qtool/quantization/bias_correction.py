@@ -127,6 +127,20 @@ def _fp32_means(model: onnx.ModelProto, targets: list[_Target], data: list[Batch
     return {name: m.values for name, m in means.items()}
 
 
+def _constants_read(part: list[onnx.NodeProto], const_nodes: dict[str, onnx.NodeProto],
+                    nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The constant nodes `part` reads, and the constant nodes those read in turn (a Pad's amounts
+    built by a chain of Constant/Concat/Reshape/Cast nodes), in graph order."""
+    needed: set[int] = set()
+    stack = [name for node in part for name in node.input]
+    while stack:
+        node = const_nodes.get(stack.pop())
+        if node is not None and id(node) not in needed:
+            needed.add(id(node))
+            stack.extend(node.input)
+    return [node for node in nodes if id(node) in needed]
+
+
 def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantPlan, data: Iterable[Batch],
                    threads: int = 0) -> BiasCorrectionReport:
     """Correct the int32 biases of `qmodel` (the QDQ model of `model`) in place."""
@@ -160,8 +174,7 @@ def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantP
         end = position[target.node] + 1
         part = compute[start:end]
         made = {o for n in part for o in n.output}
-        needed_consts = [const_nodes[name] for name in dict.fromkeys(x for n in part for x in n.input)
-                         if name in const_nodes]
+        needed_consts = _constants_read(part, const_nodes, nodes)
         inputs = {name: cache[0][name] for name in dict.fromkeys(x for n in part for x in n.input)
                   if name and name not in constant and name not in made}
         outputs = [o for o in dict.fromkeys(o for n in part for o in n.output)

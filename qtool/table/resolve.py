@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qtool.config import QuantizeConfig
-from qtool.errors import QtoolError
+from qtool.errors import MissingRanges
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import MIN_SCALE, QParams, activation_qparams, include_zero
 from qtool.table.table import CalibrationTable
@@ -72,8 +72,8 @@ def params_from_table(plan: QuantPlan, table: CalibrationTable, options: Quantiz
     missing = [name for name in plan.activations if name not in table.tensors]
     if missing and not allow_missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise QtoolError(f"calibration table has no entry for {len(missing)} tensor(s) the model needs: {shown} "
-                         "(calibrate this model again, or pass --allow-missing to keep them in float)", table_path)
+        raise MissingRanges(f"calibration table has no entry for {len(missing)} tensor(s) the model needs: {shown} "
+                            "(calibrate this model again, or pass --allow-missing to keep them in float)", table_path)
     ranges = {name: table.tensors[name].range for name in plan.activations if name in table.tensors}
     _, computed = resolve_qparams(plan, ranges, options)
     params = {}
