@@ -16,10 +16,12 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def as_probabilities(x: np.ndarray) -> np.ndarray:
-    """Rows that already are distributions stay as they are; logits go through softmax."""
+    """Rows that already are distributions (summing to 1 within 1e-3) are made to sum to exactly 1
+    (an int8 model's rounded probabilities may sum to 1.0004, and KL against them would go below
+    0); logits go through softmax."""
     x = x.astype(np.float64)
     if x.min() >= 0 and np.allclose(x.sum(axis=-1), 1.0, atol=1e-3):
-        return x
+        return x / x.sum(axis=-1, keepdims=True)
     return softmax(x)
 
 
@@ -187,7 +189,9 @@ class ClassificationAccumulator:
 
     def result(self) -> dict:
         out = {"samples": self.samples, "agreement": self.agree / self.samples if self.samples else math.nan,
-               "mean_kl": self.kl_sum / self.samples if self.samples else math.nan, "labelled": self.labelled}
+               # eps-smoothed terms can sum a hair below 0 where the two models agree: KL is never negative
+               "mean_kl": max(0.0, self.kl_sum / self.samples) if self.samples else math.nan,
+               "labelled": self.labelled}
         if self.labelled:
             n = self.labelled
             out.update({
