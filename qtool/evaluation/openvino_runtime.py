@@ -70,7 +70,15 @@ class CompiledModel:
             raise QtoolError(f"OpenVINO cannot compile it: {_reason(exc)}",
                              label or (model if isinstance(model, (str, Path)) else "model")) from exc
         self.request = self.compiled.create_infer_request()
-        self.names = [o.get_any_name() for o in self.compiled.outputs]
+        # a port has several names (an output behind an Identity: the graph output's and the node's);
+        # it answers to any of them and is listed by the graph's own output name where it has one
+        graph_outputs = _graph_outputs(model)
+        ports = [o.get_names() for o in self.compiled.outputs]
+        self.names = [next((n for n in sorted(names) if n in graph_outputs), o.get_any_name())
+                      for names, o in zip(ports, self.compiled.outputs)]
+        self.port = {name: i for i, names in enumerate(ports) for name in names}
+        # OpenVINO drops a graph input no node reads (when read from bytes): such an input is not fed
+        self.inputs = {name for i in self.compiled.inputs for name in i.get_names()}
 
     def get_outputs(self) -> list:
         """The outputs' names, as onnxruntime's session lists them (`.name`)."""
@@ -79,9 +87,8 @@ class CompiledModel:
         return [SimpleNamespace(name=name) for name in self.names]
 
     def run(self, outputs: Optional[list[str]], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        result = self.request.infer(feeds)
-        by_name = {self.names[i]: np.array(value) for i, value in enumerate(result.values())}
-        return [by_name[name] for name in (outputs or self.names)]
+        values = list(self.request.infer({k: v for k, v in feeds.items() if k in self.inputs}).values())
+        return [np.array(values[self.port[name]]) for name in (outputs or self.names)]
 
     def layers(self) -> dict:
         """The runtime model's heavy ops and how many run in int8, and the FakeQuantize ops left
@@ -93,6 +100,15 @@ class CompiledModel:
         heavy = [precision for kind, precision in kinds if kind in HEAVY_OPS]
         return {"heavy_ops": len(heavy), "int8_heavy_ops": sum(p in INT8 for p in heavy),
                 "unfused_fake_quantize": sum(kind == "FakeQuantize" for kind, _ in kinds)}
+
+
+def _graph_outputs(model) -> set[str]:
+    """The ONNX graph's output names (a path: read without its weights)."""
+    if isinstance(model, (str, Path)):
+        import onnx
+
+        model = onnx.load(str(model), load_external_data=False)
+    return {o.name for o in model.graph.output}
 
 
 def _reason(exc: Exception) -> str:
