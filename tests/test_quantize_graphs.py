@@ -376,3 +376,26 @@ def test_a_range_missing_from_the_jobs_own_table_is_qtools_bug_and_from_a_given_
     given, _, _ = lacking(path, data, load_config(config), False, None)
     with pytest.raises(MissingRanges, match="calibrate this model again"):
         api.quantize(path, table=given, data=data, config=config, progress=False)
+
+
+def test_a_cast_to_the_type_its_input_has_goes_like_an_identity(tmp_path):
+    """TensorFlow exports leave a Cast to float after many float ops: a copy of the tensor that, kept,
+    would sit between Q/DQ pairs in float and split the Conv -> Relu -> Conv chain. It goes in
+    prepare; a Cast that changes the type stays."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Cast", ["c1"], ["c1f"], name="same", to=TensorProto.FLOAT),
+             helper.make_node("Relu", ["c1f"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Cast", ["c2"], ["c2i"], name="whole", to=TensorProto.INT32),
+             helper.make_node("Cast", ["c2i"], ["y"], name="back", to=TensorProto.FLOAT)]
+    inits = [graphs.init("w1", rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32))]
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", 4, 6, 6])], [graphs.tensor("y", None)], inits)
+    path, result, _ = _quantize(tmp_path, m, (4, 6, 6))
+    casts = [n.name for n in result.model.graph.node if n.op_type == "Cast"]
+    assert "same" not in casts and {"whole", "back"} <= set(casts)
+    quantized = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert "c1" not in quantized and "c1f" not in quantized  # the Relu fuses into conv1: one int8 chain
+    x = np.random.default_rng(1).normal(0, 1, (2, 4, 6, 6)).astype(np.float32)
+    assert _run(result.model, x).shape == _run(str(path), x).shape

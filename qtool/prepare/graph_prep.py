@@ -24,7 +24,7 @@ from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, defaul
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
 from qtool.graph.modelio import copy_model, file_key, kept, load_model
 from qtool.graph.movement import compute
-from qtool.graph.shapes import infer_shapes
+from qtool.graph.shapes import elem_types, infer_shapes, inferred
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.prepare.float16 import widen_float16
 from qtool.prepare.fused_activations import write_out_fused_activations
@@ -243,16 +243,22 @@ def outputs_made_by_nodes(model: onnx.ModelProto) -> int:
 
 
 def remove_identities(model: onnx.ModelProto) -> None:
-    """Drop Identity and inference-mode Dropout nodes, wiring their consumers to the input."""
+    """Drop Identity and inference-mode Dropout nodes, and Casts to the type their input already
+    has (TensorFlow exports leave one after many ops: each a copy of its tensor, and between Q/DQ
+    pairs a float op that splits int8 chains), wiring their consumers to the input."""
     # Graph outputs keep their names; so do names read inside subgraphs (rewiring those
     # would mean editing the bodies too).
     fixed_names = {o.name for o in model.graph.output}
     fixed_names |= {name for node in model.graph.node for name in body_reads(node)}
+    casts = any(node.op_type == "Cast" for node in model.graph.node)
+    types = {**elem_types(inferred(model, data_prop=False)), **{t.name: t.data_type for t in model.graph.initializer}} \
+        if casts else {}
     rename: dict[str, str] = {}
     keep = []
     for node in model.graph.node:
         passthrough = node.op_type == "Identity" or (
-            node.op_type == "Dropout" and (len(node.output) == 1 or not node.output[1]))
+            node.op_type == "Dropout" and (len(node.output) == 1 or not node.output[1])) or (
+            node.op_type == "Cast" and types.get(node.input[0], 0) == attribute(node, "to"))
         if passthrough and node.domain in ("", "ai.onnx") and node.output[0] not in fixed_names:
             source = node.input[0]
             rename[node.output[0]] = rename.get(source, source)
