@@ -40,6 +40,7 @@ from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
 from qtool.graph.runtime import job_model
+from qtool.plan.planner import check_quantizable_ops
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
 from qtool.table.formats import read_table
 from qtool.table.table import CalibrationTable, smoothed_options
@@ -213,6 +214,7 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
             else contextlib.nullcontext() as engine:
         table_path, measured, ranges = None, [], None
         fp32_model = load_model(model)
+        check_quantizable_ops(fp32_model, model)
         specs = input_specs(fp32_model)
         sized = []
         if data is not None:  # before anything runs on batches: calibration, the choices, the search

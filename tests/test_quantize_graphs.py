@@ -399,3 +399,32 @@ def test_a_cast_to_the_type_its_input_has_goes_like_an_identity(tmp_path):
     assert "c1" not in quantized and "c1f" not in quantized  # the Relu fuses into conv1: one int8 chain
     x = np.random.default_rng(1).normal(0, 1, (2, 4, 6, 6)).astype(np.float32)
     assert _run(result.model, x).shape == _run(str(path), x).shape
+
+
+def test_a_model_of_no_op_qtool_quantizes_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """A float model whose ops have no int8 form (a scikit-learn scaler; a 194 MB tree ensemble took
+    100 s of calibration and choices to write a copy of itself) is refused from the model as given,
+    before any onnxruntime session: exit 2, one line naming its ops."""
+    from qtool import api
+    from qtool.errors import QtoolError
+    from qtool.graph import runtime
+
+    nodes = [helper.make_node("Scaler", ["x"], ["s"], domain="ai.onnx.ml", offset=[0.5] * 4, scale=[2.0] * 4),
+             helper.make_node("Cast", ["s"], ["y"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "scaler", [graphs.tensor("x", ["N", 4])], [graphs.tensor("y", ["N", 4])])
+    m = helper.make_model(graph,
+                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    m.ir_version = 8
+    path = tmp_path / "scaler.onnx"
+    onnx.save(m, path)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(4):
+        np.save(data / f"s{i}.npy", np.random.default_rng(i).normal(0, 1, (1, 4)).astype(np.float32))
+    sessions = []
+    made = runtime._session
+    monkeypatch.setattr(runtime, "_session", lambda source, options, label: sessions.append(label)
+                        or made(source, options, label))
+    with pytest.raises(QtoolError, match=r"no node of the model is of an op qtool quantizes \(ops: Cast, Scaler\)"):
+        api.quantize(path, data=data, progress=False)
+    assert sessions == []
