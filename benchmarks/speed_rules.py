@@ -242,7 +242,8 @@ def candidates(name: str, kit: Path, out: Path) -> None:
     from models import _samples, data_split
     from qtool.graph.index import node_label
     from qtool.plan.planner import build_plan
-    from qtool.plan.speed import _values, cost_terms, float_for_speed, sample_shapes
+    from qtool.graph.runtime import tensor_dims
+    from qtool.plan.speed import _values, cost_terms, float_for_speed
     from qtool.quantization.quantize import _unequalize_float_chains
 
     model = kit / "models" / f"{name}.onnx"
@@ -257,7 +258,7 @@ def candidates(name: str, kit: Path, out: Path) -> None:
     c = CAUGHT
     graph, plan = c["model"], c["plan"]
     feeds = _samples(held, model, preprocess, 1)[0]
-    shapes = sample_shapes(graph, feeds)
+    shapes = tensor_dims(graph, feeds)
     terms = cost_terms(graph, plan, shapes, c["options"])
     q = [label for label in plan.quantized_nodes if label in terms.nodes]
     n = len(q)

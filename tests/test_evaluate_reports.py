@@ -345,3 +345,29 @@ def test_kl_of_probability_outputs_that_sum_a_hair_over_one_is_never_negative():
     same = ClassificationAccumulator()
     same.update(ref, ref.copy(), [None, None])
     assert same.result()["mean_kl"] == 0.0
+
+
+def test_macs_count_the_maps_behind_a_pad_whose_amounts_are_computed(tmp_path):
+    """A TensorFlow export computes a Pad's amounts at run time; shape inference then loses the
+    padded map's height and width, and the Conv after it counted one output pixel (5.9 M MACs for
+    a ResNet of 1069 M). evaluate takes the dims of a run: here 8 x 8 x 3 x 3 x 4 x 4 per sample."""
+    from qtool import api
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("ReduceMax", ["x"], ["mx"], keepdims=0, name="max"),
+             helper.make_node("Mul", ["mx", "zero"], ["z"], name="zero_it"),
+             helper.make_node("Add", ["z", "ones"], ["pf"], name="pads_f"),
+             helper.make_node("Cast", ["pf"], ["pads"], to=onnx.TensorProto.INT64, name="pads_i"),
+             helper.make_node("Pad", ["x", "pads"], ["p"], name="pad"),
+             helper.make_node("Conv", ["p", "w"], ["y"], name="conv")]
+    inits = [graphs.init("zero", np.zeros((), np.float32)),
+             graphs.init("ones", np.array([0, 0, 1, 1, 0, 0, 1, 1], np.float32)),
+             graphs.init("w", rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32))]
+    model = tmp_path / "m.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", ["N", 4, 8, 8])], [graphs.tensor("y", ["N", 4, "H", "W"])],
+                           inits), model)
+    data = graphs.write_samples(tmp_path / "data", rng, (4, 8, 8), count=8)
+    int8 = tmp_path / "int8.onnx"
+    assert run_qtool("quantize", model, "--data", data, "-o", int8).returncode == 0
+    report = api.evaluate(model, int8, data, {"evaluation": {"runs": 2}}, progress=False)
+    assert report.macs["total"] == 8 * 8 * 3 * 3 * 4 * 4

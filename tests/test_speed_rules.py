@@ -10,7 +10,8 @@ from onnx import helper
 
 from qtool.config import AdvancedConfig, QuantizeConfig
 from qtool.plan.planner import build_plan
-from qtool.plan.speed import COSTS, Costs, cost_terms, float_for_speed, sample_shapes
+from qtool.graph.runtime import tensor_dims
+from qtool.plan.speed import COSTS, Costs, cost_terms, float_for_speed
 from tests.graphs import init, model, tensor
 
 FLOAT_FORM = QuantizeConfig(advanced=AdvancedConfig(hard_activations="float"))  # the hard-swish's float form (DQ, op, Q)
@@ -84,7 +85,7 @@ def squeeze_excite(rng, channels=64):
 
 
 def decide(built, options=FLOAT_FORM, costs: Costs = COSTS) -> tuple[list[str], list[str]]:
-    shapes = sample_shapes(built, {i.name: np.zeros([d.dim_value for d in i.type.tensor_type.shape.dim],
+    shapes = tensor_dims(built, {i.name: np.zeros([d.dim_value for d in i.type.tensor_type.shape.dim],
                                                     np.float32) for i in built.graph.input})
     return float_for_speed(built, build_plan(built, options), shapes, options, costs)
 
@@ -138,7 +139,7 @@ def test_a_cost_planted_wrong_changes_a_decision(planted):
 def test_integer_form_costs_fewer_passes_than_float_form():
     """The hard-swish's integer form (QLinearAdd + QLinearMul) adds two passes, its float form four."""
     built = mobile_block(np.random.default_rng(4))
-    shapes = sample_shapes(built, {"x": np.zeros((1, 16, 112, 112), np.float32)})
+    shapes = tensor_dims(built, {"x": np.zeros((1, 16, 112, 112), np.float32)})
     integer = cost_terms(built, build_plan(built, QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer"))), shapes,
                          QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer")))
     floated = cost_terms(built, build_plan(built, FLOAT_FORM), shapes, FLOAT_FORM)

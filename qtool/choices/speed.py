@@ -14,7 +14,8 @@ from typing import Callable, Iterable, Optional
 from qtool.choices.decision import Decision
 from qtool.config import Config
 from qtool.data.dataset import Batch
-from qtool.plan.speed import float_for_speed, sample_shapes
+from qtool.graph.runtime import tensor_dims
+from qtool.plan.speed import float_for_speed
 from qtool.quantization.quantize import SharedGraphs, ranges_only, reference_batch
 from qtool.table.table import CalibrationTable, smoothed_options
 from qtool.targets import target_of
@@ -41,5 +42,5 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
     feeds = first.feeds if first is not None else reference_batch(graph.model, None, smoothed)
     if feeds is None:
         return Decision(OPTION, (), "speed rule: no inputs the model runs on, so no shapes")
-    labels, reasons = float_for_speed(graph.model, graph.plan, sample_shapes(graph.model, feeds), options)
+    labels, reasons = float_for_speed(graph.model, graph.plan, tensor_dims(graph.model, feeds), options)
     return Decision(OPTION, tuple(labels), RULE, details=tuple(reasons))

@@ -38,7 +38,7 @@ from qtool.graph.executor import Engine
 from qtool.graph.modelio import external_files, input_specs, load_model, output_names
 from qtool.graph.index import scoped_nodes
 from qtool.quantization.rewrite import DQ_SUFFIX
-from qtool.graph.runtime import create_session
+from qtool.graph.runtime import create_session, tensor_dims
 from qtool.evaluation.report import EvaluationReport
 from qtool.evaluation.sensitivity import layer_sensitivity
 from qtool.table.table import load_table, smoothed_options
@@ -98,7 +98,16 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
     sensitivity = _sensitivity(inputs, quantization, run.subset, progress, engine, source, cfg.batch_size) \
         if cfg.sensitivity else None
     return build_report(inputs, int8_model, source.root is not None, run.task, run.fidelity, run.samples,
-                        sample_shapes(run.first_batch.feeds), latency, cfg, per_layer, sensitivity)
+                        _sample_dims(int8_model, run.first_batch.feeds), latency, cfg, per_layer, sensitivity)
+
+
+def _sample_dims(int8: onnx.ModelProto, feeds: dict) -> dict:
+    """Every tensor's dims for one sample of the first batch, from a run of the int8 model where
+    inference leaves them open; the input shapes alone where that run fails."""
+    try:
+        return {**sample_shapes(feeds), **tensor_dims(int8, feeds)}
+    except Exception:  # noqa: BLE001 - the MACs fall back to shape inference from the inputs
+        return sample_shapes(feeds)
 
 
 def runnable_batch_size(fp32: Path, source, cfg: EvaluateConfig) -> EvaluateConfig:
@@ -156,7 +165,7 @@ def build_report(inputs: EvaluateInputs, int8_model: onnx.ModelProto, folder: bo
                  fidelity: dict[str, FidelityAccumulator], samples: int, shapes: dict, latency: dict,
                  cfg: EvaluateConfig, per_layer: Optional[dict] = None,
                  sensitivity: Optional[dict] = None) -> EvaluationReport:
-    """The report of the merged figures (`shapes`: the first batch's input shapes, for the MACs),
+    """The report of the merged figures (`shapes`: one sample's tensor dims, for the MACs),
     with the threshold verdicts."""
     sizes = {"fp32": _size(inputs.fp32), "int8": _size(inputs.int8)}
     macs = int8_macs(int8_model, shapes)

@@ -43,7 +43,9 @@ class MacSummary:
 
 def tensor_shapes(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Sequence[int]]]) -> dict[str, list[int]]:
     """Tensor name -> dims (unknown dims as 1) after shape inference (qtool.graph.shapes: the
-    model is not copied, and a model over 2 GiB is inferred like any other)."""
+    model is not copied, and a model over 2 GiB is inferred like any other). `input_shapes` may hold
+    other tensors' dims too (qtool.graph.runtime.tensor_dims: a run's): those win over inference,
+    which loses a map's height and width behind a Pad whose amounts are computed."""
     graph = inferred(model, input_shapes=input_shapes).graph
     shapes: dict[str, list[int]] = {}
     for value in list(graph.input) + list(graph.value_info) + list(graph.output):
@@ -52,6 +54,7 @@ def tensor_shapes(model: onnx.ModelProto, input_shapes: Optional[Mapping[str, Se
                                   for d in value.type.tensor_type.shape.dim]
     for init in graph.initializer:
         shapes[init.name] = list(init.dims)
+    shapes.update({name: list(dims) for name, dims in (input_shapes or {}).items()})
     return shapes
 
 

@@ -7,7 +7,7 @@ import contextvars
 import os
 import re
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 import numpy as np
 import onnx
@@ -15,7 +15,9 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from qtool.graph import modelio
+from qtool.graph.edit import with_outputs
 from qtool.graph.index import names_read, tensor_bytes
+from qtool.graph.shapes import declared_shapes, inferred
 from qtool.errors import InternalError, LoadRefused, QtoolError, RunRefused, allocation_failure
 
 
@@ -258,3 +260,36 @@ def time_sessions(sessions: dict[str, ort.InferenceSession], feeds: dict[str, np
             sessions[name].run(None, feeds)
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def tensor_dims(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    """Static dims of the main graph's tensors for the first sample of `feeds` (batch 1 where every
+    input is batched along axis 0): shape inference first, then one onnxruntime run for the tensors it
+    leaves open (shapes computed at run time: Reshape targets from Shape, a transformer's sequence)."""
+    one = dict(feeds)
+    leading = {v.shape[0] for v in one.values() if getattr(v, "ndim", 0)}
+    if len(leading) == 1 and all(getattr(v, "ndim", 0) for v in one.values()):
+        one = {k: v[:1] for k, v in one.items()}
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    del light.graph.value_info[:]  # the exporter's open dims would stay open
+    for value in light.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    known = declared_shapes(inferred(light, data_prop=True, input_shapes={k: v.shape for k, v in one.items()}))
+    shapes = {name: tuple(dims) for name, dims in known.items() if _static(dims)}
+    missing = [name for node in model.graph.node for name in node.output if name and name not in shapes]
+    if missing:
+        try:
+            session = create_session(with_outputs(model, missing), 1, "shapes")
+            wanted = [o.name for o in session.get_outputs() if o.name in set(missing)]
+            for name, value in zip(wanted, session.run(wanted, one)):
+                if isinstance(value, np.ndarray):
+                    shapes[name] = tuple(int(d) for d in value.shape)
+        except Exception:  # noqa: BLE001 - those shapes stay unknown, and their nodes keep their plan
+            pass
+    return shapes
+
+
+def _static(dims) -> bool:
+    """Whether the dims are all known and hold values (an empty tensor's are learnt from the run)."""
+    return dims is not None and all(isinstance(d, int) and d > 0 for d in dims)

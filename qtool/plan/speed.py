@@ -20,10 +20,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from qtool.graph.edit import with_outputs
 from qtool.graph.index import GraphIndex, attribute, node_label
-from qtool.graph.runtime import create_session
-from qtool.graph.shapes import declared_shapes, inferred
 from qtool.plan.ops import rule_for
 
 FEATURES = ("boundary", "passes", "integer_kernel", "mac", "weight", "tap", "depthwise_mac", "depthwise_float_mac")
@@ -90,8 +87,8 @@ def float_for_speed(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[
                     costs: Costs = COSTS) -> tuple[list[str], list[str]]:
     """(labels of quantized nodes to keep float, one reason per float group). `plan`: the QuantPlan of
     `model` (its quantized_nodes, dynamic_matmuls); `shapes`: tensor -> static dims for one sample
-    (batch 1) of the calibration data (sample_shapes); a node without its output's shape keeps its
-    plan. `options`: its advanced.hard_activations ("float": the hard-swish's float form). Nodes inside
+    (batch 1) of the calibration data (qtool.graph.runtime.tensor_dims); a node without its output's
+    shape keeps its plan. `options`: its advanced.hard_activations ("float": the hard-swish's float form). Nodes inside
     If/Loop bodies are left as planned."""
     terms = cost_terms(model, plan, shapes, options)
     if not terms.nodes:
@@ -161,34 +158,6 @@ def cost_terms(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[int]]
                                             for r in readers):
                 _add(terms.nodes[label], boundary(name))  # a DequantizeLinear for the float readers
     return terms
-
-
-def sample_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
-    """Static dims of the main graph's tensors for the first sample of `feeds` (batch 1 where every
-    input is batched along axis 0): shape inference first, then one onnxruntime run for the tensors it
-    leaves open (shapes computed at run time: Reshape targets from Shape, a transformer's sequence)."""
-    one = dict(feeds)
-    leading = {v.shape[0] for v in one.values() if getattr(v, "ndim", 0)}
-    if len(leading) == 1 and all(getattr(v, "ndim", 0) for v in one.values()):
-        one = {k: v[:1] for k, v in one.items()}
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    del light.graph.value_info[:]  # the exporter's open dims would stay open
-    for value in light.graph.output:
-        value.type.tensor_type.ClearField("shape")
-    known = declared_shapes(inferred(light, data_prop=True, input_shapes={k: v.shape for k, v in one.items()}))
-    shapes = {name: tuple(dims) for name, dims in known.items() if _values(dims) or dims == []}
-    missing = [name for node in model.graph.node for name in node.output if name and name not in shapes]
-    if missing:
-        try:
-            session = create_session(with_outputs(model, missing), 1, "shapes")
-            wanted = [o.name for o in session.get_outputs() if o.name in set(missing)]
-            for name, value in zip(wanted, session.run(wanted, one)):
-                if isinstance(value, np.ndarray):
-                    shapes[name] = tuple(int(d) for d in value.shape)
-        except Exception:  # noqa: BLE001 - those shapes stay unknown, and their nodes keep their plan
-            pass
-    return shapes
 
 
 def _add(total: Features, feats: Features, sign: float = 1.0) -> None:
