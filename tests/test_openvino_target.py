@@ -279,3 +279,21 @@ def test_a_tensor_a_conv_reads_too_keeps_zero_point_zero(tmp_path):
     assert _range_of(path, data, "s")[0] < 0 and _range_of(path, data, "p4")[0] < 0
     assert _params(result.model, "s")[1] == 0
     assert _params(result.model, "p4")[1] != 0
+
+
+def test_a_ceil_mode_maxpool_keeps_its_quantizer_after_it(tmp_path):
+    """x -> Conv -> Relu -> MaxPool(ceil_mode 1) -> Conv -> y: OpenVINO computes a ceil-mode MaxPool
+    of a quantized tensor wrongly in a CRNN from a wheel (cosine 0.56 against 0.9993 with the
+    quantizer after the MaxPool; docs/targets.md; this small net does not show the fault itself),
+    so the quantizer stays on the MaxPool's output, where the second Conv reads it."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("MaxPool", ["r"], ["m"], name="pool", kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+             helper.make_node("Conv", ["m", "w2"], ["y"], name="conv2")]
+    inits = [graphs.init("w1", rng.normal(0, 0.3, (16, 3, 3, 3)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (8, 16, 1, 1)).astype(np.float32))]
+    built = graphs.model(nodes, [graphs.tensor("x", ["N", 3, 30, 80])], [graphs.tensor("y", None)], inits)
+    path, data, result = _quantize(tmp_path, built, (3, 30, 80))
+    assert _quantized_tensors(result.model) == {"x", "m"}
+    assert min(_cosines(path, result.model, data)) > 0.999

@@ -417,6 +417,8 @@ def _moved_from(name: str, ctx: GraphIndex) -> str:
             return name
         if producer.op_type == "MaxPool" and len(producer.output) > 1 and producer.output[1]:
             return name  # its indices are read
+        if producer.op_type == "MaxPool" and attribute(producer, "ceil_mode", 0):
+            return name  # OpenVINO computes a ceil-mode MaxPool of a quantized tensor wrongly (docs/targets.md)
         if producer.op_type == "Resize" and attribute(producer, "mode", b"nearest") not in (b"nearest", "nearest"):
             return name
         data = producer.input[0]
