@@ -38,9 +38,9 @@ from qtool.evaluation.mixed_precision import Target, describe_figures, search as
 from qtool.evaluation.report import EvaluationReport
 from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
-from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model
+from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model, sha256_file
 from qtool.graph.runtime import job_model
-from qtool.plan.planner import check_quantizable_ops
+from qtool.plan.planner import unquantizable
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
 from qtool.table.formats import read_table
 from qtool.table.table import CalibrationTable, smoothed_options
@@ -214,7 +214,11 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
             else contextlib.nullcontext() as engine:
         table_path, measured, ranges = None, [], None
         fp32_model = load_model(model)
-        check_quantizable_ops(fp32_model, model)
+        nothing = unquantizable(fp32_model)
+        if nothing is not None:
+            table = CalibrationTable(Path(model).name, sha256_file(model), cfg.calibration.method, {}, 0)
+            return QuantizeResult(fp32_model, table, (nothing,), 0, 0, 0, len(fp32_model.graph.node),
+                                  has_external_data(model), settled=cfg)
         specs = input_specs(fp32_model)
         sized = []
         if data is not None:  # before anything runs on batches: calibration, the choices, the search

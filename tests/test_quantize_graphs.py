@@ -401,12 +401,11 @@ def test_a_cast_to_the_type_its_input_has_goes_like_an_identity(tmp_path):
     assert _run(result.model, x).shape == _run(str(path), x).shape
 
 
-def test_a_model_of_no_op_qtool_quantizes_is_refused_before_anything_runs(tmp_path, monkeypatch):
+def test_a_model_of_no_op_qtool_quantizes_is_written_unchanged_before_anything_runs(tmp_path, monkeypatch):
     """A float model whose ops have no int8 form (a scikit-learn scaler; a 194 MB tree ensemble took
-    100 s of calibration and choices to write a copy of itself) is refused from the model as given,
-    before any onnxruntime session: exit 2, one line naming its ops."""
+    100 s of calibration and choices to write a copy of itself, without a word) is written unchanged
+    with a note naming its ops, from the model as given: no onnxruntime session, no calibration."""
     from qtool import api
-    from qtool.errors import QtoolError
     from qtool.graph import runtime
 
     nodes = [helper.make_node("Scaler", ["x"], ["s"], domain="ai.onnx.ml", offset=[0.5] * 4, scale=[2.0] * 4),
@@ -425,6 +424,8 @@ def test_a_model_of_no_op_qtool_quantizes_is_refused_before_anything_runs(tmp_pa
     made = runtime._session
     monkeypatch.setattr(runtime, "_session", lambda source, options, label: sessions.append(label)
                         or made(source, options, label))
-    with pytest.raises(QtoolError, match=r"no node of the model is of an op qtool quantizes \(ops: Cast, Scaler\)"):
-        api.quantize(path, data=data, progress=False)
+    result = api.quantize(path, data=data, progress=False)
     assert sessions == []
+    assert result.quantized_nodes == 0 and result.model.SerializeToString() == onnx.load(path).SerializeToString()
+    assert result.notes == ("nothing quantized: no node of the model is of an op qtool quantizes (ops: Cast, "
+                            "Scaler); written unchanged",)

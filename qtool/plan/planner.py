@@ -699,29 +699,27 @@ def unmatched_options(model: onnx.ModelProto, plan: QuantPlan, options: Quantize
     return notes
 
 
-def check_quantizable_ops(model: onnx.ModelProto, path: object) -> None:
-    """Refuse a model none of whose nodes is of an op qtool quantizes (a tree ensemble, a
-    scaler): checked on the model as given, before calibration and its sessions (minutes for a
-    large ensemble), and again on the prepared graph. Local functions and onnxruntime's fused ops
-    are written out by preparation, so a model with either is left to the second check."""
+def unquantizable(model: onnx.ModelProto) -> Optional[str]:
+    """Why nothing of `model` can be quantized (no node is of an op qtool quantizes: a tree
+    ensemble, a scaler), None otherwise; read from the model as given, so that such a model is
+    written unchanged without calibrating it (minutes of sessions for a large ensemble). Local
+    functions and onnxruntime's fused ops are written out by preparation: a model with either is
+    not judged here."""
     nodes = list(scoped_nodes(model.graph))
     if model.functions or any(n.domain not in ("", "ai.onnx", "ai.onnx.ml") for n in nodes) \
             or any(rule_for(n.op_type, n.domain) is not None for n in nodes):
-        return
+        return None
     ops = ", ".join(sorted({n.op_type for n in nodes})) or "none"
-    raise QtoolError(f"nothing to quantize: no node of the model is of an op qtool quantizes (ops: {ops})", path)
+    return f"nothing quantized: no node of the model is of an op qtool quantizes (ops: {ops}); written unchanged"
 
 
 def _check_something_to_quantize(model: onnx.ModelProto, plan: QuantPlan, path: object) -> None:
     """A model with integer inputs only (token ids, masks) is quantized in its float part; one that
-    has none, or no node of an op qtool quantizes (a tree ensemble), is refused rather than copied
-    after calibrating it. A float model with every node excluded stays legal."""
+    has none is refused rather than copied. A float model with every node excluded stays legal."""
     if plan.activations or plan.weights or plan.embeddings or plan.dynamic or plan.dynamic_matmuls:
         return
     specs = input_specs(model)
-    nodes = list(scoped_nodes(model.graph))
     if any(s.dtype.kind == "f" for s in specs):
-        check_quantizable_ops(model, path)
         return
     found = ", ".join(f"{s.name} {s.dtype}" for s in specs) or "none"
     raise QtoolError(f"nothing to quantize: the model has no float input and no float tensor reaches an op "

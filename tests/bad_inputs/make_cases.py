@@ -110,13 +110,6 @@ def make_files() -> None:
         "int_input", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
     _save("models/int_input.onnx", _model(int_graph))
-    scaler_graph = helper.make_graph(  # a float model of ops qtool has no int8 form for (a scikit-learn export)
-        [helper.make_node("Scaler", ["x"], ["y"], domain="ai.onnx.ml", offset=[0.5] * 4, scale=[2.0] * 4)],
-        "scaler", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
-    scaler = _model(scaler_graph)
-    scaler.opset_import.append(helper.make_opsetid("ai.onnx.ml", 3))
-    _save("models/scaler_only.onnx", scaler)
     nan_model = _model(_conv_graph())
     weights = numpy_helper.to_array(nan_model.graph.initializer[0]).copy()
     weights[0, 0, 0, 0] = np.nan
@@ -271,8 +264,6 @@ CASES = [
     ("nothing_to_quantize", ["calibrate", f"{M}/int_input.onnx", "--data", f"{D}/ok", "-o", "{tmp}/t.json"],
      f"{M}/int_input.onnx", "nothing to quantize: the model has no float input and no float tensor reaches an op "
      "qtool quantizes (inputs: ids int64)"),
-    ("no_op_qtool_quantizes", _q(f"{M}/scaler_only.onnx"), f"{M}/scaler_only.onnx",
-     "nothing to quantize: no node of the model is of an op qtool quantizes (ops: Scaler)"),
     ("nan_in_weight", _q(f"{M}/nan_weight.onnx"), f"{M}/nan_weight.onnx", "constant 'W' contains 2 NaN/Inf"),
     ("evaluate_int8_model_broken", ["evaluate", f"{M}/tiny.onnx", f"{M}/truncated.onnx", "--data", f"{D}/ok"],
      f"{M}/truncated.onnx", "not an ONNX model"),
