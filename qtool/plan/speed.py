@@ -88,8 +88,8 @@ def float_for_speed(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[
     """(labels of quantized nodes to keep float, one reason per float group). `plan`: the QuantPlan of
     `model` (its quantized_nodes, dynamic_matmuls); `shapes`: tensor -> static dims for one sample
     (batch 1) of the calibration data (qtool.graph.runtime.tensor_dims); a node without its output's
-    shape keeps its plan. `options`: its advanced.hard_activations ("float": the hard-swish's float form). Nodes inside
-    If/Loop bodies are left as planned."""
+    shape keeps its plan. `options`: its advanced.hard_activations ("float": the hard-swish's float
+    form). Nodes inside If/Loop bodies are left as planned."""
     terms = cost_terms(model, plan, shapes, options)
     if not terms.nodes:
         return [], []
