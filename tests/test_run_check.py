@@ -108,12 +108,17 @@ def test_a_model_that_still_does_not_run_is_an_internal_error_and_is_not_written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "m.onnx"]
 
 
-def test_wrong_shapes_and_new_non_finite_outputs_fail_the_check():
+def _identity_model() -> onnx.ModelProto:
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
+    return model
+
+
+def test_wrong_shapes_and_new_non_finite_outputs_fail_the_check():
+    model = _identity_model()
     feeds = {"x": np.array([1.0, np.inf], np.float32)}
     finite = run_check.Reference(feeds, ("y",), (np.zeros(2, np.float32),))
     assert "NaN/Inf" in run_check.check(model, finite).reason
@@ -227,11 +232,7 @@ def test_a_candidate_is_scored_on_its_run_checks_session_with_the_same_figures(t
 
 
 def test_keeping_holds_the_last_passing_models_session_only():
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    model = _identity_model()
     feeds = {"x": np.array([1.0, np.inf], np.float32)}
     passes = run_check.Reference(feeds, ("y",), (np.array([0, np.inf], np.float32),))
     fails = run_check.Reference(feeds, ("y",), (np.zeros(3, np.float32),))
