@@ -102,12 +102,9 @@ def evaluate(inputs: EvaluateInputs, preprocess: PreprocessConfig, cfg: Evaluate
 
 
 def _sample_dims(int8: onnx.ModelProto, feeds: dict) -> dict:
-    """Every tensor's dims for one sample of the first batch, from a run of the int8 model where
-    inference leaves them open; the input shapes alone where that run fails."""
-    try:
-        return {**sample_shapes(feeds), **tensor_dims(int8, feeds)}
-    except Exception:  # noqa: BLE001 - the MACs fall back to shape inference from the inputs
-        return sample_shapes(feeds)
+    """Every tensor's dims for one sample of the first batch: the inputs', and the others' from
+    inference and, where it leaves them open, a run of the int8 model (tensor_dims)."""
+    return {**sample_shapes(feeds), **tensor_dims(int8, feeds)}
 
 
 def runnable_batch_size(fp32: Path, source, cfg: EvaluateConfig) -> EvaluateConfig:

@@ -103,13 +103,13 @@ class FidelityAccumulator:
         self.abs_sum += float(np.sum(np.abs(diff)))
         self.abs_max = max(self.abs_max, float(np.max(np.abs(diff))) if diff.size else 0.0)
         self.values += diff.size
-        self.dot += float(np.sum(ref * test))
-        self.test_power += float(np.sum(test * test))
-        if ref.size:
-            self.width = max(self.width, rows(ref, samples).shape[1])
+        self.dot += float(np.vdot(ref, test))
+        self.test_power += float(np.vdot(test, test))
         cos = sample_cosines(ref, test, samples)
         self.cosine_sum += float(np.sum(cos))
         self.samples += len(cos)
+        if len(cos):
+            self.width = max(self.width, ref.size // len(cos))  # values per row (one row per sample)
         return cos
 
     def merge(self, other: "FidelityAccumulator") -> None:

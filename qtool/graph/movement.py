@@ -82,10 +82,16 @@ def _transpose(node, inputs: Values, opset: int) -> np.ndarray:
     return np.transpose(inputs[0], None if perm is None else list(perm))
 
 
+def _concat(node, inputs: Values, opset: int) -> Optional[np.ndarray]:
+    axis = attribute(node, "axis")
+    return None if axis is None else np.concatenate(list(inputs), axis=axis)
+
+
+# the ops that only move or retype values (what preparing folds on constants), each computed here
 COMPUTE: dict[str, Callable[[onnx.NodeProto, Values, int], Optional[np.ndarray]]] = {
     "Identity": lambda node, inputs, opset: inputs[0],
     "Cast": _cast,
-    "Concat": lambda node, inputs, opset: np.concatenate(list(inputs), axis=attribute(node, "axis", "none")),
+    "Concat": _concat,
     "Gather": lambda node, inputs, opset: np.take(inputs[0], inputs[1], axis=attribute(node, "axis", 0)),
     "Reshape": _reshape,
     "Slice": _slice,
@@ -93,6 +99,7 @@ COMPUTE: dict[str, Callable[[onnx.NodeProto, Values, int], Optional[np.ndarray]]
     "Transpose": _transpose,
     "Unsqueeze": _unsqueeze,
 }
+MOVEMENT_OPS = tuple(COMPUTE)
 
 
 def compute(node: onnx.NodeProto, inputs: Values, opset: int) -> Optional[np.ndarray]:

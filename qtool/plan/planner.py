@@ -182,20 +182,17 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
         rule = rule_for(node.op_type, node.domain)
         label = node_label(node)
         chosen = _excluded(node, options) or (only is not None and label not in only) or label in keep_float
-        if rule is None or chosen or label in blocks.nodes:
+        note = None
+        if rule is not None and label not in blocks.nodes:
+            note = _float_note(node, rule, ctx, target_of(options))
+            if note is None and (not rule.applies or rule.applies(node, ctx)):
+                (chosen_rules if chosen else rules)[index] = rule
+        if index not in rules:
             plan.float_nodes.append(f"{label} ({node.op_type})")
             if chosen:
                 chosen_float.add(index)
-                if (rule is not None and label not in blocks.nodes and _float_note(node, rule, ctx, target_of(options))
-                        is None and (not rule.applies or rule.applies(node, ctx))):
-                    chosen_rules[index] = rule
-            continue
-        note = _float_note(node, rule, ctx, target_of(options))
-        if note is not None or (rule.applies and not rule.applies(node, ctx)):
-            plan.float_nodes.append(f"{label} ({node.op_type})")
-            plan.notes.extend([note] if note else [])
-            continue
-        rules[index] = rule
+            else:
+                plan.notes.extend([note] if note else [])
 
     # A Relu/Clip after a float op (no rule, excluded, weight-only) runs in float with it: quantizing
     # its input would only add a Q/DQ pair that no kernel absorbs (onnxruntime leaves DQ -> Q behind).

@@ -23,7 +23,7 @@ from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, defaul
                                tensor_bytes)
 from qtool.graph.kernels import INTEGER_CONV, INTEGER_MATMUL
 from qtool.graph.modelio import copy_model, file_key, kept, load_model
-from qtool.graph.movement import compute
+from qtool.graph.movement import MOVEMENT_OPS, compute
 from qtool.graph.shapes import elem_types, infer_shapes, inferred
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
 from qtool.prepare.float16 import widen_float16
@@ -137,9 +137,6 @@ def constants_to_initializers(model: onnx.ModelProto | onnx.GraphProto) -> None:
     replace_nodes(graph, keep)
 
 
-# ops that only move or retype constant values: folded inside bodies, and in the main graph
-# where they build a float tensor
-_MOVEMENT_OPS = ("Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Transpose", "Cast", "Gather", "Identity")
 _LARGE_BYTES = 1024  # a constant this large is not copied by folding a move of it in the main graph
 
 
@@ -160,7 +157,7 @@ def fold_constant_moves(model: onnx.ModelProto) -> None:
 
     def foldable(node: onnx.NodeProto, known: Collection[str], outputs: set[str]) -> bool:
         inputs = [name for name in node.input if name]
-        return (node.op_type in _MOVEMENT_OPS and node.domain in ("", "ai.onnx") and bool(inputs)
+        return (node.op_type in MOVEMENT_OPS and node.domain in ("", "ai.onnx") and bool(inputs)
                 and all(name in known for name in inputs) and not any(o in outputs for o in node.output))
 
     def shared_large(graph: onnx.GraphProto, outputs: set[str]) -> set[str]:
