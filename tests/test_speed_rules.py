@@ -84,6 +84,16 @@ def squeeze_excite(rng, channels=64):
     return model(nodes, [tensor("x", [1, channels, 1, 1])], [tensor("y", None)], a + b)
 
 
+def one_channel_filter(rng, width=16384, taps=256):
+    """A Conv1D written as Conv2D over audio: one input channel, one output channel, a 1 x 256 kernel at
+    stride 2 (a resampling filter). onnxruntime's QLinearConv runs one-in, one-out groups as a depthwise
+    Conv: one pointer per output sample and tap."""
+    w = rng.normal(0, 0.1, (1, 1, 1, taps)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "filter_w"], ["f"], name="filter", kernel_shape=[1, taps], strides=[1, 2]),
+             helper.make_node("Softsign", ["f"], ["y"], name="out")]
+    return model(nodes, [tensor("x", [1, 1, 1, width])], [tensor("y", None)], [init("filter_w", w)])
+
+
 def decide(built, options=FLOAT_FORM, costs: Costs = COSTS) -> tuple[list[str], list[str]]:
     shapes = tensor_dims(built, {i.name: np.zeros([d.dim_value for d in i.type.tensor_type.shape.dim],
                                                     np.float32) for i in built.graph.input})
@@ -97,6 +107,7 @@ def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
     middle, _ = decide(sandwich(np.random.default_rng(2)), costs=costs)
     wide, _ = decide(mobile_block(np.random.default_rng(3), size=7, channels=256), costs=costs)
     gate, _ = decide(squeeze_excite(np.random.default_rng(5)), costs=costs)
+    resampler, _ = decide(one_channel_filter(np.random.default_rng(6)), costs=costs)
     pointwise = pointwise_chain(np.random.default_rng(4))
     float_form, _ = decide(pointwise, costs=costs)
     integer_form, _ = decide(pointwise, QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer")), costs=costs)
@@ -117,6 +128,8 @@ def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
         "with the integer form they stay int8": integer_form == [],
         # an integer kernel's fixed cost is more than 1000 MACs save; one Conv stays (an int8 model)
         "a squeeze-excite gate's small Convs go float": len({"squeeze", "excite"} & set(gate)) == 1,
+        # one input and one output channel: a depthwise kernel's cost per sample and tap, no dense gain
+        "a one-channel filter with a long kernel goes float": resampler == ["filter"],
     }
 
 

@@ -187,7 +187,7 @@ def _own(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[
         weight = index.initializers.get(node.input[1]) if len(node.input) > 1 else None
         weights = float(np.prod(weight.dims, dtype=np.int64)) if weight is not None else 0.0
         if (op == "Conv" and weight is not None and len(weight.dims) > 2 and weight.dims[1] == 1
-                and attribute(node, "group", 1) > 1):
+                and (attribute(node, "group", 1) > 1 or weight.dims[0] == 1)):  # one input, one output: depthwise too
             if any(k != 1 for k in weight.dims[2:]):
                 taps = float(np.prod(weight.dims[2:], dtype=np.int64))
                 nominal = float(_macs(node, shapes, weight))
