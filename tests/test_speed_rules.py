@@ -94,6 +94,24 @@ def one_channel_filter(rng, width=16384, taps=256):
     return model(nodes, [tensor("x", [1, 1, 1, width])], [tensor("y", None)], [init("filter_w", w)])
 
 
+def keras_stem(rng, size=48):
+    """A Keras-style stem: 3x3 Conv (3 -> 16) -> PRelu -> MaxPool -> two 3x3 Convs of 64 channels. onnxruntime
+    has no integer PRelu (it runs float between a DQ and a Q), and runs a uint8 MaxPool fed by a float node in
+    its slow NCHW form."""
+    nodes, inits = [], []
+    for node, tensors in (_conv(rng, "stem", "x", "s", 3, 16, k=3),
+                          _conv(rng, "conv_a", "p", "a", 16, 64, k=3),
+                          _conv(rng, "conv_b", "r", "b", 64, 64, k=3)):
+        nodes.append(node)
+        inits += tensors
+    slope = init("slope", rng.uniform(0.1, 0.3, (16, 1, 1)).astype(np.float32))
+    nodes[1:1] = [helper.make_node("PRelu", ["s", "slope"], ["q"], name="prelu"),
+                  helper.make_node("MaxPool", ["q"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2])]
+    nodes[4:4] = [helper.make_node("Relu", ["a"], ["r"], name="relu")]
+    nodes.append(helper.make_node("Softsign", ["b"], ["y"], name="out"))
+    return model(nodes, [tensor("x", [1, 3, size, size])], [tensor("y", None)], inits + [slope])
+
+
 def decide(built, options=FLOAT_FORM, costs: Costs = COSTS) -> tuple[list[str], list[str]]:
     shapes = tensor_dims(built, {i.name: np.zeros([d.dim_value for d in i.type.tensor_type.shape.dim],
                                                     np.float32) for i in built.graph.input})
@@ -108,6 +126,7 @@ def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
     wide, _ = decide(mobile_block(np.random.default_rng(3), size=7, channels=256), costs=costs)
     gate, _ = decide(squeeze_excite(np.random.default_rng(5)), costs=costs)
     resampler, _ = decide(one_channel_filter(np.random.default_rng(6)), costs=costs)
+    stem, _ = decide(keras_stem(np.random.default_rng(7)), costs=costs)
     pointwise = pointwise_chain(np.random.default_rng(4))
     float_form, _ = decide(pointwise, costs=costs)
     integer_form, _ = decide(pointwise, QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer")), costs=costs)
@@ -130,6 +149,8 @@ def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
         "a squeeze-excite gate's small Convs go float": len({"squeeze", "excite"} & set(gate)) == 1,
         # one input and one output channel: a depthwise kernel's cost per sample and tap, no dense gain
         "a one-channel filter with a long kernel goes float": resampler == ["filter"],
+        # float, the stem and PRelu would leave the MaxPool before the int8 conv_a on uint8 in NCHW
+        "a MaxPool before an int8 Conv keeps the nodes before it int8": stem == [],
     }
 
 
@@ -166,3 +187,12 @@ def test_nodes_without_shapes_keep_their_plan():
     built = mobile_block(np.random.default_rng(5))
     labels, _ = float_for_speed(built, build_plan(built, FLOAT_FORM), {}, FLOAT_FORM)
     assert labels == []
+
+
+def test_prelu_costs_its_dequantize_and_quantize():
+    """onnxruntime has no integer PRelu: int8, it runs float between a DequantizeLinear and a QuantizeLinear."""
+    built = keras_stem(np.random.default_rng(8))
+    shapes = tensor_dims(built, {"x": np.zeros((1, 3, 48, 48), np.float32)})
+    terms = cost_terms(built, build_plan(built, FLOAT_FORM), shapes, FLOAT_FORM)
+    assert terms.nodes["prelu"] == {"boundary": 2 * 16 * 48 * 48}
+    assert ("conv_a", "pool") in terms.follows and ("pool", "prelu") in terms.follows

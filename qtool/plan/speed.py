@@ -4,8 +4,9 @@ An int8 node gains per MAC in a dense layer (Conv, Gemm, MatMul) and per weight 
 once (a GEMV streams 1 byte instead of 4). It pays a fixed cost per integer kernel, and a pass per value for
 each Q/DQ where it meets float and for each activation it cannot fuse (a hard-swish's float form: four passes
 between a DQ and a Q, where a float Conv fuses it); an integer depthwise Conv gains nothing and pays per
-output pixel and tap, padding included. With these costs (Costs), the float set of least estimated time is
-a minimum s-t cut: each node's int8-minus-float cost, each tensor joining float and int8 a boundary. A float
+output pixel and tap, padding included; a node with no integer kernel (PRelu) pays its DQ and Q. With these
+costs (Costs), the float set of least estimated time is a minimum s-t cut: each node's int8-minus-float cost,
+each tensor joining float and int8 a boundary, a MaxPool int8 with its int8 reader and its producer. A float
 group must save MIN_SAVING of the model's estimated time; if the cut takes every dense layer, the one that
 costs least in int8 stays int8 (the output stays an int8 model).
 """
@@ -53,7 +54,10 @@ FLOAT_MAC_NS, NODE_NS = 0.02, 1000.0  # that estimate: per MAC of a Conv/Gemm/Ma
 HARD = ("HardSwish", "HardSigmoid")
 FUSED_IN_FLOAT = ("Relu", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Sigmoid", "Tanh")
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-NO_INTEGER_KERNEL = ("ConvTranspose",)  # onnxruntime 1.32 CPU runs it in float between a DQ and a Q
+NO_INTEGER_KERNEL = ("ConvTranspose", "PRelu")  # onnxruntime 1.32 CPU runs them in float between a DQ and a Q
+# onnxruntime moves a QuantizeLinear after a MaxPool above it, and runs a uint8 MaxPool fed by a float node
+# in NCHW, 10x its float time: a MaxPool is int8 where its reader is, and its producer where it is
+LIFTED = ("MaxPool",)
 Features = dict  # feature name -> count
 
 
@@ -69,6 +73,7 @@ class Terms:
     macs: dict[str, int]  # dense layers' MACs
     dense: list[str]  # nodes whose integer kernel gains per MAC or per weight
     joined: set[tuple[str, str]]  # pairs joined by a tensor with no range (a Conv's output its Relu absorbs)
+    follows: set[tuple[str, str]]  # (a, b): b is int8 wherever a is (a MaxPool and the nodes on either side)
 
     def features(self, floated: Iterable[str] = ()) -> Features:
         """The int8-minus-float features of the model with `floated` float and the rest int8."""
@@ -120,7 +125,7 @@ def cost_terms(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[int]]
     dynamic = set(getattr(plan, "dynamic_matmuls", ()))
     float_form = options is not None and options.advanced.hard_activations == "float"
     ranged = set(plan.activations)
-    terms = Terms({}, {}, {}, {}, [], set())
+    terms = Terms({}, {}, {}, {}, [], set(), set())
     for node in model.graph.node:
         label = node_label(node)
         if label not in quantized:
@@ -150,6 +155,10 @@ def cost_terms(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[int]]
                 _add(terms.pairs[key], boundary(name))
                 if name not in ranged:  # no Q/DQ can go there: the two go together
                     terms.joined.add(key)
+                if producer.op_type in LIFTED:  # an int8 reader: the MaxPool runs on uint8 anyway
+                    terms.follows.add((label, source))
+                if node.op_type in LIFTED:  # a uint8 MaxPool after a float node runs in the slow NCHW form
+                    terms.follows.add((label, source))
             else:  # a graph input or a float node's output: a QuantizeLinear when this node is int8
                 _add(terms.nodes[label], boundary(name))
         for name in node.output:
@@ -322,6 +331,7 @@ class _Cut:
         self.pairs = {key: costs.ns(feats) for key, feats in terms.pairs.items()}
         for key in terms.joined:
             self.pairs[key] = math.inf
+        self.follows = terms.follows
 
     def pin(self, label: str) -> None:
         """Keep `label` int8 whatever it costs."""
@@ -345,6 +355,8 @@ class _Cut:
         for (a, b), cost in self.pairs.items():
             if cost > 0:
                 edge(self.id[a], self.id[b], cost, cost)
+        for a, b in self.follows:  # cut when a is int8 and b float: never
+            edge(self.id[a], self.id[b], math.inf)
         _max_flow(graph, 0, 1)
         reach = {1}
         queue = deque([1])
