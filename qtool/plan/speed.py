@@ -22,9 +22,11 @@ import numpy as np
 import onnx
 
 from qtool.graph.index import GraphIndex, attribute, node_label
+from qtool.graph.kernels import fast_outputs
 from qtool.plan.ops import rule_for
 
-FEATURES = ("boundary", "passes", "integer_kernel", "mac", "weight", "tap", "depthwise_mac", "depthwise_float_mac")
+FEATURES = ("boundary", "passes", "integer_kernel", "mac", "weight", "tap", "depthwise_mac", "depthwise_float_mac",
+            "patch", "unit_span")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class Costs:
     tap: float = 4.7  # an integer depthwise Conv's pointer per output pixel and kernel tap (its indirection buffer)
     depthwise_mac: float = 0.34  # ... and its cost per MAC, every tap computed (padding included)
     depthwise_float_mac: float = 0.41  # a float depthwise Conv's cost per MAC it computes (padding skipped)
+    # No kit model has these two; measured on single ops (benchmarks/kernel_quirks.py), not fitted:
+    patch: float = 0.3  # an integer Conv off MLAS ConvSym (im2col + GEMM): per patch value it gathers
+    unit_span: float = 14.0  # a QLinearAdd/QLinearMul broadcasting a rank-1 scalar over a last axis of 1: per value
 
     def ns(self, features: Mapping[str, float]) -> float:
         """The features' cost (the savings' counts are negative)."""
@@ -207,6 +212,9 @@ def _own(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[
             return {}, 0, False  # a per-channel affine (an equalized chain's tail): one pass either way
         macs = _macs(node, shapes, weight)
         feats = {"integer_kernel": 1.0, "mac": -float(macs), "weight": -weights}
+        if op == "Conv" and weight is not None and len(weight.dims) > 2 and _gathers_patches(node, index, weight):
+            feats["patch"] = float(_values(shapes.get(node.output[0])) // weight.dims[0]
+                                   * int(np.prod(weight.dims[1:], dtype=np.int64)) * attribute(node, "group", 1))
         if dynamic:  # DynamicQuantizeLinear over its input first
             _add(feats, {"boundary": float(_values(shapes.get(node.input[0])))})
         return feats, macs, True
@@ -227,7 +235,37 @@ def _own(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[
     if op == "Mul" and any(index.producer[name].op_type == "Conv" and _fused_gate(index.producer[name], index)
                            for name in node.input if name in index.producer):
         return one_pass, 0, False  # an equalized HardSwish's product: float fuses it
+    if op in ("Add", "Mul") and _unit_span(node, index, shapes):
+        return {"unit_span": out}, 0, False
     return {}, 0, False  # elementwise or movement: an integer kernel as fast as the float one
+
+
+def _unit_span(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[int]]) -> bool:
+    """A rank-1 one-value input against a tensor whose last axis is 1: onnxruntime's broadcast then steps
+    one value at a time (float 9 ns a value, its QLinear kernels 23 ns; with the scalar as [1, 1, 1, 1]
+    both take 0.3-0.8 ns)."""
+    dims = [list(shapes[name]) if name in shapes else
+            (list(index.initializers[name].dims) if name in index.initializers else None) for name in node.input]
+    if len(dims) != 2 or any(d is None for d in dims):
+        return False
+    small, large = sorted(dims, key=len)
+    return len(small) == 1 and small[0] == 1 and len(large) > 1 and large[-1] == 1
+
+
+def _gathers_patches(conv: onnx.NodeProto, index: GraphIndex, weight: onnx.TensorProto) -> bool:
+    """Whether onnxruntime's integer Conv gathers patches (im2col) for a GEMM: off MLAS ConvSym (input
+    channels per group a multiple of 4, output channels per group fast_outputs), unless 1x1 at stride 1.
+    A stem reading a graph input is left out: the ort-cpu rewrites align its channels."""
+    group = attribute(conv, "group", 1)
+    if fast_outputs(weight.dims[0] // group) and weight.dims[1] % 4 == 0:
+        return False
+    if all(k == 1 for k in weight.dims[2:]) and all(s == 1 for s in attribute(conv, "strides", None) or [1]):
+        return False
+    source = conv.input[0]
+    producer = index.producer.get(source)
+    if producer is not None and producer.op_type == "Transpose" and producer.input:
+        source = producer.input[0]
+    return source not in {i.name for i in index.graph.input} or weight.dims[1] != 3
 
 
 def _fused_gate(conv: onnx.NodeProto, index: GraphIndex) -> bool:

@@ -1,0 +1,152 @@
+"""Single ops where onnxruntime's CPU kernels leave the common path: float against int8 as qtool writes it.
+
+    python benchmarks/kernel_quirks.py [--runs 300]
+
+Each case is one small ONNX graph in two forms: float, and with the op between QuantizeLinear /
+DequantizeLinear pairs (int8 weights per output channel, uint8 activations), so that onnxruntime
+fuses what it can into its integer kernel. Batch 1, 1 thread, the two sessions taking turns run by
+run; medians. The cases are the costs qtool.plan.speed takes from here, not from its least-squares
+fit over the kit models, which have none of them:
+
+- a Conv with one input and one output channel (a Conv1D resampling filter written as Conv2D),
+  which onnxruntime's QLinearConv runs on its depthwise kernel;
+- PRelu, which has no integer kernel;
+- a MaxPool whose QuantizeLinear onnxruntime moves above it, on a float producer;
+- Mul by a one-value constant of rank 1 over a tensor whose last axis is 1, and the same constant
+  written as [1, 1, 1, 1];
+- Convs off MLAS ConvSym (8 output channels; a 3 x 39 kernel) and on it, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _graph(nodes, x_shape, inits, opset=13):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 7
+    return model.SerializeToString()
+
+
+def _qdq(name, scale, zero=128):
+    """QuantizeLinear + DequantizeLinear of `name`, and their constants."""
+    inits = [numpy_helper.from_array(np.array(scale, np.float32), f"{name}_s"),
+             numpy_helper.from_array(np.array(zero, np.uint8), f"{name}_z")]
+    nodes = [helper.make_node("QuantizeLinear", [name, f"{name}_s", f"{name}_z"], [f"{name}_q"]),
+             helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s", f"{name}_z"], [f"{name}_dq"])]
+    return nodes, inits, f"{name}_dq"
+
+
+def conv(c_in, c_out, kernel, size, strides, quantized):
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.1, (c_out, c_in, *kernel)).astype(np.float32)
+    nodes, inits, x = [], [], "x"
+    if quantized:
+        nodes, inits, x = _qdq("x", 0.02)
+        scales = np.abs(w).reshape(c_out, -1).max(axis=1) / 127
+        codes = np.round(w / scales[:, None, None, None]).astype(np.int8)
+        inits += [numpy_helper.from_array(codes, "wq"), numpy_helper.from_array(scales.astype(np.float32), "ws"),
+                  numpy_helper.from_array(np.zeros(c_out, np.int8), "wz")]
+        nodes.append(helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0))
+    else:
+        inits.append(numpy_helper.from_array(w, "w"))
+    nodes.append(helper.make_node("Conv", [x, "w"], ["c" if quantized else "y"], strides=list(strides)))
+    if quantized:
+        more, extra, out = _qdq("c", 0.05)
+        nodes += more + [helper.make_node("Identity", [out], ["y"])]
+        inits += extra
+    return _graph(nodes, [1, c_in, *size], inits)
+
+
+def prelu(shape, quantized):
+    slope = numpy_helper.from_array(np.full((shape[1], 1, 1), 0.2, np.float32), "slope")
+    nodes, inits, x = _qdq("x", 0.02) if quantized else ([], [], "x")
+    nodes.append(helper.make_node("PRelu", [x, "slope"], ["p" if quantized else "y"]))
+    if quantized:
+        more, extra, out = _qdq("p", 0.02)
+        nodes += more + [helper.make_node("Identity", [out], ["y"])]
+        inits += extra
+    return _graph(nodes, shape, inits + [slope])
+
+
+def maxpool_after_float(shape, quantized):
+    """Relu (float) -> MaxPool -> [QuantizeLinear -> DequantizeLinear]: onnxruntime moves the
+    QuantizeLinear above the MaxPool, which then runs on uint8."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["m" if quantized else "y"], kernel_shape=[2, 2], strides=[2, 2])]
+    inits = []
+    if quantized:
+        more, inits, out = _qdq("m", 0.02, 0)
+        nodes += more + [helper.make_node("Identity", [out], ["y"])]
+    return _graph(nodes, shape, inits)
+
+
+def scalar_mul(shape, constant_shape, quantized):
+    nodes, inits, x = _qdq("x", 0.02) if quantized else ([], [], "x")
+    inits.append(numpy_helper.from_array(np.full(constant_shape, 0.7, np.float32), "c"))
+    c = "c"
+    if quantized:
+        inits[-1] = numpy_helper.from_array(np.full(constant_shape, 200, np.uint8), "cq")
+        inits += [numpy_helper.from_array(np.array(0.0035, np.float32), "cs"),
+                  numpy_helper.from_array(np.array(0, np.uint8), "cz")]
+        nodes.append(helper.make_node("DequantizeLinear", ["cq", "cs", "cz"], ["c"]))
+    nodes.append(helper.make_node("Mul", [x, c], ["m" if quantized else "y"]))
+    if quantized:
+        more, extra, out = _qdq("m", 0.02)
+        nodes += more + [helper.make_node("Identity", [out], ["y"])]
+        inits += extra
+    return _graph(nodes, shape, inits)
+
+
+CASES = [
+    ("Conv 1 -> 1, 1 x 256 at stride 2, 44098 samples", lambda q: conv(1, 1, (1, 256), (1, 44098), (1, 2), q),
+     [1, 1, 1, 44098]),
+    ("Conv 1 -> 4, the same filter", lambda q: conv(1, 4, (1, 256), (1, 44098), (1, 2), q), [1, 1, 1, 44098]),
+    ("PRelu, 28 x 22 x 22", lambda q: prelu([1, 28, 22, 22], q), [1, 28, 22, 22]),
+    ("MaxPool 2x2 after a float Relu, 28 x 22 x 22", lambda q: maxpool_after_float([1, 28, 22, 22], q), [1, 28, 22, 22]),
+    ("Mul by a [1] scalar over [1, 172, 264, 1]", lambda q: scalar_mul([1, 172, 264, 1], [1], q), [1, 172, 264, 1]),
+    ("Mul by a [1, 1, 1, 1] scalar over [1, 172, 264, 1]", lambda q: scalar_mul([1, 172, 264, 1], [1, 1, 1, 1], q),
+     [1, 172, 264, 1]),
+    ("Conv 8 -> 8, 3 x 39 (off ConvSym), 172 x 302", lambda q: conv(8, 8, (3, 39), (172, 302), (1, 1), q),
+     [1, 8, 172, 302]),
+    ("Conv 8 -> 32, 5 x 5 at stride (1, 3) (ConvSym), 172 x 264", lambda q: conv(8, 32, (5, 5), (172, 264), (1, 3), q),
+     [1, 8, 172, 264]),
+    ("Conv 32 -> 32, 3x3 (ConvSym), 86 x 88", lambda q: conv(32, 32, (3, 3), (86, 88), (1, 1), q), [1, 32, 86, 88]),
+]
+
+
+def _session(model: bytes) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=300)
+    args = parser.parse_args()
+    print(f"onnxruntime {ort.__version__}, batch 1, 1 thread, medians of {args.runs} runs taking turns\n")
+    print("| case | float us | int8 (with its Q/DQ) us | int8 speed |")
+    print("|---|---|---|---|")
+    for label, build, shape in CASES:
+        x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        sessions = [_session(build(False)), _session(build(True))]
+        times = [[], []]
+        for run in range(args.runs):
+            for i in ((0, 1) if run % 2 == 0 else (1, 0)):
+                start = time.perf_counter()
+                sessions[i].run(None, {"x": x})
+                times[i].append(time.perf_counter() - start)
+        fp32, int8 = (float(np.median(t)) * 1e6 for t in times)
+        print(f"| {label} | {fp32:.0f} | {int8:.0f} | {fp32 / int8:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
