@@ -5,8 +5,8 @@
 Each case is one small ONNX graph in two forms: float, and with the op between QuantizeLinear /
 DequantizeLinear pairs (int8 weights per output channel, uint8 activations), so that onnxruntime
 fuses what it can into its integer kernel. Batch 1, 1 thread, the two sessions taking turns run by
-run; medians. The cases are the costs qtool.plan.speed takes from here, not from its least-squares
-fit over the kit models, which have none of them:
+run; medians. The cases are onnxruntime behaviours qtool.plan.speed models without its least-squares
+fit over the kit models (which have none of them), and one it does not model:
 
 - a Conv with one input and one output channel (a Conv1D resampling filter written as Conv2D),
   which onnxruntime's QLinearConv runs on its depthwise kernel;
@@ -14,7 +14,7 @@ fit over the kit models, which have none of them:
 - a MaxPool whose QuantizeLinear onnxruntime moves above it, on a float producer;
 - Mul by a one-value constant of rank 1 over a tensor whose last axis is 1, and the same constant
   written as [1, 1, 1, 1];
-- Convs off MLAS ConvSym (8 output channels; a 3 x 39 kernel) and on it, for comparison.
+- Convs with few channels per kernel tap (8 channels, a 3 x 39 kernel) and others, for comparison.
 """
 
 from __future__ import annotations
@@ -114,11 +114,13 @@ CASES = [
     ("Mul by a [1] scalar over [1, 172, 264, 1]", lambda q: scalar_mul([1, 172, 264, 1], [1], q), [1, 172, 264, 1]),
     ("Mul by a [1, 1, 1, 1] scalar over [1, 172, 264, 1]", lambda q: scalar_mul([1, 172, 264, 1], [1, 1, 1, 1], q),
      [1, 172, 264, 1]),
-    ("Conv 8 -> 8, 3 x 39 (off ConvSym), 172 x 302", lambda q: conv(8, 8, (3, 39), (172, 302), (1, 1), q),
-     [1, 8, 172, 302]),
-    ("Conv 8 -> 32, 5 x 5 at stride (1, 3) (ConvSym), 172 x 264", lambda q: conv(8, 32, (5, 5), (172, 264), (1, 3), q),
+    ("Conv 8 -> 8, 3 x 39, 172 x 302", lambda q: conv(8, 8, (3, 39), (172, 302), (1, 1), q), [1, 8, 172, 302]),
+    ("Conv 8 -> 16, 3 x 39, 172 x 302", lambda q: conv(8, 16, (3, 39), (172, 302), (1, 1), q), [1, 8, 172, 302]),
+    ("Conv 8 -> 32, 5 x 5 at stride (1, 3), 172 x 264", lambda q: conv(8, 32, (5, 5), (172, 264), (1, 3), q),
      [1, 8, 172, 264]),
-    ("Conv 32 -> 32, 3x3 (ConvSym), 86 x 88", lambda q: conv(32, 32, (3, 3), (86, 88), (1, 1), q), [1, 32, 86, 88]),
+    ("Conv 576 -> 1, 7 x 7, 22 x 22", lambda q: conv(576, 1, (7, 7), (22, 22), (1, 1), q), [1, 576, 22, 22]),
+    ("Conv 32 -> 3, 3 x 3, 130 x 130", lambda q: conv(32, 3, (3, 3), (130, 130), (1, 1), q), [1, 32, 130, 130]),
+    ("Conv 32 -> 32, 3 x 3, 86 x 88", lambda q: conv(32, 32, (3, 3), (86, 88), (1, 1), q), [1, 32, 86, 88]),
 ]
 
 

@@ -26,14 +26,6 @@ INTEGER_CONV = ("QLinearConv", "ConvInteger")
 INTEGER_MATMUL = ("QGemm", "QLinearMatMul", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")
 
 
-def fast_outputs(channels: int) -> bool:
-    """Whether onnxruntime's fast int8 Conv (MLAS ConvSym) takes this many output channels: at least
-    16, a multiple of 4 (single Convs: 20, 28, 36 as fast as 32; 18 and 12 not; benchmarks/README.md,
-    "Small CNNs"); it also wants input channels in multiples of 4. The stem rewrites align a stem's
-    input channels only where the outputs qualify."""
-    return channels >= 16 and channels % 4 == 0
-
-
 @dataclass(frozen=True)
 class KernelCounts:
     quantized_convs: int  # Conv nodes of the QDQ model whose weight is a DequantizeLinear output

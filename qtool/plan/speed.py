@@ -22,11 +22,10 @@ import numpy as np
 import onnx
 
 from qtool.graph.index import GraphIndex, attribute, node_label
-from qtool.graph.kernels import fast_outputs
 from qtool.plan.ops import rule_for
 
 FEATURES = ("boundary", "passes", "integer_kernel", "mac", "weight", "tap", "depthwise_mac", "depthwise_float_mac",
-            "patch", "unit_span")
+            "unit_span")
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,7 @@ class Costs:
     tap: float = 4.7  # an integer depthwise Conv's pointer per output pixel and kernel tap (its indirection buffer)
     depthwise_mac: float = 0.34  # ... and its cost per MAC, every tap computed (padding included)
     depthwise_float_mac: float = 0.41  # a float depthwise Conv's cost per MAC it computes (padding skipped)
-    # No kit model has these two; measured on single ops (benchmarks/kernel_quirks.py), not fitted:
-    patch: float = 0.3  # an integer Conv off MLAS ConvSym (im2col + GEMM): per patch value it gathers
+    # no kit model has it; measured on single ops (benchmarks/kernel_quirks.py), not fitted:
     unit_span: float = 14.0  # a QLinearAdd/QLinearMul broadcasting a rank-1 scalar over a last axis of 1: per value
 
     def ns(self, features: Mapping[str, float]) -> float:
@@ -61,7 +59,7 @@ FUSED_IN_FLOAT = ("Relu", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Sigm
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 NO_INTEGER_KERNEL = ("ConvTranspose", "PRelu")  # onnxruntime 1.32 CPU runs them in float between a DQ and a Q
 # onnxruntime moves a QuantizeLinear after a MaxPool above it, and runs a uint8 MaxPool fed by a float node
-# in NCHW, 10x its float time: a MaxPool is int8 where its reader is, and its producer where it is
+# in NCHW, several times its float time: a MaxPool is int8 where its reader is, and its producer where it is
 LIFTED = ("MaxPool",)
 Features = dict  # feature name -> count
 
@@ -212,9 +210,6 @@ def _own(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[
             return {}, 0, False  # a per-channel affine (an equalized chain's tail): one pass either way
         macs = _macs(node, shapes, weight)
         feats = {"integer_kernel": 1.0, "mac": -float(macs), "weight": -weights}
-        if op == "Conv" and weight is not None and len(weight.dims) > 2 and _gathers_patches(node, index, weight):
-            feats["patch"] = float(_values(shapes.get(node.output[0])) // weight.dims[0]
-                                   * int(np.prod(weight.dims[1:], dtype=np.int64)) * attribute(node, "group", 1))
         if dynamic:  # DynamicQuantizeLinear over its input first
             _add(feats, {"boundary": float(_values(shapes.get(node.input[0])))})
         return feats, macs, True
@@ -250,22 +245,6 @@ def _unit_span(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Seq
         return False
     small, large = sorted(dims, key=len)
     return len(small) == 1 and small[0] == 1 and len(large) > 1 and large[-1] == 1
-
-
-def _gathers_patches(conv: onnx.NodeProto, index: GraphIndex, weight: onnx.TensorProto) -> bool:
-    """Whether onnxruntime's integer Conv gathers patches (im2col) for a GEMM: off MLAS ConvSym (input
-    channels per group a multiple of 4, output channels per group fast_outputs), unless 1x1 at stride 1.
-    A stem reading a graph input is left out: the ort-cpu rewrites align its channels."""
-    group = attribute(conv, "group", 1)
-    if fast_outputs(weight.dims[0] // group) and weight.dims[1] % 4 == 0:
-        return False
-    if all(k == 1 for k in weight.dims[2:]) and all(s == 1 for s in attribute(conv, "strides", None) or [1]):
-        return False
-    source = conv.input[0]
-    producer = index.producer.get(source)
-    if producer is not None and producer.op_type == "Transpose" and producer.input:
-        source = producer.input[0]
-    return source not in {i.name for i in index.graph.input} or weight.dims[1] != 3
 
 
 def _fused_gate(conv: onnx.NodeProto, index: GraphIndex) -> bool:
@@ -350,7 +329,8 @@ def _reason(group: list[str], terms: Terms, costs: Costs, saving: float) -> str:
     part = {name: getattr(costs, name) * change.get(name, 0.0) / 1e3 for name in FEATURES}
     causes = [(part["boundary"] + part["passes"], "Q/DQ and unfused activations"),
               (part["tap"] + part["depthwise_mac"] + part["depthwise_float_mac"], "depthwise Convs"),
-              (part["integer_kernel"], "integer kernels' fixed cost")]
+              (part["integer_kernel"], "integer kernels' fixed cost"),
+              (part["unit_span"], "broadcasts stepping value by value")]
     costs_text = ", ".join(f"{us:.0f} us {what}" for us, what in causes if us >= 0.5)
     saved = -(part["mac"] + part["weight"])
     span = f"'{group[0]}'" + (f" to '{group[-1]}'" if len(group) > 1 else "")

@@ -2,7 +2,7 @@
 
 onnxruntime's x86 QLinearConv uses its fast kernel (MLAS ConvSym: int8 weights with zero point 0,
 indirect convolution) only when a non-grouped convolution's input channels are a multiple of 4
-(and its output channels at least 16, a multiple of 4: qtool.graph.kernels.fast_outputs). An RGB stem
+(and its output channels at least 16, a multiple of 4: input_chain.fast_outputs). An RGB stem
 misses it and falls back to im2col + GEMM. So the quantized graph input gets a fourth channel
 filled with its zero point (a Pad between its QuantizeLinear and DequantizeLinear) and the stem's
 int8 weight a zero input channel: bit-identical outputs. Applied only where the quantized input
@@ -16,8 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.graph.kernels import fast_outputs
-from qtool.quantization.ort_cpu.input_chain import insert_on_codes, quantized_inputs
+from qtool.quantization.ort_cpu.input_chain import fast_outputs, insert_on_codes, quantized_inputs
 
 from qtool.graph.index import GraphIndex, attribute
 

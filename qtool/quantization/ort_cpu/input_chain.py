@@ -17,6 +17,13 @@ from onnx import helper
 from qtool.graph.index import GraphIndex, attribute, replace_nodes
 
 
+def fast_outputs(channels: int) -> bool:
+    """Whether onnxruntime's fast int8 Conv (MLAS ConvSym) takes this many output channels: at least
+    16, a multiple of 4 (single Convs: 20, 28, 36 as fast as 32; 18 and 12 not; benchmarks/README.md,
+    "Small CNNs"). The stem rewrites align a stem's input channels only where it does."""
+    return channels >= 16 and channels % 4 == 0
+
+
 @dataclass
 class InputChain:
     source: str  # the graph input

@@ -20,8 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.graph.runtime import create_session
-from qtool.graph.kernels import fast_outputs
-from qtool.quantization.ort_cpu.input_chain import insert_on_codes, quantized_inputs
+from qtool.quantization.ort_cpu.input_chain import fast_outputs, insert_on_codes, quantized_inputs
 from qtool.graph.index import GraphIndex, attribute, set_attribute
 
 BLOCK = 2
