@@ -36,8 +36,8 @@ Calibration images are the kit's calibration photos, held-out images the kit's d
 segmentation repository's photos); never the same image in both. 24 samples calibrate, 16 are held out.
 Per quantizer: exit (qtool: the plain command's exit code and first stderr line), worst-output cosine
 per sample (mean / min), per-output mean cosine (many-headed models), the task figure, speed against
-the given model (1 thread, batch 1, the models taking turns, medians; benchmarks/models.py's
-timed_medians), wall and CPU time to quantize, and for models with NHWC Transposes how many
+the given model (1 thread, batch 1, each quantizer's model taking turns with the given model alone,
+medians; benchmarks/models.py's timed_medians), wall and CPU time to quantize, and for models with NHWC Transposes how many
 Transposes sit next to a Conv before and after.
 
     python benchmarks/heldout.py [--cache /work/heldout] [--kit ../shared/bench] [--only a,b] [--json out.json]
@@ -501,11 +501,11 @@ def measure(name: str, spec: dict, work: Path) -> dict:
         worst, per_output = cosines(outputs["fp32"], outputs[variant])
         row["variants"][variant].update(cos_mean=float(np.mean(worst)), cos_min=float(np.min(worst)),
                                         per_output=per_output, task=spec["task"](outputs["fp32"], outputs[variant]))
-    medians = timed_medians(paths, spec["held"])
-    row["fp32_ms"] = medians["fp32"] * 1e3
-    for variant in paths:
+    for variant in paths:  # each against fp32 alone: a slow peer model in the turns slows the others too
         if variant != "fp32":
-            row["variants"][variant]["speedup"] = medians["fp32"] / medians[variant]
+            pair = timed_medians({"fp32": paths["fp32"], variant: paths[variant]}, spec["held"])
+            row["variants"][variant]["speedup"] = pair["fp32"] / pair[variant]
+            row.setdefault("fp32_ms", pair["fp32"] * 1e3)
     row["transposes"] = {v: transposes_at_convs(p) for v, p in paths.items() if v in ("fp32", "qtool")}
     return row
 
@@ -516,7 +516,7 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         for variant in row["variants"]:
             v = row["variants"][variant]
-            label = f"{row['model']} ({row['fp32_ms']:.2f})" if variant == "qtool" else ""
+            label = f"{row['model']} ({row.get('fp32_ms', float('nan')):.2f})" if variant == "qtool" else ""
             if "cos_mean" not in v:
                 error = v["last_line"] if variant == "qtool" else v["first_line"]
                 lines.append(f"| {label} | {variant} | {v['exit']}: {error[:110]} | | | | "
