@@ -37,8 +37,8 @@ segmentation repository's photos); never the same image in both. 24 samples cali
 Per quantizer: exit (qtool: the plain command's exit code and first stderr line), worst-output cosine
 per sample (mean / min), per-output mean cosine (many-headed models), the task figure, speed against
 the given model (1 thread, batch 1, each quantizer's model taking turns with the given model alone,
-medians; benchmarks/models.py's timed_medians), wall and CPU time to quantize, and for models with NHWC Transposes how many
-Transposes sit next to a Conv before and after.
+medians; benchmarks/models.py's timed_medians), wall and CPU time to quantize, and for models with
+NHWC Transposes how many Transposes sit next to a Conv before and after.
 
     python benchmarks/heldout.py [--cache /work/heldout] [--kit ../shared/bench] [--only a,b] [--json out.json]
 """
