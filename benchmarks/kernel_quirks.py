@@ -5,7 +5,7 @@
 Each case is one small ONNX graph in two forms: float, and with the op between QuantizeLinear /
 DequantizeLinear pairs (int8 weights per output channel, uint8 activations), so that onnxruntime
 fuses what it can into its integer kernel. Batch 1, 1 thread, the two sessions taking turns run by
-run; medians. The cases are onnxruntime behaviours qtool.plan.speed models without its least-squares
+run (qtool.graph.runtime.time_models); medians. The cases are onnxruntime behaviours qtool.plan.speed models without its least-squares
 fit over the kit models (which have none of them), and one it does not model:
 
 - a Conv with one input and one output channel (a Conv1D resampling filter written as Conv2D),
@@ -20,11 +20,15 @@ fit over the kit models (which have none of them), and one it does not model:
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from qtool.graph.runtime import time_models  # noqa: E402
 
 
 def _graph(nodes, x_shape, inits, opset=13):
@@ -32,7 +36,7 @@ def _graph(nodes, x_shape, inits, opset=13):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 7
-    return model.SerializeToString()
+    return model
 
 
 def _qdq(name, scale, zero=128):
@@ -90,14 +94,14 @@ def maxpool_after_float(shape, quantized):
 
 def scalar_mul(shape, constant_shape, quantized):
     nodes, inits, x = _qdq("x", 0.02) if quantized else ([], [], "x")
-    inits.append(numpy_helper.from_array(np.full(constant_shape, 0.7, np.float32), "c"))
-    c = "c"
-    if quantized:
-        inits[-1] = numpy_helper.from_array(np.full(constant_shape, 200, np.uint8), "cq")
-        inits += [numpy_helper.from_array(np.array(0.0035, np.float32), "cs"),
+    if quantized:  # the constant as int8 codes behind a DequantizeLinear, as qtool writes it
+        inits += [numpy_helper.from_array(np.full(constant_shape, 200, np.uint8), "cq"),
+                  numpy_helper.from_array(np.array(0.0035, np.float32), "cs"),
                   numpy_helper.from_array(np.array(0, np.uint8), "cz")]
         nodes.append(helper.make_node("DequantizeLinear", ["cq", "cs", "cz"], ["c"]))
-    nodes.append(helper.make_node("Mul", [x, c], ["m" if quantized else "y"]))
+    else:
+        inits.append(numpy_helper.from_array(np.full(constant_shape, 0.7, np.float32), "c"))
+    nodes.append(helper.make_node("Mul", [x, "c"], ["m" if quantized else "y"]))
     if quantized:
         more, extra, out = _qdq("m", 0.02)
         nodes += more + [helper.make_node("Identity", [out], ["y"])]
@@ -124,12 +128,6 @@ CASES = [
 ]
 
 
-def _session(model: bytes) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=300)
@@ -139,14 +137,9 @@ def main() -> None:
     print("|---|---|---|---|")
     for label, build, shape in CASES:
         x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
-        sessions = [_session(build(False)), _session(build(True))]
-        times = [[], []]
-        for run in range(args.runs):
-            for i in ((0, 1) if run % 2 == 0 else (1, 0)):
-                start = time.perf_counter()
-                sessions[i].run(None, {"x": x})
-                times[i].append(time.perf_counter() - start)
-        fp32, int8 = (float(np.median(t)) * 1e6 for t in times)
+        times = time_models({"float": build(False), "int8": build(True)}, {"x": x}, threads=1, warmup=5,
+                            runs=args.runs)
+        fp32, int8 = (float(np.median(times[k])) * 1e6 for k in ("float", "int8"))
         print(f"| {label} | {fp32:.0f} | {int8:.0f} | {fp32 / int8:.2f}x |", flush=True)
 
 

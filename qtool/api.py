@@ -217,8 +217,9 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
         nothing = unquantizable(fp32_model)
         if nothing is not None:
             table = CalibrationTable(Path(model).name, sha256_file(model), cfg.calibration.method, {}, 0)
-            return QuantizeResult(fp32_model, table, (nothing,), 0, 0, 0, len(fp32_model.graph.node),
-                                  has_external_data(model), settled=cfg)
+            return QuantizeResult(fp32_model, table, (nothing,), quantized_nodes=0, int8_weights=0, activations=0,
+                                  float_nodes=len(fp32_model.graph.node), external_data=has_external_data(model),
+                                  settled=cfg)
         specs = input_specs(fp32_model)
         sized = []
         if data is not None:  # before anything runs on batches: calibration, the choices, the search

@@ -198,13 +198,6 @@ def test_prelu_costs_its_dequantize_and_quantize():
     assert ("conv_a", "pool") in terms.follows and ("pool", "prelu") in terms.follows
 
 
-def _rect_conv(rng, name, x, y, c_in, c_out, kernel):
-    w = rng.normal(0, 0.2, (c_out, c_in, *kernel)).astype(np.float32)
-    pads = [k // 2 for k in kernel] * 2
-    return helper.make_node("Conv", [x, f"{name}_w"], [y], name=name, kernel_shape=list(kernel), pads=pads), \
-        [init(f"{name}_w", w)]
-
-
 def batch_norm_over_unit_axis(rng, scalar_shape=(1,)):
     """A TensorFlow export's batch norm written as Mul and Add by one-value constants (rank 1, as tf2onnx
     writes them) over [1, 96, 128, 1], then two 3x3 Convs with 32 channels."""
@@ -213,8 +206,7 @@ def batch_norm_over_unit_axis(rng, scalar_shape=(1,)):
              helper.make_node("Reshape", ["a", "to_nchw"], ["r"], name="to_nchw")]
     inits = [init("gamma", np.full(scalar_shape, 1.3, np.float32)), init("beta", np.full(scalar_shape, 0.2, np.float32)),
              init("to_nchw", np.array([1, 32, 3, 128], np.int64))]
-    for node, tensors in (_rect_conv(rng, "first", "r", "l", 32, 32, (3, 3)),
-                          _rect_conv(rng, "second", "l", "s", 32, 32, (3, 3))):
+    for node, tensors in (_conv(rng, "first", "r", "l", 32, 32, k=3), _conv(rng, "second", "l", "s", 32, 32, k=3)):
         nodes.append(node)
         inits += tensors
     nodes.append(helper.make_node("Softsign", ["s"], ["y"], name="out"))

@@ -158,9 +158,7 @@ def cost_terms(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[int]]
                 _add(terms.pairs[key], boundary(name))
                 if name not in ranged:  # no Q/DQ can go there: the two go together
                     terms.joined.add(key)
-                if producer.op_type in LIFTED:  # an int8 reader: the MaxPool runs on uint8 anyway
-                    terms.follows.add((label, source))
-                if node.op_type in LIFTED:  # a uint8 MaxPool after a float node runs in the slow NCHW form
+                if producer.op_type in LIFTED or node.op_type in LIFTED:  # the reader's int8 makes its producer's
                     terms.follows.add((label, source))
             else:  # a graph input or a float node's output: a QuantizeLinear when this node is int8
                 _add(terms.nodes[label], boundary(name))
@@ -347,9 +345,9 @@ class _Cut:
         self.id = {label: i + 2 for i, label in enumerate(self.labels)}  # 0 source, 1 sink
         self.unary = {label: costs.ns(feats) for label, feats in terms.nodes.items()}
         self.pairs = {key: costs.ns(feats) for key, feats in terms.pairs.items()}
+        self.follows = terms.follows
         for key in terms.joined:
             self.pairs[key] = math.inf
-        self.follows = terms.follows
 
     def pin(self, label: str) -> None:
         """Keep `label` int8 whatever it costs."""
