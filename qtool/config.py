@@ -34,7 +34,7 @@ EMBEDDING_AUTO_BYTES = 1 << 20
 MATMUL_STRATEGIES = ("auto", "static", "dynamic")
 DYNAMIC_WEIGHTS = ("auto", "column", "tensor")  # auto: measured (qtool.choices.dynamic_weights), else column
 HEAD_TAILS = ("auto", "off")
-SPEED_RULES = ("auto", "off")  # auto: qtool.choices.speed on a target with Target.speed_costs
+SPEED_RULES = ("auto", "off")  # auto: qtool.choices.speed on a target that names a Target.speed_rule
 LATENCY_AWARE = ("off", "on")  # on: the opt-in timing search of qtool.choices.latency
 # auto: measured (qtool.choices.hard_forms) where quantize has calibration data, else integer
 HARD_ACTIVATIONS = ("auto", "integer", "float")
@@ -134,8 +134,8 @@ class AdvancedConfig:
     # (qtool.choices.latency); opt-in, since its outcome depends on the machine. The nodes it
     # chooses are written to float_nodes in the settled config (quantize --save-config)
     latency_aware: str = "off"
-    # auto: keep float the quantized nodes onnxruntime CPU's kernels run faster in float, estimated from
-    # the graph and its shapes (qtool.plan.speed; a target with Target.speed_costs); nothing timed. The
+    # auto: keep float the quantized nodes the target's runtime runs no faster in int8, estimated from
+    # the graph and its shapes by its rule (Target.speed_rule, qtool.choices.speed); nothing timed. The
     # nodes it chooses are written to float_nodes in the settled config (and the rule to off)
     speed_rule: str = "auto"
     # Nodes (exact labels: name, or first output) kept float, as settled by the speed rule, the latency tuning and

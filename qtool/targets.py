@@ -88,9 +88,9 @@ class Target:
     # compiles no such Convolution ("No suitable implementations"): there asymmetric activations
     # must be uint8 (the option check in qtool.config refuses int8 ones).
     int8_conv_zero_points: bool = True
-    # qtool.plan.speed's kernel costs (fitted on onnxruntime CPU) are this runtime's: `speed_rule: auto`
-    # keeps float the quantized nodes they say run faster in float (qtool.choices.speed).
-    speed_costs: bool = False
+    # The speed rule of this runtime's kernels, by name (qtool.choices.speed.RULES): `speed_rule: auto`
+    # keeps float the quantized nodes it says run no faster in int8; None: no rule, nothing kept float.
+    speed_rule: Optional[str] = None
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -105,7 +105,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            dynamic_matmul=True, int8_embeddings=True, kernels=("DynamicQuantizeLSTM",),
            prepare_passes=("embed_layer_norm",), finish_passes=("stem_s2d", "channel_pad"),
            form_passes=("hard_activations", "gelu_form", "written_form"),
-           saturates_without_vnni=True, onnxruntime_kernels=True, speed_costs=True),
+           saturates_without_vnni=True, onnxruntime_kernels=True, speed_rule="onnxruntime_cpu"),
     Target("tensorrt", "TensorRT explicit quantization: int8 symmetric activations (scale amax/127, zero point 0), "
            "per-channel weights", "TensorRT",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
@@ -118,7 +118,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
            activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, measured_on="openvino",
-           smooth_inserts=True, asymmetric_linear_inputs=True, int8_conv_zero_points=False),
+           smooth_inserts=True, asymmetric_linear_inputs=True, int8_conv_zero_points=False,
+           speed_rule="openvino_cpu"),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

@@ -17,7 +17,7 @@ from qtool.plan.planner import prepared_model
 from qtool.prepare.equalize import activation_sites
 from qtool.table.table import smoothed_options
 from tests import graphs
-from tests.graphs import init, model, tensor, write_samples
+from tests.graphs import RULE_OFF, init, model, tensor, write_samples
 
 C = 8
 GAINS = np.array([1.0, 0.01, 0.05, 1.0, 0.02, 0.5, 0.03, 0.2], np.float32)  # channel c of conv_a's output
@@ -316,8 +316,8 @@ def test_an_inputs_only_target_gets_the_rewrite_as_elementwise_ops(tmp_path, for
     x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
     np.testing.assert_allclose(create_session(equalized).run(None, {"x": x})[0],
                                create_session(str(path)).run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
-    result = api.quantize(path, data=data, config={"calibration": {"method": "minmax"},
-                                                   "quantization": {"target": "openvino"}})
+    result = api.quantize(path, data=data, config={"calibration": {"method": "minmax"},  # toy layers
+                                                   "quantization": {"target": "openvino", "advanced": RULE_OFF}})
     assert any("equalized across channels in 1" in note for note in result.notes)
     written = result.model.graph.node
     assert sorted(n.name for n in written if n.op_type == "Conv") == ["conv_a", "conv_b", "dw"]

@@ -16,8 +16,11 @@ from qtool.targets import TARGETS
 from tests import graphs
 from tests.test_transformer_blocks import _attention_model, _gelu_model, _ln_model
 
-CONFIG = {"calibration": {"method": "minmax"},  # nothing measured: no OpenVINO needed to quantize
-          "quantization": {"target": "openvino", "advanced": {"head_tails": "off"}}}
+# nothing measured: no OpenVINO needed to quantize; toy layers, which the speed rule would keep float
+CONFIG = {"calibration": {"method": "minmax"},
+          "quantization": {"target": "openvino", "advanced": {"head_tails": "off", **graphs.RULE_OFF}}}
+RULE_ON = {"calibration": {"method": "minmax"},
+           "quantization": {"target": "openvino", "advanced": {"head_tails": "off"}}}
 LAYERS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
@@ -297,3 +300,49 @@ def test_a_ceil_mode_maxpool_keeps_its_quantizer_after_it(tmp_path):
     path, data, result = _quantize(tmp_path, built, (3, 30, 80))
     assert _quantized_tensors(result.model) == {"x", "m"}
     assert min(_cosines(path, result.model, data)) > 0.999
+
+
+def _convs_then_gemm(rng, small_out: int, big_out: int, size: int = 48, head: bool = True) -> onnx.ModelProto:
+    """x -> a 1x1 Conv 8 -> small_out -> Relu -> a 3x3 Conv -> big_out -> GlobalAveragePool -> Flatten
+    [-> a Gemm to 4 classes]."""
+    inits = [graphs.init("ws", rng.normal(0, 0.3, (small_out, 8, 1, 1)).astype(np.float32)),
+             graphs.init("wb", rng.normal(0, 0.3, (big_out, small_out, 3, 3)).astype(np.float32)),
+             graphs.init("wg", rng.normal(0, 0.3, (4, big_out)).astype(np.float32))]
+    nodes = [helper.make_node("Conv", ["x", "ws"], ["s"], name="small"),
+             helper.make_node("Relu", ["s"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "wb"], ["b"], name="big", pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["b"], ["p"], name="pool"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "wg"], ["y"], name="head", transB=1)]
+    if not head:
+        nodes[-1] = helper.make_node("Softsign", ["f"], ["y"], name="out")
+    return graphs.model(nodes, [graphs.tensor("x", ["N", 8, size, size])],
+                        [graphs.tensor("y", ["N", 4 if head else big_out])], inits)
+
+
+def _float_weights(model: onnx.ModelProto) -> set[str]:
+    """Labels of the weighted nodes that read a float initializer as their weight."""
+    inits = {t.name: t for t in model.graph.initializer}
+    return {n.name for n in model.graph.node if n.op_type in LAYERS and n.input[1] in inits
+            and inits[n.input[1]].data_type == onnx.TensorProto.FLOAT}
+
+
+def test_the_openvino_speed_rule_keeps_small_convolutions_float(tmp_path):
+    # small: 8 x 8 x 48 x 48 = 147k MACs, under 2^18; big: 32 x 72 x 48 x 48 = 5.3M; the Gemm's 128
+    # MACs stay int8 (OpenVINO's int8 FullyConnected gains at any size)
+    path, data, result = _quantize(tmp_path, _convs_then_gemm(np.random.default_rng(0), 8, 32), (8, 48, 48),
+                                   config=RULE_ON)
+    decision = next(d for d in result.decisions if d.option == "quantization.advanced.float_nodes")
+    assert decision.value == ("small",) and "OpenVINO" in decision.rule
+    assert _float_weights(result.model) == {"small"}
+    assert "x" not in _quantized_tensors(result.model) and "r" in _quantized_tensors(result.model)
+    assert result.settled.quantization.advanced.float_nodes == ("small",)
+
+
+def test_the_openvino_speed_rule_leaves_an_int8_model(tmp_path):
+    # both convolutions under 2^18 MACs at 12 x 12 and no other weighted layer: the larger Conv stays int8
+    built = _convs_then_gemm(np.random.default_rng(0), 8, 8, size=12, head=False)
+    path, data, result = _quantize(tmp_path, built, (8, 12, 12), config=RULE_ON)
+    decision = next(d for d in result.decisions if d.option == "quantization.advanced.float_nodes")
+    assert decision.value == ("small",)
+    assert _float_weights(result.model) == {"small"}

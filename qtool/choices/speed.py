@@ -1,9 +1,10 @@
 """Float for speed, settled from the graph (quantization option `advanced.speed_rule: auto`, the
-default on a target with Target.speed_costs): the quantized nodes that qtool.plan.speed's kernel
-costs say onnxruntime CPU runs faster in float, on the shapes of the first calibration batch's first
-sample (batch 1). An int8 model no faster than fp32 is what that runtime's user quantizes to avoid;
-the costs are a model of its kernels, so nothing is timed and the same graph and shapes give the same
-nodes on any machine. The nodes go to `advanced.float_nodes` in the settled config, which replays them.
+default on a target that names a rule, Target.speed_rule): the quantized nodes that the rule of the
+target's runtime (RULES) says run no faster in int8, on the shapes of the first calibration batch's
+first sample (batch 1). An int8 model no faster than fp32 is what that runtime's user quantizes to
+avoid; a rule is a model of the runtime's kernels, so nothing is timed and the same graph and shapes
+give the same nodes on any machine. The nodes go to `advanced.float_nodes` in the settled config,
+which replays them.
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ from qtool.config import Config
 from qtool.data.dataset import Batch
 from qtool.graph.runtime import tensor_dims
 from qtool.plan.speed import float_for_speed
+from qtool.plan.speed_openvino import small_convs_float
 from qtool.quantization.quantize import SharedGraphs, ranges_only, reference_batch
 from qtool.table.table import CalibrationTable, smoothed_options
 from qtool.targets import target_of
 
 OPTION = "quantization.advanced.float_nodes"
-RULE = "speed rule: faster in float by onnxruntime CPU's kernel costs on the graph's shapes (batch 1; nothing timed)"
+# Target.speed_rule -> (the rule: (model, plan, shapes, options) -> (float labels, reasons), what the decision says)
+RULES = {
+    "onnxruntime_cpu": (float_for_speed, "speed rule: faster in float by onnxruntime CPU's kernel costs on the "
+                                         "graph's shapes (batch 1; nothing timed)"),
+    "openvino_cpu": (small_convs_float, "speed rule: convolutions OpenVINO CPU runs no faster in int8, by their "
+                                        "MACs on the graph's shapes (batch 1; nothing timed)"),
+}
 
 
 def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg: Config,
@@ -31,9 +39,10 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
     options = cfg.quantization
     if options.advanced.speed_rule == "off":
         return None
-    if not target_of(options).speed_costs:
-        return Decision("quantization.advanced.speed_rule", "off",
-                        f"its kernel costs are onnxruntime CPU's, not {target_of(options).runtime}'s")
+    target = target_of(options)
+    if target.speed_rule is None:
+        return Decision("quantization.advanced.speed_rule", "off", f"no speed rule for {target.runtime}")
+    rule, text = RULES[target.speed_rule]
     smoothed = smoothed_options(ranges_only(options), table)
     graph = shared.graph(model_path, table, smoothed)
     # the first calibration sample (the shapes are read at batch 1), taken without running the model;
@@ -42,5 +51,5 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
     feeds = first.feeds if first is not None else reference_batch(graph.model, None, smoothed)
     if feeds is None:
         return Decision(OPTION, (), "speed rule: no inputs the model runs on, so no shapes")
-    labels, reasons = float_for_speed(graph.model, graph.plan, tensor_dims(graph.model, feeds), options)
-    return Decision(OPTION, tuple(labels), RULE, details=tuple(reasons))
+    labels, reasons = rule(graph.model, graph.plan, tensor_dims(graph.model, feeds), options)
+    return Decision(OPTION, tuple(labels), text, details=tuple(reasons))

@@ -200,13 +200,13 @@ def _own(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[
                 and (attribute(node, "group", 1) > 1 or weight.dims[0] == 1)):  # one input, one output: depthwise too
             if any(k != 1 for k in weight.dims[2:]):
                 taps = float(np.prod(weight.dims[2:], dtype=np.int64))
-                nominal = float(_macs(node, shapes, weight))
+                nominal = float(layer_macs(node, shapes, weight))
                 return {"tap": out / weight.dims[0] * taps, "depthwise_mac": nominal,
                         "depthwise_float_mac": -_computed_macs(node, shapes, weight, nominal)}, 0, False
             if _fused_gate(node, index):  # float fuses the whole hard-swish into the Conv before it
                 return one_pass, 0, False
             return {}, 0, False  # a per-channel affine (an equalized chain's tail): one pass either way
-        macs = _macs(node, shapes, weight)
+        macs = layer_macs(node, shapes, weight)
         feats = {"integer_kernel": 1.0, "mac": -float(macs), "weight": -weights}
         if dynamic:  # DynamicQuantizeLinear over its input first
             _add(feats, {"boundary": float(_values(shapes.get(node.input[0])))})
@@ -256,7 +256,8 @@ def _fused_gate(conv: onnx.NodeProto, index: GraphIndex) -> bool:
     return product is not None and product.op_type == "Mul" and conv.input[0] in product.input
 
 
-def _macs(node: onnx.NodeProto, shapes: Mapping[str, Sequence[int]], weight: Optional[onnx.TensorProto]) -> int:
+def layer_macs(node: onnx.NodeProto, shapes: Mapping[str, Sequence[int]], weight: Optional[onnx.TensorProto]) -> int:
+    """A weighted layer's MACs for one sample (0 where the shapes leave them open)."""
     out = shapes.get(node.output[0])
     if node.op_type == "Conv" and weight is not None:
         return _values(out) * int(np.prod(weight.dims[1:], dtype=np.int64))

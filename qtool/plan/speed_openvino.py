@@ -1,0 +1,45 @@
+"""Float for speed on OpenVINO CPU: a convolution under MIN_CONV_MACS multiply-accumulates per sample stays float.
+
+OpenVINO folds each quantizer into the int8 layer that reads it, so an int8 convolution costs its kernel and
+its input's quantization, where the float one runs in OpenVINO's default precision (bf16 on CPUs that have it).
+Per layer, its int8 convolutions run slower than bf16 below about 2^16 MACs and no faster up to 2^18 (the
+squeeze-excite 1x1s, thin stems); its int8 FullyConnected/MatMul was faster at every size measured, so MatMul
+and Gemm keep their plan. If every weighted layer would go float, the largest stays int8: an int8 model is
+what was asked for. From the graph and its shapes alone, so the same graph gives the same nodes anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import onnx
+
+from qtool.graph.index import GraphIndex, node_label
+from qtool.plan.speed import WEIGHTED, layer_macs
+
+MIN_CONV_MACS = 1 << 18
+CONVOLUTIONS = ("Conv", "ConvTranspose")
+
+
+def small_convs_float(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[int]], options=None
+                      ) -> tuple[list[str], list[str]]:
+    """(labels of quantized convolutions to keep float, one reason for them); the arguments as
+    qtool.plan.speed.float_for_speed's. A node without its output's shape keeps its plan."""
+    index = GraphIndex(model)
+    quantized = set(plan.quantized_nodes)
+    macs = {}
+    for node in model.graph.node:
+        label = node_label(node)
+        if label in quantized and node.op_type in WEIGHTED and node.output and node.output[0] in shapes:
+            weight = index.initializers.get(node.input[1]) if len(node.input) > 1 else None
+            if weight is not None:
+                macs[label] = (node.op_type, layer_macs(node, shapes, weight))
+    small = [label for label, (op, count) in macs.items() if op in CONVOLUTIONS and count < MIN_CONV_MACS]
+    if small and len(small) == len(macs):
+        small.remove(max(small, key=lambda label: macs[label][1]))
+    if not small:
+        return [], []
+    largest = max(macs[label][1] for label in small)
+    return small, [f"{len(small)} convolutions of fewer than {MIN_CONV_MACS} MACs per sample (the largest "
+                   f"{largest}): OpenVINO CPU runs them no faster in int8 than in its float precision, and "
+                   "each int8 one quantizes its input"]
