@@ -429,3 +429,47 @@ def test_a_model_of_no_op_qtool_quantizes_is_written_unchanged_before_anything_r
     assert result.quantized_nodes == 0 and result.model.SerializeToString() == onnx.load(path).SerializeToString()
     assert result.notes == ("nothing quantized: no node of the model is of an op qtool quantizes (ops: Cast, "
                             "Scaler); written unchanged",)
+
+
+def test_a_bias_two_layers_share_is_quantized_for_each(tmp_path):
+    """Exporters share equal constants: one bias initializer read by two Convs whose inputs have
+    different ranges (here conv_b reads 20 x). Each int32 bias must be at its own layer's input
+    scale times its weight scales, since onnxruntime's QLinearConv adds the int32 values as they
+    are (qtool.quantization.checks.check_bias_scales)."""
+    import qtool
+
+    rng = np.random.default_rng(0)
+    c = 8
+    inits = [graphs.init("w1", rng.normal(0, 0.3, (c, c, 3, 3)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (c, c, 3, 3)).astype(np.float32)),
+             graphs.init("b", rng.normal(0, 0.5, c).astype(np.float32)),
+             graphs.init("k", np.float32(20.0))]
+    # conv_a writes a graph output (float, not fused); conv_b writes int8 for the float Softsign (fused)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b"], ["ya"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["x", "k"], ["m"], name="scale_up"),
+             helper.make_node("Conv", ["m", "w2", "b"], ["z"], name="conv_b", pads=[1, 1, 1, 1]),
+             helper.make_node("Softsign", ["z"], ["y"], name="out")]
+    built = graphs.model(nodes, [graphs.tensor("x", ["N", c, 12, 12])],
+                         [graphs.tensor("ya", None), graphs.tensor("y", None)], inits)
+    path = tmp_path / "shared_bias.onnx"
+    onnx.save(built, path)
+    data = graphs.write_samples(tmp_path / "data", rng, (c, 12, 12), count=8)
+    result = qtool.quantize(str(path), data=str(data), progress=False,
+                            config={"calibration": {"method": "minmax"},
+                                    "quantization": {"advanced": graphs.RULE_OFF}})
+    written = {n.name: n for n in result.model.graph.node}
+    assert written["conv_a"].input[2] != written["conv_b"].input[2]  # each reads its own int32 bias
+    inits = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    dq = {n.output[0]: n for n in result.model.graph.node if n.op_type == "DequantizeLinear"}
+    for conv in ("conv_a", "conv_b"):
+        s_in, s_w, s_b = (inits[dq[name].input[1]] for name in written[conv].input)
+        np.testing.assert_allclose(s_b, s_in * s_w, rtol=1e-6)
+    x = np.random.default_rng(1).normal(0, 1, (4, c, 12, 12)).astype(np.float32)
+    for want, got in zip(_outputs(str(path), x), _outputs(result.model, x)):
+        assert sqnr_db(float(np.sum(want.astype(np.float64) ** 2)),
+                       float(np.sum((want - got).astype(np.float64) ** 2))) > 25
+
+
+def _outputs(model, x):
+    src = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, {"x": x})

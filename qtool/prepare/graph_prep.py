@@ -265,6 +265,43 @@ def remove_identities(model: onnx.ModelProto) -> None:
     replace_nodes(model.graph, keep)
 
 
+BIASED = ("Conv", "ConvTranspose", "Gemm")
+
+
+def untie_shared_biases(model: onnx.ModelProto) -> int:
+    """A bias initializer that several layers read (exporters share equal constants) copied, so that
+    each layer after the first reads its own: an int32 bias's scale is its layer's input scale times
+    its weight scales, and an integer kernel adds it to its accumulator as it is, so one int32 bias
+    cannot serve layers whose input scales differ. An all-zero bias stays shared (zero at any scale).
+    Returns how many copies were made."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    reads = Counter(name for node in graph.node for name in node.input)
+    names = set(inits) | {name for node in graph.node for name in node.output}
+    seen: set[str] = set()
+    copies = 0
+    for node in graph.node:
+        if node.op_type not in BIASED or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
+            continue
+        name = node.input[2]
+        if name not in inits or reads[name] < 2:
+            continue
+        if name not in seen:
+            seen.add(name)
+            continue
+        if not np.any(numpy_helper.to_array(inits[name])):
+            continue
+        fresh = next(f"{name}_{i}" for i in itertools.count(1) if f"{name}_{i}" not in names)
+        names.add(fresh)
+        copy = onnx.TensorProto()
+        copy.CopyFrom(inits[name])
+        copy.name = fresh
+        graph.initializer.append(copy)
+        node.input[2] = fresh
+        copies += 1
+    return copies
+
+
 _PADDED = ("Conv", "MaxPool", "AveragePool", "LpPool")  # auto_pad as explicit pads (ConvTranspose's differs)
 
 
@@ -407,6 +444,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     fused = write_out_fused_activations(prepared, default_opset(prepared))
     fold_batchnorm(prepared)
     fold_affine(prepared)
+    untie_shared_biases(prepared)
     if divisions:
         divisions_to_multiplications(prepared)
     written = (f"{fused} onnxruntime FusedConv/FusedGemm node(s) written back as the Conv or Gemm and its "

@@ -36,6 +36,35 @@ def check_no_bad_scales(model: onnx.ModelProto) -> None:
                 raise AssertionError(f"internal error: bad scale in {init.name}")
 
 
+def check_bias_scales(model: onnx.ModelProto) -> None:
+    """Each int32 bias's scale is its own layer's input scale times its weight scales: an integer
+    kernel adds the int32 values to its accumulator as they are, so a bias written at another
+    layer's scale (one bias initializer read by two layers) computes other answers than the QDQ
+    graph says, silently."""
+    inits = {t.name: t for t in model.graph.initializer}
+    dequantized = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+
+    def scale_of(name: str):
+        node = dequantized.get(name)
+        if node is None or node.input[1] not in inits:
+            return None
+        return numpy_helper.to_array(inits[node.input[1]]).astype(np.float64).ravel()
+
+    for node in model.graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
+            continue
+        bias = dequantized.get(node.input[2])
+        if bias is None or bias.input[0] not in inits or inits[bias.input[0]].data_type != onnx.TensorProto.INT32:
+            continue
+        s_in, s_w, s_b = scale_of(node.input[0]), scale_of(node.input[1]), scale_of(node.input[2])
+        if s_in is None or s_w is None or s_b is None or s_b.size % s_w.size:
+            continue
+        want = s_in[0] * np.tile(s_w, s_b.size // s_w.size)
+        if not np.allclose(s_b, want, rtol=1e-5, atol=0.0):
+            raise AssertionError(f"internal error: the int32 bias of {node.name or node.output[0]} is not at its "
+                                 "input scale times its weight scales")
+
+
 def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
     """Constraint violations of the written QDQ model: the target's hard requirements (an option
     overriding the preset can break them) and the options it was written with."""

@@ -12,7 +12,7 @@ import onnx
 
 from qtool.quantization.adaround import adaptive_rounding
 from qtool.quantization.bias_correction import correct_biases
-from qtool.quantization.checks import check_finite_constants, check_no_bad_scales, target_problems
+from qtool.quantization.checks import check_bias_scales, check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization import run_check
 from qtool.quantization.ort_cpu import PASSES as ORT_CPU_PASSES
 from qtool.data.dataset import Batch
@@ -421,6 +421,7 @@ class _Steps:
                              f"(mean |output shift| before {report.mean_abs_shift_before:.3g})")
         notes += _target_rewrites(qmodel, options)
         check_no_bad_scales(qmodel)
+        check_bias_scales(qmodel)
         problems = target_problems(qmodel, options, plan)
         if problems:
             shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
