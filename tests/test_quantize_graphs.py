@@ -431,18 +431,20 @@ def test_a_model_of_no_op_qtool_quantizes_is_written_unchanged_before_anything_r
                             "Scaler); written unchanged",)
 
 
-def test_a_bias_two_layers_share_is_quantized_for_each(tmp_path):
+@pytest.mark.parametrize("zero", [False, True])
+def test_a_bias_two_layers_share_is_quantized_for_each(tmp_path, zero):
     """Exporters share equal constants: one bias initializer read by two Convs whose inputs have
     different ranges (here conv_b reads 20 x). Each int32 bias must be at its own layer's input
     scale times its weight scales, since onnxruntime's QLinearConv adds the int32 values as they
-    are (qtool.quantization.checks.check_bias_scales)."""
+    are (qtool.quantization.checks.check_bias_scales). An all-zero bias is zero at any scale: it
+    stays shared."""
     import qtool
 
     rng = np.random.default_rng(0)
     c = 8
     inits = [graphs.init("w1", rng.normal(0, 0.3, (c, c, 3, 3)).astype(np.float32)),
              graphs.init("w2", rng.normal(0, 0.3, (c, c, 3, 3)).astype(np.float32)),
-             graphs.init("b", rng.normal(0, 0.5, c).astype(np.float32)),
+             graphs.init("b", np.zeros(c, np.float32) if zero else rng.normal(0, 0.5, c).astype(np.float32)),
              graphs.init("k", np.float32(20.0))]
     # conv_a writes a graph output (float, not fused); conv_b writes int8 for the float Softsign (fused)
     nodes = [helper.make_node("Conv", ["x", "w1", "b"], ["ya"], name="conv_a", pads=[1, 1, 1, 1]),
@@ -458,10 +460,11 @@ def test_a_bias_two_layers_share_is_quantized_for_each(tmp_path):
                             config={"calibration": {"method": "minmax"},
                                     "quantization": {"advanced": graphs.RULE_OFF}})
     written = {n.name: n for n in result.model.graph.node}
-    assert written["conv_a"].input[2] != written["conv_b"].input[2]  # each reads its own int32 bias
+    # each reads its own int32 bias, but for a zero one
+    assert (written["conv_a"].input[2] == written["conv_b"].input[2]) == zero
     inits = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
     dq = {n.output[0]: n for n in result.model.graph.node if n.op_type == "DequantizeLinear"}
-    for conv in ("conv_a", "conv_b"):
+    for conv in ("conv_a", "conv_b")[:1 if zero else 2]:
         s_in, s_w, s_b = (inits[dq[name].input[1]] for name in written[conv].input)
         np.testing.assert_allclose(s_b, s_in * s_w, rtol=1e-6)
     x = np.random.default_rng(1).normal(0, 1, (4, c, 12, 12)).astype(np.float32)

@@ -54,8 +54,9 @@ def check_bias_scales(model: onnx.ModelProto) -> None:
         if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
             continue
         bias = dequantized.get(node.input[2])
-        if bias is None or bias.input[0] not in inits or inits[bias.input[0]].data_type != onnx.TensorProto.INT32:
-            continue
+        if bias is None or bias.input[0] not in inits or inits[bias.input[0]].data_type != onnx.TensorProto.INT32 \
+                or not np.any(numpy_helper.to_array(inits[bias.input[0]])):
+            continue  # an all-zero bias is zero at any scale (a shared one stays shared)
         s_in, s_w, s_b = scale_of(node.input[0]), scale_of(node.input[1]), scale_of(node.input[2])
         if s_in is None or s_w is None or s_b is None or s_b.size % s_w.size:
             continue
