@@ -2,14 +2,15 @@
 for several T, against NNCF's default int8, on OpenVINO.
 
     python benchmarks/openvino_conv_sizes.py --out DIR [--nncf-python PY] [--thresholds 0,65536,262144,1048576]
-        [--rounds 100] [--models NAME,...]
+        [--rounds 200] [--models NAME,...]
 
 For each kit model that has convolutions and each threshold T: `qtool quantize MODEL --data <calib>
 --target openvino` in a child process whose qtool.plan.speed_openvino.MIN_CONV_MACS is T (0: every
 convolution int8). NNCF's model is DIR/<model>/nncf.onnx when benchmarks/openvino.py --out DIR made it,
 else made here with --nncf-python. Then benchmarks/openvino.py's measure: fp32 at OpenVINO's default
-precision and every int8 model taking turns, 1 thread, batch 1, medians of the process CPU time per
-run; cosine as there. Prints one JSON line per model and a markdown table.
+precision and every int8 model, each alone in its own process, the processes taking turns (10
+repetitions), 1 thread, batch 1, medians of the CPU time per run; cosine as there. Prints one JSON
+line per model and a markdown table.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--nncf-python", default=None)
     parser.add_argument("--thresholds", default="0,65536,262144,1048576")
-    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--models", default="")
     args = parser.parse_args()
     thresholds = [int(t) for t in args.thresholds.split(",")]
@@ -67,7 +68,11 @@ def main() -> None:
             made["nncf"] = {"path": work / "nncf.onnx"}
         elif args.nncf_python:
             made["nncf"] = ov_bench.quantize(model, calib, work, args.nncf_python, {})["nncf"]
-        figures = ov_bench.measure(model, made, held, args.rounds)
+        try:
+            figures = ov_bench.measure(model, made, held, args.rounds)
+        except Exception as exc:  # noqa: BLE001 - the fp32 model itself fails on OpenVINO: say so
+            print(json.dumps({"model": model.stem, "error": str(exc).splitlines()[0]}), flush=True)
+            continue
         base = figures["fp32"]["cpu_ms"]
         row = {"model": model.stem, "load": ov_bench.os.getloadavg()[0],
                "figures": {label: {"speed": base / f["cpu_ms"], "cosine": f["cosine"], "float": f.get("float")}
