@@ -3,6 +3,7 @@ for several T, against NNCF's default int8, on OpenVINO.
 
     python benchmarks/openvino_conv_sizes.py --out DIR [--nncf-python PY] [--thresholds 0,65536,262144,1048576]
         [--rounds 200] [--models NAME,...]
+    python benchmarks/openvino_conv_sizes.py --out DIR --layers [--rounds 200] [--models NAME,...]
 
 For each kit model that has convolutions and each threshold T: `qtool quantize MODEL --data <calib>
 --target openvino` in a child process whose qtool.plan.speed_openvino.MIN_CONV_MACS is T (0: every
@@ -11,6 +12,12 @@ else made here with --nncf-python. Then benchmarks/openvino.py's measure: fp32 a
 precision and every int8 model, each alone in its own process, the processes taking turns (10
 repetitions), 1 thread, batch 1, medians of the CPU time per run; cosine as there. Prints one JSON
 line per model and a markdown table.
+
+--layers: per heavy op instead (OpenVINO's PERF_COUNT), the fp32 model at the default precision
+against the T=0 int8 model, both compiled in this process and run in turns: each op's median time
+in both, the ops matched in the order of the two runtime models (a model whose heavy ops do not
+match one to one is left out), summed per kind (convolutions, FullyConnected/MatMul) and per
+power of four of the op's MACs; the speed is the fp32 sum over the int8 sum.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("ov_bench", Path(__file__).with_name("openvino.py"))
@@ -44,6 +53,56 @@ def quantize(model: Path, calib: Path, out: Path, threshold: int) -> dict:
     return {"path": out, "float": len(floated), "seconds": time.perf_counter() - start}
 
 
+HEAVY = ("Convolution", "GroupConvolution", "FullyConnected", "MatMul", "Deconvolution")
+
+
+def _heavy(compiled) -> list[tuple[str, str, int]]:
+    """(name, kind, MACs) of the runtime model's heavy ops, in order."""
+    rows = []
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        kind = op.get_rt_info()["layerType"].astype(str)
+        if kind in HEAVY:
+            shapes = [list(op.input(i).get_partial_shape().to_shape()) for i in range(op.get_input_size())]
+            out = list(op.get_output_partial_shape(0).to_shape())
+            weight = shapes[1] if len(shapes) > 1 else [1]
+            per_output = int(np.prod(weight[2:] if kind == "GroupConvolution" else weight[1:])) \
+                if kind in ("Convolution", "GroupConvolution") else int(shapes[0][-1])
+            rows.append((op.get_friendly_name(), kind, int(np.prod(out)) * per_output))
+    return rows
+
+
+def layers(model: Path, int8: Path, held: Path, rounds: int, sums: dict) -> None:
+    """Adds each matched heavy op's fp32 and int8 median microseconds to sums[(kind, bucket)]."""
+    import openvino as ov
+
+    proto = ov_bench.onnx.load(str(model), load_external_data=False)
+    inits = {t.name for t in proto.graph.initializer}
+    feeds = ov_bench._feeds(held, [i.name for i in proto.graph.input if i.name not in inits])[0]
+    core = ov.Core()
+    compiled = {}
+    for label, path in (("fp32", model), ("int8", int8)):
+        read = core.read_model(str(path))
+        read.reshape({i.get_any_name(): list(feeds[i.get_any_name()].shape) for i in read.inputs})
+        compiled[label] = core.compile_model(read, "CPU", {"INFERENCE_NUM_THREADS": 1, "PERF_COUNT": True})
+    heavy = {label: _heavy(c) for label, c in compiled.items()}
+    if len(heavy["fp32"]) != len(heavy["int8"]):
+        return
+    requests = {label: c.create_infer_request() for label, c in compiled.items()}
+    times: dict = {label: {} for label in compiled}
+    for _ in range(rounds):
+        for label, request in requests.items():
+            request.infer(feeds)
+            for info in request.profiling_info:
+                times[label].setdefault(info.node_name, []).append(info.real_time.total_seconds() * 1e6)
+    for (name_f, kind, macs), (name_i, _, _) in zip(heavy["fp32"], heavy["int8"]):
+        if name_f in times["fp32"] and name_i in times["int8"]:
+            key = ("conv" if "conv" in kind.lower() else "fc", int(np.log2(max(macs, 1)) // 2 * 2))
+            entry = sums.setdefault(key, [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += float(np.median(times["fp32"][name_f]))
+            entry[2] += float(np.median(times["int8"][name_i]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
@@ -52,7 +111,27 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0,65536,262144,1048576")
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--models", default="")
+    parser.add_argument("--layers", action="store_true", help="per heavy op, by kind and MACs (see above)")
     args = parser.parse_args()
+    if args.layers:
+        sums: dict = {}
+        for model in sorted((args.kit / "models").glob("*.onnx")):
+            if args.models and model.stem not in args.models.split(","):
+                continue
+            work = args.out / model.stem
+            work.mkdir(parents=True, exist_ok=True)
+            calib, held, _ = ov_bench._data(args.kit, model, work)
+            int8 = work / "conv_sizes_0.onnx"
+            if not int8.exists() and "error" in quantize(model, calib, int8, 0):
+                continue
+            try:
+                layers(model, int8, held, args.rounds, sums)
+            except Exception as exc:  # noqa: BLE001 - a model OpenVINO cannot compile
+                print(f"{model.stem}: {str(exc).splitlines()[0]}")
+        print("| kind | MACs | ops | fp32 us | int8 us | speed |\n|---|---|---|---|---|---|")
+        for (kind, bucket), (count, fp32, int8) in sorted(sums.items()):
+            print(f"| {kind} | 2^{bucket}-2^{bucket + 2} | {count} | {fp32:.0f} | {int8:.0f} | {fp32 / int8:.2f}x |")
+        return
     thresholds = [int(t) for t in args.thresholds.split(",")]
     wanted = {m for m in args.models.split(",") if m}
     rows = []

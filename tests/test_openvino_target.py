@@ -302,11 +302,13 @@ def test_a_ceil_mode_maxpool_keeps_its_quantizer_after_it(tmp_path):
     assert min(_cosines(path, result.model, data)) > 0.999
 
 
-def _convs_then_gemm(rng, small_out: int, big_out: int, size: int = 48, head: bool = True) -> onnx.ModelProto:
-    """x -> a 1x1 Conv 8 -> small_out -> Relu -> a 3x3 Conv -> big_out -> GlobalAveragePool -> Flatten
-    [-> a Gemm to 4 classes]."""
+def _convs_then_gemm(rng, small_out: int, big_out: int, size: int = 48, head: bool = True,
+                     second_big: bool = False) -> onnx.ModelProto:
+    """x -> a 1x1 Conv 8 -> small_out -> Relu -> a 3x3 Conv -> big_out [-> another] -> GlobalAveragePool
+    -> Flatten [-> a Gemm to 4 classes]."""
     inits = [graphs.init("ws", rng.normal(0, 0.3, (small_out, 8, 1, 1)).astype(np.float32)),
              graphs.init("wb", rng.normal(0, 0.3, (big_out, small_out, 3, 3)).astype(np.float32)),
+             graphs.init("wb2", rng.normal(0, 0.1, (big_out, big_out, 3, 3)).astype(np.float32)),
              graphs.init("wg", rng.normal(0, 0.3, (4, big_out)).astype(np.float32))]
     nodes = [helper.make_node("Conv", ["x", "ws"], ["s"], name="small"),
              helper.make_node("Relu", ["s"], ["r"], name="relu"),
@@ -316,6 +318,9 @@ def _convs_then_gemm(rng, small_out: int, big_out: int, size: int = 48, head: bo
              helper.make_node("Gemm", ["f", "wg"], ["y"], name="head", transB=1)]
     if not head:
         nodes[-1] = helper.make_node("Softsign", ["f"], ["y"], name="out")
+    if second_big:
+        nodes[2].output[0] = "b1"
+        nodes.insert(3, helper.make_node("Conv", ["b1", "wb2"], ["b"], name="big2", pads=[1, 1, 1, 1]))
     return graphs.model(nodes, [graphs.tensor("x", ["N", 8, size, size])],
                         [graphs.tensor("y", ["N", 4 if head else big_out])], inits)
 
@@ -346,3 +351,12 @@ def test_the_openvino_speed_rule_leaves_an_int8_model(tmp_path):
     decision = next(d for d in result.decisions if d.option == "quantization.advanced.float_nodes")
     assert decision.value == ("small",)
     assert _float_weights(result.model) == {"small"}
+
+
+def test_the_openvino_speed_rule_leaves_a_few_small_convolutions_among_large_ones_int8(tmp_path):
+    # one small convolution of three: floated alone among int8 layers it gains nothing whole-model
+    built = _convs_then_gemm(np.random.default_rng(0), 8, 32, second_big=True)
+    path, data, result = _quantize(tmp_path, built, (8, 48, 48), config=RULE_ON)
+    decision = next(d for d in result.decisions if d.option == "quantization.advanced.float_nodes")
+    assert decision.value == ()
+    assert _float_weights(result.model) == set()

@@ -1,11 +1,13 @@
-"""Float for speed on OpenVINO CPU: a convolution under MIN_CONV_MACS multiply-accumulates per sample stays float.
+"""Float for speed on OpenVINO CPU: a network of small convolutions keeps them float.
 
 OpenVINO folds each quantizer into the int8 layer that reads it, so an int8 convolution costs its kernel and
 its input's quantization, where the float one runs in OpenVINO's default precision (bf16 on CPUs that have it).
-Per layer, its int8 convolutions run slower than bf16 below about 2^16 MACs and no faster up to 2^18 (the
-squeeze-excite 1x1s, thin stems); its int8 FullyConnected/MatMul was faster at every size measured, so MatMul
-and Gemm keep their plan. If every weighted layer would go float, the largest stays int8: an int8 model is
-what was asked for. From the graph and its shapes alone, so the same graph gives the same nodes anywhere.
+Per layer, its int8 convolutions under MIN_CONV_MACS multiply-accumulates run no faster than bf16 (slower
+below about 2^16); its int8 FullyConnected/MatMul gained at most sizes, so MatMul and Gemm keep their plan.
+A few small convolutions float among int8 ones gain nothing whole-model (each adds precision changes at its
+edges), so they go float only where they are at least MIN_SHARE of the quantized convolutions. If every
+weighted layer would go float, the largest stays int8: an int8 model is what was asked for. From the graph
+and its shapes alone, so the same graph gives the same nodes anywhere.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from qtool.graph.index import GraphIndex, node_label
 from qtool.plan.speed import WEIGHTED, layer_macs
 
 MIN_CONV_MACS = 1 << 18
+MIN_SHARE = 0.5
 CONVOLUTIONS = ("Conv", "ConvTranspose")
 
 
@@ -34,12 +37,15 @@ def small_convs_float(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequenc
             weight = index.initializers.get(node.input[1]) if len(node.input) > 1 else None
             if weight is not None:
                 macs[label] = (node.op_type, layer_macs(node, shapes, weight))
-    small = [label for label, (op, count) in macs.items() if op in CONVOLUTIONS and count < MIN_CONV_MACS]
+    convolutions = [label for label, (op, _) in macs.items() if op in CONVOLUTIONS]
+    small = [label for label in convolutions if macs[label][1] < MIN_CONV_MACS]
+    if len(small) < MIN_SHARE * len(convolutions):
+        return [], []
     if small and len(small) == len(macs):
         small.remove(max(small, key=lambda label: macs[label][1]))
     if not small:
         return [], []
     largest = max(macs[label][1] for label in small)
-    return small, [f"{len(small)} convolutions of fewer than {MIN_CONV_MACS} MACs per sample (the largest "
-                   f"{largest}): OpenVINO CPU runs them no faster in int8 than in its float precision, and "
-                   "each int8 one quantizes its input"]
+    return small, [f"{len(small)} of {len(convolutions)} convolutions have fewer than {MIN_CONV_MACS} MACs per "
+                   f"sample (the largest {largest}): OpenVINO CPU runs them no faster in int8 than in its float "
+                   "precision, and each int8 one quantizes its input"]
