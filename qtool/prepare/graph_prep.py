@@ -275,16 +275,16 @@ def untie_shared_biases(model: onnx.ModelProto) -> int:
     cannot serve layers whose input scales differ. An all-zero bias stays shared (zero at any scale).
     Returns how many copies were made."""
     graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    reads = Counter(name for node in graph.node for name in node.input)
-    names = set(inits) | {name for node in graph.node for name in node.output}
+    index = GraphIndex(model)
+    inits = index.initializers
+    names = set(inits) | set(index.producer)
     seen: set[str] = set()
     copies = 0
     for node in graph.node:
         if node.op_type not in BIASED or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
             continue
         name = node.input[2]
-        if name not in inits or reads[name] < 2:
+        if name not in inits or len(index.consumers.get(name, ())) < 2:
             continue
         if name not in seen:
             seen.add(name)
