@@ -2,16 +2,16 @@
 for several T, against NNCF's default int8, on OpenVINO.
 
     python benchmarks/openvino_conv_sizes.py --out DIR [--nncf-python PY] [--thresholds 0,65536,262144,1048576]
-        [--rounds 200] [--models NAME,...]
+        [--min-share 0.5] [--rounds 200] [--models NAME,...]
     python benchmarks/openvino_conv_sizes.py --out DIR --layers [--rounds 200] [--models NAME,...]
 
 For each kit model that has convolutions and each threshold T: `qtool quantize MODEL --data <calib>
 --target openvino` in a child process whose qtool.plan.speed_openvino.MIN_CONV_MACS is T (0: every
-convolution int8). NNCF's model is DIR/<model>/nncf.onnx when benchmarks/openvino.py --out DIR made it,
-else made here with --nncf-python. Then benchmarks/openvino.py's measure: fp32 at OpenVINO's default
-precision and every int8 model, each alone in its own process, the processes taking turns (10
-repetitions), 1 thread, batch 1, medians of the CPU time per run; cosine as there. Prints one JSON
-line per model and a markdown table.
+convolution int8) and MIN_SHARE is --min-share (0: the threshold alone decides). NNCF's model is
+DIR/<model>/nncf.onnx when benchmarks/openvino.py --out DIR made it, else made here with --nncf-python.
+Then benchmarks/openvino.py's measure: fp32 at OpenVINO's default precision and every int8 model,
+each alone in its own process, the processes taking turns (10 repetitions), 1 thread, batch 1,
+medians of the CPU time per run; cosine as there. Prints one JSON line per model and a markdown table.
 
 --layers: per heavy op instead (OpenVINO's PERF_COUNT), the fp32 model at the default precision
 against the T=0 int8 model, both compiled in this process and run in turns: each op's median time
@@ -38,13 +38,15 @@ ov_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ov_bench)  # noqa: E305 - sets sys.path for qtool and openvino too
 
 CHILD = ("import sys; import qtool.plan.speed_openvino as rule; rule.MIN_CONV_MACS = int(sys.argv.pop(1)); "
-         "from qtool.cli import main; sys.argv[0] = 'qtool'; main()")
+         "rule.MIN_SHARE = float(sys.argv.pop(1)); from qtool.cli import main; sys.argv[0] = 'qtool'; main()")
+MIN_SHARE = [0.5]  # the rule's share condition in the children (--min-share)
 
 
 def quantize(model: Path, calib: Path, out: Path, threshold: int) -> dict:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CHILD, str(threshold), "quantize", str(model), "--data", str(calib),
-                           "--target", "openvino", "-o", str(out), "--json", str(out.with_suffix(".json"))],
+    done = subprocess.run([sys.executable, "-c", CHILD, str(threshold), str(MIN_SHARE[0]), "quantize", str(model),
+                           "--data", str(calib), "--target", "openvino", "-o", str(out),
+                           "--json", str(out.with_suffix(".json"))],
                           capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
@@ -112,7 +114,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--models", default="")
     parser.add_argument("--layers", action="store_true", help="per heavy op, by kind and MACs (see above)")
+    parser.add_argument("--min-share", type=float, default=0.5,
+                        help="the rule's MIN_SHARE in the children (0: every small convolution float)")
     args = parser.parse_args()
+    MIN_SHARE[0] = args.min_share
     if args.layers:
         sums: dict = {}
         for model in sorted((args.kit / "models").glob("*.onnx")):
