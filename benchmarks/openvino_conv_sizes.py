@@ -37,6 +37,8 @@ _spec = importlib.util.spec_from_file_location("ov_bench", Path(__file__).with_n
 ov_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ov_bench)  # noqa: E305 - sets sys.path for qtool and openvino too
 
+from qtool.evaluation.openvino_runtime import HEAVY_OPS  # noqa: E402 - the runtime model's heavy op kinds
+
 CHILD = ("import sys; import qtool.plan.speed_openvino as rule; rule.MIN_CONV_MACS = int(sys.argv.pop(1)); "
          "rule.MIN_SHARE = float(sys.argv.pop(1)); from qtool.cli import main; sys.argv[0] = 'qtool'; main()")
 MIN_SHARE = [0.5]  # the rule's share condition in the children (--min-share)
@@ -55,21 +57,23 @@ def quantize(model: Path, calib: Path, out: Path, threshold: int) -> dict:
     return {"path": out, "float": len(floated), "seconds": time.perf_counter() - start}
 
 
-HEAVY = ("Convolution", "GroupConvolution", "FullyConnected", "MatMul", "Deconvolution")
-
-
 def _heavy(compiled) -> list[tuple[str, str, int]]:
-    """(name, kind, MACs) of the runtime model's heavy ops, in order."""
+    """(name, kind, MACs) of the runtime model's heavy ops, in order. A grouped Convolution's weight
+    is [groups, out, in, ...] (5-D for 2-D images), a Deconvolution's [in, out, ...]."""
     rows = []
     for op in compiled.get_runtime_model().get_ordered_ops():
         kind = op.get_rt_info()["layerType"].astype(str)
-        if kind in HEAVY:
+        if kind in HEAVY_OPS:
             shapes = [list(op.input(i).get_partial_shape().to_shape()) for i in range(op.get_input_size())]
             out = list(op.get_output_partial_shape(0).to_shape())
             weight = shapes[1] if len(shapes) > 1 else [1]
-            per_output = int(np.prod(weight[2:] if kind == "GroupConvolution" else weight[1:])) \
-                if kind in ("Convolution", "GroupConvolution") else int(shapes[0][-1])
-            rows.append((op.get_friendly_name(), kind, int(np.prod(out)) * per_output))
+            if kind == "Convolution":
+                macs = int(np.prod(out)) * int(np.prod(weight[2:] if len(weight) == len(out) + 1 else weight[1:]))
+            elif kind == "Deconvolution":
+                macs = int(np.prod(shapes[0])) * int(np.prod(weight[1:]))
+            else:
+                macs = int(np.prod(out)) * int(shapes[0][-1])
+            rows.append((op.get_friendly_name(), kind, macs))
     return rows
 
 
@@ -98,11 +102,32 @@ def layers(model: Path, int8: Path, held: Path, rounds: int, sums: dict) -> None
                 times[label].setdefault(info.node_name, []).append(info.real_time.total_seconds() * 1e6)
     for (name_f, kind, macs), (name_i, _, _) in zip(heavy["fp32"], heavy["int8"]):
         if name_f in times["fp32"] and name_i in times["int8"]:
-            key = ("conv" if "conv" in kind.lower() else "fc", int(np.log2(max(macs, 1)) // 2 * 2))
+            key = ("fc" if kind in ("FullyConnected", "MatMul") else "conv", int(np.log2(max(macs, 1)) // 2 * 2))
             entry = sums.setdefault(key, [0, 0.0, 0.0])
             entry[0] += 1
             entry[1] += float(np.median(times["fp32"][name_f]))
             entry[2] += float(np.median(times["int8"][name_i]))
+
+
+def layer_table(args) -> None:
+    """--layers: every kit model's heavy ops, fp32 against the T=0 int8 model, by kind and MACs."""
+    sums: dict = {}
+    for model in sorted((args.kit / "models").glob("*.onnx")):
+        if args.models and model.stem not in args.models.split(","):
+            continue
+        work = args.out / model.stem
+        work.mkdir(parents=True, exist_ok=True)
+        calib, held, _ = ov_bench._data(args.kit, model, work)
+        int8 = work / "conv_sizes_0.onnx"
+        if not int8.exists() and "error" in quantize(model, calib, int8, 0):
+            continue
+        try:
+            layers(model, int8, held, args.rounds, sums)
+        except Exception as exc:  # noqa: BLE001 - a model OpenVINO cannot compile
+            print(f"{model.stem}: {str(exc).splitlines()[0]}")
+    print("| kind | MACs | ops | fp32 us | int8 us | speed |\n|---|---|---|---|---|---|")
+    for (kind, bucket), (count, fp32, int8) in sorted(sums.items()):
+        print(f"| {kind} | 2^{bucket}-2^{bucket + 2} | {count} | {fp32:.0f} | {int8:.0f} | {fp32 / int8:.2f}x |")
 
 
 def main() -> None:
@@ -119,23 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     MIN_SHARE[0] = args.min_share
     if args.layers:
-        sums: dict = {}
-        for model in sorted((args.kit / "models").glob("*.onnx")):
-            if args.models and model.stem not in args.models.split(","):
-                continue
-            work = args.out / model.stem
-            work.mkdir(parents=True, exist_ok=True)
-            calib, held, _ = ov_bench._data(args.kit, model, work)
-            int8 = work / "conv_sizes_0.onnx"
-            if not int8.exists() and "error" in quantize(model, calib, int8, 0):
-                continue
-            try:
-                layers(model, int8, held, args.rounds, sums)
-            except Exception as exc:  # noqa: BLE001 - a model OpenVINO cannot compile
-                print(f"{model.stem}: {str(exc).splitlines()[0]}")
-        print("| kind | MACs | ops | fp32 us | int8 us | speed |\n|---|---|---|---|---|---|")
-        for (kind, bucket), (count, fp32, int8) in sorted(sums.items()):
-            print(f"| {kind} | 2^{bucket}-2^{bucket + 2} | {count} | {fp32:.0f} | {int8:.0f} | {fp32 / int8:.2f}x |")
+        layer_table(args)
         return
     thresholds = [int(t) for t in args.thresholds.split(",")]
     wanted = {m for m in args.models.split(",") if m}

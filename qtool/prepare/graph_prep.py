@@ -265,21 +265,19 @@ def remove_identities(model: onnx.ModelProto) -> None:
     replace_nodes(model.graph, keep)
 
 
-BIASED = ("Conv", "ConvTranspose", "Gemm")
+BIASED = ("Conv", "ConvTranspose", "Gemm")  # the layers whose third input is a bias
 
 
-def untie_shared_biases(model: onnx.ModelProto) -> int:
+def untie_shared_biases(model: onnx.ModelProto) -> None:
     """A bias initializer that several layers read (exporters share equal constants) copied, so that
     each layer after the first reads its own: an int32 bias's scale is its layer's input scale times
     its weight scales, and an integer kernel adds it to its accumulator as it is, so one int32 bias
-    cannot serve layers whose input scales differ. An all-zero bias stays shared (zero at any scale).
-    Returns how many copies were made."""
+    cannot serve layers whose input scales differ. An all-zero bias stays shared (zero at any scale)."""
     graph = model.graph
     index = GraphIndex(model)
     inits = index.initializers
-    names = set(inits) | set(index.producer)
+    names = set(inits) | set(index.producer) | {value.name for value in graph.input}
     seen: set[str] = set()
-    copies = 0
     for node in graph.node:
         if node.op_type not in BIASED or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
             continue
@@ -298,8 +296,6 @@ def untie_shared_biases(model: onnx.ModelProto) -> int:
         copy.name = fresh
         graph.initializer.append(copy)
         node.input[2] = fresh
-        copies += 1
-    return copies
 
 
 _PADDED = ("Conv", "MaxPool", "AveragePool", "LpPool")  # auto_pad as explicit pads (ConvTranspose's differs)

@@ -9,9 +9,9 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.errors import QtoolError
-from qtool.graph.index import matches, scoped_initializers
+from qtool.graph.index import GraphIndex, matches, scoped_initializers
 from qtool.plan.planner import QuantPlan
-from qtool.prepare.graph_prep import per_channel_possible
+from qtool.prepare.graph_prep import BIASED, per_channel_possible
 from qtool.quantization.rewrite import SCALE_SUFFIX
 from qtool.targets import target_of, weight_qmax
 
@@ -41,21 +41,24 @@ def check_bias_scales(model: onnx.ModelProto) -> None:
     kernel adds the int32 values to its accumulator as they are, so a bias written at another
     layer's scale (one bias initializer read by two layers) computes other answers than the QDQ
     graph says, silently."""
-    inits = {t.name: t for t in model.graph.initializer}
-    dequantized = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    index = GraphIndex(model)
+
+    def dequantized(name: str):
+        node = index.producer.get(name)
+        return node if node is not None and node.op_type == "DequantizeLinear" else None
 
     def scale_of(name: str):
-        node = dequantized.get(name)
-        if node is None or node.input[1] not in inits:
+        node = dequantized(name)
+        if node is None or node.input[1] not in index.initializers:
             return None
-        return numpy_helper.to_array(inits[node.input[1]]).astype(np.float64).ravel()
+        return numpy_helper.to_array(index.initializers[node.input[1]]).astype(np.float64).ravel()
 
     for node in model.graph.node:
-        if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
+        if node.op_type not in BIASED or len(node.input) < 3:
             continue
-        bias = dequantized.get(node.input[2])
-        if bias is None or bias.input[0] not in inits or inits[bias.input[0]].data_type != onnx.TensorProto.INT32 \
-                or not np.any(numpy_helper.to_array(inits[bias.input[0]])):
+        bias = dequantized(node.input[2])
+        codes = index.initializers.get(bias.input[0]) if bias is not None else None
+        if codes is None or codes.data_type != onnx.TensorProto.INT32 or not np.any(numpy_helper.to_array(codes)):
             continue  # an all-zero bias is zero at any scale (a shared one stays shared)
         s_in, s_w, s_b = scale_of(node.input[0]), scale_of(node.input[1]), scale_of(node.input[2])
         if s_in is None or s_w is None or s_b is None or s_b.size % s_w.size:
