@@ -5,8 +5,9 @@
 Each case is one small ONNX graph in two forms: float, and with the op between QuantizeLinear /
 DequantizeLinear pairs (int8 weights per output channel, uint8 activations), so that onnxruntime
 fuses what it can into its integer kernel. Batch 1, 1 thread, the two sessions taking turns run by
-run (qtool.graph.runtime.time_models); medians. The cases are onnxruntime behaviours qtool.plan.speed models without its least-squares
-fit over the kit models (which have none of them), and one it does not model:
+run (qtool.graph.runtime.time_models); medians. The cases are onnxruntime behaviours qtool.plan.speed
+models without its least-squares fit over the kit models (which have none of them), and one it does
+not model:
 
 - a Conv with one input and one output channel (a Conv1D resampling filter written as Conv2D),
   which onnxruntime's QLinearConv runs on its depthwise kernel;
