@@ -15,7 +15,8 @@ not model:
 - a MaxPool whose QuantizeLinear onnxruntime moves above it, on a float producer;
 - Mul by a one-value constant of rank 1 over a tensor whose last axis is 1, and the same constant
   written as [1, 1, 1, 1];
-- Convs with few channels per kernel tap (8 channels, a 3 x 39 kernel) and others, for comparison.
+- Convs with few channels per kernel tap (8 channels, a 3 x 39 kernel) and others, for comparison, and
+  the same kernels at sizes around the pointer count where the rule's `spilled_tap` starts.
 """
 
 from __future__ import annotations
@@ -126,6 +127,19 @@ CASES = [
     ("Conv 576 -> 1, 7 x 7, 22 x 22", lambda q: conv(576, 1, (7, 7), (22, 22), (1, 1), q), [1, 576, 22, 22]),
     ("Conv 32 -> 3, 3 x 3, 130 x 130", lambda q: conv(32, 3, (3, 3), (130, 130), (1, 1), q), [1, 32, 130, 130]),
     ("Conv 32 -> 32, 3 x 3, 86 x 88", lambda q: conv(32, 32, (3, 3), (86, 88), (1, 1), q), [1, 32, 86, 88]),
+    # the pointer cliff: output pixels x taps (no padding here) around qtool.plan.speed.SPILL_POINTERS
+    ("Conv 8 -> 8, 3 x 39, 43 x 76 (0.18 M pointers)", lambda q: conv(8, 8, (3, 39), (43, 76), (1, 1), q),
+     [1, 8, 43, 76]),
+    ("Conv 8 -> 8, 3 x 39, 60 x 110 (0.49 M pointers)", lambda q: conv(8, 8, (3, 39), (60, 110), (1, 1), q),
+     [1, 8, 60, 110]),
+    ("Conv 8 -> 8, 3 x 39, 86 x 151 (1.1 M pointers)", lambda q: conv(8, 8, (3, 39), (86, 151), (1, 1), q),
+     [1, 8, 86, 151]),
+    ("Conv 33 -> 1, 3 x 3, 172 x 264 (0.40 M pointers)", lambda q: conv(33, 1, (3, 3), (172, 264), (1, 1), q),
+     [1, 33, 172, 264]),
+    ("Conv 32 -> 1, 7 x 3, 172 x 264 (0.91 M pointers)", lambda q: conv(32, 1, (7, 3), (172, 264), (1, 1), q),
+     [1, 32, 172, 264]),
+    ("Conv 1 -> 32, 7 x 7 at stride (1, 3), 172 x 264 (0.70 M pointers)",
+     lambda q: conv(1, 32, (7, 7), (172, 264), (1, 3), q), [1, 1, 172, 264]),
 ]
 
 
