@@ -476,3 +476,43 @@ def test_a_bias_two_layers_share_is_quantized_for_each(tmp_path, zero):
 def _outputs(model, x):
     src = model if isinstance(model, str) else model.SerializeToString()
     return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["ort-cpu", "openvino"])
+def test_a_float_reader_of_a_quantized_output_reads_its_exact_values(tmp_path, exact):
+    """A float op's output (Softsign, values in (-1, 1)) feeds a graph output through a Reshape and an
+    int8 Concat beside a tensor 50 times wider, whose grid it takes: the output's Reshape reads the
+    Softsign's exact values (qtool.quantization.rewrite._exact_reads), not those on the Concat's grid.
+    A target that fuses each quantizer into the op before it (openvino) keeps every reader on the
+    DequantizeLinear."""
+    import qtool
+
+    rng = np.random.default_rng(0)
+    c = 8
+    inits = [graphs.init("w1", rng.normal(0, 0.3, (c, c, 3, 3)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (c, 2 * c, 1, 1)).astype(np.float32)),
+             graphs.init("k", np.float32(50.0)), graphs.init("flat", np.array([0, -1], np.int64))]
+    nodes = [helper.make_node("Softsign", ["x"], ["soft"], name="soft"),
+             helper.make_node("Reshape", ["soft", "flat"], ["ya"], name="flatten_out"),
+             helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["c1", "k"], ["wide"], name="widen"),
+             helper.make_node("Concat", ["soft", "wide"], ["cat"], name="concat", axis=1),
+             helper.make_node("Conv", ["cat", "w2"], ["y"], name="conv_b")]
+    built = graphs.model(nodes, [graphs.tensor("x", ["N", c, 12, 12])],
+                         [graphs.tensor("ya", None), graphs.tensor("y", None)], inits)
+    path = tmp_path / "float_reader.onnx"
+    onnx.save(built, path)
+    data = graphs.write_samples(tmp_path / "data", rng, (c, 12, 12), count=8)
+    target = {} if exact else {"target": "openvino"}
+    result = qtool.quantize(str(path), data=str(data), progress=False,
+                            config={"calibration": {"method": "minmax"},
+                                    "quantization": {**target, "advanced": graphs.RULE_OFF}})
+    written = {n.name: n for n in result.model.graph.node}
+    assert "soft" in {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert (written["flatten_out"].input[0] == "soft") == exact
+    x = np.random.default_rng(1).normal(0, 1, (4, c, 12, 12)).astype(np.float32)
+    want, got = _outputs(str(path), x)[0], _outputs(result.model, x)[0]
+    if exact:
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    else:
+        assert np.abs(got - want).max() > 1e-3  # on the Concat's grid

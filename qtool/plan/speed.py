@@ -54,9 +54,9 @@ class Costs:
 
 
 COSTS = Costs()
-# onnxruntime's integer Conv keeps a pointer per output pixel and kernel tap; past about a million of them
-# (8 MiB) its time per pointer jumps (benchmarks/README.md, single ops off the common path)
-SPILL_POINTERS = 1 << 20
+# onnxruntime's integer Conv keeps a pointer per output pixel and kernel tap; past about half a million of
+# them (4 MiB) its time per pointer jumps (benchmarks/README.md, single ops off the common path)
+SPILL_POINTERS = 1 << 19
 MIN_SAVING = 0.02  # a float group must save this share of the model's estimated float time
 FLOAT_MAC_NS, NODE_NS = 0.02, 1000.0  # that estimate: per MAC of a Conv/Gemm/MatMul, per node
 HARD = ("HardSwish", "HardSigmoid")

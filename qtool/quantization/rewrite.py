@@ -109,19 +109,23 @@ def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.
     return quantize_graph(model, plan, params, options.per_channel, weight_qmax(options.reduce_range),
                           options.activation_dtype, options.symmetric_activations, rounding,
                           target_of(options).symmetric_qmax,
-                          options.per_channel and options.advanced.dynamic_weights != "tensor")
+                          options.per_channel and options.advanced.dynamic_weights != "tensor",
+                          target_of(options).activation_placement == "every_op")
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
                    per_channel: bool = True, weight_qmax: int = qp.WEIGHT_QMAX, activation_dtype: str = "uint8",
                    symmetric: bool = False, rounding: Optional[Callable] = None,
                    symmetric_qmax: float = SYMMETRIC_HALF_GRID,
-                   dynamic_per_column: bool = True) -> tuple[onnx.ModelProto, list[str]]:
+                   dynamic_per_column: bool = True, exact_float_reads: bool = True) -> tuple[onnx.ModelProto, list[str]]:
     """Return the QDQ model and notes about what was adjusted (bias overflow, ...).
 
     `rounding(name, weight, scales, axis)`: int8 values of a weight at its final scales
     (adaptive rounding), or None for round-to-nearest. `symmetric_qmax`: the target's symmetric
-    activation convention (qtool.targets), for constant operands quantized like activations."""
+    activation convention (qtool.targets), for constant operands quantized like activations.
+    `exact_float_reads`: float readers of a float node's quantized output read its exact values
+    (_exact_reads); off for a runtime that fuses each quantizer into the op before it, which then
+    writes only the quantized values."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -214,7 +218,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
     dynamic_matmuls = DynamicMatMuls(builder.add_init, weight_qmax, dynamic_per_column,
                                      _gathered_rows(graph, plan, set(row_scales)) if plan.dynamic_matmuls else None)
     rewrite = _NodeRewrite(plan, params, set(activations), quantized_nodes, dynamic, float_inits, per_channel,
-                           weight_qmax, row_scales, dynamic_matmuls, stored_once(builder.quantized_constant))
+                           weight_qmax, row_scales, dynamic_matmuls, stored_once(builder.quantized_constant),
+                           exact_float_reads)
     new_nodes = rewrite.nodes(graph, builder, constants)
     wide = sorted(name for name in activations if params[name].dtype in qp.SIXTEEN_BITS.values())
     if wide:
@@ -314,6 +319,7 @@ class _NodeRewrite:
     row_scales: dict[str, str]
     dynamic_matmuls: DynamicMatMuls
     store_kernel_weights: Callable
+    exact_float_reads: bool = True
     scopes: Iterator[int] = field(default_factory=itertools.count)  # numbers the bodies
 
     def nodes(self, graph: onnx.GraphProto, builder: _Builder, constants: _Constants) -> list[onnx.NodeProto]:
@@ -321,6 +327,7 @@ class _NodeRewrite:
         params, act_set, quantized_nodes, dynamic = self.params, self.act_set, self.quantized_nodes, self.dynamic
         graph_inputs = {i.name for i in graph.input}
         local = set(made_in(graph))
+        exact = _exact_reads(graph, quantized_nodes, act_set) if self.exact_float_reads else set()
         dynamic_matmuls = set(self.plan.dynamic_matmuls)
         new_nodes: list[onnx.NodeProto] = []
         for node in graph.node:
@@ -337,8 +344,10 @@ class _NodeRewrite:
                         new_nodes.extend(builder.qdq_pair(output, params[output]))
                 continue
             # Every consumer of a quantized activation reads its DequantizeLinear output: a
-            # producer whose output went both to Q and elsewhere could not be fused.
+            # producer whose output went both to Q and elsewhere could not be fused; but see _exact_reads.
             for i, name in enumerate(node.input):
+                if name in act_set and (name, node_label(node)) in exact:
+                    continue
                 if name in act_set:
                     node.input[i] = name + DQ_SUFFIX if name in local else builder.outer_activation(name, params[name])
                 elif node_label(node) in quantized_nodes and _constant_slot(node, i):
@@ -363,6 +372,28 @@ class _NodeRewrite:
         for name in [i.name for i in body.input if i.name in self.act_set]:
             builder.head.extend(builder.qdq_pair(name, self.params[name]))
         _install(body, builder, self.nodes(body, builder, constants.inner(builder)))
+
+
+def _exact_reads(graph: onnx.GraphProto, quantized_nodes: set[str], act_set: set[str]) -> set[tuple[str, str]]:
+    """(tensor, reader) pairs where a float reader of a quantized activation reads its exact values: the
+    tensor is made by a float node or is the graph's input (a producer that fuses nothing), and what the
+    reader computes reaches no int8 node except through a quantized activation of its own. Such a
+    reader (a graph output's Reshape beside the int8 Concat the tensor also feeds) then computes on
+    the values the model made, not on another reader's grid."""
+    index = GraphIndex(graph)
+    readers = index.consumers
+    reaches: dict[str, bool] = {}  # read by an int8 node directly or through float nodes, not re-quantized
+
+    def carries(reader: onnx.NodeProto) -> bool:
+        return any(o and o not in act_set and reaches.get(o, False) for o in reader.output)
+
+    for node in reversed(graph.node):  # readers come after their producer in a valid graph
+        for name in node.output:
+            reaches[name] = any(node_label(r) in quantized_nodes or carries(r) for r in readers.get(name, []))
+    made_float = {i.name for i in graph.input} | {name for name, producer in index.producer.items()
+                                                  if node_label(producer) not in quantized_nodes}
+    return {(name, node_label(reader)) for name in act_set & made_float for reader in readers.get(name, [])
+            if node_label(reader) not in quantized_nodes and not carries(reader)}
 
 
 def _int8_rows(name: str, table: np.ndarray, builder: _Builder) -> str:
