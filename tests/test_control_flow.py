@@ -457,21 +457,25 @@ def test_silero_lstms_inside_if_branches_become_int8(tmp_path):
 
 
 def test_if_inside_a_loop_is_observed_on_the_iterations_that_take_each_branch(tmp_path):
-    """A Loop whose body chooses per iteration: h = Relu(h @ W) when sum(h) > 0, else Softsign(h @ W)
-    (the then-branch MatMul output is fused into its Relu, the else-branch's, read by a float op, is observed)."""
+    """A Loop whose body chooses per iteration: h = Relu(h @ W) when sum(h) > 0, else Softsign(h @ W @ W)
+    (the then-branch MatMul output is fused into its Relu; the else-branch's first, read by its
+    second, is observed; the second's, which only the float Softsign reads, its integer kernel
+    writes in float)."""
     w = np.random.default_rng(11).normal(0, 0.5, (WIDTH, WIDTH)).astype(np.float32)
     vector = [1, WIDTH]
 
-    def branch(name, activation, out):
-        return helper.make_graph([helper.make_node("MatMul", ["h_in", "W"], [f"{name}_mm"], name=f"{name}_mm"),
-                                  helper.make_node(activation, [f"{name}_mm"], [out], name=f"{name}_act")],
-                                 name, [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, vector)])
+    def branch(name, activation, out, twice=False):
+        first = helper.make_node("MatMul", ["h_in", "W"], [f"{name}_mm"], name=f"{name}_mm")
+        second = [helper.make_node("MatMul", [f"{name}_mm", "W"], [f"{name}_mm2"], name=f"{name}_mm2")] if twice else []
+        act = helper.make_node(activation, [f"{name}_mm2" if twice else f"{name}_mm"], [out], name=f"{name}_act")
+        return helper.make_graph([first, *second, act], name, [],
+                                 [helper.make_tensor_value_info(out, TensorProto.FLOAT, vector)])
 
     body = helper.make_graph([
         helper.make_node("ReduceSum", ["h_in"], ["total"], name="total", keepdims=0),
         helper.make_node("Greater", ["total", "zero"], ["positive"], name="positive"),
         helper.make_node("If", ["positive"], ["h_out"], name="choose", then_branch=branch("up", "Relu", "r"),
-                         else_branch=branch("down", "Softsign", "t")),
+                         else_branch=branch("down", "Softsign", "t", twice=True)),
         helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep_going")], "body",
         [helper.make_tensor_value_info("i", TensorProto.INT64, []),
          helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
@@ -499,13 +503,13 @@ def test_if_inside_a_loop_is_observed_on_the_iterations_that_take_each_branch(tm
                 h = np.maximum(h @ w, 0)
             else:
                 values["down_mm"].append(h @ w)
-                h = h @ w / (1 + np.abs(h @ w))
+                h = h @ w @ w / (1 + np.abs(h @ w @ w))
     assert branches == {True, False}  # the iterations take both branches
     _check_ranges(table, _extremes(values))
     result = api.quantize(tmp_path / "nested.onnx", table=table, progress=False)
     assert not result.notes
     ops = _body_ops(result.model)["body"]
-    assert ops.count("MatMul") == 2 and ops.count("QuantizeLinear") == 2, ops  # h_in, down_mm
+    assert ops.count("MatMul") == 3 and ops.count("QuantizeLinear") == 2, ops  # h_in, down_mm
     _close(model, result.model, data[0], 0.05)
 
 

@@ -516,3 +516,27 @@ def test_a_float_reader_of_a_quantized_output_reads_its_exact_values(tmp_path, e
         np.testing.assert_allclose(got, want, atol=1e-6)
     else:
         assert np.abs(got - want).max() > 1e-3  # on the Concat's grid
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Gemm"])
+def test_an_int8_layer_read_only_by_float_ops_writes_float(tmp_path, op):
+    """x -> Conv -> Flatten -> MatMul/Gemm -> Softsign (no int8 rule) -> y: onnxruntime's integer
+    MatMul and Gemm can write float (MatMulIntegerToFloat, QGemm), so the layer's output gets no
+    Q/DQ pair, which would only round what the float Softsign reads (plan/planner._written_float)."""
+    from qtool.graph.kernels import optimized_ops
+
+    rng = np.random.default_rng(3)
+    inits = [graphs.init("wc", rng.normal(0, 0.3, (8, 4, 3, 3)).astype(np.float32)),
+             graphs.init("wd", rng.normal(0, 0.3, (8 * 8 * 8, 16)).astype(np.float32))]
+    dense = (helper.make_node("MatMul", ["f", "wd"], ["d"], name="dense") if op == "MatMul" else
+             helper.make_node("Gemm", ["f", "wd"], ["d"], name="dense"))
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Flatten", ["c"], ["f"], name="flatten"), dense,
+             helper.make_node("Softsign", ["d"], ["y"], name="out")]
+    path, result, _ = _quantize(tmp_path, graphs.model(nodes, [graphs.tensor("x", ["N", 4, 8, 8])],
+                                                       [graphs.tensor("y", None)], inits), (4, 8, 8))
+    assert "d" not in {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert "dense" in result.plan.quantized_nodes
+    ops = optimized_ops(result.model)
+    assert ops["MatMulIntegerToFloat" if op == "MatMul" else "QGemm"] == 1 and not ops["MatMul"] + ops["Gemm"]
+    assert _fidelity(path, result.model, (4, 8, 8)) > 25

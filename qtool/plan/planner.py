@@ -233,6 +233,8 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
     # the tail as if the chosen float nodes were int8: a node kept float leaves its neighbours as they
     # were (a tensor the all-int8 plan leaves float never gets a Q/DQ, nor needs a range, for it)
     tail = _float_tail(nodes, {**rules, **chosen_rules}, ctx, fused) if target_of(options).float_outputs else set()
+    if target_of(options).float_outputs and not inputs_only:
+        tail |= _written_float(nodes, rules, ctx, fused)
 
     def want(name: str) -> None:
         if (name and name not in quantized and ctx.is_float(name) and not ctx.is_constant(name) and name not in fused
@@ -546,6 +548,28 @@ def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: C
         if rule.output != "tie" or not tail.intersection(outputs):
             codes.update(o for o in outputs if o not in tail)
     return tail
+
+
+def _written_float(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: Collection[str]) -> set[str]:
+    """Outputs of int8 layers whose integer kernel can write float (Gemm, MatMul: onnxruntime's QGemm
+    and MatMulIntegerToFloat) that no int8 node reads: every reader runs in float (kept float, or
+    no int8 rule), so a Q/DQ pair there would only round what they read and add two passes. A
+    graph output is left to _float_tail, a tensor a body reads to its body's plan."""
+    position = {name: i for i, node in enumerate(nodes) for name in node.output}
+    in_bodies = {name for node in nodes for name in body_reads(node)}
+    written = set()
+    for index, rule in rules.items():
+        node = nodes[index]
+        if rule.weight is None or not rule.float_output or rule.kernel is not None or not node.output:
+            continue
+        out = node.output[0]
+        users = ctx.consumers.get(out, [])
+        if (out in ctx.outputs or out in fused or out in in_bodies or not users
+                or any(position.get(u.output[0], -1) in rules or u.op_type in _CONTROL_FLOW
+                       for u in users if u.output)):
+            continue
+        written.add(out)
+    return written
 
 
 def _produced_by_quantized(name: str, ctx: GraphIndex, rules: dict[int, OpRule], nodes: list) -> bool:

@@ -298,6 +298,58 @@ def untie_shared_biases(model: onnx.ModelProto) -> None:
         node.input[2] = fresh
 
 
+# ops whose output has its first input's rank when every other input is a constant of rank 2 or less
+_RANK_KEEPING = ("Relu", "LeakyRelu", "PRelu", "Sigmoid", "Tanh", "Clip", "HardSigmoid", "HardSwish", "Elu", "Selu",
+                 "Softplus", "Add", "Mul", "Sub", "Div")
+
+
+def matmuls_as_gemms(model: onnx.ModelProto) -> int:
+    """A MatMul of a rank-2 activation by a 2-D constant, whose output only an Add of a bias per column
+    reads, written as a Gemm (the same product): the Add then folds into the Gemm (fold_affine), so a
+    Dense layer exported as MatMul and Add (Keras, tf2onnx) quantizes as one integer Gemm with an
+    int32 bias instead of an integer MatMul, a requantization and an integer Add. The rank comes from
+    the graph: a Flatten, a Gemm, a Reshape to two dims, a rank-2 graph input, or rank-keeping ops on
+    one. Returns how many."""
+    index = GraphIndex(model)
+    inits = index.initializers
+    inputs = {value.name: value for value in model.graph.input}
+
+    def rank2(name: str, depth: int = 0) -> bool:
+        node = index.producer.get(name)
+        if node is None:
+            value = inputs.get(name)
+            return value is not None and value.type.tensor_type.HasField("shape") and \
+                len(value.type.tensor_type.shape.dim) == 2
+        if node.op_type in ("Flatten", "Gemm"):
+            return True
+        if node.op_type == "Reshape":
+            return len(node.input) > 1 and node.input[1] in inits and list(inits[node.input[1]].dims) == [2]
+        if node.op_type == "MatMul":
+            return node.input[1] in inits and len(inits[node.input[1]].dims) == 2 and rank2(node.input[0], depth + 1)
+        if node.op_type in _RANK_KEEPING and depth < 16:
+            rest = node.input[1:]
+            return all(n in inits and len(inits[n].dims) <= 2 for n in rest if n) and rank2(node.input[0], depth + 1)
+        return False
+
+    def bias_after(node: onnx.NodeProto) -> bool:
+        """Its output's only reader adds a constant of one value per output column."""
+        reader = index.only_consumer(node.output[0])
+        if reader is None or reader.op_type != "Add" or len(reader.input) != 2:
+            return False
+        other = [name for name in reader.input if name != node.output[0]]
+        columns = inits[node.input[1]].dims[1]
+        return (len(other) == 1 and other[0] in inits
+                and list(inits[other[0]].dims) in ([columns], [1, columns]))
+
+    written = 0
+    for node in model.graph.node:
+        if (node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.input[1] in inits
+                and len(inits[node.input[1]].dims) == 2 and rank2(node.input[0]) and bias_after(node)):
+            node.op_type = "Gemm"
+            written += 1
+    return written
+
+
 _PADDED = ("Conv", "MaxPool", "AveragePool", "LpPool")  # auto_pad as explicit pads (ConvTranspose's differs)
 
 
@@ -438,6 +490,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     fold_pads_into_convs(prepared)
     activations_before_layout_moves(prepared)
     fused = write_out_fused_activations(prepared, default_opset(prepared))
+    matmuls_as_gemms(prepared)
     fold_batchnorm(prepared)
     fold_affine(prepared)
     untie_shared_biases(prepared)
