@@ -36,11 +36,13 @@ Calibration images are the kit's calibration photos, held-out images the kit's d
 segmentation repository's photos); never the same image in both. 24 samples calibrate, 16 are held out.
 Per quantizer: exit (qtool: the plain command's exit code and first stderr line), worst-output cosine
 per sample (mean / min), per-output mean cosine (many-headed models), the task figure, speed against
-the given model (1 thread, batch 1, each quantizer's model taking turns with the given model alone,
-medians; benchmarks/models.py's timed_medians), wall and CPU time to quantize, and for models with
+the given model (1 thread, batch 1, each model alone in processes of its own, medians:
+benchmarks/models.py's process_medians; `--timing turns`: each quantizer's model taking turns with
+the given model in one process, timed_medians), wall and CPU time to quantize, and for models with
 NHWC Transposes how many Transposes sit next to a Conv before and after.
 
     python benchmarks/heldout.py [--cache /work/heldout] [--kit ../shared/bench] [--only a,b] [--json out.json]
+        [--timing processes|turns]
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kit import _qtool  # noqa: E402
-from models import _quantize_ort, timed_medians  # noqa: E402
+from models import _quantize_ort, process_medians, timed_medians  # noqa: E402
 from qtool.evaluation.metrics import sample_cosines  # noqa: E402
 from qtool.evaluation.detection import nms  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
@@ -501,7 +503,13 @@ def measure(name: str, spec: dict, work: Path) -> dict:
         worst, per_output = cosines(outputs["fp32"], outputs[variant])
         row["variants"][variant].update(cos_mean=float(np.mean(worst)), cos_min=float(np.min(worst)),
                                         per_output=per_output, task=spec["task"](outputs["fp32"], outputs[variant]))
-    for variant in paths:  # each against fp32 alone: a slow peer model in the turns slows the others too
+    if TIMING[0] == "processes":  # each model alone in a process of its own
+        alone = process_medians(paths, spec["held"])
+        for variant in paths:
+            if variant != "fp32":
+                row["variants"][variant]["speedup"] = alone["fp32"] / alone[variant]
+        row["fp32_ms"] = alone["fp32"] * 1e3
+    for variant in paths if TIMING[0] == "turns" else ():  # each against fp32 alone in the turns
         if variant != "fp32":
             pair = timed_medians({"fp32": paths["fp32"], variant: paths[variant]}, spec["held"])
             row["variants"][variant]["speedup"] = pair["fp32"] / pair[variant]
@@ -541,6 +549,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TIMING = ["processes"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
@@ -548,7 +559,10 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated name prefixes")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--table-from", type=Path, help="print the tables of a --json file and stop")
+    parser.add_argument("--timing", choices=("processes", "turns"), default="processes",
+                        help="speed: each model alone in processes of its own, or int8 and fp32 in turns in one")
     args = parser.parse_args()
+    TIMING[0] = args.timing
     if args.table_from:
         print(table(json.loads(args.table_from.read_text())))
         return

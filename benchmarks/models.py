@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -242,6 +243,45 @@ def timed_medians(paths: dict[str, Path], samples: list[dict], warmup: int = 2) 
         for v, t in time_models({v: str(paths[v]) for v in order}, feeds, threads=1, warmup=warmup,
                                 runs=RUNS // min(TIMED_SAMPLES, len(samples))).items():
             times[v] += t
+    return {v: float(np.median(t)) for v, t in times.items()}
+
+
+_ALONE = r"""
+import sys, time, numpy as np, onnxruntime as ort
+options = ort.SessionOptions()
+options.intra_op_num_threads = options.inter_op_num_threads = 1
+session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+arrays = np.load(sys.argv[2])
+feeds = {i.name: arrays[i.name] for i in session.get_inputs()}
+start = time.perf_counter()
+while time.perf_counter() - start < 0.2:
+    session.run(None, feeds)
+times = []
+while len(times) < 20 or (sum(times) < 1.0 and len(times) < 2000):
+    t = time.perf_counter()
+    session.run(None, feeds)
+    times.append(time.perf_counter() - t)
+print(float(np.median(times)))
+"""
+
+
+def process_medians(paths: dict[str, Path], samples: list[dict], reps: int = 6) -> dict[str, float]:
+    """Median seconds per run of each model alone in a process of its own (1 thread, batch 1, the first
+    sample; 0.2 s of warm-up, then runs for about a second), `reps` processes per model in a fresh
+    seeded order each round; the median over them. Two sessions taking turns in one process evict each
+    other from the caches: a Conv whose integer kernel keeps 42 MB of pointers ran 0.2-0.8x of float
+    that way and 1.3x alone (benchmarks/README.md)."""
+    rng = np.random.default_rng(0)
+    times: dict[str, list[float]] = {v: [] for v in paths}
+    with tempfile.TemporaryDirectory() as tmp:
+        feeds = Path(tmp) / "feeds.npz"
+        np.savez(feeds, **samples[0])
+        names = list(paths)
+        for _ in range(reps):
+            for v in (names[i] for i in rng.permutation(len(names))):
+                out = subprocess.run([sys.executable, "-c", _ALONE, str(paths[v]), str(feeds)], capture_output=True,
+                                     text=True, check=True)
+                times[v].append(float(out.stdout.split()[-1]))
     return {v: float(np.median(t)) for v, t in times.items()}
 
 

@@ -226,32 +226,3 @@ def test_a_broadcast_stepping_value_by_value_is_costed():
     shaped = batch_norm_over_unit_axis(np.random.default_rng(9), scalar_shape=(1, 1, 1, 1))
     assert "unit_span" not in cost_terms(shaped, build_plan(shaped, FLOAT_FORM), shapes, FLOAT_FORM).nodes["bn_mul"]
     assert decide(shaped)[0] == []
-
-
-def wide_kernel_conv(rng, height, width, c_in=8, c_out=8, kernel=(3, 39)):
-    """x -> Conv (8 -> 8, a 3 x 39 kernel, as a TensorFlow audio CNN writes a time-frequency filter) ->
-    Relu -> 3x3 Conv (8 -> 32) -> y."""
-    w = rng.normal(0, 0.2, (c_out, c_in, *kernel)).astype(np.float32)
-    pads = [kernel[0] // 2, kernel[1] // 2] * 2
-    nodes = [helper.make_node("Conv", ["x", "wide_w", "wide_b"], ["c"], name="wide", kernel_shape=list(kernel),
-                              pads=pads),
-             helper.make_node("Relu", ["c"], ["r"], name="relu")]
-    inits = [init("wide_w", w), init("wide_b", rng.normal(0, 0.1, c_out).astype(np.float32))]
-    node, tensors = _conv(rng, "after", "r", "a", c_out, 32, k=3)
-    nodes += [node, helper.make_node("Softsign", ["a"], ["y"], name="out")]
-    return model(nodes, [tensor("x", [1, c_in, height, width])], [tensor("y", None)], inits + tensors)
-
-
-def test_an_integer_conv_past_the_pointer_cliff_stays_float():
-    """onnxruntime's integer Conv keeps a pointer per output pixel and tap: 172 x 264 pixels x 117 taps
-    (5.3 million) run several times the float Conv, the same Conv over 43 x 76 pixels gains."""
-    large = wide_kernel_conv(np.random.default_rng(11), 172, 264)
-    shapes = tensor_dims(large, {"x": np.zeros((1, 8, 172, 264), np.float32)})
-    terms = cost_terms(large, build_plan(large, FLOAT_FORM), shapes, FLOAT_FORM)
-    assert terms.nodes["wide"]["spilled_tap"] == 172 * 264 * 3 * 39
-    assert "spilled_tap" not in terms.nodes["after"]  # 9 taps: 0.41 million pointers, under the cliff
-    floated, reasons = decide(large)
-    assert "wide" in floated and "after" not in floated
-    assert "Convs past onnxruntime's pointer cliff" in reasons[0]
-    small = wide_kernel_conv(np.random.default_rng(11), 43, 76)
-    assert "wide" not in decide(small)[0]

@@ -4,8 +4,7 @@ An int8 node gains per MAC in a dense layer (Conv, Gemm, MatMul) and per weight 
 once (a GEMV streams 1 byte instead of 4). It pays a fixed cost per integer kernel, and a pass per value for
 each Q/DQ where it meets float and for each activation it cannot fuse (a hard-swish's float form: four passes
 between a DQ and a Q, where a float Conv fuses it); an integer depthwise Conv gains nothing and pays per
-output pixel and tap, padding included; so does any integer Conv whose pointers (output pixels x taps) pass
-SPILL_POINTERS; a node with no integer kernel (PRelu) pays its DQ and Q. With these
+output pixel and tap, padding included; a node with no integer kernel (PRelu) pays its DQ and Q. With these
 costs (Costs), the float set of least estimated time is a minimum s-t cut: each node's int8-minus-float cost,
 each tensor joining float and int8 a boundary, a MaxPool int8 with its int8 reader and its producer. A float
 group must save MIN_SAVING of the model's estimated time; if the cut takes every dense layer, the one that
@@ -26,7 +25,7 @@ from qtool.graph.index import GraphIndex, attribute, node_label
 from qtool.plan.ops import rule_for
 
 FEATURES = ("boundary", "passes", "integer_kernel", "mac", "weight", "tap", "depthwise_mac", "depthwise_float_mac",
-            "unit_span", "spilled_tap")
+            "unit_span")
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,6 @@ class Costs:
     depthwise_float_mac: float = 0.41  # a float depthwise Conv's cost per MAC it computes (padding skipped)
     # no kit model has it; measured on single ops (benchmarks/kernel_quirks.py), not fitted:
     unit_span: float = 14.0  # a QLinearAdd/QLinearMul broadcasting a rank-1 scalar over a last axis of 1: per value
-    spilled_tap: float = 3.0  # an integer Conv over SPILL_POINTERS output pixels x taps: per pointer
 
     def ns(self, features: Mapping[str, float]) -> float:
         """The features' cost (the savings' counts are negative)."""
@@ -54,9 +52,6 @@ class Costs:
 
 
 COSTS = Costs()
-# onnxruntime's integer Conv keeps a pointer per output pixel and kernel tap; past about half a million of
-# them (4 MiB) its time per pointer jumps (benchmarks/README.md, single ops off the common path)
-SPILL_POINTERS = 1 << 19
 MIN_SAVING = 0.02  # a float group must save this share of the model's estimated float time
 FLOAT_MAC_NS, NODE_NS = 0.02, 1000.0  # that estimate: per MAC of a Conv/Gemm/MatMul, per node
 HARD = ("HardSwish", "HardSigmoid")
@@ -213,9 +208,6 @@ def _own(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[
             return {}, 0, False  # a per-channel affine (an equalized chain's tail): one pass either way
         macs = layer_macs(node, shapes, weight)
         feats = {"integer_kernel": 1.0, "mac": -float(macs), "weight": -weights}
-        pointers = _pointers(node, shapes, weight)
-        if pointers > SPILL_POINTERS:
-            feats["spilled_tap"] = float(pointers)
         if dynamic:  # DynamicQuantizeLinear over its input first
             _add(feats, {"boundary": float(_values(shapes.get(node.input[0])))})
         return feats, macs, True
@@ -239,16 +231,6 @@ def _own(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[
     if op in ("Add", "Mul") and _unit_span(node, index, shapes):
         return {"unit_span": out}, 0, False
     return {}, 0, False  # elementwise or movement: an integer kernel as fast as the float one
-
-
-def _pointers(node: onnx.NodeProto, shapes: Mapping[str, Sequence[int]], weight: Optional[onnx.TensorProto]) -> int:
-    """An integer Conv's indirection pointers for one sample: output pixels x kernel taps (0 for a 1x1
-    kernel, which reads its input in place, or where the shapes leave them open)."""
-    out = shapes.get(node.output[0]) if node.op_type == "Conv" and node.output else None
-    if weight is None or out is None or len(out) < 3 or len(weight.dims) < 3:
-        return 0
-    taps = int(np.prod(weight.dims[2:], dtype=np.int64))
-    return 0 if taps == 1 else _values(out[2:]) * taps
 
 
 def _unit_span(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[int]]) -> bool:
@@ -347,8 +329,7 @@ def _reason(group: list[str], terms: Terms, costs: Costs, saving: float) -> str:
     causes = [(part["boundary"] + part["passes"], "Q/DQ and unfused activations"),
               (part["tap"] + part["depthwise_mac"] + part["depthwise_float_mac"], "depthwise Convs"),
               (part["integer_kernel"], "integer kernels' fixed cost"),
-              (part["unit_span"], "broadcasts stepping value by value"),
-              (part["spilled_tap"], "Convs past onnxruntime's pointer cliff")]
+              (part["unit_span"], "broadcasts stepping value by value")]
     costs_text = ", ".join(f"{us:.0f} us {what}" for us, what in causes if us >= 0.5)
     saved = -(part["mac"] + part["weight"])
     span = f"'{group[0]}'" + (f" to '{group[-1]}'" if len(group) > 1 else "")
