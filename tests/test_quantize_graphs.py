@@ -540,3 +540,35 @@ def test_an_int8_layer_read_only_by_float_ops_writes_float(tmp_path, op):
     ops = optimized_ops(result.model)
     assert ops["MatMulIntegerToFloat" if op == "MatMul" else "QGemm"] == 1 and not ops["MatMul"] + ops["Gemm"]
     assert _fidelity(path, result.model, (4, 8, 8)) > 25
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_dense_layer_as_matmul_and_bias_add_is_one_integer_gemm(tmp_path, rank):
+    """A Keras Dense exported as MatMul + Add(bias) after a Flatten (rank 2) is prepared as a Gemm
+    with the bias folded in: one integer Gemm with an int32 bias. On a rank-3 input (a sequence), where
+    a Gemm cannot take it, it stays a MatMul and an Add (qtool/prepare/graph_prep.py matmuls_as_gemms)."""
+    from qtool.graph.kernels import optimized_ops
+
+    rng = np.random.default_rng(4)
+    inits = [graphs.init("wc", rng.normal(0, 0.3, (8, 4, 3, 3)).astype(np.float32)),
+             graphs.init("wd", rng.normal(0, 0.3, (8 * 8 * 8 if rank == 2 else 8, 16)).astype(np.float32)),
+             graphs.init("bd", rng.normal(0, 0.3, 16).astype(np.float32)),
+             graphs.init("to3", np.array([-1, 64, 8], np.int64))]
+    shaped = (helper.make_node("Flatten", ["c"], ["f"], name="flatten") if rank == 2 else
+              helper.make_node("Reshape", ["c", "to3"], ["f"], name="to_sequence"))
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"], name="conv", pads=[1, 1, 1, 1]), shaped,
+             helper.make_node("MatMul", ["f", "wd"], ["d"], name="dense"),
+             helper.make_node("Add", ["d", "bd"], ["b"], name="bias"),
+             helper.make_node("Softsign", ["b"], ["y"], name="out")]
+    path, result, _ = _quantize(tmp_path, graphs.model(nodes, [graphs.tensor("x", ["N", 4, 8, 8])],
+                                                       [graphs.tensor("y", None)], inits), (4, 8, 8))
+    ops = [n.op_type for n in result.model.graph.node]
+    if rank == 2:
+        assert "Gemm" in ops and "MatMul" not in ops and "Add" not in ops
+        gemm = next(n for n in result.model.graph.node if n.op_type == "Gemm")
+        bias = _dq_node(result.model, gemm.input[2])
+        assert _inits(result.model)[bias.input[0]].dtype == np.int32
+        assert optimized_ops(result.model)["QGemm"] == 1
+    else:
+        assert "MatMul" in ops and "Add" in ops and "Gemm" not in ops
+    assert _fidelity(path, result.model, (4, 8, 8)) > 25

@@ -309,7 +309,9 @@ def matmuls_as_gemms(model: onnx.ModelProto) -> int:
     Dense layer exported as MatMul and Add (Keras, tf2onnx) quantizes as one integer Gemm with an
     int32 bias instead of an integer MatMul, a requantization and an integer Add. The rank comes from
     the graph: a Flatten, a Gemm, a Reshape to two dims, a rank-2 graph input, or rank-keeping ops on
-    one. Returns how many."""
+    one. Returns how many; none below opset 11, where a Gemm must have a bias input."""
+    if default_opset(model) < 11:
+        return 0
     index = GraphIndex(model)
     inits = index.initializers
     inputs = {value.name: value for value in model.graph.input}
