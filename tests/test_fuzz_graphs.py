@@ -20,6 +20,7 @@ from onnx import numpy_helper
 
 from qtool.cli import main
 from qtool.plan.ops import RULES
+from qtool.prepare.graph_prep import prepare
 from tests import graphs
 from tests.fuzz_graphs import HEAD_OPS, TRUNK_OPS, VOCABULARY, baked_batch_model, random_model
 
@@ -55,9 +56,12 @@ def _dequantized(inits: dict, dq: onnx.NodeProto, ndim: int) -> tuple[np.ndarray
 
 
 def _assert_integer_contract(model: onnx.ModelProto, quantized: onnx.ModelProto) -> None:
-    """What an integer kernel needs of each weighted layer, checked against the fp32 weights:
-    one scale per output channel on a grid fitted to that channel (|error| <= its max / 254),
-    and the int32 bias in the accumulator's unit s_in * s_w[channel] (within half a unit)."""
+    """What an integer kernel needs of each weighted layer, checked against the fp32 weights of the
+    graph as the front end prepares it (a bias Add folded into its layer, a Dense layer's MatMul
+    written as a Gemm): one scale per output channel on a grid fitted to that channel (|error| <=
+    its max / 254), and the int32 bias in the accumulator's unit s_in * s_w[channel] (within half a
+    unit)."""
+    model = prepare(model).model
     fp32 = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     inits = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
     dq = {n.output[0]: n for n in quantized.graph.node if n.op_type == "DequantizeLinear"}

@@ -325,14 +325,19 @@ def _erf_gelu(form: str) -> list[onnx.NodeProto]:
                    helper.make_node("Mul", ["he", "half"], ["g"], name="g_half")]
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["after_a_dequantize", "after_a_float_int8_matmul"])
 @pytest.mark.parametrize("form", ["div", "mul", "half_first"])
-def test_a_float_erf_gelu_after_a_dequantize_runs_as_onnxruntime_gelu(tmp_path, form):
+def test_a_float_erf_gelu_after_a_dequantize_runs_as_onnxruntime_gelu(tmp_path, form, shared):
+    """`shared`: mm3 reads h too, so mm1 writes int8 codes and the GELU reads a DequantizeLinear; else
+    mm1, read by float ops only, writes float (MatMulIntegerToFloat). onnxruntime fuses neither chain."""
     rng = np.random.default_rng(0)
     c = graphs.init
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"), *_erf_gelu(form),
              helper.make_node("MatMul", ["g", "w2"], ["y"], name="mm2")]
-    m = graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], [graphs.tensor("y", None)],
-                     [_weight(rng, "w1", D, D), _weight(rng, "w2", D, D), c("one", np.float32(1.0)),
+    nodes += [helper.make_node("MatMul", ["h", "w3"], ["y3"], name="mm3")] if shared else []
+    outputs = [graphs.tensor("y", None)] + ([graphs.tensor("y3", None)] if shared else [])
+    m = graphs.model(nodes, [graphs.tensor("x", ["N", S, D])], outputs,
+                     [_weight(rng, "w1", D, D), _weight(rng, "w2", D, D), _weight(rng, "w3", D, D), c("one", np.float32(1.0)),
                       c("half", np.float32(0.5)), c("sqrt2", np.float32(np.sqrt(2.0))),
                       c("rsqrt2", np.float32(np.sqrt(0.5)))])
     assert fused_gelus(onnx.ModelProto.FromString(m.SerializeToString())) == 0  # fp32: x is no DequantizeLinear

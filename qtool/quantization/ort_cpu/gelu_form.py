@@ -4,7 +4,8 @@ A GELU written out as x * 0.5 * (1 + erf(x / sqrt 2)) stays float in the int8 mo
 rule, qtool.plan.ops.blocks). onnxruntime fuses such a chain into one Gelu kernel, but not when x
 is a DequantizeLinear output: before its fusions it gives every reader of a DequantizeLinear a copy
 of its own (so that each QDQ node group has one), and the chain's two reads of x then come from
-two tensors, which the fusion does not match. The five float ops then run one by one, which can
+two tensors, which the fusion does not match; nor when x is an int8 MatMul's or Gemm's float output
+and the chain scales x by 1/sqrt 2 (the front end's Div -> Mul). The five float ops then run one by one, which can
 make the int8 model slower than fp32. Written as the com.microsoft Gelu op, the chain runs as in
 the fp32 model, with the same values up to float32 rounding. A kernel form of the quantized model,
 written last (quantize's `kernel_forms`). Figures: docs/targets.md, "Fusion-aware placement".
@@ -22,8 +23,8 @@ from qtool.graph.index import GraphIndex, replace_nodes
 from qtool.plan.ops.blocks import gelu_chains
 
 MS_DOMAIN = "com.microsoft"
-NOTE = ("{} GELU(s) written out with Erf and computed in float after a DequantizeLinear written as onnxruntime's "
-        "Gelu op, which it otherwise cannot fuse there: one float kernel instead of five")
+NOTE = ("{} GELU(s) written out with Erf and computed in float after a DequantizeLinear or an int8 MatMul/Gemm "
+        "written as onnxruntime's Gelu op, which it otherwise cannot fuse there: one float kernel instead of five")
 
 
 def _close(value, target: float) -> bool:
@@ -50,14 +51,21 @@ def _exact_gelu(index: GraphIndex, chain: list[onnx.NodeProto]) -> bool:
 
 
 def fused_gelus(model: onnx.ModelProto) -> int:
-    """In place: each float Erf-GELU whose input a DequantizeLinear writes becomes one com.microsoft
-    Gelu node (module doc); the number rewritten."""
+    """In place: each float Erf-GELU whose input a DequantizeLinear writes, or an int8 MatMul/Gemm (one
+    that reads a DequantizeLinear) writes in float, becomes one com.microsoft Gelu node (module doc);
+    the number rewritten."""
     index = GraphIndex(model)
-    chains = []
-    for chain in gelu_chains(index):
-        source = index.producer.get(chain[0].input[0])
-        if source is not None and source.op_type == "DequantizeLinear" and _exact_gelu(index, chain):
-            chains.append(chain)
+
+    def after_int8(name: str) -> bool:
+        source = index.producer.get(name)
+        if source is None:
+            return False
+        if source.op_type == "DequantizeLinear":
+            return True
+        reads = index.producer.get(source.input[0]) if source.input else None
+        return source.op_type in ("MatMul", "Gemm") and reads is not None and reads.op_type == "DequantizeLinear"
+
+    chains = [chain for chain in gelu_chains(index) if after_int8(chain[0].input[0]) and _exact_gelu(index, chain)]
     if not chains:
         return 0
     first = {id(chain[0]): chain for chain in chains}
