@@ -503,17 +503,16 @@ def measure(name: str, spec: dict, work: Path) -> dict:
         worst, per_output = cosines(outputs["fp32"], outputs[variant])
         row["variants"][variant].update(cos_mean=float(np.mean(worst)), cos_min=float(np.min(worst)),
                                         per_output=per_output, task=spec["task"](outputs["fp32"], outputs[variant]))
-    if TIMING[0] == "processes":  # each model alone in a process of its own
+    timed = [variant for variant in paths if variant != "fp32"]
+    if TIMING[0] == "processes":  # each model alone in processes of its own
         alone = process_medians(paths, spec["held"])
-        for variant in paths:
-            if variant != "fp32":
-                row["variants"][variant]["speedup"] = alone["fp32"] / alone[variant]
-        row["fp32_ms"] = alone["fp32"] * 1e3
-    for variant in paths if TIMING[0] == "turns" else ():  # each against fp32 alone in the turns
-        if variant != "fp32":
-            pair = timed_medians({"fp32": paths["fp32"], variant: paths[variant]}, spec["held"])
-            row["variants"][variant]["speedup"] = pair["fp32"] / pair[variant]
-            row.setdefault("fp32_ms", pair["fp32"] * 1e3)
+        pairs = {variant: alone for variant in timed}
+    else:  # each against fp32 alone in the turns: a slow peer model in the turns slows the others too
+        pairs = {variant: timed_medians({"fp32": paths["fp32"], variant: paths[variant]}, spec["held"])
+                 for variant in timed}
+    for variant, medians in pairs.items():
+        row["variants"][variant]["speedup"] = medians["fp32"] / medians[variant]
+        row.setdefault("fp32_ms", medians["fp32"] * 1e3)
     row["transposes"] = {v: transposes_at_convs(p) for v, p in paths.items() if v in ("fp32", "qtool")}
     return row
 

@@ -377,9 +377,10 @@ class _NodeRewrite:
 def _exact_reads(graph: onnx.GraphProto, quantized_nodes: set[str], act_set: set[str]) -> set[tuple[str, str]]:
     """(tensor, reader) pairs where a float reader of a quantized activation reads its exact values: the
     tensor is made by a float node or is the graph's input (a producer that fuses nothing), and what the
-    reader computes reaches no int8 node except through a quantized activation of its own. Such a
-    reader (a graph output's Reshape beside the int8 Concat the tensor also feeds) then computes on
-    the values the model made, not on another reader's grid."""
+    reader computes reaches no int8 node except through a quantized activation of its own (a Shape
+    whose values an int8 Reshape reads stays on the DequantizeLinear, as before: it reads no values).
+    Such a reader (a graph output's Reshape beside the int8 Concat the tensor also feeds) then
+    computes on the values the model made, not on another reader's grid."""
     index = GraphIndex(graph)
     readers = index.consumers
     reaches: dict[str, bool] = {}  # read by an int8 node directly or through float nodes, not re-quantized
