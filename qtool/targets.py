@@ -79,11 +79,6 @@ class Target:
     # cannot take the division (a LayerNorm the residual stream reads too), as for dynamic MatMuls:
     # a runtime that folds that Mul into the quantizer after it (qtool.plan.smooth_quant.find_sites).
     smooth_inserts: bool = False
-    # On a symmetric target, an activation that only MatMul/Gemm layers read as int8 (through ops
-    # that move values) is asymmetric int8 (qtool.plan.planner, qtool.table.resolve): the runtime's
-    # int8 FullyConnected/MatMul take an activation zero point at no cost, so a GELU's output, whose
-    # negative lobe is a few hundredths of its range, keeps its codes; Convs keep zero point 0.
-    asymmetric_linear_inputs: bool = False
     # The runtime's int8 convolutions take an int8 input with a zero point. OpenVINO's CPU plugin
     # compiles no such Convolution ("No suitable implementations"): there asymmetric activations
     # must be uint8 (the option check in qtool.config refuses int8 ones).
@@ -114,11 +109,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
     Target("openvino", "OpenVINO CPU: int8 symmetric activations (uint8 with zero point 0 where the range has no "
-           "negative value, asymmetric where only MatMul/Gemm read them) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel weights, no "
+           "negative value) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel weights, no "
            "onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
            activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, measured_on="openvino",
-           smooth_inserts=True, asymmetric_linear_inputs=True, int8_conv_zero_points=False,
+           smooth_inserts=True, int8_conv_zero_points=False,
            speed_rule="openvino_cpu"),
 )}
 DEFAULT_TARGET = "ort-cpu"
@@ -173,8 +168,7 @@ def describe(options) -> str:
               f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
     if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
-        acts += " (uint8 where the range has no negative value"
-        acts += ", asymmetric where only MatMul/Gemm read)" if target.asymmetric_linear_inputs else ")"
+        acts += " (uint8 where the range has no negative value)"
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]
     tail = f"; overridden: {', '.join(overridden)}" if overridden else ""

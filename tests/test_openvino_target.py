@@ -131,13 +131,10 @@ def test_qdq_only_on_the_inputs_of_int8_layers(tmp_path):
     # value (after Clip and Relu: every code on the values taken)
     types = _activation_types(model)
     assert types["x"] == types["a1"] == np.int8 and types["r6"] == types["r2"] == np.uint8
-    assert all(_params(model, t)[1] == 0 for t in types if t != "gap")
-    # gap, which only the Gemm and the MatMul read (through the Flatten), is asymmetric int8 over
-    # its range: OpenVINO's int8 FullyConnected takes the zero point, its Convolution does not
-    lo, hi = _range_of(path, data, "gap")
-    assert types["gap"] == np.int8 and lo < 0
-    scale, zero = _params(model, "gap")
-    assert zero != 0 and scale == pytest.approx((hi - lo) / 255, rel=1e-5)
+    assert all(_params(model, t)[1] == 0 for t in types)
+    # gap, which only the Gemm and the MatMul read (through the Flatten), is symmetric int8 like the
+    # rest: OpenVINO fuses a FullyConnected's dequantization only without a zero point
+    assert types["gap"] == np.int8 and _range_of(path, data, "gap")[0] < 0
     for readers in _readers_of_dequantized(model).values():
         # a1 is also the residual Add's other input: it reads the codes the depthwise Conv reads;
         # the Flatten only reshapes the Gemm's and MatMul's input
@@ -259,29 +256,33 @@ def test_a_yolo_detector_fuses_every_quantizer_on_openvino(tmp_path):
     assert np.mean(on_ov) > 0.995 and abs(np.mean(on_ov) - np.mean(on_ort)) < 0.001
 
 
-def test_a_tensor_a_conv_reads_too_keeps_zero_point_zero(tmp_path):
-    """s (signed) feeds a Conv and, through a Flatten, a Gemm: the Conv reads it, so it stays symmetric (OpenVINO's int8 Convolution takes no zero point); p, which
-    only the Gemm reads (quantized as p4, above the Flatten), is asymmetric."""
-    rng = np.random.default_rng(3)
-    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["s"], name="conv1"),
-             helper.make_node("Conv", ["s", "w2"], ["c"], name="conv2"),
-             helper.make_node("Flatten", ["s"], ["f"], name="flat"),
-             helper.make_node("Gemm", ["f", "wg"], ["g"], name="gemm", transB=1),
-             helper.make_node("GlobalAveragePool", ["c"], ["p4"]),
-             helper.make_node("Flatten", ["p4"], ["p"], name="flat_p"),
-             helper.make_node("Gemm", ["p", "wp"], ["y"], name="head", transB=1)]
-    inits = [graphs.init("w1", rng.normal(0, 0.5, (4, 3, 1, 1)).astype(np.float32)),
-             graphs.init("b1", np.array([2.0, 1.5, 1.0, 3.0], np.float32)),
-             graphs.init("w2", rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32)),
-             graphs.init("wg", rng.normal(0, 0.3, (5, 4 * 4 * 4)).astype(np.float32)),
-             graphs.init("wp", rng.normal(0, 0.3, (5, 4)).astype(np.float32))]
-    built = graphs.model(nodes, [graphs.tensor("x", ["N", 3, 4, 4])],
-                         [graphs.tensor("g", None), graphs.tensor("y", None)], inits)
-    path, data, result = _quantize(tmp_path, built, (3, 4, 4))
-    assert {"s", "p4"} <= _quantized_tensors(result.model)  # p4: above the Flatten
-    assert _range_of(path, data, "s")[0] < 0 and _range_of(path, data, "p4")[0] < 0
-    assert _params(result.model, "s")[1] == 0
-    assert _params(result.model, "p4")[1] != 0
+def test_a_matmul_input_is_symmetric_so_openvino_fuses_its_dequantization(tmp_path):
+    """x (mostly positive, some negative values) -> MatMul -> Softmax: the MatMul's input is int8
+    with zero point 0, and OpenVINO runs the MatMul as one FullyConnected that has the
+    dequantization fused (with a zero point it keeps a Subtract beside a slower FullyConnected)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="fc"),
+             helper.make_node("Softmax", ["m"], ["y"], axis=-1)]
+    built = graphs.model(nodes, [graphs.tensor("x", [1, 19, 120])], [graphs.tensor("y", [1, 19, 256])],
+                         [graphs.init("w", rng.normal(0, 0.2, (120, 256)).astype(np.float32))])
+    path = tmp_path / "m.onnx"
+    onnx.save(built, path)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(8):
+        np.save(data / f"s{i:03d}.npy", (rng.normal(0, 1, (1, 19, 120)) + 0.8).astype(np.float32))
+    result = qtool.quantize(str(path), data=str(data), config=CONFIG, progress=False)
+    assert _quantized_tensors(result.model) == {"x"} and min(np.load(f).min() for f in data.iterdir()) < 0
+    assert _activation_types(result.model)["x"] == np.int8 and _params(result.model, "x")[1] == 0
+    ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    written = tmp_path / "q.onnx"
+    onnx.save(result.model, written)
+    compiled = ov.Core().compile_model(str(written), "CPU", {"INFERENCE_NUM_THREADS": 1, "PERF_COUNT": True})
+    request = compiled.create_infer_request()
+    request.infer({"x": np.load(data / "s000.npy")})
+    ran = [(p.node_name, p.node_type) for p in request.profiling_info if p.exec_type != "undef"]
+    assert any(kind.startswith("FullyConnected") and "Dequantization" in name for name, kind in ran), ran
+    assert not any(kind in ("Subtract", "Multiply") for _, kind in ran), ran
 
 
 def test_a_ceil_mode_maxpool_keeps_its_quantizer_after_it(tmp_path):

@@ -104,8 +104,7 @@ def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
                 pass  # a symmetric range with no negative value, written uint8 (Target.unsigned_nonnegative)
             elif zero.dtype != expected:
                 problems.append(f"{node.input[0]}: activation type {zero.dtype}, target wants {expected.__name__}")
-            elif symmetric and int(zero) != (0 if expected == np.int8 else 128) and not (
-                    plan is not None and node.input[0] in plan.asymmetric and not target.symmetric_only):
+            elif symmetric and int(zero) != (0 if expected == np.int8 else 128):
                 problems.append(f"{node.input[0]}: zero point {int(zero)} on a symmetric target")
             if node.op_type == "QuantizeLinear":
                 params[node.input[0]] = (float(scale), int(zero))

@@ -41,10 +41,8 @@ def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
             final.update({n: shared for n in free})
     qmax = target_of(options).symmetric_qmax
     unsigned = target_of(options).unsigned_nonnegative and options.symmetric_activations and dtype == "int8"
-    asymmetric = set(plan.asymmetric)  # Target.asymmetric_linear_inputs
     params = {name: activation_qparams(*final[name], "uint8", False) if unsigned and final[name][0] >= 0
-              else activation_qparams(*final[name], dtype, options.symmetric_activations and name not in asymmetric,
-                                      qmax) for name in final}
+              else activation_qparams(*final[name], dtype, options.symmetric_activations, qmax) for name in final}
     for name, fixed_params in imposed.items():
         params[name] = fixed_params
         final[name] = fixed_params.range
