@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qtool"
@@ -35,3 +37,39 @@ def test_sessions_stay_on_the_cores_the_process_may_use():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     everywhere = "0" if len(os.sched_getaffinity(0)) >= os.cpu_count() else str(len(os.sched_getaffinity(0)))
     assert out == [everywhere, "3", "1", "3"]
+
+
+def test_the_jobs_batch_passes_run_without_spinning_or_memory_pattern(tmp_path, monkeypatch):
+    """The calibration's observing pass and the candidates' scoring are a job's bulk passes over
+    batches: onnxruntime's memory pattern (a block planned for every tensor of a batch's shapes,
+    kept for the next run) set the job's peak RSS there, and spinning threads only burn CPU. A real
+    plain quantize job: every session it makes is recorded, and those passes' options are read."""
+    import onnxruntime as ort
+
+    from qtool import api
+    from qtool.graph import runtime
+    from tests.graphs import conv_model, write_samples
+
+    made = []
+    real = runtime._session
+
+    def recording(source, options: ort.SessionOptions, label: str):
+        try:
+            spinning = options.get_session_config_entry("session.intra_op.allow_spinning")
+        except RuntimeError:  # not set: onnxruntime's default, spinning
+            spinning = "1"
+        made.append((label, options.enable_mem_pattern, spinning))
+        return real(source, options, label)
+
+    monkeypatch.setattr(runtime, "_session", recording)
+    rng = np.random.default_rng(0)
+    path = tmp_path / "m.onnx"
+    onnx.save(conv_model(rng, activation="Relu"), path)
+    data = write_samples(tmp_path / "calib", rng, (8, 12, 12))
+    api.quantize(path, data=data, progress=False)
+    # the observing pass; the candidates' fp32 reference; each candidate, scored on its run check's session
+    bulk = ("the fp32 model with calibration observers", str(path), "int8 model")
+    start = [m[0] for m in made].index(bulk[0])  # before it: the one-batch check of the batch size
+    passes = [m for m in made[start:] if m[0] in bulk]
+    assert {m[0] for m in passes} == set(bulk), made
+    assert all(m[1:] == (False, "0") for m in passes), passes

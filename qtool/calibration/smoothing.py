@@ -62,7 +62,7 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
     axes = [-1] * len(sites) + [1] * len(measured)  # channels: last axis / NCHW's
     width = {site.tensor: site.channels for site in equalized} | {site.output: site.channels for site in equalized}
     channels = [site.channels for site in sites] + [width[name] for _, name in measured]
-    session = create_session(with_outputs(model, names), label=str(model_path), spin=False)
+    session = create_session(with_outputs(model, names), label=str(model_path), batch_pass=True)
     source = open_data(data, input_specs(model), preprocess)
     maxima = {name: np.zeros(count) for name, count in zip(names, channels)}
     for batch in batches(source, calib.batch_size, calib.num_samples):

@@ -164,7 +164,7 @@ class Evaluator:
 
             require("--target openvino's measured choices (scored on OpenVINO)")
             return CompiledModel(model, self.threads, "f32", label=label)
-        return create_session(model, self.threads, label, spin=False)
+        return create_session(model, self.threads, label, batch_pass=True)
 
 
 @dataclass(frozen=True)

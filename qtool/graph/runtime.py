@@ -94,20 +94,23 @@ def _session(source, options: ort.SessionOptions, label: str) -> Session:
 
 def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
                     optimized_path: str | None = None, log_level: int = 4,
-                    order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, spin: bool = True) -> ort.SessionOptions:
+                    order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, batch_pass: bool = False) -> ort.SessionOptions:
     """`level` and `optimized_path` (where onnxruntime writes its optimized graph) are for
     asking which kernels onnxruntime makes (qtool.graph.kernels). `log_level` 4 (fatal only):
     a failure in onnxruntime reaches qtool as an exception, which qtool reports in its own one
     line; onnxruntime's log of it would be a second one. `order`: onnxruntime's node order (PRIORITY_BASED
     for a model with many side branches that reduce tensors: each runs soon after its tensor is made,
-    which then need not stay alive until the whole network has run). `spin`: onnxruntime's worker
-    threads spin between kernels, which shortens a latency but costs CPU time; a pass over many
-    batches whose time is the job's (calibration, scoring candidates) runs without (the same results;
-    measured in docs/design/observer.md)."""
+    which then need not stay alive until the whole network has run). `batch_pass`: a pass over
+    many batches whose time and memory are the job's (calibration, scoring candidates), not a
+    latency: without the worker threads spinning between kernels (which shortens a latency but
+    costs CPU time) and without the memory pattern (one block planned for every tensor of a run's
+    shapes, kept for the next run of those shapes; with batches of 8 that block set the job's
+    peak RSS). The same results either way (docs/design/observer.md)."""
     options = ort.SessionOptions()
     options.execution_order = order
-    if not spin:
+    if batch_pass:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.enable_mem_pattern = False
     options.graph_optimization_level = level
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.intra_op_num_threads = threads or allowed_cores()
@@ -200,12 +203,12 @@ def _copy_fields(source, target, skip: str) -> None:
 def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = "model",
                    weights: "SharedWeights | None" = None, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
                    optimized_path: str | None = None, log_level: int = 4,
-                   order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, spin: bool = True) -> Session:
+                   order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, batch_pass: bool = False) -> Session:
     """A session of `model` (a path or a proto); with `weights`, `model` is a variant of
     `weights.light` whose large initializers are the shared values (a proto with SHARE_MIN_BYTES of
     initializers shares its own). The other options
     are session_options'. Its runs raise RunRefused where onnxruntime refuses them."""
-    options = session_options(threads, level, optimized_path, log_level, order, spin)
+    options = session_options(threads, level, optimized_path, log_level, order, batch_pass)
     if weights is None and optimized_path is None and not isinstance(model, str) and _shares_weights(model):
         weights = SharedWeights(model)
         model = weights.light
@@ -225,7 +228,7 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         # data. onnxruntime has read the initializers once the session exists.
         with modelio.on_disk(model) as path:
             return create_session(str(path), threads, label, level=level, optimized_path=optimized_path,
-                                  log_level=log_level, order=order, spin=spin)
+                                  log_level=log_level, order=order, batch_pass=batch_pass)
     try:
         return _session(source, options, label)
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types

@@ -173,7 +173,7 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     names = list(dict.fromkeys(layer.node.input[0] for layer in layers.values()))
     graph_inputs = {i.name for i in model.graph.input}
     fetched = [n for n in names if n not in graph_inputs]
-    session = create_session(with_outputs(model, fetched), threads, "fp32 model", spin=False)
+    session = create_session(with_outputs(model, fetched), threads, "fp32 model", batch_pass=True)
     rng = np.random.default_rng(seed)
     failed = set()
     for batch in data:

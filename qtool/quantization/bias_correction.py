@@ -119,7 +119,7 @@ def _targets(qmodel: onnx.ModelProto, plan: QuantPlan) -> list[_Target]:
 
 def _fp32_means(model: onnx.ModelProto, targets: list[_Target], data: list[Batch], threads: int) -> dict:
     names = [t.output for t in targets]
-    session = create_session(with_outputs(model, names), threads, "fp32 model", spin=False)
+    session = create_session(with_outputs(model, names), threads, "fp32 model", batch_pass=True)
     means = {t.output: _SampleMeans() for t in targets}
     for batch in data:
         for target, array in zip(targets, session.run(names, batch.feeds)):
@@ -182,7 +182,7 @@ def correct_biases(model: onnx.ModelProto, qmodel: onnx.ModelProto, plan: QuantP
         piece = sub_model(qmodel, needed_consts + part, [array_input(name, a) for name, a in inputs.items()],
                           [helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None)
                            for name in outputs], "slice")
-        session = create_session(piece, threads, target.node, spin=False)
+        session = create_session(piece, threads, target.node, batch_pass=True)
         means = _SampleMeans()
         for entry in cache:
             entry.update(zip(outputs, session.run(outputs, {name: entry[name] for name in inputs})))

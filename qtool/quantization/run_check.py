@@ -99,7 +99,8 @@ def ort_reason(exc: BaseException) -> str:
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], label: str, load_only: bool = False):
     """(outputs, None, session) or (None, RunFailure, None)."""
     try:
-        session = create_session(model, threads=1, label=label, log_level=4)
+        # a batch_pass: a measured choice scores its candidate on this session next (keeping())
+        session = create_session(model, threads=1, label=label, log_level=4, batch_pass=True)
     except QtoolError as exc:
         return None, RunFailure(f"onnxruntime cannot load it: {ort_reason(exc)}"), None
     if load_only:
