@@ -1,6 +1,7 @@
 """Time to quantize: qtool's plain command against onnxruntime's quantize_static, and where qtool's time goes.
 
     python benchmarks/quantize_time.py [--kit ../shared/bench] [--models a,b] [--stages] [--efficientnet]
+                                       [--nncf NNCF_VENV/bin/python]
 
 Each quantizer runs in a process of its own; its wall time, CPU time (user + sys of the child,
 getrusage) and peak RSS are printed. qtool: the plain command `qtool quantize MODEL --data <calib>
@@ -8,6 +9,10 @@ getrusage) and peak RSS are printed. qtool: the plain command `qtool quantize MO
 where the kit has no eval/). onnxruntime: quantize_static (QDQ, per-channel, its defaults
 otherwise) with a CalibrationDataReader over the same samples read by qtool's data loading, the
 model written, as models.py does; time starts when the child starts (imports included for both).
+--nncf runs NNCF's default quantization of the ONNX model too (benchmarks/openvino_nncf.py, in NNCF's
+own virtual environment, `model_type=TRANSFORMER` for a graph with LayerNormalization, batch 1 on
+the same .npy/.npz samples; not on EfficientNet's photos), for its wall time and peak RSS.
+qtool's tree is compiled to bytecode before the first run, as an installed qtool is.
 --efficientnet adds EfficientNet-Lite0 on the kit's 256 calibration photos, with the shipped
 configs/efficientnet_lite0.yaml and with a config holding only its preprocessing.
 --stages adds, per qtool run, where its time goes: the stages below, each one's wall and CPU
@@ -27,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -183,6 +190,9 @@ def main() -> None:
     parser.add_argument("--efficientnet", action="store_true")
     parser.add_argument("--stages", action="store_true")
     parser.add_argument("--no-ort", action="store_true", help="qtool only")
+    parser.add_argument("--nncf", default=None, metavar="PYTHON",
+                        help="NNCF's virtual environment's python: adds NNCF's default quantization "
+                             "(benchmarks/openvino_nncf.py) on the same samples, in a process of its own")
     parser.add_argument("--keep", type=Path, default=None, help="write the int8 models into this folder")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -202,6 +212,12 @@ def main() -> None:
                 code = CHILD_ORT.format(root=str(ROOT), model=str(model), data=str(calib), config=config,
                                         out=str(out_dir / f"{slug}.ort.onnx"))
                 row["ort"] = run_child([sys.executable, "-c", code])
+            if args.nncf and not extra:  # NNCF reads .npy/.npz samples, not a config's photos
+                transformer = any(n.op_type == "LayerNormalization"
+                                  for n in onnx.load(str(model), load_external_data=False).graph.node)
+                row["nncf"] = run_child([args.nncf, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model),
+                                         str(calib), str(out_dir / f"{slug}.nncf.onnx"),
+                                         *(["--transformer"] if transformer else [])])
             if args.stages:
                 stages_out = work / f"{slug}.stages.json"
                 code = CHILD_STAGES.format(root=str(ROOT), stages=STAGES, out=str(stages_out))
@@ -213,16 +229,19 @@ def main() -> None:
             print(json.dumps(shown, default=str), file=sys.stderr, flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores")
     print("| model | qtool wall / CPU s | qtool peak RSS MB | quantize_static wall / CPU s | its peak RSS MB "
-          "| CPU ratio |")
-    print("|---|---|---|---|---|---|")
+          "| wall ratio | NNCF wall / CPU s | its peak RSS MB | qtool's RSS / NNCF's |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        q, o = row["qtool"], row.get("ort")
+        q, o, n = row["qtool"], row.get("ort"), row.get("nncf")
 
         def cell(r):
-            return (f"{r['wall']:.1f} / {r['cpu']:.1f} | {r['rss_mb']:.0f}" if not r.get("error")
+            if not r:
+                return "- | -"
+            return (f"{r['wall']:.2f} / {r['cpu']:.2f} | {r['rss_mb']:.0f}" if not r.get("error")
                     else f"fails: {r['error']} |")
-        ratio = f"{q['cpu'] / o['cpu']:.2f}x" if o and not o.get("error") and not q.get("error") else "-"
-        print(f"| {row['label']} | {cell(q)} | {cell(o) if o else '- | -'} | {ratio} |")
+        ratio = f"{q['wall'] / o['wall']:.2f}x" if o and not o.get("error") and not q.get("error") else "-"
+        rss = f"{q['rss_mb'] / n['rss_mb']:.2f}x" if n and not n.get("error") and not q.get("error") else "-"
+        print(f"| {row['label']} | {cell(q)} | {cell(o)} | {ratio} | {cell(n)} | {rss} |")
     if args.stages:
         for row in rows:
             print(f"\n{row['label']}: stage, wall s, CPU s, calls (exclusive of the stages inside), "
