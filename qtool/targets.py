@@ -72,6 +72,11 @@ class Target:
     # zero point 0 (scale max/255: every code on the values it takes), as OpenVINO's FakeQuantize
     # with a low bound of 0 is (qtool.table.resolve; qtool.quantization.checks allows it).
     unsigned_nonnegative: bool = False
+    # ... and one that does take negative values is written uint8 with zero point 128: the same grid
+    # as int8 with zero point 0, every value the same. OpenVINO's CPU plugin computes int8 codes
+    # wrongly on CPUs without AMX where they pass a Split, Concat or residual Add (a YOLOv8's class
+    # scores collapse; docs/targets.md) and uint8 ones right, at the same speed.
+    signed_as_uint8: bool = False
     # The runtime the measured choices score candidates on, as it computes them
     # (qtool.choices.measure): "onnxruntime" or "openvino" (at f32, qtool.evaluation.openvino_runtime).
     measured_on: str = "onnxruntime"
@@ -108,11 +113,12 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("litert", "LiteRT int8 spec: int8 asymmetric activations [-128, 127], weights [-127, 127], per-op rules",
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
-    Target("openvino", "OpenVINO CPU: int8 symmetric activations (uint8 with zero point 0 where the range has no "
-           "negative value) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel weights, no "
-           "onnxruntime rewrites", "OpenVINO CPU",
+    Target("openvino", "OpenVINO CPU: symmetric activations written uint8 (zero point 0 where the range has no "
+           "negative value, 128 elsewhere) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel "
+           "weights, no onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
-           activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, measured_on="openvino",
+           activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, signed_as_uint8=True,
+           measured_on="openvino",
            smooth_inserts=True, int8_conv_zero_points=False,
            speed_rule="openvino_cpu"),
 )}
@@ -168,7 +174,8 @@ def describe(options) -> str:
               f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
     if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
-        acts += " (uint8 where the range has no negative value)"
+        acts += (" (written uint8: zero point 0 where the range has no negative value, 128 elsewhere)"
+                 if target.signed_as_uint8 else " (uint8 where the range has no negative value)")
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]
     tail = f"; overridden: {', '.join(overridden)}" if overridden else ""

@@ -78,6 +78,9 @@ class QuantPlan:
     # embedding tables stored int8 per row (weight-only) -> the Gather nodes reading them
     embeddings: dict[str, list[str]] = field(default_factory=dict)
     dynamic: dict[str, DynamicPlan] = field(default_factory=dict)  # node -> its weight-only rewrite
+    # activations only MatMul/Gemm layers read, on a target writing signed codes uint8
+    # (Target.signed_as_uint8): they stay int8 with zero point 0 (qtool.table.resolve)
+    linear_inputs: list[str] = field(default_factory=list)
 
     def int8_weights(self) -> int:
         """Weights stored int8: the QDQ layers', the weight-only kernels' and the dynamic MatMuls'."""
@@ -113,7 +116,40 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     plan.activations = scope.ordered
     plan.tie_groups = _merge_groups(scope.ties)
     plan.embeddings = _embedding_tables(model, ctx, options, only)
+    if target_of(options).signed_as_uint8 and options.symmetric_activations:
+        plan.linear_inputs = _linear_inputs_only(plan, ctx)
     return plan
+
+
+_LINEAR = ("MatMul", "Gemm")
+
+
+def _linear_inputs_only(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
+    """The planned activations of the main graph that MatMul/Gemm layers read, directly or through
+    ops that only move values (a Reshape, Transpose, Concat), and no Conv reads so; a shared-scale
+    group goes as a whole. Readers in float (a residual Add) do not count."""
+    def linear_only(name: str, depth: int = 0) -> Optional[bool]:
+        """True: a MatMul/Gemm reads it; False: a Conv does; None: neither."""
+        found = None
+        for node in ctx.consumers.get(name, []):
+            if node.op_type in _CONVOLUTIONS or node.op_type in _CONTROL_FLOW:
+                return False  # (a body's readers are not followed)
+            if node.op_type in _LINEAR and node.domain in ("", "ai.onnx"):
+                found = True
+            elif node.op_type in (*_MOVERS, "Concat") and depth < 16:
+                for out in node.output:
+                    below = linear_only(out, depth + 1) if out else None
+                    if below is False:
+                        return False
+                    found = found or below
+        return found
+
+    main = set(ctx.producer) | {i.name for i in ctx.graph.input}
+    eligible = {name for name in plan.activations if name in main and name not in plan.fixed and linear_only(name)}
+    for group in plan.tie_groups:
+        if not all(name in eligible for name in group):
+            eligible.difference_update(group)
+    return [name for name in plan.activations if name in eligible]
 
 
 _CONVOLUTIONS = ("Conv", "ConvTranspose", "QLinearConv", "ConvInteger")

@@ -102,6 +102,8 @@ def target_problems(model: onnx.ModelProto, options, plan=None) -> list[str]:
             # an activation, or a constant operand quantized like one
             if target.unsigned_nonnegative and symmetric and zero.dtype == np.uint8 and int(zero) == 0:
                 pass  # a symmetric range with no negative value, written uint8 (Target.unsigned_nonnegative)
+            elif target.signed_as_uint8 and symmetric and zero.dtype == np.uint8 and int(zero) == 128:
+                pass  # the symmetric int8 grid written uint8 (Target.signed_as_uint8)
             elif zero.dtype != expected:
                 problems.append(f"{node.input[0]}: activation type {zero.dtype}, target wants {expected.__name__}")
             elif symmetric and int(zero) != (0 if expected == np.int8 else 128):
