@@ -114,8 +114,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
     Target("openvino", "OpenVINO CPU: symmetric activations written uint8 (zero point 0 where the range has no "
-           "negative value, 128 elsewhere) only where Conv/MatMul/Gemm read them, int8 symmetric per-channel "
-           "weights, no onnxruntime rewrites", "OpenVINO CPU",
+           "negative value, else 128; int8 where only MatMul/Gemm read them) only where Conv/MatMul/Gemm read "
+           "them, int8 symmetric per-channel weights, no onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
            activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, signed_as_uint8=True,
            measured_on="openvino",
