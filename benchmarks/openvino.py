@@ -120,10 +120,9 @@ def quantize(model: Path, calib: Path, work: Path, nncf_python: str, variants: d
         done = _qtool("quantize", model, "--data", calib, *extra, "-o", out)
         made[label] = {"path": out, "seconds": time.perf_counter() - start} if done.returncode == 0 else \
             {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
-    transformer = any(n.op_type == "LayerNormalization" for n in onnx.load(str(model), load_external_data=False).graph.node)
     out = work / "nncf.onnx"
-    done = subprocess.run([nncf_python, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model), str(calib), str(out),
-                           *(["--transformer"] if transformer else [])], capture_output=True, text=True)
+    done = subprocess.run([nncf_python, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model), str(calib), str(out)],
+                          capture_output=True, text=True)
     if done.returncode == 0:
         made["nncf"] = {"path": out, **json.loads(done.stdout.strip().splitlines()[-1])}
     else:

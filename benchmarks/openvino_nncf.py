@@ -1,10 +1,11 @@
-"""NNCF's default post-training quantization of an ONNX model, for benchmarks/openvino.py.
+"""NNCF's default post-training quantization of an ONNX model, for benchmarks/openvino.py and
+benchmarks/quantize_time.py.
 
-    /path/to/nncf-venv/bin/python benchmarks/openvino_nncf.py MODEL CALIB_FOLDER OUT [--transformer]
+    /path/to/nncf-venv/bin/python benchmarks/openvino_nncf.py MODEL CALIB_FOLDER OUT
 
 Runs in NNCF's own virtual environment (NNCF is no dependency of qtool): `nncf.quantize` on the
-ONNX model with its defaults (`model_type=TRANSFORMER` with --transformer, as NNCF's docs
-recommend for transformers), calibrated on the .npy/.npz samples of CALIB_FOLDER (one sample a
+ONNX model with its defaults (`model_type=TRANSFORMER` for a graph with LayerNormalization, as
+NNCF's docs recommend for transformers), calibrated on the .npy/.npz samples of CALIB_FOLDER (one sample a
 file, batch 1). A model below opset 13 is converted to opset 13 first (NNCF's ONNX backend needs
 13). Prints one JSON line: the seconds `nncf.quantize` took and NNCF's version.
 """
@@ -41,7 +42,6 @@ def main() -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("calib", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--transformer", action="store_true")
     args = parser.parse_args()
     import nncf  # only in NNCF's own virtual environment
 
@@ -55,7 +55,8 @@ def main() -> None:
     names = [i.name for i in model.graph.input if i.name not in initializers]
     data = samples(args.calib, names)
     start = time.perf_counter()
-    options = {"model_type": nncf.ModelType.TRANSFORMER} if args.transformer else {}
+    transformer = any(n.op_type == "LayerNormalization" for n in model.graph.node)
+    options = {"model_type": nncf.ModelType.TRANSFORMER} if transformer else {}
     quantized = nncf.quantize(model, nncf.Dataset(data), **options)
     seconds = time.perf_counter() - start
     onnx.save(quantized, str(args.out))

@@ -10,8 +10,7 @@ where the kit has no eval/). onnxruntime: quantize_static (QDQ, per-channel, its
 otherwise) with a CalibrationDataReader over the same samples read by qtool's data loading, the
 model written, as models.py does; time starts when the child starts (imports included for both).
 --nncf runs NNCF's default quantization of the ONNX model too (benchmarks/openvino_nncf.py, in NNCF's
-own virtual environment, `model_type=TRANSFORMER` for a graph with LayerNormalization, batch 1 on
-the same .npy/.npz samples; not on EfficientNet's photos), for its wall time and peak RSS.
+own virtual environment, batch 1 on the same .npy/.npz samples; not on EfficientNet's photos), for its wall time and peak RSS.
 qtool's tree is compiled to bytecode before the first run, as an installed qtool is.
 --efficientnet adds EfficientNet-Lite0 on the kit's 256 calibration photos, with the shipped
 configs/efficientnet_lite0.yaml and with a config holding only its preprocessing.
@@ -32,8 +31,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-import onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -213,11 +210,8 @@ def main() -> None:
                                         out=str(out_dir / f"{slug}.ort.onnx"))
                 row["ort"] = run_child([sys.executable, "-c", code])
             if args.nncf and not extra:  # NNCF reads .npy/.npz samples, not a config's photos
-                transformer = any(n.op_type == "LayerNormalization"
-                                  for n in onnx.load(str(model), load_external_data=False).graph.node)
                 row["nncf"] = run_child([args.nncf, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model),
-                                         str(calib), str(out_dir / f"{slug}.nncf.onnx"),
-                                         *(["--transformer"] if transformer else [])])
+                                         str(calib), str(out_dir / f"{slug}.nncf.onnx")])
             if args.stages:
                 stages_out = work / f"{slug}.stages.json"
                 code = CHILD_STAGES.format(root=str(ROOT), stages=STAGES, out=str(stages_out))

@@ -174,7 +174,8 @@ def describe(options) -> str:
               f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
     if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
-        acts += (" (written uint8: zero point 0 where the range has no negative value, 128 elsewhere)"
+        acts += (" (written uint8: zero point 0 where the range has no negative value, else 128 but where only "
+                 "MatMul/Gemm read)"
                  if target.signed_as_uint8 else " (uint8 where the range has no negative value)")
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]

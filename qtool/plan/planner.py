@@ -122,6 +122,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
 
 
 _LINEAR = ("MatMul", "Gemm")
+_CONVOLUTIONS = ("Conv", "ConvTranspose", "QLinearConv", "ConvInteger")
 
 
 def _linear_inputs_only(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
@@ -150,9 +151,6 @@ def _linear_inputs_only(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
         if not all(name in eligible for name in group):
             eligible.difference_update(group)
     return [name for name in plan.activations if name in eligible]
-
-
-_CONVOLUTIONS = ("Conv", "ConvTranspose", "QLinearConv", "ConvInteger")
 
 
 @dataclass

@@ -46,10 +46,11 @@ def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
     for name, fixed_params in imposed.items():
         params[name] = fixed_params
         final[name] = fixed_params.range
-    if unsigned and target_of(options).signed_as_uint8:  # the int8 grid written uint8 (Target.signed_as_uint8)
-        linear = set(plan.linear_inputs)  # OpenVINO fuses a FullyConnected's dequantization only without a zero point
-        params = {name: QParams(p.scale, 128, "uint8") if p.dtype == "int8" and p.zero_point == 0
-                  and name not in linear else p for name, p in params.items()}
+    if target_of(options).signed_as_uint8 and options.symmetric_activations:
+        # the int8 grid written uint8 (Target.signed_as_uint8), but on MatMul/Gemm-only inputs (plan.linear_inputs)
+        linear = set(plan.linear_inputs)
+        params.update({name: QParams(p.scale, 128, "uint8") for name, p in params.items()
+                       if p.dtype == "int8" and p.zero_point == 0 and name not in linear})
     return final, params
 
 
