@@ -88,6 +88,12 @@ class Target:
     # compiles no such Convolution ("No suitable implementations"): there asymmetric activations
     # must be uint8 (the option check in qtool.config refuses int8 ones).
     int8_conv_zero_points: bool = True
+    # Ops the runtime's low-precision pipeline moves an int8 layer's dequantization (its scale) through.
+    # Where one of them and another op both read a layer's output and the graph has a dynamic
+    # dimension, OpenVINO applies the scale twice on that op's branch (an SE block's average pool sees
+    # its input times the scale; docs/targets.md): such an output gets a quantizer of its own, shared
+    # by its readers (qtool.plan.planner), which the runtime then computes right.
+    requantize_beside: tuple[str, ...] = ()
     # The speed rule of this runtime's kernels, by name (qtool.choices.speed.RULES): `speed_rule: auto`
     # keeps float the quantized nodes it says run no faster in int8; None: no rule, nothing kept float.
     speed_rule: Optional[str] = None
@@ -120,6 +126,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, signed_as_uint8=True,
            measured_on="openvino",
            smooth_inserts=True, int8_conv_zero_points=False,
+           requantize_beside=("Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalAveragePool",
+                              "GlobalMaxPool", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSum", "Transpose"),
            speed_rule="openvino_cpu"),
 )}
 DEFAULT_TARGET = "ort-cpu"

@@ -364,3 +364,44 @@ def test_the_openvino_speed_rule_leaves_a_few_small_convolutions_among_large_one
     decision = next(d for d in result.decisions if d.option == "quantization.advanced.float_nodes")
     assert decision.value == ()
     assert _float_weights(result.model) == set()
+
+
+def _se_block(rng, dims) -> onnx.ModelProto:
+    """x -> Conv (c) -> [GlobalAveragePool -> Conv -> Relu -> Conv -> Sigmoid (g); Mul(c, g) -> y]:
+    a squeeze-and-excitation block, the pooling and the Mul both reading the Conv's output."""
+    inits = [graphs.init("w1", rng.normal(0, 0.3, (16, 8, 3, 3)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (4, 16, 1, 1)).astype(np.float32)),
+             graphs.init("b2", rng.normal(0, 0.3, 4).astype(np.float32)),
+             graphs.init("w3", rng.normal(0, 0.3, (16, 4, 1, 1)).astype(np.float32)),
+             graphs.init("b3", rng.normal(0, 0.3, 16).astype(np.float32))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["p"], name="pool"),
+             helper.make_node("Conv", ["p", "w2", "b2"], ["s"], name="squeeze"),
+             helper.make_node("Relu", ["s"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w3", "b3"], ["e"], name="excite"),
+             helper.make_node("Sigmoid", ["e"], ["g"], name="gate"),
+             helper.make_node("Mul", ["c", "g"], ["y"], name="scale")]
+    return graphs.model(nodes, [graphs.tensor("x", dims)], [graphs.tensor("y", None)], inits)
+
+
+def test_a_layer_output_read_by_a_pooling_and_another_op_gets_its_own_quantizer(tmp_path):
+    """With a dynamic dimension OpenVINO moves the Conv's dequantization through the pooling and still
+    applies it on the Conv for the Mul: the pooling's branch sees it twice (docs/targets.md). A
+    quantizer on the Conv's output, which both read, makes OpenVINO compute what onnxruntime does;
+    with every dimension fixed the fault does not occur and the output stays unquantized."""
+    rng = np.random.default_rng(0)
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    _, _, static = _quantize(fixed, _se_block(rng, [1, 8, 12, 12]), (8, 12, 12))
+    assert "c" not in _quantized_tensors(static.model)
+    path, data, result = _quantize(tmp_path, _se_block(np.random.default_rng(0), ["N", 8, "H", "W"]), (8, 12, 12))
+    assert {"x", "c"} <= _quantized_tensors(result.model)
+    ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    compiled = ov.Core().compile_model(ov.Core().read_model(result.model.SerializeToString(), b""), "CPU",
+                                       {"INFERENCE_PRECISION_HINT": "f32"})
+    session = ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for f in sorted(data.iterdir()):
+        x = np.load(f)
+        a = session.run(None, {"x": x})[0].ravel().astype(np.float64)
+        b = np.asarray(compiled({"x": x})[0]).ravel().astype(np.float64)
+        assert float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) > 0.9999

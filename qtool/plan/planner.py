@@ -269,6 +269,8 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
                 plan.float_nodes.append(f"{node_label(node)} ({node.op_type})")
                 continue
         _plan_node(node, rule, inputs, ctx, plan, want, fused, per_channel)
+        if inputs_only and rule.weight is not None and _mixed_readers(node, ctx, target_of(options).requantize_beside):
+            want(node.output[0])
         # A tie op's every float output (Split has several) shares the input's parameters;
         # other ops quantize their first output (MaxPool's second one is int64 indices).
         outputs = _planned_outputs(node, rule)
@@ -388,6 +390,17 @@ def _planned_outputs(node: onnx.NodeProto, rule: OpRule) -> list[str]:
 
 
 _CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def _mixed_readers(node: onnx.NodeProto, ctx: GraphIndex, movers: Collection[str]) -> bool:
+    """Whether a layer's output has a dynamic dimension and is read both by an op in `movers`
+    (Target.requantize_beside) and by another op or as a graph output."""
+    out = node.output[0] if node.output else ""
+    readers = {reader.op_type for reader in ctx.consumers.get(out, [])}
+    if not movers or not readers & set(movers) or not (readers - set(movers) or out in ctx.outputs):
+        return False
+    shape = ctx.shapes.get(out)
+    return shape is None or any(dim is None for dim in shape)
 
 
 def _int8_layers_only(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, plan) -> None:
