@@ -120,8 +120,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
     Target("openvino", "OpenVINO CPU: symmetric activations written uint8 (zero point 0 where the range has no "
-           "negative value, else 128; int8 where only MatMul/Gemm read them) only where Conv/MatMul/Gemm read "
-           "them, int8 symmetric per-channel weights, no onnxruntime rewrites", "OpenVINO CPU",
+           "negative value, else 128; int8 where only MatMul/Gemm or only float ops read them) only where "
+           "Conv/MatMul/Gemm read them and on a layer's output that a pooling and another op both read, "
+           "int8 symmetric per-channel weights, no onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
            activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, signed_as_uint8=True,
            measured_on="openvino",
@@ -183,7 +184,7 @@ def describe(options) -> str:
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
     if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
         acts += (" (written uint8: zero point 0 where the range has no negative value, else 128 but where only "
-                 "MatMul/Gemm read)"
+                 "MatMul/Gemm, or only float ops, read)"
                  if target.signed_as_uint8 else " (uint8 where the range has no negative value)")
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]

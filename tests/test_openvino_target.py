@@ -396,6 +396,10 @@ def test_a_layer_output_read_by_a_pooling_and_another_op_gets_its_own_quantizer(
     assert "c" not in _quantized_tensors(static.model)
     path, data, result = _quantize(tmp_path, _se_block(np.random.default_rng(0), ["N", 8, "H", "W"]), (8, 12, 12))
     assert {"x", "c"} <= _quantized_tensors(result.model)
+    # only float ops read it, dequantized at once: int8 with zero point 0 (no Subtract), where the
+    # Conv's signed input is written uint8 with zero point 128
+    assert _params(result.model, "c")[1] == 0 and _activation_types(result.model)["c"] is np.int8
+    assert _params(result.model, "x")[1] == 128
     ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
     compiled = ov.Core().compile_model(ov.Core().read_model(result.model.SerializeToString(), b""), "CPU",
                                        {"INFERENCE_PRECISION_HINT": "f32"})

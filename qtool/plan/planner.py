@@ -81,6 +81,10 @@ class QuantPlan:
     # activations only MatMul/Gemm layers read, on a target writing signed codes uint8
     # (Target.signed_as_uint8): they stay int8 with zero point 0 (qtool.table.resolve)
     linear_inputs: list[str] = field(default_factory=list)
+    # layer outputs quantized only for the runtime's sake (Target.requantize_beside) that no int8
+    # layer reads: dequantized at once, so on such a target they stay int8 with zero point 0 too
+    # (uint8 with zero point 128 costs OpenVINO a Subtract on top of the Convert and Multiply)
+    requantized: list[str] = field(default_factory=list)
 
     def int8_weights(self) -> int:
         """Weights stored int8: the QDQ layers', the weight-only kernels' and the dynamic MatMuls'."""
@@ -113,6 +117,7 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     scope = _Scope(per_channel, options, only, keep_float)
     _plan_graph(model.graph, ctx, plan, scope)
     plan.fused = sorted(scope.fused)
+    plan.requantized = [name for name in scope.requantized if name in scope.quantized]
     plan.activations = scope.ordered
     plan.tie_groups = _merge_groups(scope.ties)
     plan.embeddings = _embedding_tables(model, ctx, options, only)
@@ -166,6 +171,7 @@ class _Scope:
     ordered: list[str] = field(default_factory=list)
     fused: set[str] = field(default_factory=set)
     ties: list[list[str]] = field(default_factory=list)
+    requantized: list[str] = field(default_factory=list)
 
 
 def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope: _Scope) -> None:
@@ -271,6 +277,8 @@ def _plan_graph(graph: onnx.GraphProto, ctx: GraphIndex, plan: QuantPlan, scope:
         _plan_node(node, rule, inputs, ctx, plan, want, fused, per_channel)
         if inputs_only and rule.weight is not None and _mixed_readers(node, ctx, target_of(options).requantize_beside):
             want(node.output[0])
+            if not any(r.op_type in (*_CONVOLUTIONS, *_LINEAR) for r in ctx.consumers[node.output[0]]):
+                scope.requantized.append(node.output[0])
         # A tie op's every float output (Split has several) shares the input's parameters;
         # other ops quantize their first output (MaxPool's second one is int64 indices).
         outputs = _planned_outputs(node, rule)
