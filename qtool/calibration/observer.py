@@ -25,10 +25,29 @@ from qtool.data.dataset import Batch
 from qtool.graph.edit import with_body_outputs, with_outputs
 from qtool.graph.index import bodies, made_in, scoped_nodes
 from qtool.graph.runtime import SharedWeights, create_session
-from qtool.graph.shapes import elem_types, inferred_shapes
+from qtool.graph.shapes import declared_shapes, elem_types, inferred_shapes
 from qtool.calibration.statistics import SAMPLE_LIMIT, TensorStats
 
 _PREFIX = "qtool_observe"
+
+# A run of the fp32 graph raises the process's peak memory by about the sum of its activations
+# (onnxruntime's working memory for a batch): a 224x224 CNN with 29 MB of activations per sample
+# peaked 236 MB higher calibrating at batch 8 than at batch 1, in the same time. So a calibration
+# run takes at most as many samples as keep that sum under RUN_BYTES (docs/design/observer.md).
+RUN_BYTES = 128 * 2**20
+_ITEM_BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.DOUBLE: 8}
+
+
+def run_batch(model: onnx.ModelProto, requested: int) -> int:
+    """Samples per calibration run of `model` for batches of `requested`: fewer where the float
+    tensors the graph computes, by the shapes it declares past the first axis (dynamic ones not
+    counted), hold more than RUN_BYTES for `requested` samples; decided from the graph alone."""
+    types = elem_types(model)
+    per_sample = 0
+    for name, dims in declared_shapes(model).items():
+        if types.get(name) in _ITEM_BYTES and dims and all(d is not None for d in dims[1:]):
+            per_sample += int(np.prod(dims[1:], dtype=np.int64)) * _ITEM_BYTES[types[name]]
+    return max(1, min(requested, RUN_BYTES // per_sample)) if per_sample else requested
 
 
 def pool_stride(height: int, width: int) -> int:
@@ -196,14 +215,15 @@ class Observer:
         self.weight = {t: int(np.prod([d or 1 for d in self.shapes.get(t, [])[1:]], dtype=np.int64))
                        for t in self.fetched}
         self.weights = SharedWeights(model)  # the observing sessions are variants of one model: its weights held once
+        self.original = model
         self._sessions: OrderedDict[tuple, tuple] = OrderedDict()
         self._fallback = None
 
     def batch_size(self, requested: int) -> int:
         """Samples per observing run: 1 when a Loop body makes an observed tensor (the values of
         all its iterations leave the loop together, so a run holds them for every sample of the
-        batch: hundreds of MB per sample for a decoder looping 500 times)."""
-        return 1 if self.in_loops else requested
+        batch: hundreds of MB per sample for a decoder looping 500 times); else at most run_batch's."""
+        return 1 if self.in_loops else run_batch(self.original, requested)
 
     def _session(self, active: list[str], known: list[str]):
         """The session observing `active` (and sampling `known`), built once; the least recently used

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from qtool.calibration.observer import run_batch
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataLike, batches, open_data
 from qtool.graph.edit import with_outputs
@@ -65,7 +66,7 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
     session = create_session(with_outputs(model, names), label=str(model_path), batch_pass=True)
     source = open_data(data, input_specs(model), preprocess)
     maxima = {name: np.zeros(count) for name, count in zip(names, channels)}
-    for batch in batches(source, calib.batch_size, calib.num_samples):
+    for batch in batches(source, run_batch(model, calib.batch_size), calib.num_samples):
         for name, axis, count, value in zip(names, axes, channels, session.run(names, batch.feeds)):
             if value.size:  # max |x| per channel as max(max, -min): no copy of the tensor
                 others = tuple(a for a in range(value.ndim) if a != axis % value.ndim)
