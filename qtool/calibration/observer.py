@@ -215,7 +215,6 @@ class Observer:
         self.weight = {t: int(np.prod([d or 1 for d in self.shapes.get(t, [])[1:]], dtype=np.int64))
                        for t in self.fetched}
         self.weights = SharedWeights(model)  # the observing sessions are variants of one model: its weights held once
-        self.original = model
         self._sessions: OrderedDict[tuple, tuple] = OrderedDict()
         self._fallback = None
 
@@ -223,7 +222,7 @@ class Observer:
         """Samples per observing run: 1 when a Loop body makes an observed tensor (the values of
         all its iterations leave the loop together, so a run holds them for every sample of the
         batch: hundreds of MB per sample for a decoder looping 500 times); else at most run_batch's."""
-        return 1 if self.in_loops else run_batch(self.original, requested)
+        return 1 if self.in_loops else run_batch(self.model, requested)
 
     def _session(self, active: list[str], known: list[str]):
         """The session observing `active` (and sampling `known`), built once; the least recently used
