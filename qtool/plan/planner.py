@@ -78,13 +78,12 @@ class QuantPlan:
     # embedding tables stored int8 per row (weight-only) -> the Gather nodes reading them
     embeddings: dict[str, list[str]] = field(default_factory=dict)
     dynamic: dict[str, DynamicPlan] = field(default_factory=dict)  # node -> its weight-only rewrite
-    # activations only MatMul/Gemm layers read, on a target writing signed codes uint8
-    # (Target.signed_as_uint8): they stay int8 with zero point 0 (qtool.table.resolve)
-    linear_inputs: list[str] = field(default_factory=list)
-    # layer outputs quantized only for the runtime's sake (Target.requantize_beside) that no int8
-    # layer reads: dequantized at once, so on such a target they stay int8 with zero point 0 too
-    # (uint8 with zero point 128 costs OpenVINO a Subtract on top of the Convert and Multiply)
-    requantized: list[str] = field(default_factory=list)
+    # on a target writing signed codes uint8 (Target.signed_as_uint8), the activations that stay int8
+    # with zero point 0 (qtool.table.resolve): those only MatMul/Gemm layers read (OpenVINO fuses a
+    # FullyConnected's dequantization only without a zero point), and the layer outputs quantized for
+    # the runtime's sake (Target.requantize_beside) that no int8 layer reads (dequantized at once:
+    # a zero point adds a Subtract to the Convert and Multiply)
+    int8_kept: list[str] = field(default_factory=list)
 
     def int8_weights(self) -> int:
         """Weights stored int8: the QDQ layers', the weight-only kernels' and the dynamic MatMuls'."""
@@ -117,12 +116,11 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     scope = _Scope(per_channel, options, only, keep_float)
     _plan_graph(model.graph, ctx, plan, scope)
     plan.fused = sorted(scope.fused)
-    plan.requantized = [name for name in scope.requantized if name in scope.quantized]
     plan.activations = scope.ordered
     plan.tie_groups = _merge_groups(scope.ties)
     plan.embeddings = _embedding_tables(model, ctx, options, only)
     if target_of(options).signed_as_uint8 and options.symmetric_activations:
-        plan.linear_inputs = _linear_inputs_only(plan, ctx)
+        plan.int8_kept = _linear_inputs_only(plan, ctx) + [t for t in scope.requantized if t in scope.quantized]
     return plan
 
 
@@ -405,10 +403,9 @@ def _mixed_readers(node: onnx.NodeProto, ctx: GraphIndex, movers: Collection[str
     (Target.requantize_beside) and by another op or as a graph output."""
     out = node.output[0] if node.output else ""
     readers = {reader.op_type for reader in ctx.consumers.get(out, [])}
-    if not movers or not readers & set(movers) or not (readers - set(movers) or out in ctx.outputs):
-        return False
+    others = readers - set(movers) or out in ctx.outputs
     shape = ctx.shapes.get(out)
-    return shape is None or any(dim is None for dim in shape)
+    return bool(readers & set(movers)) and bool(others) and (shape is None or None in shape)
 
 
 def _int8_layers_only(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, plan) -> None:

@@ -47,9 +47,8 @@ def resolve_qparams(plan: QuantPlan, ranges: dict[str, tuple[float, float]],
         params[name] = fixed_params
         final[name] = fixed_params.range
     if target_of(options).signed_as_uint8 and options.symmetric_activations:
-        # the int8 grid written uint8 (Target.signed_as_uint8), but on MatMul/Gemm-only inputs
-        # (plan.linear_inputs) and on the outputs requantized for float readers only (plan.requantized)
-        kept = {*plan.linear_inputs, *plan.requantized}
+        # the int8 grid written uint8 (Target.signed_as_uint8), but where the plan keeps int8 codes
+        kept = set(plan.int8_kept)
         params.update({name: QParams(p.scale, 128, "uint8") for name, p in params.items()
                        if p.dtype == "int8" and p.zero_point == 0 and name not in kept})
     return final, params
