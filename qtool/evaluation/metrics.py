@@ -63,9 +63,12 @@ def sample_cosines(ref: np.ndarray, test: np.ndarray, samples: Optional[int] = N
     one for the batch otherwise) of `test` to `ref`; a 0-d scalar is one row."""
     r = rows(ref, samples).astype(np.float64)
     t = rows(test, samples).astype(np.float64).reshape(r.shape[0], -1)
-    norms = np.linalg.norm(r, axis=1) * np.linalg.norm(t, axis=1)
-    dots = np.sum(r * t, axis=1)
-    # two all-zero vectors are identical: cosine 1
+    return row_cosines(r, t, np.sum(r * t, axis=1), np.linalg.norm(r, axis=1) * np.linalg.norm(t, axis=1))
+
+
+def row_cosines(r: np.ndarray, t: np.ndarray, dots: np.ndarray, norms: np.ndarray) -> np.ndarray:
+    """Per row of `r` and `t`, dots / norms (their dot products and the products of their norms);
+    two all-zero rows are identical: cosine 1."""
     return np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(np.all(r == t, axis=1), 1.0, 0.0))
 
 
@@ -96,16 +99,29 @@ class FidelityAccumulator:
     def update(self, ref: np.ndarray, test: np.ndarray, samples: Optional[int] = None) -> np.ndarray:
         """Add one batch (of `samples` samples, when known: see rows()); returns its cosines, one per
         row: per sample when the output holds the batch along axis 0, else one for the batch."""
-        ref, test = as_array(ref).astype(np.float64), as_array(test).astype(np.float64)
-        diff = test - ref
-        self.signal += float(np.sum(ref * ref))
-        self.noise += float(np.sum(diff * diff))
-        self.abs_sum += float(np.sum(np.abs(diff)))
-        self.abs_max = max(self.abs_max, float(np.max(np.abs(diff))) if diff.size else 0.0)
+        # sample_cosines' sums, bit for bit, from one float64 copy of each side and two scratch
+        # arrays (a CTC map or a detector head runs to millions of values per batch)
+        ref = as_array(ref).astype(np.float64, copy=False)
+        test = as_array(test).astype(np.float64, copy=False)
+        diff = np.subtract(test, ref, out=np.empty_like(ref))
+        square = np.multiply(ref, ref, out=np.empty_like(ref))
+        self.signal += float(np.sum(square))
+        r = rows(ref, samples)
+        t = test.reshape(r.shape[0], -1)
+        norms = np.sqrt(np.add.reduce(square.reshape(r.shape), axis=1))
+        np.multiply(test, test, out=square)
+        norms = norms * np.sqrt(np.add.reduce(square.reshape(r.shape), axis=1))
+        np.multiply(ref, test, out=square)
+        dots = np.sum(square.reshape(r.shape), axis=1)
+        np.multiply(diff, diff, out=square)
+        self.noise += float(np.sum(square))
+        np.abs(diff, out=diff)
+        self.abs_sum += float(np.sum(diff))
+        self.abs_max = max(self.abs_max, float(np.max(diff)) if diff.size else 0.0)
         self.values += diff.size
         self.dot += float(np.vdot(ref, test))
         self.test_power += float(np.vdot(test, test))
-        cos = sample_cosines(ref, test, samples)
+        cos = row_cosines(r, t, dots, norms)
         self.cosine_sum += float(np.sum(cos))
         self.samples += len(cos)
         if len(cos):

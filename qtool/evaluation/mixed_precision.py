@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
@@ -177,14 +178,19 @@ class _Mixer:
     chains: dict
     weight_qmax: int
 
+    @functools.cached_property
+    def index(self) -> GraphIndex:
+        return GraphIndex(self.prepared)
+
     def __call__(self, precisions: Precisions) -> onnx.ModelProto:
-        return mixed_model(self.qmodel, self.prepared, self.plan, self.chains, precisions, self.weight_qmax)
+        return mixed_model(self.qmodel, self.prepared, self.plan, self.chains, precisions, self.weight_qmax,
+                           self.index)
 
     def plan_for(self, precisions: Precisions, model: onnx.ModelProto) -> QuantPlan:
         """The plan as it holds for `model`, the mixed model (what the CLI reports)."""
         if not precisions.floats and not precisions.dynamic:
             return self.plan  # 16-bit activations change no part of the plan: their tensors stay quantized
-        plan, floats = self.plan, float_nodes(self.prepared, self.plan, self.chains, precisions)
+        plan, floats = self.plan, float_nodes(self.prepared, self.plan, self.chains, precisions, self.index)
         gone = {name for layer in precisions.floats for _, name in layer.slots}
         gone |= {name for label in precisions.dynamic for name, w in plan.weights.items() if w.node == label}
         gone |= {name for label in precisions.dynamic for name, b in plan.biases.items() if b.node == label}

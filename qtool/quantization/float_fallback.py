@@ -12,7 +12,7 @@ activations. Design: docs/design/mixed-precision.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Optional
 
 import numpy as np
 import onnx
@@ -80,7 +80,8 @@ def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dic
     return found
 
 
-def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: list[Restorable]) -> onnx.ModelProto:
+def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: list[Restorable],
+                  fp32_index: Optional[GraphIndex] = None) -> onnx.ModelProto:
     """A copy of `qmodel` in which `layers` compute in float, on the same dequantized input:
 
         before:  DQ(x) ----------------> Conv(w: DQ(int8), b: DQ(int32)) -> [Clip] -> Q -> DQ
@@ -91,13 +92,19 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     MatMul/Gemm (qtool.quantization.dynamic_matmul) becomes its fp32 node again, and its
     DynamicQuantizeLinear goes when no other layer reads it. The Max is the identity guard of
     qtool.quantization.rewrite.float_guard: without it onnxruntime's WeightBiasQuantization would
-    quantize the float weight again behind our back."""
+    quantize the float weight again behind our back. `fp32_index`: `prepared`'s, when the caller has it."""
     out = onnx.ModelProto()
     out.CopyFrom(qmodel)
+    _restore_float(out, prepared, layers, fp32_index or GraphIndex(prepared))
+    return out
+
+
+def _restore_float(out: onnx.ModelProto, prepared: onnx.ModelProto, layers: list[Restorable],
+                   fp32_index: GraphIndex) -> None:
+    """restore_float in place."""
     if not layers:
-        return out
+        return
     graph = out.graph
-    fp32_index = GraphIndex(prepared)
     fp32_inits = fp32_index.initializers
     by_label = {layer.node: layer for layer in layers}
     producers = GraphIndex(graph).producer
@@ -150,7 +157,6 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
         nodes.append(node)
     replace_nodes(graph, nodes, added)
     drop_unread(graph)
-    return out
 
 
 def blocks(prepared: onnx.ModelProto, plan: QuantPlan, layers: Collection[str]) -> dict[str, tuple[str, ...]]:
@@ -224,7 +230,7 @@ class Precisions:
 
 
 def float_nodes(prepared: onnx.ModelProto, plan: QuantPlan, chains: dict[str, tuple[str, ...]],
-                precisions: Precisions) -> set[str]:
+                precisions: Precisions, index: Optional[GraphIndex] = None) -> set[str]:
     """The quantized nodes that compute in float: the float layers' blocks, the nodes after a
     dynamic MatMul in its block (its output is float), and any other non-weighted quantized node
     (a residual Add, an SE block's pooling, a Reshape) whose every quantized activation input
@@ -232,7 +238,7 @@ def float_nodes(prepared: onnx.ModelProto, plan: QuantPlan, chains: dict[str, tu
     floats = {m for layer in precisions.floats for m in chains.get(layer.node, (layer.node,))}
     floats |= {m for label in precisions.dynamic for m in chains.get(label, (label,))[1:]}
     made_float = floats | set(precisions.dynamic)
-    index = GraphIndex(prepared)
+    index = index or GraphIndex(prepared)
     quantized, activations = set(plan.quantized_nodes), set(plan.activations)
     for node in prepared.graph.node:
         label = node_label(node)
@@ -246,7 +252,8 @@ def float_nodes(prepared: onnx.ModelProto, plan: QuantPlan, chains: dict[str, tu
 
 
 def mixed_model(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, plan: QuantPlan,
-                chains: dict[str, tuple[str, ...]], precisions: Precisions, weight_qmax: int) -> onnx.ModelProto:
+                chains: dict[str, tuple[str, ...]], precisions: Precisions, weight_qmax: int,
+                fp32_index: Optional[GraphIndex] = None) -> onnx.ModelProto:
     """A copy of `qmodel` with `precisions` applied; `chains` from `blocks`.
 
     Float weights alone leave a layer's activations quantized, so a float layer goes float as a
@@ -256,14 +263,16 @@ def mixed_model(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, plan: QuantP
     int8 node writes or reads the tensor. A layer with 16-bit activations has the Q/DQ pairs its
     block reads and writes in the 16-bit form of their parameters (qtool.table.qparams.sixteen_bit,
     as quantize --int16-activations writes them), its weights int8. Everything else (the int8
-    weights' rounding, bias correction) stays as in the int8 model."""
-    floats = float_nodes(prepared, plan, chains, precisions)
+    weights' rounding, bias correction) stays as in the int8 model. `fp32_index`: `prepared`'s,
+    when the caller has it (a search mixes hundreds of candidates from one prepared graph)."""
+    fp32_index = fp32_index or GraphIndex(prepared)
+    floats = float_nodes(prepared, plan, chains, precisions, fp32_index)
     int8 = set(plan.quantized_nodes) - floats - set(precisions.dynamic)
     out = onnx.ModelProto()
     out.CopyFrom(qmodel)
     _drop_float_qdq(out.graph, int8)
-    _float_constants(out.graph, prepared, plan, floats)
-    out = restore_float(out, prepared, list(precisions.floats))
+    _float_constants(out.graph, plan, floats, fp32_index.initializers)
+    _restore_float(out, prepared, list(precisions.floats), fp32_index)
     if precisions.dynamic:
         _make_dynamic(out.graph, prepared, set(precisions.dynamic), weight_qmax)
     if precisions.int16:
@@ -338,9 +347,9 @@ def _drop_float_qdq(graph: onnx.GraphProto, int8: set[str]) -> None:
                     reader.input[:] = [tensor if name == dq.output[0] else name for name in reader.input]
 
 
-def _float_constants(graph: onnx.GraphProto, prepared: onnx.ModelProto, plan: QuantPlan, floats: set[str]) -> None:
-    """Float nodes read their constant operands (an Add's bias vector, HardSwish's "+ 3") in fp32."""
-    fp32_inits = GraphIndex(prepared).initializers
+def _float_constants(graph: onnx.GraphProto, plan: QuantPlan, floats: set[str], fp32_inits: dict) -> None:
+    """Float nodes read their constant operands (an Add's bias vector, HardSwish's "+ 3") in fp32
+    (`fp32_inits`: the prepared graph's initializers)."""
     quantized = {name + DQ_SUFFIX: name for name in plan.constants}
     existing = {t.name for t in graph.initializer}
     for node in graph.node:
