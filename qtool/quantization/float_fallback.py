@@ -80,8 +80,7 @@ def restorable_layers(qmodel: onnx.ModelProto, prepared: onnx.ModelProto) -> dic
     return found
 
 
-def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: list[Restorable],
-                  fp32_index: Optional[GraphIndex] = None) -> onnx.ModelProto:
+def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: list[Restorable]) -> onnx.ModelProto:
     """A copy of `qmodel` in which `layers` compute in float, on the same dequantized input:
 
         before:  DQ(x) ----------------> Conv(w: DQ(int8), b: DQ(int32)) -> [Clip] -> Q -> DQ
@@ -92,10 +91,10 @@ def restore_float(qmodel: onnx.ModelProto, prepared: onnx.ModelProto, layers: li
     MatMul/Gemm (qtool.quantization.dynamic_matmul) becomes its fp32 node again, and its
     DynamicQuantizeLinear goes when no other layer reads it. The Max is the identity guard of
     qtool.quantization.rewrite.float_guard: without it onnxruntime's WeightBiasQuantization would
-    quantize the float weight again behind our back. `fp32_index`: `prepared`'s, when the caller has it."""
+    quantize the float weight again behind our back."""
     out = onnx.ModelProto()
     out.CopyFrom(qmodel)
-    _restore_float(out, prepared, layers, fp32_index or GraphIndex(prepared))
+    _restore_float(out, prepared, layers, GraphIndex(prepared))
     return out
 
 
