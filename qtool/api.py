@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,7 +40,7 @@ from qtool.evaluation.report import EvaluationReport
 from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model, sha256_file
-from qtool.graph.runtime import job_model
+from qtool.graph.runtime import allowed_cores, job_model
 from qtool.plan.planner import unquantizable
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
 from qtool.table.formats import read_table
@@ -68,6 +69,21 @@ class MixedPrecisionSearch:
     # measured too (one more calibration pass) and the search starts from the closest
     range_methods: tuple[str, ...] = ("percentile", "mse")
     int16: bool = False  # also offer a layer's activations in 16 bits (weights int8) as a move
+    # processes scoring the candidates (and sharding the calibration), each with single-threaded
+    # sessions; None: one per core this process may use, unless the config asks for workers or Dask
+    workers: Optional[int] = None
+
+
+def search_workers(cfg: Config, search: MixedPrecisionSearch) -> int:
+    """The processes a search runs on: the config's calibration.workers when it asks for more
+    than one, else search.workers, else one per core the process may use. A ranking scores
+    dozens of candidates that do not depend on each other, and single-threaded sessions give
+    the same scores on any number of cores."""
+    if cfg.calibration.workers > 1:
+        return cfg.calibration.workers
+    if search.workers is not None:
+        return search.workers
+    return allowed_cores() or os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -195,8 +211,9 @@ def search(model: str | Path, spec: MixedPrecisionSearch, *, table: CalibrationT
     its evaluation data (`result.search` says which); ThresholdError when the budgets run out.
 
     table, data, config, table_format, allow_missing: as for quantize, whose steps it runs.
-    `log` receives the search's progress lines; `executor` (else the config's `calibration.dask` or
-    `calibration.workers`) runs the calibration's shards and scores the search's candidates.
+    `log` receives the search's progress lines; `executor` (else the config's `calibration.dask`,
+    else a pool of search_workers() processes) runs the calibration's shards and scores the
+    search's candidates.
     """
     return _quantize(model, table, data, config, table_format, allow_missing, spec, log, progress, executor)
 
@@ -210,7 +227,8 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
     if table is None and data is None:
         raise QtoolError("quantize needs a calibration table (table=) or calibration data (data=)")
     sharded = table is None or search is not None  # what runs on an engine: the calibration, the search
-    with job_model(model), _engine(executor, cfg.calibration.dask, cfg.calibration.workers) if sharded \
+    workers = search_workers(cfg, search) if search is not None else cfg.calibration.workers
+    with job_model(model), _engine(executor, cfg.calibration.dask, workers) if sharded \
             else contextlib.nullcontext() as engine:
         table_path, measured, ranges = None, [], None
         fp32_model = load_model(model)

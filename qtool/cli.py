@@ -368,7 +368,8 @@ def _quantize_job(options: dict, search=None) -> None:
         click.echo(f"warning: {warning}", err=True)
     start = time.perf_counter()
     sharded = table_path is None or search is not None  # one engine for the calibration and the search
-    with open_engine(cfg.calibration.dask, cfg.calibration.workers) if sharded else nullcontext() as engine:
+    workers = api.search_workers(cfg, search) if search is not None else cfg.calibration.workers
+    with open_engine(cfg.calibration.dask, workers) if sharded else nullcontext() as engine:
         executor = engine.executor if engine is not None else None
         common = dict(table=table_path, data=data, config=cfg, table_format=o["table_format"],
                       allow_missing=o["allow_missing"], executor=executor)
@@ -415,7 +416,8 @@ def quantize(**options):
 def search(eval_data, labels, target_agreement, target_top1_drop, target_sqnr, target_cosine, max_float_layers,
            min_int8_macs, search_int16, search_ranges, **options):
     """Write the int8 QDQ model of MODEL that keeps the fewest layers in float (or dynamic int8, or
-    16-bit) so that it meets a --target-* on --eval-data; exit 1 when the budgets run out.
+    16-bit) so that it meets a --target-* on --eval-data; exit 1 when the budgets run out. The
+    candidates are scored in one process per core (--workers N: N processes; 1: in this one).
 
     \b
     qtool search MODEL --data CALIB --eval-data EVAL --target-cosine 0.99 -o OUT
@@ -433,7 +435,7 @@ def search(eval_data, labels, target_agreement, target_top1_drop, target_sqnr, t
                                    f"(choose from {', '.join(METHODS)}, or none)")
     _quantize_job(options, api.MixedPrecisionSearch(eval_data, target_agreement, target_top1_drop, target_sqnr,
                                                     labels, max_float_layers, min_int8_macs, target_cosine, methods,
-                                                    search_int16))
+                                                    search_int16, options["workers"]))
 
 
 @main.command()
