@@ -27,7 +27,7 @@ import onnx
 
 from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
-from qtool.errors import ThresholdError
+from qtool.errors import ThresholdError, allocation_failure
 from qtool.graph.executor import Engine, resolve, run_in_order, shared
 from qtool.quantization.float_fallback import (Precisions, blocks, dynamic_candidates, float_nodes, int16_tensors,
                                                mixed_model, restorable_layers)
@@ -234,21 +234,28 @@ class _After:
         exposed.CopyFrom(start)
         exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in int8
                                     if name not in inputs and name not in self.outputs)
-        session = create_session(exposed, threads, "ranking start")
-        names = [o.name for o in session.get_outputs()]
         self.cache: list[dict[str, np.ndarray]] = []
-        size = 0
-        for batch in batches:
-            self.cache.append({**batch.feeds, **dict(zip(names, session.run(names, batch.feeds)))})
-            size += sum(v.nbytes for v in self.cache[-1].values())
-            if size > CACHE_BYTES:
-                self.cache = []
-                return
+        self.known: set[str] = set()
+        try:
+            session = create_session(exposed, threads, "ranking start")
+            names = [o.name for o in session.get_outputs()]
+            size = 0
+            for batch in batches:
+                self.cache.append({**batch.feeds, **dict(zip(names, session.run(names, batch.feeds)))})
+                size += sum(v.nbytes for v in self.cache[-1].values())
+                if size > CACHE_BYTES:
+                    self.cache = []
+                    return
+        except Exception as exc:  # onnxruntime refuses the start with its int8 tensors exposed:
+            if allocation_failure(exc):  # moves run whole, as they would without the parts
+                raise
+            self.cache = []
+            return
         self.known = set(self.cache[0]) if self.cache else set()
 
     def part(self, model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
-        """The part of `model` a move reaches (module doc of _After), or None: no cache, a graph
-        with subgraphs (their outer reads are not inputs), or no cut at int8 tensors."""
+        """The part of `model` a move reaches (see the class doc), or None: no cache, a graph with
+        subgraphs (their outer reads are not inputs), nothing changed, or no cut at int8 tensors."""
         graph = model.graph
         if not self.cache or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                                  for n in graph.node for a in n.attribute):
@@ -272,6 +279,8 @@ class _After:
                 if producer[name] not in reached:
                     reached.add(producer[name])
                     stack.append(producer[name])
+        if not reached:
+            return None
         nodes = [graph.node[i] for i in sorted(reached)]
         produced = {name for n in nodes for name in n.output}
         read = list(dict.fromkeys(name for n in nodes for name in n.input if name))
