@@ -69,16 +69,17 @@ class MixedPrecisionSearch:
     # measured too (one more calibration pass) and the search starts from the closest
     range_methods: tuple[str, ...] = ("percentile", "mse")
     int16: bool = False  # also offer a layer's activations in 16 bits (weights int8) as a move
-    # processes scoring the candidates (and sharding the calibration), each with single-threaded
-    # sessions; None: one per core this process may use, unless the config asks for workers or Dask
+    # processes scoring the candidates (and sharding the calibration); None: one per core this
+    # process may use, unless the config asks for workers or Dask
     workers: Optional[int] = None
 
 
 def search_workers(cfg: Config, search: MixedPrecisionSearch) -> int:
     """The processes a search runs on: the config's calibration.workers when it asks for more
     than one, else search.workers, else one per core the process may use. A ranking scores
-    dozens of candidates that do not depend on each other, and single-threaded sessions give
-    the same scores on any number of cores."""
+    dozens of candidates that do not depend on each other; a process each, with the cores
+    divided among them (one thread each when the job may use every core), beats one process
+    running each candidate's small batches on every core."""
     if cfg.calibration.workers > 1:
         return cfg.calibration.workers
     if search.workers is not None:
