@@ -315,31 +315,6 @@ def test_the_search_keeps_the_shortest_ranked_prefix_that_meets_the_target(tmp_p
     assert wanted.met(evaluate(replay.model)[0])
 
 
-def test_a_move_scores_the_same_on_the_part_of_its_model_after_the_change(tmp_path):
-    """A ranking scores each move on the nodes its change reaches, fed the start model's int8
-    tensors: the same scores as the whole model's, from all-int8 and from a start with a layer
-    already float, and a late layer's part is a fraction of the model."""
-    from qtool.evaluation.mixed_precision import Evaluator, _Focus, _Mixer, _moves
-
-    rng = np.random.default_rng(0)
-    path, table = graphs.calibrated(tmp_path, rng, _crushed_chain(rng), OPTIONS)
-    graph = quantize_model(path, table, OPTIONS, allow_missing=True)
-    pool = restorable_layers(graph.canonical, graph.source)
-    mixer = _Mixer(graph.canonical, graph.source, graph.plan, blocks(graph.source, graph.plan, pool), 127)
-    x = np.random.default_rng(1).normal(0, 1, (12, 3, 8, 8)).astype(np.float32)
-    evals = [Batch([f"s{i}" for i in range(j, j + n)], {"x": x[j:j + n]}) for j, n in ((0, 8), (8, 4))]
-    evaluate = Evaluator(path, evals, None, 1)
-    focus = _Focus(evaluate, Target(cosine=0.9), 64, evaluate(mixer(Precisions()))[1])
-    for state in (Precisions(), Precisions((pool["conv_3"],))):
-        moves = [move for _, move in _moves(state, pool, [], True)]
-        focus.after = None
-        whole = [focus.score(mixer(move)) for move in moves]
-        focus.start(mixer(state))
-        sizes = [len(focus.after.part(mixer(move)).graph.node) for move in moves]
-        assert min(sizes) < len(mixer(state).graph.node) / 4, sizes
-        assert [focus.score(mixer(move)) for move in moves] == whole
-
-
 def test_the_search_scores_its_candidates_in_one_process_per_core_by_default(monkeypatch):
     """qtool search (and api.search) run on a pool of one process per core the job may use,
     unless calibration.workers asks for more than one or MixedPrecisionSearch.workers says how many."""

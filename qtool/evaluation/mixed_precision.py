@@ -27,7 +27,7 @@ import onnx
 
 from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
-from qtool.errors import ThresholdError, allocation_failure
+from qtool.errors import ThresholdError
 from qtool.graph.executor import Engine, resolve, run_in_order, shared
 from qtool.quantization.float_fallback import (Precisions, blocks, dynamic_candidates, float_nodes, int16_tensors,
                                                mixed_model, restorable_layers)
@@ -204,115 +204,6 @@ class _Mixer:
                        dynamic_matmuls=plan.dynamic_matmuls + list(precisions.dynamic))
 
 
-CACHE_BYTES = 256 << 20  # the most the int8 tensors of one ranking's start may hold, else moves run whole
-
-
-def _signature(node: onnx.NodeProto) -> tuple:
-    return (node.op_type, node.domain, node.name, tuple(node.input), tuple(node.output),
-            tuple(a.SerializeToString() for a in node.attribute))
-
-
-def _value(tensor: onnx.TensorProto) -> bytes:
-    return tensor.raw_data if tensor.HasField("raw_data") else tensor.SerializeToString()
-
-
-class _After:
-    """A move changes one layer of the ranking's start model; every node before it computes the
-    same. So a move is scored on the part of its model that its change reaches (the nodes that
-    differ from the start's, those reading them, and the producers of what they read back to an
-    int8 tensor), fed the start model's int8 tensors (QuantizeLinear outputs), kept per focus
-    batch: its outputs are the whole model's (integer tensors carry no rounding across the cut)."""
-
-    def __init__(self, start: onnx.ModelProto, batches: list[Batch], threads: int):
-        graph = start.graph
-        self.signatures = {_signature(n) for n in graph.node}
-        self.values = {t.name: _value(t) for t in graph.initializer}
-        self.outputs = [o.name for o in graph.output]
-        inputs = {i.name for i in graph.input}
-        int8 = [n.output[0] for n in graph.node if n.op_type == "QuantizeLinear"]
-        exposed = onnx.ModelProto()
-        exposed.CopyFrom(start)
-        exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in int8
-                                    if name not in inputs and name not in self.outputs)
-        self.cache: list[dict[str, np.ndarray]] = []
-        self.known: set[str] = set()
-        try:
-            session = create_session(exposed, threads, "ranking start")
-            names = [o.name for o in session.get_outputs()]
-            size = 0
-            for batch in batches:
-                self.cache.append({**batch.feeds, **dict(zip(names, session.run(names, batch.feeds)))})
-                size += sum(v.nbytes for v in self.cache[-1].values())
-                if size > CACHE_BYTES:
-                    self.cache = []
-                    return
-        except Exception as exc:  # onnxruntime refuses the start with its int8 tensors exposed:
-            if allocation_failure(exc):  # moves run whole, as they would without the parts
-                raise
-            self.cache = []
-            return
-        self.known = set(self.cache[0]) if self.cache else set()
-
-    def part(self, model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
-        """The part of `model` a move reaches (see the class doc), or None: no cache, a graph with
-        subgraphs (their outer reads are not inputs), nothing changed, or no cut at int8 tensors."""
-        graph = model.graph
-        if not self.cache or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                                 for n in graph.node for a in n.attribute):
-            return None
-        changed = {t.name for t in graph.initializer if self.values.get(t.name) != _value(t)}
-        producer = {name: i for i, n in enumerate(graph.node) for name in n.output}
-        reached: set[int] = set()
-        made: set[str] = set()
-        for i, node in enumerate(graph.node):
-            if _signature(node) not in self.signatures or any(n in changed or n in made for n in node.input):
-                reached.add(i)
-                made.update(node.output)
-        constants = {t.name for t in graph.initializer}
-        stack = list(reached)
-        while stack:  # back to int8 tensors: what is cut there reads the same values
-            for name in graph.node[stack.pop()].input:
-                if not name or name in constants or name in self.known:
-                    continue
-                if name not in producer:
-                    return None
-                if producer[name] not in reached:
-                    reached.add(producer[name])
-                    stack.append(producer[name])
-        if not reached:
-            return None
-        nodes = [graph.node[i] for i in sorted(reached)]
-        produced = {name for n in nodes for name in n.output}
-        read = list(dict.fromkeys(name for n in nodes for name in n.input if name))
-        feeds = [name for name in read if name not in produced and name not in constants]
-        dtypes = {name: self.cache[0][name].dtype for name in feeds}
-        part = onnx.helper.make_model(
-            onnx.helper.make_graph(
-                nodes, "after the change",
-                [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(dtypes[n]), None)
-                 for n in feeds],
-                [o for o in graph.output if o.name in produced],
-                [t for t in graph.initializer if t.name in set(read)]),
-            opset_imports=list(model.opset_import), ir_version=model.ir_version)
-        return part
-
-    def runs(self, model: onnx.ModelProto, threads: int, batches: list[Batch],
-             outputs: list[str]) -> Iterable[list[np.ndarray]]:
-        """Per batch, `outputs` of `model` (a move from the start): from its part where it has one."""
-        part = self.part(model)
-        if part is None:
-            session = create_session(model, threads, "candidate")
-            for batch in batches:
-                yield session.run(outputs, batch.feeds)
-            return
-        session = create_session(part, threads, "candidate")
-        names = [o.name for o in session.get_outputs()]
-        feeds = [i.name for i in session.get_inputs()]
-        for cache in self.cache:
-            got = dict(zip(names, session.run(names, {name: cache[name] for name in feeds})))
-            yield [got[name] if name in got else cache[name] for name in outputs]
-
-
 class _Focus:
     """The evaluation samples a search step measures, and how it scores a candidate (lower is better)."""
 
@@ -346,16 +237,11 @@ class _Focus:
                                           {k: v[picked] for k, v in batch.feeds.items()}))
                 self.reference.append([r[picked] for r in ref])
         self.outputs, self.threads = evaluate.outputs, evaluate.threads
-        self.after: Optional[_After] = None  # the ranking's start, when its moves are scored on their parts
-
-    def start(self, model: onnx.ModelProto) -> None:
-        """The model every move of the next ranking changes one layer of (see _After)."""
-        self.after = _After(model, self.batches, self.threads)
 
     @contextlib.contextmanager
     def on_workers(self, engine: Optional[Engine], mixer: _Mixer):
         """The handle `scores` needs on an engine (None without one): the mixer and the focus
-        samples with the ranking's start, sent once per worker for a ranking (executor.shared)."""
+        samples, sent once per worker for the whole search (executor.shared)."""
         if engine is None:
             yield None
             return
@@ -371,24 +257,20 @@ class _Focus:
             return [self.score(mixer(move)) for move in moves]
         return list(run_in_order(engine, _score, moves, "candidates", common=common))
 
-    def _runs(self, qmodel: onnx.ModelProto, outputs: list[str]) -> Iterable[list[np.ndarray]]:
-        if self.after is not None:
-            return self.after.runs(qmodel, self.threads, self.batches, outputs)
-        session = create_session(qmodel, self.threads, "candidate")
-        return (session.run(outputs, batch.feeds) for batch in self.batches)
-
     def score(self, qmodel: onnx.ModelProto) -> tuple:
+        session = create_session(qmodel, self.threads, "candidate")
         if not self.classify:
             fidelity = [FidelityAccumulator() for _ in self.outputs]
             cosines = []
-            for batch, ref, test in zip(self.batches, self.reference, self._runs(qmodel, self.outputs)):
+            for batch, ref in zip(self.batches, self.reference):
+                test = session.run(self.outputs, batch.feeds)
                 cosines.append(_worst_cosines(fidelity, ref, test, len(batch)))
             sqnr = -min(acc.result()["sqnr_db"] for acc in fidelity)
             return (-float(np.mean(np.concatenate(cosines))), sqnr) if self.cosine else (sqnr,)
         flips, shortfall = 0, 0.0
-        for batch, ref, test in zip(self.batches, self.reference, self._runs(qmodel, self.outputs[:1])):
+        for batch, ref in zip(self.batches, self.reference):
             logits = ref[0].reshape(len(batch), -1)
-            test = test[0].reshape(len(batch), -1)
+            test = session.run(self.outputs[:1], batch.feeds)[0].reshape(len(batch), -1)
             classes = logits.argmax(axis=1)
             kept = _margins(test, classes)
             flips += int(np.sum(kept <= 0))
@@ -617,30 +499,29 @@ def search(model_path: str | Path, table: CalibrationTable, options: QuantizeCon
                                           + sum(fp32_macs.get(layer.node, 0) for layer in move.floats))
 
     ranking: list[str] = []
-    while True:
-        moves = [(name, move) for name, move in _moves(state, pool, dynamic_pool,
-                                                         len(state.floats) < max_float_layers, int16_pool)
-                 if int8_share(move) >= min_int8_macs]
-        if not moves:
-            break
-        focus.start(mixer(state))  # each move is scored on the part of its model after its change
-        with focus.on_workers(engine, mixer) as common:
+    with focus.on_workers(engine, mixer) as common:
+        while True:
+            moves = [(name, move) for name, move in _moves(state, pool, dynamic_pool,
+                                                             len(state.floats) < max_float_layers, int16_pool)
+                     if int8_share(move) >= min_int8_macs]
+            if not moves:
+                break
             scores = focus.scores(mixer, [move for _, move in moves], engine, common)
-        scored = sorted((score, lost(move), i) for i, (score, (_, move)) in enumerate(zip(scores, moves)))
-        ranking = ranking or [moves[i][0] for _, _, i in scored]
-        prefixes = _prefixes(state, [moves[i][1] for _, _, i in scored], max_float_layers,
-                             lambda after: int8_share(after) >= min_int8_macs)
-        log(f"keeping the top-ranked of {len(moves)} moves, bisecting on how many (1 to {len(prefixes)}) ...")
-        chosen = _bisect(prefixes, lambda after: candidate(start, after)[0], target)
-        if chosen is not None:
-            return MixedPrecisionResult(chosen, tried, ranking, start.table)
-        if len(prefixes) <= 1:
-            break
-        # no prefix meets: layers that only help together with others (a layer's output
-        # stays quantized while an int8 layer reads it) rank low alone. Keep the best move and
-        # rank again from there.
-        state = prefixes[0]
-        log(f"  no prefix of the top {len(prefixes)} meets the target: keeping the first and ranking again ...")
+            scored = sorted((score, lost(move), i) for i, (score, (_, move)) in enumerate(zip(scores, moves)))
+            ranking = ranking or [moves[i][0] for _, _, i in scored]
+            prefixes = _prefixes(state, [moves[i][1] for _, _, i in scored], max_float_layers,
+                                 lambda after: int8_share(after) >= min_int8_macs)
+            log(f"keeping the top-ranked of {len(moves)} moves, bisecting on how many (1 to {len(prefixes)}) ...")
+            chosen = _bisect(prefixes, lambda after: candidate(start, after)[0], target)
+            if chosen is not None:
+                return MixedPrecisionResult(chosen, tried, ranking, start.table)
+            if len(prefixes) <= 1:
+                break
+            # no prefix meets: layers that only help together with others (a layer's output
+            # stays quantized while an int8 layer reads it) rank low alone. Keep the best move and
+            # rank again from there.
+            state = prefixes[0]
+            log(f"  no prefix of the top {len(prefixes)} meets the target: keeping the first and ranking again ...")
     best = max(tried, key=rank)
     limit = f"--max-float-layers {max_float_layers}"
     if min_int8_macs > 0:
