@@ -10,6 +10,8 @@ other shape onnxruntime's message names, fails in fp32 already: calibration repo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -181,8 +183,8 @@ def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
 
 def test_candidates_are_checked_on_the_calibration_batch_whose_fp32_outputs_are_computed_once(tmp_path, monkeypatch):
     """A plain job's candidate builds (here the range choice's, the cubic Resize kept float) and its
-    final build run the check on the first calibration batch, not on made-up inputs: the
-    candidates are checked as the model written is, and fp32 runs that batch once."""
+    final build run the check on the first calibration sample, not on made-up inputs: the
+    candidates are checked as the model written is, and fp32 runs that sample once."""
     from qtool import api
 
     _cubic_model(tmp_path / "m.onnx")
@@ -194,7 +196,7 @@ def test_candidates_are_checked_on_the_calibration_batch_whose_fp32_outputs_are_
                           progress=False)
     ranges = [d for d in result.decisions if d.option == "calibration.method"]
     assert ranges and ranges[0].measured  # a candidate built, checked and scored, then the model
-    assert sources == ["the first calibration batch"]
+    assert sources == ["the first calibration sample"]
     assert any("kept in float" in note for note in result.notes)
 
 
@@ -247,3 +249,40 @@ def test_keeping_holds_the_last_passing_models_session_only():
     other.CopyFrom(model)
     assert kept.take(other) is None and kept.model is None  # another proto, even of the same bytes
     assert run_check._KEEPING.get() is None
+
+
+def test_every_build_of_a_file_checks_on_one_sample_and_fp32_runs_it_once(tmp_path, monkeypatch):
+    """Two builds of one job's model file from different prepared graphs (one with a Conv kept
+    float, as the speed rule keeps some) check their int8 models on the first calibration sample
+    alone, though calibration batches 8, and fp32 runs that sample once for both: every graph
+    prepared from a file computes its function, so the same output shapes and finite values."""
+    from qtool import api
+    from qtool.config import Config, load_config
+    from qtool.graph.modelio import input_specs
+    from qtool.quantization.quantize import SharedGraphs, quantize_model
+
+    rng = np.random.default_rng(3)
+    built = graphs.model([helper.make_node("Conv", ["x", "wa"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+                          helper.make_node("Relu", ["a"], ["r"], name="relu"),
+                          helper.make_node("Conv", ["r", "wb"], ["y"], name="conv_b", pads=[1, 1, 1, 1])],
+                         [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", ["N", 4, 8, 8])],
+                         [graphs.init("wa", rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)),
+                          graphs.init("wb", rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32))])
+    options = graphs.mechanics()
+    path, table = graphs.calibrated(tmp_path, rng, built, options, count=16)
+    cfg = load_config(None)
+    calib = api._calibration_batches(tmp_path / "data", input_specs(onnx.load(path)), cfg)
+    assert len(next(iter(calib(16)))) == cfg.calibration.batch_size > 1
+    references, checked = [], []
+    reference, check = run_check.reference, run_check.check
+    monkeypatch.setattr(run_check, "reference", lambda fp32, feeds, source: references.append(feeds["x"].shape)
+                        or reference(fp32, feeds, source))
+    monkeypatch.setattr(run_check, "check", lambda model, ref: checked.append(ref.feeds["x"].shape)
+                        or check(model, ref))
+    shared = SharedGraphs()
+    whole = quantize_model(path, table, options, data=calib, shared=shared)
+    advanced = replace(options.advanced, float_nodes=("conv_b",))
+    part = quantize_model(path, table, replace(options, advanced=advanced), data=calib, shared=shared)
+    assert "conv_b" in whole.plan.quantized_nodes and "conv_b" not in part.plan.quantized_nodes  # two graphs
+    assert references == [(1, 3, 8, 8)]
+    assert checked == [(1, 3, 8, 8)] * 2

@@ -48,7 +48,7 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
     # the first calibration sample (the shapes are read at batch 1), taken without running the model;
     # without data, inputs made up from the input specs that the model runs on
     first = next(iter(calib_data(1)), None) if calib_data is not None else None
-    feeds = first.feeds if first is not None else reference_batch(graph.model, None, smoothed)
+    feeds = first.feeds if first is not None else reference_batch(graph.model, None)
     if feeds is None:
         return Decision(OPTION, (), "speed rule: no inputs the model runs on, so no shapes")
     labels, reasons = rule(graph.model, graph.plan, tensor_dims(graph.model, feeds), options)

@@ -99,13 +99,11 @@ class _Prepared:
 @dataclass
 class _Graph:
     """The prepared graph and plan of one model file for one table's smoothing and reach (what the
-    run check starts from), and the run check's batches and fp32 outputs on it: one per source of
-    data (the job's calibration batches, by the samples asked of them) or None (made up)."""
+    run check starts from)."""
 
     model: onnx.ModelProto
     plan: QuantPlan
     unreached: list[str]
-    references: dict = field(default_factory=dict)
     # the MatMul strategy it was prepared for, and `matmul: auto`'s note (None: not auto, or nothing to say)
     strategy: str = "static"
     chosen: Optional[str] = None
@@ -124,6 +122,9 @@ class SharedGraphs:
 
     def __init__(self):
         self._graphs: dict = {}
+        # the run check's batch and fp32 outputs, per model file and source of data: every graph
+        # prepared from one file computes the same function, so its outputs' shapes and finiteness
+        self.references: dict = {}
 
     def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
         """`options`: smoothed by the table already."""
@@ -155,11 +156,10 @@ class SharedGraphs:
                 frozenset(name for name in table.tensors if _seen(table)(name)))
 
 
-def reference_batch(model: onnx.ModelProto, data: Optional[Callable[[int], Iterable[Batch]]],
-                    options: QuantizeConfig) -> Optional[dict]:
-    """The run check's feeds for `model`: the first calibration batch, else made up from the input
+def reference_batch(model: onnx.ModelProto, data: Optional[Callable[[int], Iterable[Batch]]]) -> Optional[dict]:
+    """The run check's feeds for `model`: the first calibration sample, else made up from the input
     specs (None: no inputs it runs on)."""
-    ref = _reference(model, [], data, options)
+    ref = _reference(model, data)
     return ref.feeds if ref.outputs is not None else None
 
 
@@ -188,15 +188,16 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=3)
     options = smoothed_options(options, table)  # the table's SmoothQuant scales: the graph it was made on
-    graph = (shared or SharedGraphs()).graph(model_path, table, options)
+    shared = shared or SharedGraphs()
+    graph = shared.graph(model_path, table, options)
     model, plan, unreached = graph.model, graph.plan, graph.unreached
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
-    source = (data, options.correction_samples) if data is not None else None  # samples[0] is data's first batch
-    ref = graph.references.get(source)
+    key = (str(model_path), data)
+    ref = shared.references.get(key)
     if ref is None:
-        ref = graph.references[source] = _reference(model, samples, data, options)
+        ref = shared.references[key] = _reference(model, data)
     steps = _Steps(table, options, table_path, allow_missing)
     kept: list[str] = []
     fixes: list[str] = []
@@ -361,12 +362,11 @@ def _output_sizes(model: onnx.ModelProto, labels: Iterable[str], feeds: dict) ->
     return sizes
 
 
-def _reference(model: onnx.ModelProto, samples: list[Batch], data: Optional[Callable[[int], Iterable[Batch]]],
-               options: QuantizeConfig) -> run_check.Reference:
-    """The run check's batch: the first calibration batch, else one made up from the input specs."""
-    first = samples[0] if samples else (next(iter(data(options.correction_samples)), None) if data else None)
+def _reference(model: onnx.ModelProto, data: Optional[Callable[[int], Iterable[Batch]]]) -> run_check.Reference:
+    """The run check's batch: the first calibration sample, else one made up from the input specs."""
+    first = next(iter(data(1)), None) if data is not None else None
     if first is not None:
-        return run_check.reference(model, first.feeds, "the first calibration batch")
+        return run_check.reference(model, first.feeds, "the first calibration sample")
     ref = None
     for size in MADE_UP_SIZES:  # open dims of 1 suit a sequence, not a strided CNN's image
         ref = run_check.reference(model, run_check.made_up_feeds(input_specs(model), size),

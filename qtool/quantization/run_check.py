@@ -3,9 +3,10 @@
 onnxruntime rewrites a QDQ model before it runs it (QDQ fusion, the NHWC layout transformer of its
 8-bit kernels), and a rewritten form can fail although the fp32 graph runs (found so far: a cubic
 Resize scaling down between int8 Convs; docs/guarantees.md). The user would meet such a failure
-only at the first inference, so quantize runs one batch itself: the first calibration batch, or
-inputs made up from the input specs. The model must load and run, give fp32's output shapes, and
-finite outputs wherever the prepared fp32 graph's are finite on the same batch. When it fails,
+only at the first inference, so quantize runs it once itself: on the first calibration sample (a
+batch of one: what a deployment runs, and a fraction of a batch's time), or inputs made up from the
+input specs. The model must load and run, give fp32's output shapes, and finite outputs wherever
+the prepared fp32 graph's are finite on the same input. When it fails,
 `locate` looks for one node whose float form makes the model pass.
 """
 
