@@ -370,3 +370,22 @@ def test_the_int8_model_must_be_ahead_of_fp32_at_both_batch_sizes(at_batch_one, 
     assert len(calls) == (2 if ahead else 1)  # ahead must be shown twice; behind once is enough
     if notes:
         assert "(batch 1 / the calibration batch;" in notes[0]
+
+
+def test_the_tuning_times_the_first_calibration_batch_and_its_first_sample(setup, monkeypatch):
+    """With data, the timer gets the first calibration batch (4 samples here), which it times at
+    batch 1 and as a whole; the run check itself runs one sample."""
+    from qtool import api
+
+    _, _, (path, table) = setup
+    seen = []
+
+    def timer(feeds, specs):
+        seen.append(feeds)
+        return lambda models: {name: [1.0] for name in models}
+    monkeypatch.setattr(choices, "timer", timer)
+    cfg = Config(calibration=CalibrationConfig(batch_size=4), quantization=ON)
+    specs = input_specs(onnx.load(path))
+    choices.settle(path, onnx.load(path), table, None, cfg, api._calibration_batches(path.parent / "data", specs, cfg))
+    assert [feeds["x"].shape for feeds in seen] == [(4, 8, 12, 12)]
+    assert [s["x"].shape[0] for s in latency.feed_sets(seen[0], specs)] == [1, 4]

@@ -254,6 +254,7 @@ class Candidates:
     prepared graph and its plan are made once (qtool.choices.latency)."""
 
     prepared: _Prepared
+    batch: Optional[dict] = None  # the first calibration batch (None: the run check's inputs)
 
     @property
     def quantized(self) -> dict[str, str]:
@@ -263,7 +264,10 @@ class Candidates:
 
     @property
     def feeds(self) -> Optional[dict]:
-        """The run check's batch, which fp32 runs on (None: no inputs it runs on)."""
+        """The first calibration batch, else the run check's made-up inputs where fp32 runs on them
+        (None: no inputs it runs on)."""
+        if self.batch is not None:
+            return self.batch
         return self.prepared.ref.feeds if self.prepared.ref.outputs is not None else None
 
     def build(self, labels: list[str]) -> onnx.ModelProto:
@@ -300,7 +304,9 @@ def candidates(model_path: str | Path, table: CalibrationTable, options: Quantiz
                data: Optional[Callable[[int], Iterable[Batch]]] = None,
                shared: Optional[SharedGraphs] = None) -> Candidates:
     """The prepared model of `options` (ranges only) ready to build candidates from."""
-    return Candidates(_prepare(model_path, table, ranges_only(options), None, True, data, shared))
+    prepared = _prepare(model_path, table, ranges_only(options), None, True, data, shared)
+    first = next(iter(data(options.correction_samples)), None) if data is not None else None
+    return Candidates(prepared, first.feeds if first is not None and prepared.ref.outputs is not None else None)
 
 
 def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig,
