@@ -117,3 +117,19 @@ def test_config_unknown_key_names_it_and_the_allowed(tmp_path):
         load_config(path)
     path.write_text("preprocess:\n  size: 224\n")
     assert load_config(path).preprocess.size == (224, 224)
+
+
+def test_a_pass_asked_for_one_sample_decodes_one_file(tmp_path):
+    """The first sample alone (the run check's, the speed rule's shapes) is read without decoding
+    the files after it ahead of time; a whole pass still reads every file once."""
+    from qtool.data.dataset import iter_samples
+
+    for i in range(20):
+        np.save(tmp_path / f"s{i:02d}.npy", np.zeros((1, 3, 8, 8), np.float32))
+    source = open_data(tmp_path, [SPEC], PreprocessConfig())
+    loaded = []
+    load = source.load
+    source.load = lambda path: loaded.append(path.name) or load(path)
+    assert len(list(iter_samples(source, 1))) == 1 and loaded == ["s00.npy"]
+    loaded.clear()
+    assert len(list(iter_samples(source))) == 20 and sorted(loaded) == [f"s{i:02d}.npy" for i in range(20)]

@@ -317,7 +317,7 @@ def iter_samples(source: DataSource | MemorySource, limit: Optional[int] = None)
         produced = 0
         try:
             while produced < wanted:
-                while position < len(files) and len(pending) < 16:
+                while position < len(files) and len(pending) < min(16, wanted - produced):
                     pending.append(pool.submit(source.load, files[position]))
                     position += 1
                 if not pending:
