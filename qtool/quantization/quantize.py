@@ -122,8 +122,9 @@ class SharedGraphs:
 
     def __init__(self):
         self._graphs: dict = {}
-        # the run check's batch and fp32 outputs, per model file and source of data: every graph
-        # prepared from one file computes the same function, so its outputs' shapes and finiteness
+        # the run check's input and fp32's outputs on it, per model file and source of data: every
+        # graph prepared from one file computes the file's function (the same output shapes, finite
+        # where the file's are), so fp32 runs that input once for all of them
         self.references: dict = {}
 
     def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
