@@ -373,8 +373,8 @@ def test_the_int8_model_must_be_ahead_of_fp32_at_both_batch_sizes(at_batch_one, 
 
 
 def test_the_tuning_times_the_first_calibration_batch_and_its_first_sample(setup, monkeypatch):
-    """With data, the timer gets the first calibration batch (4 samples here), which it times at
-    batch 1 and as a whole; the run check itself runs one sample."""
+    """With data, the timer gets the first calibration batch (4 samples here, where the run check
+    runs one), which it times at batch 1 and as a whole."""
     from qtool import api
 
     _, _, (path, table) = setup

@@ -181,7 +181,7 @@ def test_made_up_inputs_grow_until_the_fp32_model_runs(tmp_path, monkeypatch):
     assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)
 
 
-def test_candidates_are_checked_on_the_calibration_batch_whose_fp32_outputs_are_computed_once(tmp_path, monkeypatch):
+def test_candidates_are_checked_on_the_first_calibration_sample_whose_fp32_outputs_are_computed_once(tmp_path, monkeypatch):
     """A plain job's candidate builds (here the range choice's, the cubic Resize kept float) and its
     final build run the check on the first calibration sample, not on made-up inputs: the
     candidates are checked as the model written is, and fp32 runs that sample once."""
