@@ -422,8 +422,11 @@ def models(kit: Path, cache: Path) -> dict[str, dict]:
     def layout_task(ref, got):  # outputs: 4 score maps (strides 8-64), then 4 box distributions
         return anchors_kept(ref, got, lambda o: np.concatenate([m[0].max(axis=-1) for m in o[:4]]), None, "region")
 
+    for name in WHEELS:  # every archive in the cache before magika reads their members as files
+        model_path(cache, name)
+    float16_copy(cache, "retinaface_mbnet0.25.onnx")
     magika, layout = model_path(cache, "magika_standard_v3_3.onnx"), model_path(cache, "picodet_layout_cdla.onnx")
-    files = [magika_features(data) for data in file_bytes(kit, cache)]  # the wheels fetched by then
+    files = [magika_features(data) for data in file_bytes(kit, cache)]
     pages = layout_pages(kit)
     onet_crops = face_crops(yunet, cal_photos, 48)[:CALIB], face_crops(yunet, held_photos, 48)[:HELD]
     rnet_crops = face_crops(yunet, cal_photos, 24)[:CALIB], face_crops(yunet, held_photos, 24)[:HELD]
