@@ -335,17 +335,17 @@ def file_bytes(kit: Path, cache: Path) -> list[bytes]:
     for folder in sorted((cache / "wheels").iterdir()):
         for archive in sorted(folder.glob("*")):
             per_type: dict[str, int] = {}
-            opened = zipfile.ZipFile(archive) if archive.name.endswith(".whl") else tarfile.open(archive)
-            names = opened.namelist() if isinstance(opened, zipfile.ZipFile) else \
-                [m.name for m in opened.getmembers() if m.isfile()]
-            for name in sorted(names):
-                kind = Path(name).suffix or Path(name).name
-                if per_type.get(kind, 0) >= 12:
-                    continue
-                data = opened.read(name) if isinstance(opened, zipfile.ZipFile) else opened.extractfile(name).read()
-                if len(data) >= 8:
-                    per_type[kind] = per_type.get(kind, 0) + 1
-                    found.append(data)
+            wheel = archive.name.endswith(".whl")
+            with zipfile.ZipFile(archive) if wheel else tarfile.open(archive) as opened:
+                names = opened.namelist() if wheel else [m.name for m in opened.getmembers() if m.isfile()]
+                for name in sorted(names):
+                    kind = Path(name).suffix or Path(name).name
+                    if per_type.get(kind, 0) >= 12:
+                        continue
+                    data = opened.read(name) if wheel else opened.extractfile(name).read()
+                    if len(data) >= 8:
+                        per_type[kind] = per_type.get(kind, 0) + 1
+                        found.append(data)
     return found
 
 

@@ -3,6 +3,7 @@ MatMuls can go dynamic, the search meets --target-cosine and honours --min-int8-
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import replace
 
@@ -326,6 +327,4 @@ def test_the_search_scores_its_candidates_in_one_process_per_core_by_default(mon
     assert search_workers(cfg, MixedPrecisionSearch(data=None, cosine=0.9, workers=1)) == 1
     assert search_workers(load_config({"calibration": {"workers": 2}}), MixedPrecisionSearch(data=None, cosine=0.9)) == 2
     monkeypatch.setattr("qtool.api.allowed_cores", lambda: 0)  # every core: one per CPU
-    import os
-
     assert search_workers(cfg, MixedPrecisionSearch(data=None, cosine=0.9)) == (os.cpu_count() or 1)

@@ -286,3 +286,20 @@ def test_every_build_of_a_file_checks_on_one_sample_and_fp32_runs_it_once(tmp_pa
     assert "conv_b" in whole.plan.quantized_nodes and "conv_b" not in part.plan.quantized_nodes  # two graphs
     assert references == [(1, 3, 8, 8)]
     assert checked == [(1, 3, 8, 8)] * 2
+
+
+def test_the_speed_rule_reads_its_shapes_on_the_run_checks_input(tmp_path, monkeypatch):
+    """The plain command (speed rule on) reads the first calibration sample once: the speed rule's
+    shapes come from the run check's input, on which fp32 runs once for the whole job."""
+    from qtool import api
+    from qtool.choices import speed
+
+    _cubic_model(tmp_path / "m.onnx")
+    references, shaped = [], []
+    reference, dims = run_check.reference, speed.tensor_dims
+    monkeypatch.setattr(run_check, "reference",
+                        lambda fp32, feeds, source: references.append(feeds) or reference(fp32, feeds, source))
+    monkeypatch.setattr(speed, "tensor_dims", lambda model, feeds: shaped.append(feeds) or dims(model, feeds))
+    result = api.quantize(tmp_path / "m.onnx", data=_data(tmp_path), progress=False)
+    assert any(d.option == "quantization.advanced.float_nodes" and "speed rule" in d.rule for d in result.decisions)
+    assert len(references) == 1 and len(shaped) == 1 and shaped[0] is references[0]

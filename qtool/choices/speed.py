@@ -1,7 +1,7 @@
 """Float for speed, settled from the graph (quantization option `advanced.speed_rule: auto`, the
 default on a target that names a rule, Target.speed_rule): the quantized nodes that the rule of the
-target's runtime (RULES) says run no faster in int8, on the shapes of the first calibration batch's
-first sample (batch 1). An int8 model no faster than fp32 is what that runtime's user quantizes to
+target's runtime (RULES) says run no faster in int8, on the shapes of the run check's input, the
+first calibration sample (batch 1). An int8 model no faster than fp32 is what that runtime's user quantizes to
 avoid; a rule is a model of the runtime's kernels, so nothing is timed and the same graph and shapes
 give the same nodes on any machine. The nodes go to `advanced.float_nodes` in the settled config,
 which replays them.
@@ -18,7 +18,7 @@ from qtool.data.dataset import Batch
 from qtool.graph.runtime import tensor_dims
 from qtool.plan.speed import float_for_speed
 from qtool.plan.speed_openvino import small_convs_float
-from qtool.quantization.quantize import SharedGraphs, ranges_only, reference_batch
+from qtool.quantization.quantize import SharedGraphs, ranges_only
 from qtool.table.table import CalibrationTable, smoothed_options
 from qtool.targets import target_of
 
@@ -45,10 +45,10 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
     rule, text = RULES[target.speed_rule]
     smoothed = smoothed_options(ranges_only(options), table)
     graph = shared.graph(model_path, table, smoothed)
-    # the first calibration sample (the shapes are read at batch 1), taken without running the model;
-    # without data, inputs made up from the input specs that the model runs on
-    first = next(iter(calib_data(1)), None) if calib_data is not None else None
-    feeds = first.feeds if first is not None else reference_batch(graph.model, None)
+    # the run check's input: the first calibration sample (the shapes are read at batch 1), else
+    # inputs made up from the input specs that the model runs on
+    ref = shared.reference(model_path, graph.model, calib_data)
+    feeds = ref.feeds if ref.outputs is not None else None
     if feeds is None:
         return Decision(OPTION, (), "speed rule: no inputs the model runs on, so no shapes")
     labels, reasons = rule(graph.model, graph.plan, tensor_dims(graph.model, feeds), options)

@@ -122,10 +122,7 @@ class SharedGraphs:
 
     def __init__(self):
         self._graphs: dict = {}
-        # the run check's input and fp32's outputs on it, per model file and source of data: every
-        # graph prepared from one file computes the file's function (the same output shapes, finite
-        # where the file's are), so fp32 runs that input once for all of them
-        self.references: dict = {}
+        self._references: dict = {}
 
     def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
         """`options`: smoothed by the table already."""
@@ -149,19 +146,23 @@ class SharedGraphs:
         if options.matmul == "auto" and named in self._graphs:  # and with the strategy named, as graph() keeps it
             self._graphs[self._key(model_path, table, replace(same, matmul=graph.strategy))] = self._graphs[named]
 
+    def reference(self, model_path: str | Path, model: onnx.ModelProto,
+                  data: Optional[Callable[[int], Iterable[Batch]]]) -> run_check.Reference:
+        """The run check's input (the first calibration sample, else made up from the input specs)
+        and fp32's outputs on it, once per model file and source of data: every graph prepared from
+        the file (`model` is one) computes the file's function, the same output shapes, finite where
+        the file's are. The speed rule reads its shapes on the same input."""
+        key = (str(model_path), data)
+        if key not in self._references:
+            self._references[key] = _reference(model, data)
+        return self._references[key]
+
     @staticmethod
     def _key(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> tuple:
         defaults, advanced = QuantizeConfig(), AdvancedConfig()
         return (str(model_path), with_options(options, **{k: getattr(defaults, k) for k in _BUILD_ONLY},
                                               **{k: getattr(advanced, k) for k in _BUILD_ONLY_ADVANCED}),
                 frozenset(name for name in table.tensors if _seen(table)(name)))
-
-
-def reference_batch(model: onnx.ModelProto, data: Optional[Callable[[int], Iterable[Batch]]]) -> Optional[dict]:
-    """The run check's feeds for `model`: the first calibration sample, else made up from the input
-    specs (None: no inputs it runs on)."""
-    ref = _reference(model, data)
-    return ref.feeds if ref.outputs is not None else None
 
 
 def _prepared_graph(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig
@@ -195,10 +196,7 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
-    key = (str(model_path), data)
-    ref = shared.references.get(key)
-    if ref is None:
-        ref = shared.references[key] = _reference(model, data)
+    ref = shared.reference(model_path, model, data)
     steps = _Steps(table, options, table_path, allow_missing)
     kept: list[str] = []
     fixes: list[str] = []
