@@ -105,6 +105,22 @@ def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
         assert 64 * len(feeds) <= got[name].sampled < got[name].count / 8  # bounded, not everything
 
 
+def test_observed_histograms_hold_their_filled_keys_only():
+    """A calibration pass keeps each tensor's histogram as its filled keys and their counts, not the
+    65,536 dense counters (512 KB a tensor: most of a 250-tensor detector's calibration peak)."""
+    model = prepare(conv_model(np.random.default_rng(0), activation="Relu", size=32), False, "m", True).model
+    names = [n.output[0] for n in model.graph.node]
+    rng = np.random.default_rng(1)
+    batches = [Batch([str(i)], {"x": rng.normal(size=(2, 8, 32, 32)).astype(np.float32)}) for i in range(3)]
+    got = observe(model, names, batches, histogram_for=names)
+    for name in names:
+        stats, dense = got[name], got[name].hist
+        held = [v for v in vars(stats).values() if isinstance(v, np.ndarray)]
+        assert 0 < stats.hist_keys.size == np.count_nonzero(dense) < dense.size // 16, name
+        assert sum(a.nbytes for a in held) == stats.hist_keys.size * 10, name  # uint16 keys + int64 counts
+        assert np.array_equal(dense[stats.hist_keys], stats.hist_counts) and stats.sampled == dense.sum()
+
+
 def test_method_by_op_type_and_tensor_pattern(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("calibration:\n  method: entropy\n  method_by_op_type: {Relu: minmax}\n"

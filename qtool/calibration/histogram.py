@@ -3,10 +3,11 @@
 The top 16 bits of a float32 (its truncated bfloat16) split the finite float line into 65,280 bins
 no wider than 1/128 of the values they hold. So no range is needed in advance and nothing is
 re-binned while streaming, two histograms merge by adding counts, exactly (sharded and
-multi-process calibration rely on it), and a tensor costs 65,536 counters whatever the number of
-samples. `abs_linear` re-bins into the range methods' linear histogram of |x| (2048 bins up to
-max |x|, the TensorRT recipe) by interpolating the cumulative count. NaN and +-Inf keys are
-ignored: the statistics count and exclude them first. Design: docs/design/histogram.md.
+multi-process calibration rely on it), and a tensor costs at most 65,536 counts whatever the
+number of samples (qtool.calibration.statistics keeps only the filled ones). `abs_linear` re-bins
+into the range methods' linear histogram of |x| (2048 bins up to max |x|, the TensorRT recipe)
+by interpolating the cumulative count. NaN and +-Inf keys are ignored: the statistics count and
+exclude them first. Design: docs/design/histogram.md.
 """
 
 from __future__ import annotations

@@ -107,8 +107,9 @@ def save_stats(path: str | Path, stats: dict[str, TensorStats], meta: dict) -> N
         s.flush()
         arrays[f"f{i}"] = np.array([s.min, s.max, s.batch_min_sum, s.batch_max_sum], dtype=np.float64)
         arrays[f"i{i}"] = np.array([s.count, s.nonfinite, s.batches, s.sample_limit], dtype=np.int64)
-        if s.hist is not None:
-            arrays[f"h{i}"] = s.hist
+        hist = s.hist
+        if hist is not None:
+            arrays[f"h{i}"] = hist
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     atomic.write_bytes(path, buffer.getvalue())
@@ -125,8 +126,10 @@ def load_stats(path: str | Path) -> tuple[dict, dict[str, TensorStats]]:
             for i, name in enumerate(header["tensors"]):
                 lo, hi, bmin, bmax = (float(v) for v in npz[f"f{i}"])
                 count, nonfinite, batches, limit = (int(v) for v in npz[f"i{i}"])
-                hist = npz[f"h{i}"].astype(np.int64) if f"h{i}" in npz.files else None
-                stats[name] = TensorStats(lo, hi, count, nonfinite, batches, bmin, bmax, hist, limit)
+                fields = dict(min=lo, max=hi, count=count, nonfinite=nonfinite, batches=batches,
+                              batch_min_sum=bmin, batch_max_sum=bmax, sample_limit=limit)
+                stats[name] = (TensorStats.with_histogram(npz[f"h{i}"], **fields) if f"h{i}" in npz.files
+                               else TensorStats(**fields))
             return header, stats
     except QtoolError:
         raise
