@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -222,6 +224,31 @@ def test_adaptive_rounding_splits_its_work_without_changing_a_bit(effnet_setup, 
     blocked = adaround.round_layer(w, scales, layer, iterations=30)
     monkeypatch.setattr(adaround, "MAX_BLOCKS", 1)
     np.testing.assert_array_equal(blocked, adaround.round_layer(w, scales, layer, iterations=30))
+
+
+@pytest.mark.slow
+def test_adaptive_rounding_of_a_layer_with_few_input_rows_goes_through_the_rows(effnet_setup):
+    """The classifier's 1280 inputs, seen on a few samples: C = X^T X has rank <= rows, and the
+    steps multiply by X twice instead of by the 1280 x 1280 C (a tenth of the work). The rounding
+    is the one the full C gives, but for float32 sums taken in another order; a layer with many
+    rows (an early 1x1 conv's positions) keeps only C."""
+    cfg, model, data, table = effnet_setup
+    plan = build_plan(model, cfg.quantization)
+    fc, conv = "_fc.weight", "_blocks.1._project_conv.weight"
+    plan.weights = {k: v for k, v in plan.weights.items() if k in (fc, conv)}
+    layers = adaround.collect_inputs(model, plan, data)
+    assert layers[conv].rows is None
+    layer = layers[fc]
+    rows = np.concatenate(layer.rows)
+    assert rows.shape == (layer.count, 1280) and 2 * layer.count <= 1280
+    np.testing.assert_allclose(rows.astype(np.float64).T @ rows, layer.second, rtol=1e-4, atol=1e-3)
+    w = _weights(model)[fc]
+    scales = qp.weight_scales(w, plan.weights[fc].axis)
+    factored = adaround.round_layer(w, scales, layer, iterations=50)
+    full = adaround.round_layer(w, scales, replace(layer, rows=None), iterations=50)
+    assert np.count_nonzero(factored != full) <= w.size // 10_000
+    nearest = qp.quantize_weight(w, scales, plan.weights[fc].axis)
+    assert np.count_nonzero(factored != nearest) > w.size // 100  # the rounding did move
 
 
 @pytest.mark.parametrize("pads,strides,dilations", [([2, 1, 0, 1], [1, 1], [1, 1]), ([1, 0, 2, 2], [2, 2], [1, 1]),

@@ -52,6 +52,9 @@ class _Layer:
     out_axis: int  # the weight axis of output channels
     second: Optional[np.ndarray] = None  # C accumulated (sum of x x^T)
     count: int = 0
+    # a dense layer's input rows x themselves (float32) while they are fewer than half its K:
+    # C then has rank <= rows, and e C = (e X^T) X costs 2 rows / K of the K x K product
+    rows: Optional[list] = None
 
 
 def _kind(node: onnx.NodeProto, weight: np.ndarray) -> Optional[tuple[str, int]]:
@@ -148,6 +151,9 @@ def _accumulate(layer: _Layer, x: np.ndarray, weight: np.ndarray, rng: np.random
     else:
         flat = x.reshape(-1, x.shape[-1]).astype(np.float32)
         part, rows = flat.T @ flat, flat.shape[0]
+    if layer.kind == "dense":  # its rows kept while they stay few (see _Layer.rows)
+        few = 2 * (layer.count + rows) <= part.shape[0] and (layer.count == 0 or layer.rows is not None)
+        layer.rows = [*(layer.rows or []), flat.reshape(rows, -1)] if few else None
     part = part.astype(np.float64)  # per-batch sums in float32, the running total in float64
     layer.second = part if layer.second is None else layer.second + part
     layer.count += rows
@@ -228,12 +234,15 @@ def round_layer(weight: np.ndarray, scales: np.ndarray, layer: _Layer, iteration
     norm = (np.mean(trace) / k) if np.mean(trace) > 0 else 1.0
     c = second / norm
     # the optimisation runs in float32 (twice the BLAS speed); the final comparison in float64
-    c_rows = (np.repeat(c, multiplier, axis=0) if layer.kind == "depthwise" else c).astype(np.float32)
+    if layer.rows is not None:  # C = X^T X / (count norm): the product through the few input rows
+        c_rows = np.concatenate(layer.rows) * np.float32(1.0 / np.sqrt(layer.count * norm))
+    else:
+        c_rows = (np.repeat(c, multiplier, axis=0) if layer.kind == "depthwise" else c).astype(np.float32)
     low32, scaled32 = low.astype(np.float32), scaled.astype(np.float32)
 
     p = np.clip((rest - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
     v = np.log(p / (1 - p)).astype(np.float32)
-    v = _optimise_rows(v, low32, scaled32, c_rows, layer.kind == "depthwise", iterations)
+    v = _optimise_rows(v, low32, scaled32, c_rows, layer.kind == "depthwise", iterations, layer.rows is not None)
 
     h, _ = _h(v.astype(np.float64))
     adaptive = np.clip(low + (h >= 0.5), -qmax, qmax)
@@ -256,7 +265,7 @@ def _blocks(out: int, k: int) -> list[slice]:
 
 
 def _optimise_rows(v: np.ndarray, low: np.ndarray, scaled: np.ndarray, c_rows: np.ndarray, depthwise: bool,
-                   iterations: int) -> np.ndarray:
+                   iterations: int, factored: bool = False) -> np.ndarray:
     """`_optimise` on row blocks, one thread per allowed core, BLAS single-threaded meanwhile:
     OpenBLAS's own threads on these small products spent about 3x the CPU time of one thread
     (spinning between calls) for no gain on 2 cores."""
@@ -264,18 +273,19 @@ def _optimise_rows(v: np.ndarray, low: np.ndarray, scaled: np.ndarray, c_rows: n
     workers = min(len(blocks), allowed_cores() or os.cpu_count() or 1)
     with threadpool_limits(limits=1, user_api="blas"):
         if workers == 1:
-            return _optimise(v, low, scaled, c_rows, depthwise, iterations)
+            return _optimise(v, low, scaled, c_rows, depthwise, iterations, factored)
         with ThreadPoolExecutor(workers) as pool:
             parts = pool.map(lambda b: _optimise(v[b], low[b], scaled[b], c_rows[b] if depthwise else c_rows,
-                                                 depthwise, iterations), blocks)
+                                                 depthwise, iterations, factored), blocks)
             return np.concatenate(list(parts))
 
 
 def _optimise(v: np.ndarray, low32: np.ndarray, scaled32: np.ndarray, c_rows: np.ndarray, depthwise: bool,
-              iterations: int) -> np.ndarray:
+              iterations: int, factored: bool = False) -> np.ndarray:
     """Adam on the rows' relaxed roundings v (float32): their output error plus the annealed
     regulariser. The arithmetic of `_h` and of the plain expressions, in place in a few buffers
-    (the elementwise work, not the product with C, is most of a step on the large layers)."""
+    (the elementwise work, not the product with C, is most of a step on the large layers).
+    `factored`: c_rows is X with C = X^T X (fewer rows than K), and e C is (e X^T) X."""
     k = v.shape[1]
     v = v.copy()
     m1, m2 = np.zeros_like(v), np.zeros_like(v)
@@ -302,6 +312,8 @@ def _optimise(v: np.ndarray, low32: np.ndarray, scaled32: np.ndarray, c_rows: np
         err -= scaled32  # in units of s: the scale is a per-row constant factor
         if depthwise:
             grad = (c_rows @ err[:, :, None])[:, :, 0]
+        elif factored:
+            grad = (err @ c_rows.T) @ c_rows
         else:
             grad = err @ c_rows
         grad *= 2.0
