@@ -229,7 +229,7 @@ def test_adaptive_rounding_splits_its_work_without_changing_a_bit(effnet_setup, 
 @pytest.mark.slow
 def test_adaptive_rounding_of_a_layer_with_few_input_rows_goes_through_the_rows(effnet_setup):
     """The classifier's 1280 inputs, seen on a few samples: C = X^T X has rank <= rows, and the
-    steps multiply by X twice instead of by the 1280 x 1280 C (a tenth of the work). The rounding
+    steps multiply by X twice instead of by the 1280 x 1280 C (2 rows / K of the work). The rounding
     is the one the full C gives, but for float32 sums taken in another order; a layer with many
     rows (an early 1x1 conv's positions) keeps only C."""
     cfg, model, data, table = effnet_setup

@@ -107,7 +107,7 @@ def test_in_graph_statistics_equal_numpy_on_every_batch_shape():
 
 def test_observed_histograms_hold_their_filled_keys_only():
     """A calibration pass keeps each tensor's histogram as its filled keys and their counts, not the
-    65,536 dense counters (512 KB a tensor: most of a 250-tensor detector's calibration peak)."""
+    65,536 dense counters (512 KB a tensor: with hundreds of tensors, most of the pass's peak)."""
     model = prepare(conv_model(np.random.default_rng(0), activation="Relu", size=32), False, "m", True).model
     names = [n.output[0] for n in model.graph.node]
     rng = np.random.default_rng(1)

@@ -283,8 +283,7 @@ def _optimise_rows(v: np.ndarray, low: np.ndarray, scaled: np.ndarray, c_rows: n
 def _optimise(v: np.ndarray, low32: np.ndarray, scaled32: np.ndarray, c_rows: np.ndarray, depthwise: bool,
               iterations: int, factored: bool = False) -> np.ndarray:
     """Adam on the rows' relaxed roundings v (float32): their output error plus the annealed
-    regulariser. The arithmetic of `_h` and of the plain expressions, in place in a few buffers
-    (the elementwise work, not the product with C, is most of a step on the large layers).
+    regulariser. The arithmetic of `_h` and of the plain expressions, in place in a few buffers.
     `factored`: c_rows is X with C = X^T X (fewer rows than K), and e C is (e X^T) X."""
     k = v.shape[1]
     v = v.copy()
