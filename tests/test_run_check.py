@@ -257,7 +257,7 @@ def test_every_build_of_a_file_checks_on_one_sample_and_fp32_runs_it_once(tmp_pa
     alone, though calibration batches 8, and fp32 runs that sample once for both: every graph
     prepared from a file computes its function, so the same output shapes and finite values."""
     from qtool import api
-    from qtool.config import Config, load_config
+    from qtool.config import load_config
     from qtool.graph.modelio import input_specs
     from qtool.quantization.quantize import SharedGraphs, quantize_model
 

@@ -1,10 +1,10 @@
 """Float for speed, settled from the graph (quantization option `advanced.speed_rule: auto`, the
 default on a target that names a rule, Target.speed_rule): the quantized nodes that the rule of the
 target's runtime (RULES) says run no faster in int8, on the shapes of the run check's input, the
-first calibration sample (batch 1). An int8 model no faster than fp32 is what that runtime's user quantizes to
-avoid; a rule is a model of the runtime's kernels, so nothing is timed and the same graph and shapes
-give the same nodes on any machine. The nodes go to `advanced.float_nodes` in the settled config,
-which replays them.
+first calibration sample (batch 1). An int8 model no faster than fp32 is what that runtime's user
+quantizes to avoid; a rule is a model of the runtime's kernels, so nothing is timed and the same
+graph and shapes give the same nodes on any machine. The nodes go to `advanced.float_nodes` in the
+settled config, which replays them.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
     graph = shared.graph(model_path, table, smoothed)
     # the run check's input: the first calibration sample (the shapes are read at batch 1), else
     # inputs made up from the input specs that the model runs on
-    ref = shared.reference(model_path, graph.model, calib_data)
-    feeds = ref.feeds if ref.outputs is not None else None
+    feeds = shared.reference(model_path, graph.model, calib_data).runs
     if feeds is None:
         return Decision(OPTION, (), "speed rule: no inputs the model runs on, so no shapes")
     labels, reasons = rule(graph.model, graph.plan, tensor_dims(graph.model, feeds), options)

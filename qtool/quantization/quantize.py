@@ -265,9 +265,7 @@ class Candidates:
     def feeds(self) -> Optional[dict]:
         """The first calibration batch, else the run check's made-up inputs where fp32 runs on them
         (None: no inputs it runs on)."""
-        if self.batch is not None:
-            return self.batch
-        return self.prepared.ref.feeds if self.prepared.ref.outputs is not None else None
+        return self.batch if self.batch is not None else self.prepared.ref.runs
 
     def build(self, labels: list[str]) -> onnx.ModelProto:
         """The candidate with `labels` kept float, as quantize would write it: an equalized chain it
@@ -305,7 +303,7 @@ def candidates(model_path: str | Path, table: CalibrationTable, options: Quantiz
     """The prepared model of `options` (ranges only) ready to build candidates from."""
     prepared = _prepare(model_path, table, ranges_only(options), None, True, data, shared)
     first = next(iter(data(options.correction_samples)), None) if data is not None else None
-    return Candidates(prepared, first.feeds if first is not None and prepared.ref.outputs is not None else None)
+    return Candidates(prepared, first.feeds if first is not None and prepared.ref.runs is not None else None)
 
 
 def _unequalize_float_chains(model_path: str | Path, model: onnx.ModelProto, plan: QuantPlan, options: QuantizeConfig,
@@ -368,7 +366,7 @@ def _output_sizes(model: onnx.ModelProto, labels: Iterable[str], feeds: dict) ->
 
 
 def _reference(model: onnx.ModelProto, data: Optional[Callable[[int], Iterable[Batch]]]) -> run_check.Reference:
-    """The run check's batch: the first calibration sample, else one made up from the input specs."""
+    """The run check's input: the first calibration sample, else one made up from the input specs."""
     first = next(iter(data(1)), None) if data is not None else None
     if first is not None:
         return run_check.reference(model, first.feeds, "the first calibration sample")

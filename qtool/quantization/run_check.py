@@ -38,13 +38,18 @@ class RunFailure:
 
 @dataclass(frozen=True)
 class Reference:
-    """The batch the check runs and fp32's outputs on it (None: fp32 does not run on it either,
+    """The input the check runs and fp32's outputs on it (None: fp32 does not run on it either,
     so only loading the int8 model is checked)."""
 
     feeds: dict[str, np.ndarray]
     names: tuple[str, ...]
     outputs: Optional[tuple[np.ndarray, ...]]
     skipped: Optional[str] = None  # why the outputs are not checked
+
+    @property
+    def runs(self) -> Optional[dict[str, np.ndarray]]:
+        """The feeds where fp32 runs on them, else None (no inputs the model runs on)."""
+        return self.feeds if self.outputs is not None else None
 
 
 @dataclass
