@@ -19,10 +19,9 @@ import os
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 
 import onnx
-import yaml
 
 from qtool.calibration.calibrate import calibrate as run_calibration, calibrate_methods
 from qtool.calibration.ranges import AUTO
@@ -31,20 +30,20 @@ from qtool.data.batching import LOOK_AHEAD, batch_refusal
 from qtool.data.dataset import Batch, DataLike, batches, count_samples, open_data
 from qtool.data.labels import labels_for
 from qtool.errors import InternalError, MissingRanges, QtoolError, reports_memory
-from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation
 from qtool.choices import Decision, Scoring, apply, built, settle
 from qtool.choices.ranges import choose_ranges
 from qtool.config import config_mapping
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
-from qtool.evaluation.report import EvaluationReport
 from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model, sha256_file
 from qtool.graph.runtime import allowed_cores, job_model
 from qtool.plan.planner import unquantizable
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
-from qtool.table.formats import read_table
 from qtool.table.table import CalibrationTable, smoothed_options
+
+if TYPE_CHECKING:
+    from qtool.evaluation.report import EvaluationReport
 
 ConfigLike = Union[str, Path, dict, Config, None]
 Log = Callable[[str], None]
@@ -135,6 +134,8 @@ class QuantizeResult:
     def save_config(self, path: str | Path) -> None:
         """Write the settled config as YAML: `quantize` with it and the same model, data and versions
         writes the same bytes without measuring anything."""
+        import yaml
+
         write_text(path, yaml.safe_dump(config_mapping(self.settled), sort_keys=False))
 
     def to_dict(self) -> dict:
@@ -255,6 +256,8 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
         if own_table:
             table, measured, ranges = _calibrated(model, data, cfg, progress, engine, scoring)
         elif not isinstance(table, CalibrationTable):
+            from qtool.table.formats import read_table  # the formats' modules only when a table is read
+
             table_path = table
             table, _ = read_table(table, table_format, model, cfg.quantization)
         cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
@@ -297,6 +300,8 @@ def evaluate(fp32: str | Path, int8: str | Path, data: DataLike, config: ConfigL
     verdicts of the config's thresholds (`report.passed`). labels: a label file or "folders"
     (folder data only); table: the int8 model's calibration table (for the sensitivity ranking);
     executor (else the config's `evaluation.dask`): where the batches and layers run, as for calibrate."""
+    from qtool.evaluation.evaluate import EvaluateInputs, evaluate as run_evaluation  # not a quantize job's
+
     cfg = load_config(config)
     inputs = EvaluateInputs(Path(fp32), Path(int8), data, labels, Path(table) if table is not None else None)
     with _engine(executor, cfg.evaluation.dask, 1) as engine:

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from qtool.errors import QtoolError
 from qtool.targets import DEFAULT_TARGET, PRESET_FIELDS, TARGETS
 
@@ -377,6 +375,8 @@ def _nested_keys(cls: type, hints: dict) -> dict[str, str]:
 
 
 def _read_mapping(path: Path, what: str) -> dict:
+    import yaml  # here, not at the top: a plain command reads no file (start-up time is a cost of every job)
+
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:

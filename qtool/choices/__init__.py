@@ -21,7 +21,6 @@ from qtool.choices.decision import Decision, apply, replaced
 from qtool.choices.dynamic_weights import choose_dynamic_weights
 from qtool.choices.hard_forms import choose_hard_forms
 from qtool.choices.heads import choose_head_tails
-from qtool.choices.latency import choose as choose_latency, timer
 from qtool.choices.measure import Scoring
 from qtool.config import Config
 from qtool.data.dataset import Batch, DataLike
@@ -95,6 +94,8 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
 
 def _latency(model_path, specs: list[InputSpec], table: CalibrationTable, cfg: Config,
              calib_data: Optional[Callable[[int], Iterable[Batch]]], shared: Optional[SharedGraphs]) -> Decision:
+    from qtool.choices.latency import choose as choose_latency, timer  # opt-in: not every job's import
+
     built = candidates(model_path, table, cfg.quantization, calib_data, shared)
     if built.feeds is None:
         return Decision("quantization.advanced.float_nodes", (), "latency tuning: no inputs the model runs on")
