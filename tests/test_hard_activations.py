@@ -18,7 +18,7 @@ from qtool.choices import hard_forms as form_choice
 from qtool.choices.measure import Scoring
 from qtool.quantization.ort_cpu.hard_activations import (FOLD_NOTE, NOTE, OFFSET, float_hard_sigmoids, folded_products,
                                                   integer_forms)
-from qtool.quantization.quantize import quantize_model
+from qtool.quantization.quantize import quantize_model, ranges_only
 from tests import graphs
 from tests.conftest import kit_path
 
@@ -238,6 +238,23 @@ def test_the_form_chosen_by_measurement(quantized, monkeypatch, keep, margin, fo
     assert all(set(f) == {"cosine", "cosine_db"} for _, f in chosen.measured) and chosen.samples > 0
     assert chosen.note() in result.notes and result.settled.quantization.advanced.hard_activations == form
     assert ops["HardSwish"] == (1 if form == "float" else 0)
+
+
+def test_a_candidate_asked_for_again_is_the_one_built(quantized):
+    """The form choice's integer candidate is the range choice's (its `auto` builds as integer): the
+    job's Scoring gives that build again instead of making it twice, and it is what a build naming
+    integer writes; the float form is another build."""
+    _, path, data, result = quantized
+    cfg = Config(quantization=PLAIN)
+    scoring = Scoring(path, data, cfg)
+    auto = scoring.build(result.table, cfg.quantization)
+    integer = with_options(cfg.quantization, hard_activations="integer")
+    assert scoring.build(result.table, integer) is auto
+    floats = scoring.build(result.table, with_options(cfg.quantization, hard_activations="float"))
+    assert floats is not auto and scoring.build(result.table, cfg.quantization) is auto
+    named = quantize_model(path, result.table, ranges_only(integer), allow_missing=True)
+    assert named.model.SerializeToString() == auto.model.SerializeToString()
+    assert floats.model.SerializeToString() != auto.model.SerializeToString()
 
 
 def test_a_model_without_hard_activations_is_not_quantized_to_find_out(tmp_path, monkeypatch):

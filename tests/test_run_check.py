@@ -15,6 +15,7 @@ from dataclasses import replace
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
@@ -231,6 +232,34 @@ def test_a_candidate_is_scored_on_its_run_checks_session_with_the_same_figures(t
     fresh.CopyFrom(built)
     assert scoring._ready()(fresh)[0] == kept
     assert "candidate" in labels  # another proto: its own session
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_candidate_runs_its_check_and_scoring_on_the_scorings_threads(tmp_path, monkeypatch, parallel):
+    """Runs of PARALLEL_MACS or more are scored on SCORING_THREADS intra-op threads, the candidate's
+    run check included, so that its session is the one it is scored on; smaller runs on one."""
+    from qtool.calibration.calibrate import calibrate
+    from qtool.choices import measure
+    from qtool.config import load_config
+    from qtool.graph import runtime
+
+    _cubic_model(tmp_path / "m.onnx")
+    data = _data(tmp_path)
+    if parallel:
+        monkeypatch.setattr(measure, "PARALLEL_MACS", 0)
+    labels = []
+    made = runtime._session
+    monkeypatch.setattr(runtime, "_session",
+                        lambda source, options, label: labels.append(label) or made(source, options, label))
+    cfg = load_config(graphs.mechanics_yaml(tmp_path))
+    table = calibrate(tmp_path / "m.onnx", data, cfg.preprocess, cfg.calibration, cfg.quantization, progress=False)
+    scoring = measure.Scoring(tmp_path / "m.onnx", data, cfg)
+    built = scoring.build(table, cfg.quantization).model
+    threads = measure.SCORING_THREADS if parallel else 1
+    assert scoring._ready().threads == threads
+    assert scoring._kept.session.get_session_options().intra_op_num_threads == threads
+    labels.clear()
+    assert scoring(built)["cosine"] > 0.9 and "candidate" not in labels
 
 
 def test_keeping_holds_the_last_passing_models_session_only():

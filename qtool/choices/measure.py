@@ -2,7 +2,8 @@
 weight steps run once, on the choice) against fp32 on SAMPLES calibration samples spread over the
 data, by the worst output's cosine; a distance in dB, the mean of -10 log10(1 - cosine), so that
 a few samples a rounding moves a lot do not carry the mean. The choices of one job share a Scoring:
-one evaluator, one prepared graph and plan for all their candidates, each distinct model measured once."""
+one evaluator, one prepared graph and plan for all their candidates, each candidate built once and
+each distinct model measured once."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import onnx
 
 from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import Batch, DataLike, batches, open_data, spread_samples
+from qtool.evaluation.macs import node_macs, sample_shapes
 from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.modelio import InputSpec, input_specs, load_model
 from qtool.quantization import run_check
-from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model, ranges_only
-from qtool.table.table import CalibrationTable
+from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, build_options, quantize_model, ranges_only
+from qtool.table.table import CalibrationTable, smoothed_options
 from qtool.targets import target_of
 
 SAMPLES = 16  # calibration samples the candidates are measured on
@@ -29,13 +31,19 @@ SAMPLES = 16  # calibration samples the candidates are measured on
 SCORED_VALUES = SAMPLES * 3 * 320 * 320
 KEEP = 0.99  # a mean cosine at which the first candidate is kept without measuring the others
 MARGIN_DB = 0.5  # what another candidate must gain over the first to be chosen
+# a scored run (one batch of the samples through fp32 or a candidate) of this many MACs or more
+# runs on SCORING_THREADS intra-op threads: smaller runs spend more on waking threads than they
+# save. A fixed count, not the machine's cores, so that every machine computes the same figures.
+PARALLEL_MACS = 5 * 10**8
+SCORING_THREADS = 2
 MAX_KEYED_BYTES = 2**31 - 1  # protobuf's message limit: larger candidates are measured without a key
+KEPT_BUILD_BYTES = 2**28  # the candidates a job keeps built, in all (a later choice may ask for one again)
 
 
 def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config) -> tuple[Evaluator, int]:
     """(the fidelity of a candidate int8 model to fp32 on `SAMPLES` calibration samples spread over
     them, fewer when they hold more than SCORED_VALUES input values, how many samples that is);
-    `specs`: the model's inputs."""
+    `specs`: the model's inputs. It runs on scoring_threads(...) intra-op threads."""
     source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, SAMPLES)
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
     count = sum(len(b) for b in samples)
@@ -44,8 +52,19 @@ def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg
         fewer = max(1, SCORED_VALUES * count // values)
         source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, fewer)
         samples = list(batches(source, cfg.calibration.batch_size, fewer))
-    return (Evaluator(Path(model_path), samples, None, cfg.evaluation.threads,
-                      runtime=target_of(cfg.quantization).measured_on), sum(len(b) for b in samples))
+    threads = scoring_threads(onnx.load(str(model_path), load_external_data=False), samples)
+    return (Evaluator(Path(model_path), samples, None, threads, runtime=target_of(cfg.quantization).measured_on),
+            sum(len(b) for b in samples))
+
+
+def scoring_threads(model: onnx.ModelProto, samples: list[Batch]) -> int:
+    """SCORING_THREADS when the first scored batch's run holds PARALLEL_MACS or more (its
+    Conv/Gemm/MatMul/recurrent MACs on the shapes of its first sample, times its samples), else 1."""
+    if not samples:
+        return 1
+    first = samples[0]
+    macs = sum(node_macs(model, sample_shapes(first.feeds)).values()) * len(first)
+    return SCORING_THREADS if macs >= PARALLEL_MACS else 1
 
 
 def figures(measured: dict) -> dict:
@@ -71,14 +90,29 @@ class Scoring:
         self._count = 0
         self._measured: dict[bytes, dict] = {}
         self._kept = run_check.Kept()  # the last built candidate's run-check session
+        # (table, prepared graph, build_options, the candidate) of each candidate built
+        self._built: list[tuple[CalibrationTable, object, tuple, QuantizedGraph]] = []
+        self._built_bytes = 0
 
     def build(self, table: CalibrationTable, options: QuantizeConfig) -> QuantizedGraph:
         """The all-int8 candidate of `table` and `options` (ranges only), as quantize_model makes it;
-        its run check's session is kept for scoring it next."""
-        with run_check.keeping() as kept:
-            graph = quantize_model(self.model_path, table, ranges_only(options), allow_missing=True,
+        its run check's session is kept for scoring it next. A candidate built before is given
+        again (a later choice measures the earlier ones' pick: the head tails, the chosen ranges)."""
+        options = ranges_only(options)
+        self._ready()  # its threads are the run check's
+        prepared = self.shared.graph(self.model_path, table, smoothed_options(options, table))
+        key = build_options(options)
+        for made, graph_of, same, graph in self._built:
+            if graph_of is prepared and same == key and (made is table or made == table):
+                return graph
+        with run_check.keeping(self._evaluator.threads) as kept:
+            graph = quantize_model(self.model_path, table, options, allow_missing=True,
                                    data=self.calib_data, shared=self.shared)
         self._kept = kept
+        size = graph.model.ByteSize() + (graph.canonical.ByteSize() if graph.canonical is not None else 0)
+        if self._built_bytes + size <= KEPT_BUILD_BYTES:
+            self._built.append((table, prepared, key, graph))
+            self._built_bytes += size
         return graph
 
     @property

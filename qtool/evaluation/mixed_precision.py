@@ -135,8 +135,8 @@ class Evaluator:
 
     def __call__(self, qmodel: onnx.ModelProto, session=None) -> tuple[dict, list[np.ndarray]]:
         """(figures, the candidate's first output per batch). `session`: one of `qmodel` already made
-        (onnxruntime, 1 thread: the run check's), used where the candidates run alike."""
-        if session is None or self.runtime != "onnxruntime" or self.threads != 1:
+        (onnxruntime, on this evaluator's threads: the run check's), used where the candidates run alike."""
+        if session is None or self.runtime != "onnxruntime":
             session = self._session(qmodel, "candidate")
         fidelity = [FidelityAccumulator() for _ in self.outputs]
         classes = ClassificationAccumulator()

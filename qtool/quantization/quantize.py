@@ -112,6 +112,24 @@ class _Graph:
 # the options that change only what is built on the prepared graph and plan, not them
 _BUILD_ONLY = ("bias_correction", "weight_rounding", "correction_samples")
 _BUILD_ONLY_ADVANCED = ("hard_activations", "dynamic_weights", "latency_aware", "speed_rule", "head_tails")
+# the value an `auto` of these builds as where the back end meets it (a measured candidate's, made
+# before the choice is settled): each choice's first candidate
+AUTO_BUILDS_AS = (("hard_activations", "integer"), ("dynamic_weights", "column"))
+
+
+def as_built(options: QuantizeConfig) -> QuantizeConfig:
+    """`options` with each `auto` of AUTO_BUILDS_AS replaced by the value it builds as."""
+    values = {name: value for name, value in AUTO_BUILDS_AS if getattr(options.advanced, name) == "auto"}
+    return with_options(options, **values) if values else options
+
+
+def build_options(options: QuantizeConfig) -> tuple:
+    """What of `options` a build reads beyond its prepared graph and plan (SharedGraphs.graph's):
+    two builds of one table on the same prepared graph with equal build_options are the same model.
+    The settle stage's switches (latency_aware, speed_rule, head_tails) build nothing."""
+    options = as_built(options)
+    return (*(getattr(options, name) for name in _BUILD_ONLY),
+            options.advanced.hard_activations, options.advanced.dynamic_weights)
 
 
 class SharedGraphs:
@@ -189,7 +207,7 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
     if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=3)
-    options = smoothed_options(options, table)  # the table's SmoothQuant scales: the graph it was made on
+    options = as_built(smoothed_options(options, table))  # the table's SmoothQuant scales: the graph it was made on
     shared = shared or SharedGraphs()
     graph = shared.graph(model_path, table, options)
     model, plan, unreached = graph.model, graph.plan, graph.unreached

@@ -54,10 +54,12 @@ class Reference:
 
 @dataclass
 class Kept:
-    """The last model that passed inside `keeping()`, and its session (onnxruntime, 1 thread)."""
+    """The last model that passed inside `keeping()`, and its session (onnxruntime, `threads`
+    intra-op threads: those the caller runs it on)."""
 
     model: Optional[onnx.ModelProto] = None
     session: object = None
+    threads: int = 1
 
     def take(self, model: onnx.ModelProto):
         """The session of `model` if it is the kept one (by identity: the proto check ran), else None;
@@ -71,11 +73,12 @@ _KEEPING: ContextVar[Optional[Kept]] = ContextVar("qtool_run_check_keeping", def
 
 
 @contextmanager
-def keeping() -> Iterator[Kept]:
+def keeping(threads: int = 1) -> Iterator[Kept]:
     """Within it, `check` keeps the session of the last model that passes, for a caller that runs
     that same model next (a measured choice scores the candidate it has just built: one session
-    fewer per candidate). Outside it nothing is kept, so no session outlives its check."""
-    kept = Kept()
+    fewer per candidate); its run checks run on `threads` intra-op threads, as that caller's runs do.
+    Outside it nothing is kept, so no session outlives its check."""
+    kept = Kept(threads=threads)
     token = _KEEPING.set(kept)
     try:
         yield kept
@@ -104,9 +107,11 @@ def ort_reason(exc: BaseException) -> str:
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], label: str, load_only: bool = False):
     """(outputs, None, session) or (None, RunFailure, None)."""
+    kept = _KEEPING.get()
     try:
         # a batch_pass: a measured choice scores its candidate on this session next (keeping())
-        session = create_session(model, threads=1, label=label, log_level=4, batch_pass=True)
+        session = create_session(model, threads=kept.threads if kept is not None else 1, label=label,
+                                 log_level=4, batch_pass=True)
     except QtoolError as exc:
         return None, RunFailure(f"onnxruntime cannot load it: {ort_reason(exc)}"), None
     if load_only:
