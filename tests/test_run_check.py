@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.cli import main
+from qtool.graph.modelio import input_specs
 from qtool.quantization import run_check
 from tests import graphs
 
@@ -260,6 +261,41 @@ def test_a_candidate_runs_its_check_and_scoring_on_the_scorings_threads(tmp_path
     assert scoring._kept.session.get_session_options().intra_op_num_threads == threads
     labels.clear()
     assert scoring(built)["cosine"] > 0.9 and "candidate" not in labels
+
+
+def test_the_scored_samples_fp32_runs_go_beside_the_first_build(tmp_path, monkeypatch):
+    """A plain job's range choice starts fp32 on the scored samples in a thread of its own and
+    builds its first candidate meanwhile; the figures are those fp32 computed on the main thread
+    gives."""
+    import threading
+
+    from qtool import api
+    from qtool.choices import measure
+    from qtool.config import load_config
+    from qtool.graph import runtime
+
+    _cubic_model(tmp_path / "m.onnx")
+    data = _data(tmp_path)
+    made_on = []
+    made = runtime._session
+    monkeypatch.setattr(runtime, "_session", lambda source, options, label: made_on.append(
+        (label, threading.current_thread().name)) or made(source, options, label))
+    result = api.quantize(tmp_path / "m.onnx", data=data, config=graphs.mechanics_yaml(tmp_path), progress=False)
+    [ranges] = [d for d in result.decisions if d.option == "calibration.method"]
+    assert ranges.measured
+    fp32 = [thread for label, thread in made_on if label == str(tmp_path / "m.onnx")]
+    assert any(thread.startswith("qtool-fp32") for thread in fp32)  # the batch probe runs on the main thread
+    assert all(thread == "MainThread" for label, thread in made_on if label == "int8 model")
+
+    cfg = load_config(graphs.mechanics_yaml(tmp_path))
+    samples, threads = measure.scored_samples(tmp_path / "m.onnx", input_specs(onnx.load(tmp_path / "m.onnx")),
+                                              data, cfg)
+    here = measure.evaluator(tmp_path / "m.onnx", samples, threads, cfg)  # on this thread
+    beside = measure.Scoring(tmp_path / "m.onnx", data, cfg)._ready()
+    assert len(beside.reference) == len(here.reference) == len(samples) > 0
+    for theirs, ours in zip(beside.reference, here.reference):
+        for a, b in zip(theirs, ours):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_keeping_holds_the_last_passing_models_session_only():

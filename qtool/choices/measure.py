@@ -8,6 +8,7 @@ each distinct model measured once."""
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -44,6 +45,13 @@ def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg
     """(the fidelity of a candidate int8 model to fp32 on `SAMPLES` calibration samples spread over
     them, fewer when they hold more than SCORED_VALUES input values, how many samples that is);
     `specs`: the model's inputs. It runs on scoring_threads(...) intra-op threads."""
+    samples, threads = scored_samples(model_path, specs, data, cfg)
+    return evaluator(model_path, samples, threads, cfg), sum(len(b) for b in samples)
+
+
+def scored_samples(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config
+                   ) -> tuple[list[Batch], int]:
+    """(measurer's samples in batches, the intra-op threads its runs take)."""
     source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, SAMPLES)
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
     count = sum(len(b) for b in samples)
@@ -52,9 +60,12 @@ def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg
         fewer = max(1, SCORED_VALUES * count // values)
         source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, fewer)
         samples = list(batches(source, cfg.calibration.batch_size, fewer))
-    threads = scoring_threads(onnx.load(str(model_path), load_external_data=False), samples)
-    return (Evaluator(Path(model_path), samples, None, threads, runtime=target_of(cfg.quantization).measured_on),
-            sum(len(b) for b in samples))
+    return samples, scoring_threads(onnx.load(str(model_path), load_external_data=False), samples)
+
+
+def evaluator(model_path: str | Path, samples: list[Batch], threads: int, cfg: Config) -> Evaluator:
+    """measurer's Evaluator (fp32 run on `samples` now)."""
+    return Evaluator(Path(model_path), samples, None, threads, runtime=target_of(cfg.quantization).measured_on)
 
 
 def scoring_threads(model: onnx.ModelProto, samples: list[Batch]) -> int:
@@ -87,7 +98,8 @@ class Scoring:
         self.shared = shared if shared is not None else SharedGraphs()
         self._specs = specs
         self._evaluator: Optional[Evaluator] = None
-        self._count = 0
+        self._pending: Optional[Future] = None  # the Evaluator, made beside the first candidate's build
+        self._count = self._threads = 0
         self._measured: dict[bytes, dict] = {}
         self._kept = run_check.Kept()  # the last built candidate's run-check session
         # (table, prepared graph, build_options, the candidate) of each candidate built
@@ -99,13 +111,13 @@ class Scoring:
         its run check's session is kept for scoring it next. A candidate built before is given
         again (a later choice measures the earlier ones' pick: the head tails, the chosen ranges)."""
         options = ranges_only(options)
-        self._ready()  # its threads are the run check's
+        self._start()
         prepared = self.shared.graph(self.model_path, table, smoothed_options(options, table))
         key = build_options(options)
         for made, graph_of, same, graph in self._built:
             if graph_of is prepared and same == key and (made is table or made == table):
                 return graph
-        with run_check.keeping(self._evaluator.threads) as kept:
+        with run_check.keeping(self._threads) as kept:  # the session the candidate is scored on next
             graph = quantize_model(self.model_path, table, options, allow_missing=True,
                                    data=self.calib_data, shared=self.shared)
         self._kept = kept
@@ -118,13 +130,24 @@ class Scoring:
     @property
     def count(self) -> int:
         """Samples the candidates are measured on."""
-        self._ready()
+        self._start()
         return self._count
+
+    def _start(self) -> None:
+        """Read the scored samples and start the fp32 runs on them, in a thread of their own: they
+        run while the first candidate is built (onnxruntime leaves Python's lock while it runs)."""
+        if self._pending is None:
+            specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
+            samples, self._threads = scored_samples(self.model_path, specs, self.data, self.cfg)
+            self._count = sum(len(b) for b in samples)
+            pool = ThreadPoolExecutor(1, thread_name_prefix="qtool-fp32")
+            self._pending = pool.submit(evaluator, self.model_path, samples, self._threads, self.cfg)
+            pool.shutdown(wait=False)  # its thread ends once the runs are done
 
     def _ready(self) -> Evaluator:
         if self._evaluator is None:
-            specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
-            self._evaluator, self._count = measurer(self.model_path, specs, self.data, self.cfg)
+            self._start()
+            self._evaluator = self._pending.result()
         return self._evaluator
 
     def __call__(self, qmodel: onnx.ModelProto) -> dict:
