@@ -1,3 +1,3 @@
-from qtool.cli import main
+from qtool.cli import entry
 
-main()
+entry()

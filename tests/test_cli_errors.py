@@ -127,3 +127,27 @@ def test_a_model_qtool_derives_that_onnxruntime_cannot_load_is_exit_3(tmp_path, 
     assert result.exit_code == 3, result.output + result.stderr
     assert "internal error" in result.stderr and f"onnxruntime loads {path} itself" in result.stderr, result.stderr
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_the_command_ends_with_its_whole_output_and_its_exit_code(tmp_path):
+    """`python -m qtool` ends the process as soon as the command is done, without Python's teardown
+    (qtool.cli.entry): what it printed still reaches a pipe whole, its file is written, and the exit
+    code is the command's."""
+    import numpy as np
+    import onnx
+
+    from tests import graphs
+
+    rng = np.random.default_rng(0)
+    onnx.save(graphs.conv_model(rng, activation="Relu"), tmp_path / "m.onnx")
+    data = graphs.write_samples(tmp_path / "calib", rng, (8, 12, 12), count=8)
+    done = run_qtool("quantize", tmp_path / "m.onnx", "--data", data, "-o", tmp_path / "q.onnx")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].startswith("quantized ")
+    assert done.stdout.splitlines()[-1].startswith("onnxruntime kernels: 1 integer Conv")
+    onnx.checker.check_model(onnx.load(tmp_path / "q.onnx"))
+    _one_line_error(run_qtool("quantize", tmp_path / "nope.onnx", "--data", data, "-o", tmp_path / "x.onnx"),
+                    "nope.onnx")
+    version = run_qtool("--version")
+    assert version.returncode == 0 and version.stdout.startswith("qtool, version")
+    assert run_qtool("quantize").returncode == 2  # a usage error: click's own exit code
