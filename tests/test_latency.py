@@ -52,7 +52,7 @@ class Tuned:
 
 def tune(path, table, options: QuantizeConfig, measure, monkeypatch) -> Tuned:
     """settle (the latency tuning timed by `measure`), then the back end on the settled config."""
-    monkeypatch.setattr(choices, "timer", lambda feeds, specs: measure)
+    monkeypatch.setattr(latency, "timer", lambda feeds, specs: measure)
     settled, decisions = choices.settle(path, onnx.load(path), table, None, Config(quantization=options))
     decision = next((d for d in decisions if d.option == "quantization.advanced.float_nodes"), None)
     assert settled.quantization.advanced.latency_aware == "off"  # nothing left to measure
@@ -295,12 +295,12 @@ def test_the_layers_of_the_largest_activations_go_float_when_no_op_type_helps(tm
                        for n in model.graph.node if n.name in costs)
         measured.append(len(models))
         return {name: [cost(m)] for name, m in models.items()}
-    real_choose = choices.choose_latency
+    real_choose = latency.choose
 
     def choose(fp32, quantized, build, measure, sizes):
         sizes_seen.append(sizes())
         return real_choose(fp32, quantized, build, measure, sizes)
-    monkeypatch.setattr(choices, "choose_latency", choose)
+    monkeypatch.setattr(latency, "choose", choose)
     result = tune(path, table, ON, measure, monkeypatch)
     # on the run check's batch (made up from the input specs here: one sample)
     assert sizes_seen[0]["conv_big"] == sizes_seen[0]["relu_big"] == 16 * 24 * 24
@@ -383,7 +383,7 @@ def test_the_tuning_times_the_first_calibration_batch_and_its_first_sample(setup
     def timer(feeds, specs):
         seen.append(feeds)
         return lambda models: {name: [1.0] for name in models}
-    monkeypatch.setattr(choices, "timer", timer)
+    monkeypatch.setattr(latency, "timer", timer)
     cfg = Config(calibration=CalibrationConfig(batch_size=4), quantization=ON)
     specs = input_specs(onnx.load(path))
     choices.settle(path, onnx.load(path), table, None, cfg, api._calibration_batches(path.parent / "data", specs, cfg))

@@ -264,9 +264,9 @@ def test_a_candidate_runs_its_check_and_scoring_on_the_scorings_threads(tmp_path
 
 
 def test_the_scored_samples_fp32_runs_go_beside_the_first_build(tmp_path, monkeypatch):
-    """A plain job's range choice starts fp32 on the scored samples in a thread of its own and
-    builds its first candidate meanwhile; the figures are those fp32 computed on the main thread
-    gives."""
+    """A plain job's range choice starts fp32 on the scored samples, and on the run check's sample,
+    in threads of their own and builds its first candidate meanwhile; the figures are those fp32
+    computed on the main thread gives."""
     import threading
 
     from qtool import api
@@ -285,6 +285,7 @@ def test_the_scored_samples_fp32_runs_go_beside_the_first_build(tmp_path, monkey
     assert ranges.measured
     fp32 = [thread for label, thread in made_on if label == str(tmp_path / "m.onnx")]
     assert any(thread.startswith("qtool-fp32") for thread in fp32)  # the batch probe runs on the main thread
+    assert [thread for label, thread in made_on if label == "fp32 model"] == ["qtool-fp32_0"]  # the run check's
     assert all(thread == "MainThread" for label, thread in made_on if label == "int8 model")
 
     cfg = load_config(graphs.mechanics_yaml(tmp_path))

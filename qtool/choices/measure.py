@@ -8,7 +8,7 @@ each distinct model measured once."""
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -20,6 +20,7 @@ from qtool.data.dataset import Batch, DataLike, batches, open_data, spread_sampl
 from qtool.evaluation.macs import node_macs, sample_shapes
 from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.modelio import InputSpec, input_specs, load_model
+from qtool.graph.runtime import in_background
 from qtool.quantization import run_check
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, build_options, quantize_model, ranges_only
 from qtool.table.table import CalibrationTable, smoothed_options
@@ -113,6 +114,7 @@ class Scoring:
         options = ranges_only(options)
         self._start()
         prepared = self.shared.graph(self.model_path, table, smoothed_options(options, table))
+        self.shared.reference_soon(self.model_path, prepared.model, self.calib_data)  # while the first builds
         key = build_options(options)
         for made, graph_of, same, graph in self._built:
             if graph_of is prepared and same == key and (made is table or made == table):
@@ -140,9 +142,7 @@ class Scoring:
             specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
             samples, self._threads = scored_samples(self.model_path, specs, self.data, self.cfg)
             self._count = sum(len(b) for b in samples)
-            pool = ThreadPoolExecutor(1, thread_name_prefix="qtool-fp32")
-            self._pending = pool.submit(evaluator, self.model_path, samples, self._threads, self.cfg)
-            pool.shutdown(wait=False)  # its thread ends once the runs are done
+            self._pending = in_background(evaluator, self.model_path, samples, self._threads, self.cfg)
 
     def _ready(self) -> Evaluator:
         if self._evaluator is None:

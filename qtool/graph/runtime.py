@@ -7,7 +7,8 @@ import contextvars
 import os
 import re
 import time
-from typing import Iterator, Mapping, Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, Mapping, Optional
 
 import numpy as np
 import onnx
@@ -119,6 +120,16 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
     if optimized_path is not None:
         options.optimized_model_filepath = optimized_path
     return options
+
+
+def in_background(function: Callable, *args) -> Future:
+    """function(*args) in a thread of its own, in the caller's context (its job model, its run
+    check's keeping): onnxruntime leaves Python's lock while it loads and runs a model, so the
+    caller's Python goes on meanwhile. The thread ends with the call."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="qtool-fp32")
+    future = pool.submit(contextvars.copy_context().run, function, *args)
+    pool.shutdown(wait=False)
+    return future
 
 
 def allowed_cores() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -20,7 +21,7 @@ from qtool.config import AdvancedConfig, QuantizeConfig, with_options
 from qtool.errors import InternalError, QtoolError
 from qtool.graph.index import GraphIndex, node_label, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
-from qtool.graph.runtime import create_session
+from qtool.graph.runtime import create_session, in_background
 from qtool.graph.shapes import declared_shapes, inferred
 from qtool.plan.dynamic import matmul_strategy
 from qtool.plan.planner import (EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, prepared_with_strategy,
@@ -173,7 +174,16 @@ class SharedGraphs:
         key = (str(model_path), data)
         if key not in self._references:
             self._references[key] = _reference(model, data)
+        if isinstance(self._references[key], Future):
+            self._references[key] = self._references[key].result()
         return self._references[key]
+
+    def reference_soon(self, model_path: str | Path, model: onnx.ModelProto,
+                       data: Optional[Callable[[int], Iterable[Batch]]]) -> None:
+        """Start reference()'s fp32 run in a thread of its own, for a build about to need it."""
+        key = (str(model_path), data)
+        if key not in self._references:
+            self._references[key] = in_background(_reference, model, data)
 
     @staticmethod
     def _key(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> tuple:
