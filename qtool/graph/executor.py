@@ -15,8 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import hashlib
-import logging
-import multiprocessing
 import os
 import pickle
 import tempfile
@@ -94,6 +92,8 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
             raise QtoolError(INSTALL_HINT) from None
         with contextlib.ExitStack() as stack:
             if address is None:
+                import logging
+
                 import dask
 
                 # Dask starts its workers with MALLOC_TRIM_THRESHOLD_=65536, which also turns off glibc's
@@ -118,6 +118,8 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
             yield replace(as_engine(client.get_executor()), name=f"Dask {address or f'local:{count}'}")
         return
     if workers > 1:
+        import multiprocessing  # here: a process pool's, not every job's import
+
         context = multiprocessing.get_context("spawn")  # no fork of a process that may hold onnxruntime threads
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
             yield Engine(pool, workers, max(1, (os.cpu_count() or 1) // workers), f"{workers} local processes")

@@ -21,7 +21,6 @@ from typing import Callable, Optional
 import numpy as np
 import onnx
 from onnx import numpy_helper
-from threadpoolctl import threadpool_limits
 
 from qtool.config import QuantizeConfig
 from qtool.data.dataset import Batch
@@ -271,6 +270,8 @@ def _optimise_rows(v: np.ndarray, low: np.ndarray, scaled: np.ndarray, c_rows: n
     (spinning between calls) for no gain on 2 cores."""
     blocks = _blocks(*v.shape)
     workers = min(len(blocks), allowed_cores() or os.cpu_count() or 1)
+    from threadpoolctl import threadpool_limits  # here: only a job that rounds adaptively imports it
+
     with threadpool_limits(limits=1, user_api="blas"):
         if workers == 1:
             return _optimise(v, low, scaled, c_rows, depthwise, iterations, factored)
