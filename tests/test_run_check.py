@@ -299,6 +299,28 @@ def test_the_scored_samples_fp32_runs_go_beside_the_first_build(tmp_path, monkey
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_candidate_is_the_written_build_without_the_checks_of_what_qtool_writes(tmp_path, monkeypatch):
+    """A measured candidate skips onnx's checker and the target's constraints (the build that is
+    written runs them) and is the same model."""
+    from qtool.calibration.calibrate import calibrate
+    from qtool.config import load_config
+    from qtool.quantization import quantize as back_end
+
+    _cubic_model(tmp_path / "m.onnx")
+    data = _data(tmp_path)
+    cfg = load_config(graphs.mechanics_yaml(tmp_path))
+    table = calibrate(tmp_path / "m.onnx", data, cfg.preprocess, cfg.calibration, cfg.quantization, progress=False)
+    checked = []
+    for name in ("check_model", "target_problems"):
+        real = getattr(back_end, name)
+        monkeypatch.setattr(back_end, name, lambda *a, real=real, name=name, **k: checked.append(name) or real(*a, **k))
+    candidate = back_end.quantize_model(tmp_path / "m.onnx", table, cfg.quantization, candidate=True)
+    assert checked == []
+    written = back_end.quantize_model(tmp_path / "m.onnx", table, cfg.quantization)
+    assert set(checked) == {"target_problems", "check_model"}  # each build of it (the run check may build twice)
+    assert candidate.model.SerializeToString() == written.model.SerializeToString()
+
+
 def test_keeping_holds_the_last_passing_models_session_only():
     model = _identity_model()
     feeds = {"x": np.array([1.0, np.inf], np.float32)}

@@ -121,7 +121,7 @@ class Scoring:
                 return graph
         with run_check.keeping(self._threads) as kept:  # the session the candidate is scored on next
             graph = quantize_model(self.model_path, table, options, allow_missing=True,
-                                   data=self.calib_data, shared=self.shared)
+                                   data=self.calib_data, shared=self.shared, candidate=True)
         self._kept = kept
         size = graph.model.ByteSize() + (graph.canonical.ByteSize() if graph.canonical is not None else 0)
         if self._built_bytes + size <= KEPT_BUILD_BYTES:

@@ -142,6 +142,7 @@ class SharedGraphs:
     def __init__(self):
         self._graphs: dict = {}
         self._references: dict = {}
+        self._sha256: dict[str, str] = {}
 
     def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
         """`options`: smoothed by the table already."""
@@ -178,6 +179,12 @@ class SharedGraphs:
             self._references[key] = self._references[key].result()
         return self._references[key]
 
+    def sha256(self, model_path: str | Path) -> str:
+        """The model file's sha256, hashed once per job (each build checks its table against it)."""
+        if str(model_path) not in self._sha256:
+            self._sha256[str(model_path)] = sha256_file(model_path)
+        return self._sha256[str(model_path)]
+
     def reference_soon(self, model_path: str | Path, model: onnx.ModelProto,
                        data: Optional[Callable[[int], Iterable[Batch]]]) -> None:
         """Start reference()'s fp32 run in a thread of its own, for a build about to need it."""
@@ -213,19 +220,19 @@ def _prepared_graph(model_path: str | Path, table: CalibrationTable, options: Qu
 
 def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig, table_path: object,
              allow_missing: bool, data: Optional[Callable[[int], Iterable[Batch]]],
-             shared: Optional[SharedGraphs] = None) -> _Prepared:
-    if table.model_sha256 and table.model_sha256 != sha256_file(model_path):
+             shared: Optional[SharedGraphs] = None, candidate: bool = False) -> _Prepared:
+    shared = shared or SharedGraphs()
+    if table.model_sha256 and table.model_sha256 != shared.sha256(model_path):
         warnings.warn(f"{table_path}: calibration table was made for a different model file "
                       f"({table.model_file}, sha256 {table.model_sha256[:12]}...)", stacklevel=3)
     options = as_built(smoothed_options(options, table))  # the table's SmoothQuant scales: the graph it was made on
-    shared = shared or SharedGraphs()
     graph = shared.graph(model_path, table, options)
     model, plan, unreached = graph.model, graph.plan, graph.unreached
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
     samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
     ref = shared.reference(model_path, model, data)
-    steps = _Steps(table, options, table_path, allow_missing)
+    steps = _Steps(table, options, table_path, allow_missing, written=not candidate)
     kept: list[str] = []
     fixes: list[str] = []
     while True:
@@ -257,17 +264,19 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
                    table_path: object = None, allow_missing: bool = False,
                    data: Optional[Callable[[int], Iterable[Batch]]] = None,
-                   shared: Optional[SharedGraphs] = None) -> QuantizedGraph:
+                   shared: Optional[SharedGraphs] = None, candidate: bool = False) -> QuantizedGraph:
     """`data(n)`: at most n calibration samples in batches (bias correction and adaptive rounding need them).
     `shared`: the prepared graphs of the job's other builds (made here when missing; the result is
-    the same with or without).
+    the same with or without). `candidate`: a model the measured choices score and never write:
+    the checks of what qtool writes (onnx's checker, the target's constraints) are left to the
+    build that is written; the same model either way.
     The back end builds what the options say and measures nothing: every choice is settled before
     (qtool.choices).
 
     The model is run once in onnxruntime before it is returned (qtool.quantization.run_check);
     a node whose int8 form onnxruntime cannot run is kept float with a note (QuantizedGraph.kept_float),
     and a model that still does not run after MAX_KEPT_FLOAT such nodes is an InternalError."""
-    prepared = _prepare(model_path, table, options, table_path, allow_missing, data, shared)
+    prepared = _prepare(model_path, table, options, table_path, allow_missing, data, shared, candidate)
     qmodel, notes, canonical, forms, ran = prepared.first
     if prepared.ref.skipped:
         notes.append(f"the int8 model was only loaded, not run: {prepared.ref.skipped}")
@@ -417,6 +426,7 @@ class _Steps:
     options: QuantizeConfig
     table_path: object
     allow_missing: bool
+    written: bool = True  # False: a measured candidate (no checks of what qtool writes: quantize_model's `candidate`)
 
     def quantize(self, model: onnx.ModelProto, plan: QuantPlan, samples: list[Batch], bias_correction: str,
                  rounding_mode: str) -> tuple[onnx.ModelProto, list[str], onnx.ModelProto, tuple[str, ...], dict]:
@@ -453,13 +463,14 @@ class _Steps:
         notes += _target_rewrites(qmodel, options)
         check_no_bad_scales(qmodel)
         check_bias_scales(qmodel)
-        problems = target_problems(qmodel, options, plan)
+        problems = target_problems(qmodel, options, plan) if self.written else []
         if problems:
             shown = "; ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
             notes.append(f"the model does not satisfy target {options.target}'s constraints "
                          f"({len(problems)} problem(s), from the options overriding the preset): {shown}")
         try:
-            check_model(qmodel, full_check=True)
+            if self.written:
+                check_model(qmodel, full_check=True)
         except onnx.checker.ValidationError as exc:
             raise AssertionError(f"internal error: quantized model fails the checker: {exc}") from None
         canonical = onnx.ModelProto()
