@@ -264,28 +264,36 @@ def test_a_candidate_runs_its_check_and_scoring_on_the_scorings_threads(tmp_path
 
 
 def test_the_scored_samples_fp32_runs_go_beside_the_first_build(tmp_path, monkeypatch):
-    """A plain job's range choice starts fp32 on the scored samples, and on the run check's sample,
-    in threads of their own and builds its first candidate meanwhile; the figures are those fp32
-    computed on the main thread gives."""
+    """A plain job's range choice starts fp32 on the scored samples, and on the run check's sample
+    (with the tensor dims the speed rule reads on it), in threads of their own and builds its first
+    candidate meanwhile; the figures are those fp32 computed on the main thread gives."""
     import threading
 
     from qtool import api
     from qtool.choices import measure
     from qtool.config import load_config
     from qtool.graph import runtime
+    from qtool.quantization import quantize as back_end
 
     _cubic_model(tmp_path / "m.onnx")
     data = _data(tmp_path)
-    made_on = []
+    made_on, dims_on = [], []
     made = runtime._session
     monkeypatch.setattr(runtime, "_session", lambda source, options, label: made_on.append(
         (label, threading.current_thread().name)) or made(source, options, label))
+    dims = back_end.tensor_dims
+    monkeypatch.setattr(back_end, "tensor_dims", lambda model, feeds: dims_on.append(
+        threading.current_thread().name) or dims(model, feeds))
     result = api.quantize(tmp_path / "m.onnx", data=data, config=graphs.mechanics_yaml(tmp_path), progress=False)
     [ranges] = [d for d in result.decisions if d.option == "calibration.method"]
     assert ranges.measured
     fp32 = [thread for label, thread in made_on if label == str(tmp_path / "m.onnx")]
     assert any(thread.startswith("qtool-fp32") for thread in fp32)  # the batch probe runs on the main thread
     assert [thread for label, thread in made_on if label == "fp32 model"] == ["qtool-fp32_0"]  # the run check's
+    assert dims_on == []  # the speed rule is off in this config: nothing reads the dims
+    plain = api.quantize(tmp_path / "m.onnx", data=data, progress=False)
+    assert any(d.option == "quantization.advanced.float_nodes" and "speed rule" in d.rule for d in plain.decisions)
+    assert dims_on == ["qtool-fp32_0"]
     assert all(thread == "MainThread" for label, thread in made_on if label == "int8 model")
 
     cfg = load_config(graphs.mechanics_yaml(tmp_path))
@@ -380,14 +388,14 @@ def test_the_speed_rule_reads_its_shapes_on_the_run_checks_input(tmp_path, monke
     """The plain command (speed rule on) reads the first calibration sample once: the speed rule's
     shapes come from the run check's input, on which fp32 runs once for the whole job."""
     from qtool import api
-    from qtool.choices import speed
+    from qtool.quantization import quantize as back_end
 
     _cubic_model(tmp_path / "m.onnx")
     references, shaped = [], []
-    reference, dims = run_check.reference, speed.tensor_dims
+    reference, dims = run_check.reference, back_end.tensor_dims
     monkeypatch.setattr(run_check, "reference",
                         lambda fp32, feeds, source: references.append(feeds) or reference(fp32, feeds, source))
-    monkeypatch.setattr(speed, "tensor_dims", lambda model, feeds: shaped.append(feeds) or dims(model, feeds))
+    monkeypatch.setattr(back_end, "tensor_dims", lambda model, feeds: shaped.append(feeds) or dims(model, feeds))
     result = api.quantize(tmp_path / "m.onnx", data=_data(tmp_path), progress=False)
     assert any(d.option == "quantization.advanced.float_nodes" and "speed rule" in d.rule for d in result.decisions)
     assert len(references) == 1 and len(shaped) == 1 and shaped[0] is references[0]

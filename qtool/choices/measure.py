@@ -101,6 +101,8 @@ class Scoring:
         self._evaluator: Optional[Evaluator] = None
         self._pending: Optional[Future] = None  # the Evaluator, made beside the first candidate's build
         self._count = self._threads = 0
+        options = cfg.quantization
+        self._speed_rule = target_of(options).speed_rule is not None and options.advanced.speed_rule != "off"
         self._measured: dict[bytes, dict] = {}
         self._kept = run_check.Kept()  # the last built candidate's run-check session
         # (table, prepared graph, build_options, the candidate) of each candidate built
@@ -114,7 +116,8 @@ class Scoring:
         options = ranges_only(options)
         self._start()
         prepared = self.shared.graph(self.model_path, table, smoothed_options(options, table))
-        self.shared.reference_soon(self.model_path, prepared.model, self.calib_data)  # while the first builds
+        # fp32 on the run check's input (and the speed rule's shapes on it) while the first candidate builds
+        self.shared.reference_soon(self.model_path, prepared.model, self.calib_data, dims=self._speed_rule)
         key = build_options(options)
         for made, graph_of, same, graph in self._built:
             if graph_of is prepared and same == key and (made is table or made == table):

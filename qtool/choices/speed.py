@@ -15,7 +15,6 @@ from typing import Callable, Iterable, Optional
 from qtool.choices.decision import Decision
 from qtool.config import Config
 from qtool.data.dataset import Batch
-from qtool.graph.runtime import tensor_dims
 from qtool.plan.speed import float_for_speed
 from qtool.plan.speed_openvino import small_convs_float
 from qtool.quantization.quantize import SharedGraphs, ranges_only
@@ -45,10 +44,10 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
     rule, text = RULES[target.speed_rule]
     smoothed = smoothed_options(ranges_only(options), table)
     graph = shared.graph(model_path, table, smoothed)
-    # the run check's input: the first calibration sample (the shapes are read at batch 1), else
-    # inputs made up from the input specs that the model runs on
-    feeds = shared.reference(model_path, graph.model, calib_data).runs
-    if feeds is None:
+    # the graph's dims on the run check's input: the first calibration sample (the shapes are read
+    # at batch 1), else inputs made up from the input specs that the model runs on
+    dims = shared.dims(model_path, graph.model, calib_data)
+    if dims is None:
         return Decision(OPTION, (), "speed rule: no inputs the model runs on, so no shapes")
-    labels, reasons = rule(graph.model, graph.plan, tensor_dims(graph.model, feeds), options)
+    labels, reasons = rule(graph.model, graph.plan, dims, options)
     return Decision(OPTION, tuple(labels), text, details=tuple(reasons))

@@ -21,7 +21,7 @@ from qtool.config import AdvancedConfig, QuantizeConfig, with_options
 from qtool.errors import InternalError, QtoolError
 from qtool.graph.index import GraphIndex, node_label, scoped_nodes
 from qtool.graph.modelio import check_model, input_specs, sha256_file
-from qtool.graph.runtime import create_session, in_background
+from qtool.graph.runtime import create_session, in_background, tensor_dims
 from qtool.graph.shapes import declared_shapes, inferred
 from qtool.plan.dynamic import matmul_strategy
 from qtool.plan.planner import (EQUALIZED_NOTE, QuantPlan, build_plan, prepared_model, prepared_with_strategy,
@@ -143,6 +143,7 @@ class SharedGraphs:
         self._graphs: dict = {}
         self._references: dict = {}
         self._sha256: dict[str, str] = {}
+        self._dims: dict[int, tuple] = {}
 
     def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
         """`options`: smoothed by the table already."""
@@ -186,11 +187,31 @@ class SharedGraphs:
         return self._sha256[str(model_path)]
 
     def reference_soon(self, model_path: str | Path, model: onnx.ModelProto,
-                       data: Optional[Callable[[int], Iterable[Batch]]]) -> None:
-        """Start reference()'s fp32 run in a thread of its own, for a build about to need it."""
+                       data: Optional[Callable[[int], Iterable[Batch]]], dims: bool = False) -> None:
+        """Start reference()'s fp32 run in a thread of its own, for a build about to need it, and
+        with `dims` then dims()'s of `model` (for the speed rule)."""
         key = (str(model_path), data)
         if key not in self._references:
             self._references[key] = in_background(_reference, model, data)
+        if dims and id(model) not in self._dims:
+            self._dims[id(model)] = (model, in_background(self._tensor_dims, model_path, model, data))
+
+    def dims(self, model_path: str | Path, model: onnx.ModelProto,
+             data: Optional[Callable[[int], Iterable[Batch]]]) -> Optional[dict[str, tuple[int, ...]]]:
+        """The static dims of `model`'s tensors (a graph of this job) on reference()'s input, once
+        per graph (qtool.graph.runtime.tensor_dims); None when fp32 runs on no input."""
+        if id(model) not in self._dims:
+            self._dims[id(model)] = (model, self._tensor_dims(model_path, model, data))
+        held, dims = self._dims[id(model)]  # the graph is held with its dims: its id is not reused
+        if isinstance(dims, Future):
+            dims = dims.result()
+            self._dims[id(model)] = (held, dims)
+        return dims
+
+    def _tensor_dims(self, model_path: str | Path, model: onnx.ModelProto,
+                     data: Optional[Callable[[int], Iterable[Batch]]]) -> Optional[dict[str, tuple[int, ...]]]:
+        feeds = self.reference(model_path, model, data).runs
+        return tensor_dims(model, feeds) if feeds is not None else None
 
     @staticmethod
     def _key(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> tuple:
