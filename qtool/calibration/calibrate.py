@@ -53,7 +53,7 @@ def _quantize_settings(options: QuantizeConfig) -> dict:
     on. `latency_aware`, `speed_rule`, `embedding_tables` and `float_nodes` never: they are settled when
     quantizing, from the table's ranges and the graph; nor `int16_activations`: 16-bit activations take
     the table's ranges as they are."""
-    settings = asdict(options)
+    settings = asdict(replace(options, smooth_scales=()))  # not deep-copied only to be dropped
     settings.update(settings.pop("advanced"))
     defaults = AdvancedConfig()
     del settings["latency_aware"]

@@ -84,8 +84,9 @@ def signed_values_and_counts(hist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values[nonzero], counts[nonzero].astype(np.float64)
 
 
-def signed_quantile(hist: np.ndarray, q: float, lo: float, hi: float) -> float:
-    """The q-quantile (0..1) of the values, interpolated within bins, clamped to the exact [lo, hi]."""
+def signed_quantiles(hist: np.ndarray, qs: tuple[float, ...], lo: float, hi: float) -> list[float]:
+    """The q-quantile (0..1) of the values for each q in `qs` (one cumulative count for all),
+    interpolated within bins, clamped to the exact [lo, hi]."""
     pos = hist[:_FINITE_KEYS].astype(np.float64)
     neg = hist[0x8000:0x8000 + _FINITE_KEYS].astype(np.float64)
     # ascending value order: negative bins from the most negative, then positive bins
@@ -94,8 +95,8 @@ def signed_quantile(hist: np.ndarray, q: float, lo: float, hi: float) -> float:
     edges = np.clip(edges, lo, hi)
     cdf = np.concatenate([[0.0], np.cumsum(counts)])
     if cdf[-1] <= 0:
-        return hi if q >= 0.5 else lo
-    return _interpolated(edges, cdf, q)
+        return [hi if q >= 0.5 else lo for q in qs]
+    return [_interpolated(edges, cdf, q) for q in qs]
 
 
 def abs_quantile(hist: np.ndarray, q: float, top: float) -> float:

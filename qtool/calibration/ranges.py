@@ -69,8 +69,8 @@ def percentile(stats: TensorStats, calib: CalibrationConfig) -> tuple[float, flo
     if calib.symmetric:
         t = histogram.abs_quantile(hist, q, _abs_max(stats))
         return -t, t
-    return (histogram.signed_quantile(hist, 1.0 - q, stats.min, stats.max),
-            histogram.signed_quantile(hist, q, stats.min, stats.max))
+    low, high = histogram.signed_quantiles(hist, (1.0 - q, q), stats.min, stats.max)
+    return low, high
 
 
 def _kl(p: np.ndarray, q: np.ndarray) -> float:
