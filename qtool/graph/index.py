@@ -8,6 +8,7 @@ one scan; it is a snapshot, so a pass that edits the graph builds a new one afte
 from __future__ import annotations
 
 import fnmatch
+import functools
 import heapq
 
 from typing import Callable, Iterable, Iterator, Optional
@@ -38,20 +39,28 @@ class GraphIndex:
             for name in node.input:
                 if name:
                     self.consumers.setdefault(name, []).append(node)
-        self.elem_type: dict[str, int] = {}
-        self.shapes: dict[str, tuple[Optional[int], ...]] = {}
-        for value in list(graph.value_info) + list(graph.input) + list(graph.output):
-            if value.type.HasField("tensor_type"):
-                self.elem_type[value.name] = value.type.tensor_type.elem_type
-                if value.type.tensor_type.HasField("shape"):
-                    self.shapes[value.name] = tuple(d.dim_value if d.HasField("dim_value") else None
-                                                    for d in value.type.tensor_type.shape.dim)
-        for init in graph.initializer:
-            self.elem_type[init.name] = init.data_type
+        # the types and shapes the graph declares, read now (a snapshot, as the rest) but converted
+        # only when first asked for: most passes never ask
+        self._values = [*graph.value_info, *graph.input, *graph.output]
+        self._inits = list(graph.initializer)
+        self._outer = outer
         if outer is not None:
             self.initializers = {**outer.initializers, **self.initializers}
-            self.elem_type = {**outer.elem_type, **self.elem_type}
-            self.shapes = {**outer.shapes, **self.shapes}
+
+    @functools.cached_property
+    def elem_type(self) -> dict[str, int]:
+        types = {value.name: value.type.tensor_type.elem_type for value in self._values
+                 if value.type.HasField("tensor_type")}
+        types.update((init.name, init.data_type) for init in self._inits)
+        return {**self._outer.elem_type, **types} if self._outer is not None else types
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[Optional[int], ...]]:
+        shapes = {value.name: tuple(d.dim_value if d.HasField("dim_value") else None
+                                    for d in value.type.tensor_type.shape.dim)
+                  for value in self._values
+                  if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape")}
+        return {**self._outer.shapes, **shapes} if self._outer is not None else shapes
 
     def is_constant(self, name: str) -> bool:
         return name in self.initializers
