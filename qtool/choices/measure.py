@@ -100,6 +100,7 @@ class Scoring:
         self._specs = specs
         self._evaluator: Optional[Evaluator] = None
         self._pending: Optional[Future] = None  # the Evaluator, made beside the first candidate's build
+        self._samples: Optional[list[Batch]] = None
         self._count = self._threads = 0
         options = cfg.quantization
         self._speed_rule = target_of(options).speed_rule is not None and options.advanced.speed_rule != "off"
@@ -114,10 +115,11 @@ class Scoring:
         its run check's session is kept for scoring it next. A candidate built before is given
         again (a later choice measures the earlier ones' pick: the head tails, the chosen ranges)."""
         options = ranges_only(options)
-        self._start()
         prepared = self.shared.graph(self.model_path, table, smoothed_options(options, table))
-        # fp32 on the run check's input (and the speed rule's shapes on it) while the first candidate builds
+        # while the first candidate builds: fp32 on the run check's input (and the speed rule's
+        # shapes on it), which its run check needs first, then on the scored samples
         self.shared.reference_soon(self.model_path, prepared.model, self.calib_data, dims=self._speed_rule)
+        self._start()
         key = build_options(options)
         for made, graph_of, same, graph in self._built:
             if graph_of is prepared and same == key and (made is table or made == table):
@@ -135,17 +137,22 @@ class Scoring:
     @property
     def count(self) -> int:
         """Samples the candidates are measured on."""
-        self._start()
+        self._read()
         return self._count
 
-    def _start(self) -> None:
-        """Read the scored samples and start the fp32 runs on them, in a thread of their own: they
-        run while the first candidate is built (onnxruntime leaves Python's lock while it runs)."""
-        if self._pending is None:
+    def _read(self) -> list[Batch]:
+        """The scored samples (read once; their count and the threads their runs take set)."""
+        if self._samples is None:
             specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
-            samples, self._threads = scored_samples(self.model_path, specs, self.data, self.cfg)
-            self._count = sum(len(b) for b in samples)
-            self._pending = in_background(evaluator, self.model_path, samples, self._threads, self.cfg)
+            self._samples, self._threads = scored_samples(self.model_path, specs, self.data, self.cfg)
+            self._count = sum(len(b) for b in self._samples)
+        return self._samples
+
+    def _start(self) -> None:
+        """Start the fp32 runs on the scored samples in the background (qtool.graph.runtime.in_background):
+        they run while the first candidate is built (onnxruntime leaves Python's lock while it runs)."""
+        if self._pending is None:
+            self._pending = in_background(evaluator, self.model_path, self._read(), self._threads, self.cfg)
 
     def _ready(self) -> Evaluator:
         if self._evaluator is None:

@@ -123,13 +123,18 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
 
 
 def in_background(function: Callable, *args) -> Future:
-    """function(*args) in a thread of its own, in the caller's context (its job model, its run
+    """function(*args) in the background thread, in the caller's context (its job model, its run
     check's keeping): onnxruntime leaves Python's lock while it loads and runs a model, so the
-    caller's Python goes on meanwhile. The thread ends with the call."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="qtool-fp32")
-    future = pool.submit(contextvars.copy_context().run, function, *args)
-    pool.shutdown(wait=False)
-    return future
+    caller's Python goes on meanwhile. One thread for the process, the calls in the order they
+    were made (a call may wait for an earlier one's result): each thread that allocates gets
+    memory pools of its own from the C library, which a thread per call would multiply."""
+    global _BACKGROUND
+    if _BACKGROUND is None:
+        _BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="qtool-fp32")
+    return _BACKGROUND.submit(contextvars.copy_context().run, function, *args)
+
+
+_BACKGROUND: Optional[ThreadPoolExecutor] = None
 
 
 def allowed_cores() -> int:
