@@ -188,8 +188,8 @@ class SharedGraphs:
 
     def reference_soon(self, model_path: str | Path, model: onnx.ModelProto,
                        data: Optional[Callable[[int], Iterable[Batch]]], dims: bool = False) -> None:
-        """Start reference()'s fp32 run in a thread of its own, for a build about to need it, and
-        with `dims` then dims()'s of `model` (for the speed rule)."""
+        """Start reference()'s fp32 run in the background (qtool.graph.runtime.in_background), for
+        a build about to need it, and with `dims` then dims()'s of `model` (for the speed rule)."""
         key = (str(model_path), data)
         if key not in self._references:
             self._references[key] = in_background(_reference, model, data)
