@@ -264,9 +264,9 @@ def test_a_candidate_runs_its_check_and_scoring_on_the_scorings_threads(tmp_path
 
 
 def test_the_scored_samples_fp32_runs_go_beside_the_first_build(tmp_path, monkeypatch):
-    """A plain job's range choice starts fp32 on the scored samples, and on the run check's sample
-    (with the tensor dims the speed rule reads on it), in threads of their own and builds its first
-    candidate meanwhile; the figures are those fp32 computed on the main thread gives."""
+    """A plain job's range choice starts fp32 on the run check's sample (with the tensor dims the
+    speed rule reads on it) and on the scored samples in the background thread, and builds its
+    first candidate meanwhile; the figures are those fp32 computed on the main thread gives."""
     import threading
 
     from qtool import api
