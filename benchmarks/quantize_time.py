@@ -46,7 +46,7 @@ STAGES = {
     ("qtool.choices.dynamic_weights", "choose_dynamic_weights"): "choice:dynamic_weights",
     ("qtool.choices.hard_forms", "choose_hard_forms"): "choice:hard_forms",
     ("qtool.plan.dynamic", "matmul_strategy"): "choice:matmul",
-    ("qtool.choices.measure", "measurer"): "evaluator setup",
+    ("qtool.choices.measure", "scored_samples"): "scored samples",
     ("qtool.evaluation.mixed_precision.Evaluator", "__call__"): "evaluate candidate",
     ("qtool.plan.planner", "prepared_model"): "prepare",
     ("qtool.plan.planner", "build_plan"): "plan",
@@ -63,17 +63,22 @@ STAGES = {
 }
 
 CHILD_STAGES = r"""
-import functools, importlib, json, resource, sys, time
+import functools, importlib, json, resource, sys, threading, time
 sys.path.insert(0, {root!r})
 import qtool.api, qtool.cli, qtool.choices, qtool.choices.ranges, qtool.choices.measure  # noqa: E401
 import qtool.choices.dynamic_weights, qtool.choices.hard_forms, qtool.quantization.quantize
 import qtool.evaluation.mixed_precision
 stages = {stages!r}
-totals, stack, peak = {{}}, [], [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]
+totals, peak, local = {{}}, [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], threading.local()
+BACKGROUND = "background"  # stages run in qtool's background thread: beside the main thread's, not in them
 
 def wrap(name, fn):
     @functools.wraps(fn)
     def timed(*a, **k):
+        if not hasattr(local, "stack"):  # one stack per thread
+            main = threading.current_thread() is threading.main_thread()
+            local.stack = [] if main else [[BACKGROUND, 0.0, 0.0, 0.0, 0.0]]
+        stack = local.stack
         stack.append([name, time.perf_counter(), time.process_time(), 0.0, 0.0])
         try:
             return fn(*a, **k)
@@ -104,7 +109,8 @@ try:
     qtool.cli.main(sys.argv[1:], standalone_mode=False)
 finally:
     wall, cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
-    totals["other"] = [wall - sum(v[0] for v in totals.values()), cpu - sum(v[1] for v in totals.values()), 1,
+    main = [v for k, v in totals.items() if not k.startswith(BACKGROUND + "/")]
+    totals["other"] = [wall - sum(v[0] for v in main), cpu - sum(v[1] for v in main), 1,
                        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak[0]) / 1024]
     json.dump(totals, open({out!r}, "w"))
 """

@@ -131,8 +131,8 @@ def test_a_model_qtool_derives_that_onnxruntime_cannot_load_is_exit_3(tmp_path, 
 
 def test_the_command_ends_with_its_whole_output_and_its_exit_code(tmp_path):
     """`python -m qtool` ends the process as soon as the command is done, without Python's teardown
-    (qtool.cli.entry): what it printed still reaches a pipe whole, its file is written, and the exit
-    code is the command's."""
+    (qtool.cli.entry): its output reaches the pipe to the last line, its file is written, and the
+    exit code is the command's."""
     import numpy as np
     import onnx
 

@@ -86,7 +86,7 @@ def test_the_candidates_are_measured_on_samples_spread_over_the_data(tmp_path):
     48 are one image's) is measured on all of it: every third sample, not the first 16."""
     from qtool.config import Config
     from qtool.data.dataset import open_data, spread_samples
-    from qtool.choices.measure import SAMPLES, measurer
+    from qtool.choices.measure import SAMPLES, scored_samples
     from qtool.graph.modelio import input_specs
 
     rng = np.random.default_rng(3)
@@ -94,13 +94,13 @@ def test_the_candidates_are_measured_on_samples_spread_over_the_data(tmp_path):
     _conv(path, rng)
     data = graphs.write_samples(tmp_path / "data", rng, (3, 32, 32), count=48)
     specs = input_specs(onnx.load(path))
-    evaluate, count = measurer(path, specs, data, Config())
-    assert count == SAMPLES == 16
-    assert [key for batch in evaluate.data for key in batch.keys] == [f"s{i:03d}.npy" for i in range(0, 48, 3)]
+    samples = scored_samples(path, specs, data, Config())[0]
+    assert sum(len(b) for b in samples) == SAMPLES == 16
+    assert [key for batch in samples for key in batch.keys] == [f"s{i:03d}.npy" for i in range(0, 48, 3)]
     # a calibration limit spreads over the samples calibration reads; a list is spread alike; a
     # generator (its length unknown until read) keeps its first samples
-    limited = measurer(path, specs, data, load_config({"calibration": {"num_samples": 32}}))[0]
-    assert [key for batch in limited.data for key in batch.keys] == [f"s{i:03d}.npy" for i in range(0, 32, 2)]
+    limited = scored_samples(path, specs, data, load_config({"calibration": {"num_samples": 32}}))[0]
+    assert [key for batch in limited for key in batch.keys] == [f"s{i:03d}.npy" for i in range(0, 32, 2)]
     listed = [{"x": np.full((1, 3, 32, 32), i, np.float32)} for i in range(48)]
     picked = spread_samples(open_data(listed, specs, Config().preprocess), None, 16)
     assert [float(item["x"].flat[0]) for item in picked.data] == [float(i) for i in range(0, 48, 3)]

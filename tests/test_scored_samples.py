@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qtool.choices.measure import SAMPLES, SCORED_VALUES, measurer
+from qtool.choices.measure import SAMPLES, SCORED_VALUES, scored_samples
 from qtool.config import load_config
 from qtool.graph.modelio import input_specs
 
@@ -30,10 +30,10 @@ def test_large_inputs_are_scored_on_fewer_samples(tmp_path):
     cfg = load_config(None)
     rng = np.random.default_rng(1)
     small = graphs.write_samples(tmp_path / "small", rng, (3, 32, 32), count=24)
-    evaluate, count = measurer(path, specs, small, cfg)
-    assert count == SAMPLES == sum(len(b) for b in evaluate.data)
+    samples = scored_samples(path, specs, small, cfg)[0]
+    assert SAMPLES == sum(len(b) for b in samples)
     large = graphs.write_samples(tmp_path / "large", rng, (3, 640, 640), count=8)  # 1.2 M values each
-    evaluate, count = measurer(path, specs, large, cfg)
-    assert count == SCORED_VALUES // (3 * 640 * 640) == sum(len(b) for b in evaluate.data) == 4
+    samples = scored_samples(path, specs, large, cfg)[0]
+    assert SCORED_VALUES // (3 * 640 * 640) == sum(len(b) for b in samples) == 4
     # spread over the data, not its first files
-    assert [k for b in evaluate.data for k in b.keys] == ["s000.npy", "s002.npy", "s004.npy", "s006.npy"]
+    assert [k for b in samples for k in b.keys] == ["s000.npy", "s002.npy", "s004.npy", "s006.npy"]

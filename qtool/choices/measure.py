@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import onnx
 
+from qtool.choices.speed import speed_rule
 from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import Batch, DataLike, batches, open_data, spread_samples
 from qtool.evaluation.macs import node_macs, sample_shapes
@@ -42,17 +43,11 @@ MAX_KEYED_BYTES = 2**31 - 1  # protobuf's message limit: larger candidates are m
 KEPT_BUILD_BYTES = 2**28  # the candidates a job keeps built, in all (a later choice may ask for one again)
 
 
-def measurer(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config) -> tuple[Evaluator, int]:
-    """(the fidelity of a candidate int8 model to fp32 on `SAMPLES` calibration samples spread over
-    them, fewer when they hold more than SCORED_VALUES input values, how many samples that is);
-    `specs`: the model's inputs. It runs on scoring_threads(...) intra-op threads."""
-    samples, threads = scored_samples(model_path, specs, data, cfg)
-    return evaluator(model_path, samples, threads, cfg), sum(len(b) for b in samples)
-
-
 def scored_samples(model_path: str | Path, specs: list[InputSpec], data: DataLike, cfg: Config
                    ) -> tuple[list[Batch], int]:
-    """(measurer's samples in batches, the intra-op threads its runs take)."""
+    """(`SAMPLES` calibration samples spread over them, fewer when they hold more than SCORED_VALUES
+    input values, in batches; the intra-op threads their runs take: scoring_threads). `specs`: the
+    model's inputs."""
     source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, SAMPLES)
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
     count = sum(len(b) for b in samples)
@@ -65,7 +60,7 @@ def scored_samples(model_path: str | Path, specs: list[InputSpec], data: DataLik
 
 
 def evaluator(model_path: str | Path, samples: list[Batch], threads: int, cfg: Config) -> Evaluator:
-    """measurer's Evaluator (fp32 run on `samples` now)."""
+    """The fidelity of a candidate int8 model to fp32 on `samples` (fp32 runs on them now)."""
     return Evaluator(Path(model_path), samples, None, threads, runtime=target_of(cfg.quantization).measured_on)
 
 
@@ -101,9 +96,7 @@ class Scoring:
         self._evaluator: Optional[Evaluator] = None
         self._pending: Optional[Future] = None  # the Evaluator, made beside the first candidate's build
         self._samples: Optional[list[Batch]] = None
-        self._count = self._threads = 0
-        options = cfg.quantization
-        self._speed_rule = target_of(options).speed_rule is not None and options.advanced.speed_rule != "off"
+        self._threads = 0
         self._measured: dict[bytes, dict] = {}
         self._kept = run_check.Kept()  # the last built candidate's run-check session
         # (table, prepared graph, build_options, the candidate) of each candidate built
@@ -118,7 +111,8 @@ class Scoring:
         prepared = self.shared.graph(self.model_path, table, smoothed_options(options, table))
         # while the first candidate builds: fp32 on the run check's input (and the speed rule's
         # shapes on it), which its run check needs first, then on the scored samples
-        self.shared.reference_soon(self.model_path, prepared.model, self.calib_data, dims=self._speed_rule)
+        self.shared.reference_soon(self.model_path, prepared.model, self.calib_data,
+                                   dims=speed_rule(self.cfg.quantization) is not None)
         self._start()
         key = build_options(options)
         for made, graph_of, same, graph in self._built:
@@ -137,15 +131,13 @@ class Scoring:
     @property
     def count(self) -> int:
         """Samples the candidates are measured on."""
-        self._read()
-        return self._count
+        return sum(len(b) for b in self._read())
 
     def _read(self) -> list[Batch]:
-        """The scored samples (read once; their count and the threads their runs take set)."""
+        """The scored samples (read once, the threads their runs take set)."""
         if self._samples is None:
             specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
             self._samples, self._threads = scored_samples(self.model_path, specs, self.data, self.cfg)
-            self._count = sum(len(b) for b in self._samples)
         return self._samples
 
     def _start(self) -> None:

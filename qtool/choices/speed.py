@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from qtool.choices.decision import Decision
-from qtool.config import Config
+from qtool.config import Config, QuantizeConfig
 from qtool.data.dataset import Batch
 from qtool.plan.speed import float_for_speed
 from qtool.plan.speed_openvino import small_convs_float
@@ -31,6 +31,11 @@ RULES = {
 }
 
 
+def speed_rule(options: QuantizeConfig) -> Optional[str]:
+    """The name of the speed rule `options` run (RULES): their target's, unless `speed_rule` is off."""
+    return target_of(options).speed_rule if options.advanced.speed_rule != "off" else None
+
+
 def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg: Config,
                            calib_data: Optional[Callable[[int], Iterable[Batch]]],
                            shared: SharedGraphs) -> Optional[Decision]:
@@ -38,10 +43,10 @@ def choose_float_for_speed(model_path: str | Path, table: CalibrationTable, cfg:
     options = cfg.quantization
     if options.advanced.speed_rule == "off":
         return None
-    target = target_of(options)
-    if target.speed_rule is None:
-        return Decision("quantization.advanced.speed_rule", "off", f"no speed rule for {target.runtime}")
-    rule, text = RULES[target.speed_rule]
+    name = speed_rule(options)
+    if name is None:
+        return Decision("quantization.advanced.speed_rule", "off", f"no speed rule for {target_of(options).runtime}")
+    rule, text = RULES[name]
     smoothed = smoothed_options(ranges_only(options), table)
     graph = shared.graph(model_path, table, smoothed)
     # the graph's dims on the run check's input: the first calibration sample (the shapes are read

@@ -143,7 +143,8 @@ class SharedGraphs:
         self._graphs: dict = {}
         self._references: dict = {}
         self._sha256: dict[str, str] = {}
-        self._dims: dict[int, tuple] = {}
+        self._dims: dict[int, object] = {}  # by the graph's id; each graph in _held
+        self._held: list[onnx.ModelProto] = []
 
     def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
         """`options`: smoothed by the table already."""
@@ -176,9 +177,7 @@ class SharedGraphs:
         key = (str(model_path), data)
         if key not in self._references:
             self._references[key] = _reference(model, data)
-        if isinstance(self._references[key], Future):
-            self._references[key] = self._references[key].result()
-        return self._references[key]
+        return _resolved(self._references, key)
 
     def sha256(self, model_path: str | Path) -> str:
         """The model file's sha256, hashed once per job (each build checks its table against it)."""
@@ -194,19 +193,17 @@ class SharedGraphs:
         if key not in self._references:
             self._references[key] = in_background(_reference, model, data)
         if dims and id(model) not in self._dims:
-            self._dims[id(model)] = (model, in_background(self._tensor_dims, model_path, model, data))
+            self._held.append(model)  # its id is not reused while its dims are kept
+            self._dims[id(model)] = in_background(self._tensor_dims, model_path, model, data)
 
     def dims(self, model_path: str | Path, model: onnx.ModelProto,
              data: Optional[Callable[[int], Iterable[Batch]]]) -> Optional[dict[str, tuple[int, ...]]]:
         """The static dims of `model`'s tensors (a graph of this job) on reference()'s input, once
         per graph (qtool.graph.runtime.tensor_dims); None when fp32 runs on no input."""
         if id(model) not in self._dims:
-            self._dims[id(model)] = (model, self._tensor_dims(model_path, model, data))
-        held, dims = self._dims[id(model)]  # the graph is held with its dims: its id is not reused
-        if isinstance(dims, Future):
-            dims = dims.result()
-            self._dims[id(model)] = (held, dims)
-        return dims
+            self._held.append(model)
+            self._dims[id(model)] = self._tensor_dims(model_path, model, data)
+        return _resolved(self._dims, id(model))
 
     def _tensor_dims(self, model_path: str | Path, model: onnx.ModelProto,
                      data: Optional[Callable[[int], Iterable[Batch]]]) -> Optional[dict[str, tuple[int, ...]]]:
@@ -219,6 +216,13 @@ class SharedGraphs:
         return (str(model_path), with_options(options, **{k: getattr(defaults, k) for k in _BUILD_ONLY},
                                               **{k: getattr(advanced, k) for k in _BUILD_ONLY_ADVANCED}),
                 frozenset(name for name in table.tensors if _seen(table)(name)))
+
+
+def _resolved(cache: dict, key):
+    """cache[key], the result in place of a Future started in the background."""
+    if isinstance(cache[key], Future):
+        cache[key] = cache[key].result()
+    return cache[key]
 
 
 def _prepared_graph(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig
