@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import os
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 
@@ -36,6 +36,7 @@ from qtool.config import config_mapping
 from qtool.evaluation.mixed_precision import Target, describe_figures, search as run_search
 from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
+from qtool.graph.kernels import KernelCounts
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model, sha256_file
 from qtool.graph.runtime import allowed_cores, job_model
 from qtool.plan.planner import unquantizable
@@ -125,6 +126,7 @@ class QuantizeResult:
     search: Optional[SearchOutcome] = None  # what qtool.search chose
     decisions: tuple[Decision, ...] = ()  # every `auto` settled, in order (qtool.choices)
     settled: Optional[Config] = None  # the config with those values: replays this model, measuring nothing
+    kernels: Optional[KernelCounts] = None  # the kernels onnxruntime makes of it (targets that run its kernels)
 
     def save(self, path: str | Path) -> None:
         """Write the model atomically (a failure leaves no partial file); tensors go to
@@ -147,7 +149,8 @@ class QuantizeResult:
                 "search": None if self.search is None else {
                     "float_layers": list(self.search.float_layers), "dynamic_layers": list(self.search.dynamic_layers),
                     "int16_layers": list(self.search.int16_layers), "method": self.search.method,
-                    "int8_mac_fraction": self.search.int8_mac_fraction, "figures": self.search.figures}}
+                    "int8_mac_fraction": self.search.int8_mac_fraction, "figures": self.search.figures},
+                "kernels": None if self.kernels is None else asdict(self.kernels)}
 
 
 @reports_memory("calibrate it")
@@ -264,6 +267,7 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
         cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges, scoring,
                                  shared)
         decisions = sized + decisions
+        scoring = None  # every choice is settled: its fp32 session and candidates go before the final build
         outcome = None
         if search is not None:
             graph, outcome, table = _search(model, specs, table, measured, data, cfg, search, calib_data,
@@ -289,7 +293,7 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
                                  *(d.note() for d in decisions if len(d.measured) > 1 or d.details)]))
     return QuantizeResult(graph.model, table, notes, len(plan.quantized_nodes), plan.int8_weights(),
                           len(plan.activations), len(plan.float_nodes), has_external_data(model), len(plan.embeddings),
-                          outcome, tuple(decisions), settled)
+                          outcome, tuple(decisions), settled, graph.kernels)
 
 
 @reports_memory("evaluate it")

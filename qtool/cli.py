@@ -416,7 +416,7 @@ def _quantize_job(options: dict, search=None) -> None:
                f"in {time.perf_counter() - start:.1f} s -> {output}")
     click.echo(describe_target(quant))
     if TARGETS[quant.target].onnxruntime_kernels:
-        click.echo(kernel_summary(output))
+        click.echo(kernel_summary(result.kernels if result.kernels is not None else output))
 
 
 @main.command(cls=_GroupedCommand)

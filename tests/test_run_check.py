@@ -399,3 +399,137 @@ def test_the_speed_rule_reads_its_shapes_on_the_run_checks_input(tmp_path, monke
     result = api.quantize(tmp_path / "m.onnx", data=_data(tmp_path), progress=False)
     assert any(d.option == "quantization.advanced.float_nodes" and "speed rule" in d.rule for d in result.decisions)
     assert len(references) == 1 and len(shaped) == 1 and shaped[0] is references[0]
+
+
+def test_candidates_measured_side_by_side_give_the_figures_measured_in_turn(tmp_path, monkeypatch):
+    """Where a scored run takes one thread, Scoring.measured builds and scores the first candidate on
+    the caller's thread and the others on the background thread at the same time; each candidate's
+    figures are those build() then scoring() give it on its own."""
+    import threading
+
+    from qtool.calibration.calibrate import calibrate_methods
+    from qtool.choices import measure
+    from qtool.config import load_config
+    from qtool.graph import runtime
+
+    rng = np.random.default_rng(3)
+    onnx.save(graphs.conv_model(rng, activation="Relu"), tmp_path / "m.onnx")
+    data = graphs.write_samples(tmp_path / "data", rng, (8, 12, 12), scale=2.0)
+    cfg = load_config(graphs.mechanics_yaml(tmp_path))
+    tables = calibrate_methods(tmp_path / "m.onnx", data, cfg.preprocess, cfg.calibration, cfg.quantization,
+                               ["minmax", "mse", "percentile"], progress=False)
+    threads = []
+    made = runtime._session
+    monkeypatch.setattr(runtime, "_session", lambda source, options, label: (
+        label == "int8 model" and threads.append(threading.current_thread().name)) or made(source, options, label))
+    beside = measure.Scoring(tmp_path / "m.onnx", data, cfg).measured([(t, cfg.quantization) for t in tables])
+    assert "MainThread" in threads and any(name.startswith("qtool-fp32") for name in threads)
+    in_turn = measure.Scoring(tmp_path / "m.onnx", data, cfg)
+    alone = [in_turn(in_turn.build(t, cfg.quantization).model) for t in tables]
+    assert beside == alone
+    assert len({f["cosine"] for f in alone}) > 1  # the tables differ: the figures say which is which
+
+
+def test_a_background_call_the_background_thread_waits_for_runs_at_once():
+    """A call the background thread waits for before its turn (made there, or queued behind the
+    waiting call) runs there and then: on the one thread, its turn would never come."""
+    import threading
+
+    from qtool.graph.runtime import in_background
+
+    def outer():
+        return in_background(lambda: threading.current_thread().name).result(timeout=20)
+
+    assert in_background(outer).result(timeout=30).startswith("qtool-fp32")
+    failing = in_background(lambda: in_background(lambda: 1 / 0).result())
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=30)
+    # ... and so does a call queued behind the one that waits for it
+    go, later = threading.Event(), []
+
+    def waiting():
+        go.wait(20)
+        return later[0].result(timeout=20)
+
+    first = in_background(waiting)
+    later.append(in_background(lambda: threading.current_thread().name))
+    go.set()
+    assert first.result(timeout=30).startswith("qtool-fp32")
+    assert later[0].result(timeout=30).startswith("qtool-fp32")
+
+
+def test_two_threads_asking_for_one_prepared_graph_prepare_it_once(tmp_path, monkeypatch):
+    """Candidates built side by side share the job's prepared graph: the first thread to ask makes
+    it, the other waits for it."""
+    import threading
+    import time
+
+    from qtool.calibration.calibrate import calibrate
+    from qtool.config import load_config
+    from qtool.quantization import quantize as back_end
+
+    _cubic_model(tmp_path / "m.onnx")
+    data = _data(tmp_path)
+    cfg = load_config(graphs.mechanics_yaml(tmp_path))
+    table = calibrate(tmp_path / "m.onnx", data, cfg.preprocess, cfg.calibration, cfg.quantization, progress=False)
+    prepared = []
+    real = back_end._prepared_graph
+
+    def slow(*args):
+        prepared.append(threading.current_thread().name)
+        time.sleep(0.3)  # long enough for the other thread to ask meanwhile
+        return real(*args)
+
+    monkeypatch.setattr(back_end, "_prepared_graph", slow)
+    shared = back_end.SharedGraphs()
+    got = []
+    askers = [threading.Thread(target=lambda: got.append(shared.graph(tmp_path / "m.onnx", table, cfg.quantization)))
+              for _ in range(2)]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join()
+    assert len(prepared) == 1 and len(got) == 2 and got[0] is got[1]
+
+
+def test_the_written_builds_kernels_are_counted_beside_its_run_check(tmp_path, monkeypatch):
+    """The kernels onnxruntime makes of the written model are counted in the background while its
+    run check runs, and reach the result, its JSON and the command's summary line as the written
+    file's counts; a target that does not run onnxruntime's kernels counts none."""
+    import dataclasses
+    import json
+    import threading
+
+    from qtool import api
+    from qtool.calibration.calibrate import calibrate
+    from qtool.config import load_config
+    from qtool.graph import runtime
+    from qtool.graph.kernels import count_kernels, kernel_summary
+
+    rng = np.random.default_rng(4)
+    onnx.save(graphs.conv_model(rng, activation="Relu"), tmp_path / "m.onnx")
+    data = graphs.write_samples(tmp_path / "data", rng, (8, 12, 12))
+    made = runtime._session
+    counted_on = []
+    monkeypatch.setattr(runtime, "_session", lambda source, options, label: (
+        options.optimized_model_filepath and counted_on.append(threading.current_thread().name))
+        or made(source, options, label))
+    result = api.quantize(tmp_path / "m.onnx", data=data, config=graphs.mechanics_yaml(tmp_path), progress=False)
+    assert counted_on and all(name.startswith("qtool-fp32") for name in counted_on)
+    result.save(tmp_path / "q.onnx")
+    assert result.kernels == count_kernels(tmp_path / "q.onnx")
+    assert result.kernels.integer_convs == result.kernels.quantized_convs == 1
+    assert result.to_dict()["kernels"] == dataclasses.asdict(result.kernels)
+
+    out = CliRunner().invoke(main, ["quantize", str(tmp_path / "m.onnx"), "--data", str(data), "--config",
+                                    str(graphs.mechanics_yaml(tmp_path)), "-o", str(tmp_path / "c.onnx"),
+                                    "--json", str(tmp_path / "c.json")])
+    assert out.exit_code == 0, out.stderr
+    assert kernel_summary(result.kernels) in out.stdout.splitlines()
+    assert json.loads((tmp_path / "c.json").read_text())["kernels"]["integer_convs"] == 1
+
+    cfg = load_config(graphs.mechanics_yaml(tmp_path))
+    table = calibrate(tmp_path / "m.onnx", data, cfg.preprocess, cfg.calibration, cfg.quantization, progress=False)
+    openvino = api.quantize(tmp_path / "m.onnx", table=table, config={"quantization": {"target": "openvino"}})
+    assert openvino.settled.quantization.target == "openvino"
+    assert openvino.kernels is None and openvino.to_dict()["kernels"] is None

@@ -107,6 +107,27 @@ class Scoring:
         """The all-int8 candidate of `table` and `options` (ranges only), as quantize_model makes it;
         its run check's session is kept for scoring it next. A candidate built before is given
         again (a later choice measures the earlier ones' pick: the head tails, the chosen ranges)."""
+        graph, self._kept = self._build(table, options)
+        return graph
+
+    def measured(self, pairs: list[tuple[CalibrationTable, QuantizeConfig]]) -> list[dict]:
+        """The figures of the candidate of each (table, options), as build() then self() give them.
+        Where a scored run takes one thread (scoring_threads), the first is built and scored on this
+        thread while the background thread (in_background) builds and scores the others:
+        onnxruntime leaves Python's lock while it loads and runs a candidate, so one candidate's
+        session is made while the other is built, on the two cores. Each candidate is built and
+        scored alone, on the scoring's threads, so the figures are the same either way."""
+        self._read()  # the scoring's threads
+        if self._threads > 1 or len(pairs) < 2:
+            return [self._measure(table, options) for table, options in pairs]
+        later = [in_background(self._measure, table, options) for table, options in pairs[1:]]
+        return [self._measure(*pairs[0])] + [pending.result() for pending in later]
+
+    def _measure(self, table: CalibrationTable, options: QuantizeConfig) -> dict:
+        graph, kept = self._build(table, options)
+        return self._figures(graph.model, kept.take(graph.model))
+
+    def _build(self, table: CalibrationTable, options: QuantizeConfig) -> tuple[QuantizedGraph, run_check.Kept]:
         options = ranges_only(options)
         prepared = self.shared.graph(self.model_path, table, smoothed_options(options, table))
         # while the first candidate builds: fp32 on the run check's input (and the speed rule's
@@ -117,16 +138,15 @@ class Scoring:
         key = build_options(options)
         for made, graph_of, same, graph in self._built:
             if graph_of is prepared and same == key and (made is table or made == table):
-                return graph
+                return graph, run_check.Kept()
         with run_check.keeping(self._threads) as kept:  # the session the candidate is scored on next
             graph = quantize_model(self.model_path, table, options, allow_missing=True,
                                    data=self.calib_data, shared=self.shared, candidate=True)
-        self._kept = kept
         size = graph.model.ByteSize() + (graph.canonical.ByteSize() if graph.canonical is not None else 0)
         if self._built_bytes + size <= KEPT_BUILD_BYTES:
             self._built.append((table, prepared, key, graph))
             self._built_bytes += size
-        return graph
+        return graph, kept
 
     @property
     def count(self) -> int:
@@ -154,8 +174,10 @@ class Scoring:
 
     def __call__(self, qmodel: onnx.ModelProto) -> dict:
         """The figures of `qmodel` against fp32 (Evaluator's)."""
+        return self._figures(qmodel, self._kept.take(qmodel))
+
+    def _figures(self, qmodel: onnx.ModelProto, session) -> dict:
         evaluate = self._ready()
-        session = self._kept.take(qmodel)
         if qmodel.ByteSize() > MAX_KEYED_BYTES:  # no serialising a model protobuf cannot hold in one message
             return evaluate(qmodel, session)[0]
         key = hashlib.sha256(qmodel.SerializeToString()).digest()

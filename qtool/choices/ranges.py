@@ -40,13 +40,12 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
         return first, tables, Decision(OPTION, first.method, "every candidate method gives the same ranges")
     evaluate = scoring if scoring is not None else Scoring(model_path, data, cfg)
     count = evaluate.count
-    measured = []
-    for table in tables:
-        measured.append(evaluate(evaluate.build(table, cfg.quantization).model))
-        if measured[0]["cosine"] >= KEEP:
-            decision = Decision(OPTION, first.method, f"the first candidate reaches a mean cosine of {KEEP}",
-                                ((first.method, figures(measured[0])),), count)
-            return first, tables, decision
+    measured = evaluate.measured([(first, cfg.quantization)])
+    if measured[0]["cosine"] >= KEEP:
+        decision = Decision(OPTION, first.method, f"the first candidate reaches a mean cosine of {KEEP}",
+                            ((first.method, figures(measured[0])),), count)
+        return first, tables, decision
+    measured += evaluate.measured([(table, cfg.quantization) for table in tables[1:]])
     best = 0
     for i, candidate in enumerate(measured[1:], 1):
         if candidate["cosine_db"] > measured[best]["cosine_db"] + MARGIN_DB:

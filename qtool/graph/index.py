@@ -62,6 +62,23 @@ class GraphIndex:
                   if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape")}
         return {**self._outer.shapes, **shapes} if self._outer is not None else shapes
 
+    def derived(self, compute: Callable[["GraphIndex"], object]):
+        """compute(self), once per index: what several passes derive from one graph (the index is a
+        snapshot, so what is derived from it holds as long as it does). Callers do not change it."""
+        cache = self.__dict__.setdefault("_derived", {})
+        if compute not in cache:
+            cache[compute] = compute(self)
+        return cache[compute]
+
+    @functools.cached_property
+    def body_readers(self) -> dict[str, list[onnx.NodeProto]]:
+        """Name -> the nodes of this graph whose If/Loop/Scan bodies read it (body_reads)."""
+        readers: dict[str, list[onnx.NodeProto]] = {}
+        for node in self.graph.node:
+            for name in body_reads(node):
+                readers.setdefault(name, []).append(node)
+        return readers
+
     def is_constant(self, name: str) -> bool:
         return name in self.initializers
 
@@ -212,8 +229,16 @@ def topological_order(graph: onnx.GraphProto) -> Optional[list[int]]:
 
 def bodies(node: onnx.NodeProto) -> list[tuple[str, onnx.GraphProto]]:
     """A node's subgraphs by attribute name: If's then_branch and else_branch, Loop's and Scan's body."""
-    return [(attr.name, graph) for attr in node.attribute
-            for graph in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs))]
+    found = []
+    for attr in node.attribute:
+        if attr.type == _GRAPH:
+            found.append((attr.name, attr.g))
+        elif attr.type == _GRAPHS:
+            found += [(attr.name, graph) for graph in attr.graphs]
+    return found
+
+
+_GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
 
 
 def scoped_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
@@ -239,6 +264,8 @@ def scoped_initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
 def body_reads(node: onnx.NodeProto) -> set[str]:
     """Names read inside a node's If/Loop/Scan bodies (outer-scope references among them)."""
     names: set[str] = set()
+    if not node.attribute:  # most nodes: no attribute, so no body
+        return names
     for _, graph in bodies(node):
         for inner in graph.node:
             names |= names_read(inner)

@@ -49,18 +49,21 @@ def optimized_ops(model: onnx.ModelProto | str | Path,
         return Counter(n.op_type for n in scoped_nodes(onnx.load(optimized, load_external_data=False).graph))
 
 
-def count_kernels(model_path: str | Path) -> KernelCounts:
-    model = onnx.load(str(model_path), load_external_data=False)
-    dq_outputs = {n.output[0] for n in scoped_nodes(model.graph) if n.op_type == "DequantizeLinear"}
-    quantized = sum(1 for n in scoped_nodes(model.graph)
+def count_kernels(model: onnx.ModelProto | str | Path) -> KernelCounts:
+    """The kernel counts of a QDQ model (a proto or a path)."""
+    graph = (model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)).graph
+    dq_outputs = {n.output[0] for n in scoped_nodes(graph) if n.op_type == "DequantizeLinear"}
+    quantized = sum(1 for n in scoped_nodes(graph)
                     if n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in dq_outputs)
-    ops = optimized_ops(model_path)
-    return KernelCounts(quantized, sum(ops[o] for o in INTEGER_CONV), ops["Conv"] + ops["FusedConv"], dict(ops))
+    ops = optimized_ops(model)
+    return KernelCounts(quantized, sum(ops[o] for o in INTEGER_CONV), ops["Conv"] + ops["FusedConv"],
+                        dict(sorted(ops.items())))
 
 
-def kernel_summary(model_path: str | Path) -> str:
+def kernel_summary(model: KernelCounts | str | Path) -> str:
+    """One line on the kernels onnxruntime runs: from counts made already, or counted now from a model file."""
     try:
-        counts = count_kernels(model_path)
+        counts = model if isinstance(model, KernelCounts) else count_kernels(model)
     except Exception as exc:  # advisory only: a model onnxruntime cannot load is reported, not fatal
         return f"onnxruntime kernels: not checked ({str(exc).splitlines()[0]})"
     ops = counts.ops

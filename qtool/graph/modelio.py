@@ -134,8 +134,9 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     """
     path = Path(path)
     key = file_key(path)
-    if key is not None and key in _kept:
-        return copy_model(_kept[key])
+    held = _kept.get(key) if key is not None else None  # one look-up: another thread may clear it
+    if held is not None:
+        return copy_model(held)
     model = _read_proto(path)
     kept = key is not None and not external_data.external_tensors(model)
     external_data.check_locations(model, path)

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import os
 import re
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Mapping, Optional
@@ -126,15 +127,51 @@ def in_background(function: Callable, *args) -> Future:
     """function(*args) in the background thread, in the caller's context (its job model, its run
     check's keeping): onnxruntime leaves Python's lock while it loads and runs a model, so the
     caller's Python goes on meanwhile. One thread for the process, the calls in the order they
-    were made (a call may wait for an earlier one's result): each thread that allocates gets
-    memory pools of its own from the C library, which a thread per call would multiply."""
+    were made: each thread that allocates gets memory pools of its own from the C library, which
+    a thread per call would multiply. A call the background thread itself waits for before its
+    turn (made there, or queued behind the call waiting) runs there and then (_Call)."""
     global _BACKGROUND
-    if _BACKGROUND is None:
-        _BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="qtool-fp32")
-    return _BACKGROUND.submit(contextvars.copy_context().run, function, *args)
+    call = _Call(function, args, contextvars.copy_context())
+    if _on_background_thread():
+        call.run()
+    else:
+        if _BACKGROUND is None:
+            _BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix=_BACKGROUND_NAME)
+        _BACKGROUND.submit(call.run)
+    return call
+
+
+class _Call(Future):
+    """A background call, run once by whichever comes first: its turn on the background thread, or
+    the background thread waiting for its result (queued behind the waiting call, it would never
+    come)."""
+
+    def __init__(self, function: Callable, args: tuple, context: contextvars.Context):
+        super().__init__()
+        self._call = (function, args, context)
+        self._claimed = threading.Lock()  # held for good by the one run
+
+    def run(self) -> None:
+        if not self._claimed.acquire(blocking=False):
+            return  # run already, or running
+        function, args, context = self._call
+        try:
+            self.set_result(context.run(function, *args))
+        except BaseException as exc:  # the caller meets it at result()
+            self.set_exception(exc)
+
+    def result(self, timeout: Optional[float] = None):
+        if _on_background_thread():
+            self.run()
+        return super().result(timeout)
+
+
+def _on_background_thread() -> bool:
+    return threading.current_thread().name.startswith(_BACKGROUND_NAME)
 
 
 _BACKGROUND: Optional[ThreadPoolExecutor] = None
+_BACKGROUND_NAME = "qtool-fp32"
 
 
 def allowed_cores() -> int:
@@ -289,8 +326,11 @@ def tensor_dims(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict
     leading = {v.shape[0] for v in one.values() if getattr(v, "ndim", 0)}
     if len(leading) == 1 and all(getattr(v, "ndim", 0) for v in one.values()):
         one = {k: v[:1] for k, v in one.items()}
+    # a large model's weights are held once, as the session's shared values: shape inference reads
+    # their declared dims, and no copy of the model holds them again
+    weights = SharedWeights(model) if _shares_weights(model) else None
     light = onnx.ModelProto()
-    light.CopyFrom(model)
+    light.CopyFrom(weights.light if weights is not None else model)
     del light.graph.value_info[:]  # the exporter's open dims would stay open
     for value in light.graph.output:
         value.type.tensor_type.ClearField("shape")
@@ -299,7 +339,8 @@ def tensor_dims(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict
     missing = [name for node in model.graph.node for name in node.output if name and name not in shapes]
     if missing:
         try:
-            session = create_session(with_outputs(model, missing), 1, "shapes")
+            session = create_session(with_outputs(weights.light if weights is not None else model, missing), 1,
+                                     "shapes", weights=weights)
             wanted = [o.name for o in session.get_outputs() if o.name in set(missing)]
             for name, value in zip(wanted, session.run(wanted, one)):
                 if isinstance(value, np.ndarray):

@@ -18,7 +18,7 @@ from pathlib import Path
 from qtool.config import EMBEDDING_AUTO_BYTES, QuantizeConfig
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs
-from qtool.graph.index import (GraphIndex, attribute, bodies, body_reads, made_in, matches, node_label,
+from qtool.graph.index import (GraphIndex, attribute, bodies, made_in, matches, node_label,
                                scoped_nodes)
 from qtool.plan.dynamic import dynamic_layer, matmul_strategy
 from qtool.plan.ops import OpRule, float_blocks, rule_for
@@ -363,7 +363,7 @@ def _embedding_tables(model: onnx.ModelProto, ctx: GraphIndex, options: Quantize
         return {}
     auto = options.advanced.embeddings == "auto"
     listed = options.advanced.embedding_tables  # as `auto` settled them (qtool.choices.embeddings)
-    in_bodies = set().union(*(body_reads(node) for node in model.graph.node))
+    in_bodies = ctx.body_readers
     tables: dict[str, list[str]] = {}
     for name, init in ctx.initializers.items():
         users = ctx.consumers.get(name, [])
@@ -485,7 +485,7 @@ def _float_before_float(nodes: list, rules: dict[int, OpRule], chosen_float: set
     producers: those choices keep their neighbours as they were, so a layer's sensitivity equals its
     model with the rest excluded."""
     position = {name: i for i, node in enumerate(nodes) for name in node.output}
-    in_bodies = {name for node in nodes for name in body_reads(node)}
+    in_bodies = ctx.body_readers
 
     def _float_op(index: int) -> bool:
         return index not in rules and index not in chosen_float
@@ -521,9 +521,8 @@ def _float_tail(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused: C
     int8 codes stays int8."""
     position = {name: i for i, node in enumerate(nodes) for name in node.output}
     readers: dict[str, list] = {name: list(users) for name, users in ctx.consumers.items()}
-    for node in nodes:
-        for name in body_reads(node):
-            readers.setdefault(name, []).append(node)
+    for name, nodes_reading in ctx.body_readers.items():
+        readers.setdefault(name, []).extend(nodes_reading)
     tail: set[str] = set()  # tensors of int8-rule ops that get no Q/DQ
     free: set[str] = set()  # outputs of control-flow nodes that reach the graph's outputs in float
 
@@ -575,7 +574,7 @@ def _written_float(nodes: list, rules: dict[int, OpRule], ctx: GraphIndex, fused
     no int8 rule), so a Q/DQ pair there would only round what they read and add two passes. A
     graph output is left to _float_tail, a tensor a body reads to its body's plan."""
     position = {name: i for i, node in enumerate(nodes) for name in node.output}
-    in_bodies = {name for node in nodes for name in body_reads(node)}
+    in_bodies = ctx.body_readers
     written = set()
     for index, rule in rules.items():
         node = nodes[index]

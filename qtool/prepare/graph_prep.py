@@ -456,8 +456,9 @@ def prepare_file(path: str | Path, keep_opset: bool = False, per_channel: bool =
     """prepare(load_model(path), ...): the same graph, a copy of the last one made from the same file
     with the same arguments when load_model keeps the file and the graph is small enough to keep."""
     key = (file_key(path, _KEPT_PREPARED_BYTES), keep_opset, per_channel, divisions)  # no CRC of a larger file
-    if key in _prepared:
-        return Prepared(copy_model(_prepared[key].model), _prepared[key].notes)
+    held = _prepared.get(key)  # one look-up: another thread may clear it
+    if held is not None:
+        return Prepared(copy_model(held.model), held.notes)
     prepared = prepare(load_model(path), keep_opset, path, per_channel, divisions=divisions, in_place=True)
     _prepared.clear()
     if kept(key[0]) and \

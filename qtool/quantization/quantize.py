@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -20,6 +21,7 @@ from qtool.data.dataset import Batch
 from qtool.config import AdvancedConfig, QuantizeConfig, with_options
 from qtool.errors import InternalError, QtoolError
 from qtool.graph.index import GraphIndex, node_label, scoped_nodes
+from qtool.graph.kernels import KernelCounts, count_kernels
 from qtool.graph.modelio import check_model, input_specs, sha256_file
 from qtool.graph.runtime import create_session, in_background, tensor_dims
 from qtool.graph.shapes import declared_shapes, inferred
@@ -45,6 +47,9 @@ class QuantizedGraph:
     form_notes: tuple[str, ...] = ()  # the notes of those kernel forms (among `notes`)
     kept_float: tuple[str, ...] = ()  # nodes the run check kept float: onnxruntime cannot run them in int8
     data_steps: dict = field(default_factory=dict)  # bias_correction, weight_rounding: what ran
+    # the kernels onnxruntime makes of `model` (a written build on a target that runs onnxruntime's
+    # kernels; None otherwise, or where they could not be counted from memory)
+    kernels: Optional[KernelCounts] = None
 
 
 def needs_data(options: QuantizeConfig) -> bool:
@@ -91,6 +96,7 @@ class _Prepared:
     kept: list[str]  # nodes the run check kept float
     fixes: list[str]  # the notes of those
     first: tuple  # steps.quantize's result for `plan`
+    kernels: Optional[Future] = None  # the KernelCounts of `first`'s model, counted in the background
 
     @property
     def op_type(self) -> dict[str, str]:
@@ -145,19 +151,22 @@ class SharedGraphs:
         self._sha256: dict[str, str] = {}
         self._dims: dict[int, object] = {}  # by the graph's id; each graph in _held
         self._held: list[onnx.ModelProto] = []
+        self._lock = threading.RLock()
 
     def graph(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig) -> _Graph:
-        """`options`: smoothed by the table already."""
+        """`options`: smoothed by the table already. Candidates built side by side (Scoring.measured)
+        prepare a graph once: the first to ask makes it, the other waits."""
         key = self._key(model_path, table, options)
-        if key not in self._graphs:
-            graph, strategy = _prepared_graph(model_path, table, options)
-            self._graphs[key] = graph
-            if strategy is not None:  # naming the strategy `auto` settled to makes the same graph, less auto's note
-                named = graph if graph.chosen is None else replace(
-                    graph, plan=replace(graph.plan, notes=[n for n in graph.plan.notes if n != graph.chosen]),
-                    chosen=None)
-                self._graphs[(key[0], replace(key[1], matmul=strategy), key[2])] = named
-        return self._graphs[key]
+        with self._lock:
+            if key not in self._graphs:
+                graph, strategy = _prepared_graph(model_path, table, options)
+                self._graphs[key] = graph
+                if strategy is not None:  # naming the strategy `auto` settled to makes the same graph, less auto's note
+                    named = graph if graph.chosen is None else replace(
+                        graph, plan=replace(graph.plan, notes=[n for n in graph.plan.notes if n != graph.chosen]),
+                        chosen=None)
+                    self._graphs[(key[0], replace(key[1], matmul=strategy), key[2])] = named
+            return self._graphs[key]
 
     def alias(self, model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
               same: QuantizeConfig) -> None:
@@ -260,10 +269,18 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
     steps = _Steps(table, options, table_path, allow_missing, written=not candidate)
     kept: list[str] = []
     fixes: list[str] = []
+    counting = not candidate and target_of(options).onnxruntime_kernels and not __import__("os").environ.get("QT1")
     while True:
         built = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
+        # the kernels onnxruntime makes of a written build, counted beside its run check where two
+        # sessions of the model at once cost little memory, else after it
+        beside = counting and built[0].ByteSize() <= COUNT_BESIDE_BYTES
+        kernels = in_background(_kernel_counts, built[0]) if beside else None
         failure = run_check.check(built[0], ref)
         if failure is None:
+            if counting and not beside:
+                kernels = Future()
+                kernels.set_result(_kernel_counts(built[0]))
             break
         found = None
         if len(kept) < MAX_KEPT_FLOAT:
@@ -283,7 +300,21 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
                      + (f" (and with it {', '.join(along)})" if along else "")
                      + f", because onnxruntime cannot run the model with it in int8: {failure.reason}")
     return _Prepared(model_path, model, plan, options, steps, ref, samples, bias_correction, rounding_mode,
-                     unreached, kept, fixes, built)
+                     unreached, kept, fixes, built, kernels)
+
+
+COUNT_BESIDE_BYTES = 16 << 20  # a written build up to this size has its kernels counted beside its run check
+
+
+def _kernel_counts(model: onnx.ModelProto) -> Optional[KernelCounts]:
+    """count_kernels of an in-memory model; None where it cannot be counted so (over protobuf's
+    2 GiB, or onnxruntime fails to optimize it: the report then counts the written file)."""
+    if model.ByteSize() > 2**31 - 1:
+        return None
+    try:
+        return count_kernels(model)
+    except Exception:  # advisory, as kernel_summary: the written file is counted instead
+        return None
 
 
 def quantize_model(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
@@ -306,7 +337,8 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     if prepared.ref.skipped:
         notes.append(f"the int8 model was only loaded, not run: {prepared.ref.skipped}")
     return QuantizedGraph(qmodel, prepared.plan, prepared.fixes + notes, prepared.model, canonical, forms,
-                          tuple(prepared.kept), ran)
+                          tuple(prepared.kept), ran,
+                          prepared.kernels.result() if prepared.kernels is not None else None)
 
 
 @dataclass

@@ -147,11 +147,20 @@ def _grow_statistics(ctx: GraphIndex, made: dict[str, onnx.NodeProto], names: li
 
 
 def normalizations(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
+    """_normalizations, found once per graph (the residual Adds' rule reads them too)."""
+    return iter(ctx.derived(_normalization_list))
+
+
+def _normalization_list(ctx: GraphIndex) -> list[list[onnx.NodeProto]]:
+    return list(_normalizations(ctx))
+
+
+def _normalizations(ctx: GraphIndex) -> Iterator[list[onnx.NodeProto]]:
     """A tensor multiplied or divided by a square root of its own statistics, written out in any of the
     forms exporters write that `layer_norm_chains` does not match (TensorFlow's and JAX's
     mean(x^2) - mean(x)^2 with Reciprocal or Rsqrt, a Mul(d, d) square, RMSNorm, x / ||x||): the
     statistics, the squares and centring Subs that feed them, the Mul or Div, and an affine tail."""
-    made, rooted = _statistics(ctx)
+    made, rooted = ctx.derived(_statistics)
     chained = {node_label(chain[6]) for chain in layer_norm_chains(ctx)}
     for node in ctx.graph.node:
         if node.op_type not in ("Mul", "Div") or node_label(node) in chained:
@@ -300,6 +309,11 @@ def _mask_origin(ctx: GraphIndex, node: onnx.NodeProto) -> bool:
 
 
 def mask_tensors(ctx: GraphIndex) -> tuple[set[str], list[onnx.NodeProto]]:
+    """_mask_tensors, found once per graph (the mask rule and its never-quantized tensors both ask)."""
+    return ctx.derived(_mask_tensors)
+
+
+def _mask_tensors(ctx: GraphIndex) -> tuple[set[str], list[onnx.NodeProto]]:
     """Tensors holding a mask's large negative values (never quantized) and the nodes computing them,
     from the constant to the Softmax that consumes them, in graph order.
 
