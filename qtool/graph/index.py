@@ -162,8 +162,9 @@ def replace_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto],
     """A rewrite's result, in place: `graph`'s node list becomes `nodes` (in that order) and
     `initializers` are added to its constants."""
     nodes = list(nodes)  # may be built from graph.node itself
-    del graph.node[:]
-    graph.node.extend(nodes)
+    if len(nodes) != len(graph.node) or any(new is not old for new, old in zip(nodes, graph.node)):
+        del graph.node[:]  # (the same nodes in the same order are left as they are: extend copies each)
+        graph.node.extend(nodes)
     graph.initializer.extend(initializers)
 
 

@@ -96,7 +96,7 @@ class _Prepared:
     kept: list[str]  # nodes the run check kept float
     fixes: list[str]  # the notes of those
     first: tuple  # steps.quantize's result for `plan`
-    kernels: Optional[Future] = None  # the KernelCounts of `first`'s model, counted in the background
+    kernels: Optional[KernelCounts] = None  # of `first`'s model: a written build on an onnxruntime-kernels target
 
     @property
     def op_type(self) -> dict[str, str]:
@@ -269,18 +269,16 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
     steps = _Steps(table, options, table_path, allow_missing, written=not candidate)
     kept: list[str] = []
     fixes: list[str] = []
-    counting = not candidate and target_of(options).onnxruntime_kernels and not __import__("os").environ.get("QT1")
+    counting = not candidate and target_of(options).onnxruntime_kernels
     while True:
         built = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
         # the kernels onnxruntime makes of a written build, counted beside its run check where two
         # sessions of the model at once cost little memory, else after it
         beside = counting and built[0].ByteSize() <= COUNT_BESIDE_BYTES
-        kernels = in_background(_kernel_counts, built[0]) if beside else None
+        pending = in_background(_kernel_counts, built[0]) if beside else None
         failure = run_check.check(built[0], ref)
         if failure is None:
-            if counting and not beside:
-                kernels = Future()
-                kernels.set_result(_kernel_counts(built[0]))
+            kernels = pending.result() if beside else _kernel_counts(built[0]) if counting else None
             break
         found = None
         if len(kept) < MAX_KEPT_FLOAT:
@@ -337,8 +335,7 @@ def quantize_model(model_path: str | Path, table: CalibrationTable, options: Qua
     if prepared.ref.skipped:
         notes.append(f"the int8 model was only loaded, not run: {prepared.ref.skipped}")
     return QuantizedGraph(qmodel, prepared.plan, prepared.fixes + notes, prepared.model, canonical, forms,
-                          tuple(prepared.kept), ran,
-                          prepared.kernels.result() if prepared.kernels is not None else None)
+                          tuple(prepared.kept), ran, prepared.kernels)
 
 
 @dataclass
