@@ -224,7 +224,7 @@ def test_histogram_covers_every_finite_float_and_merges_by_addition():
     # re-binned to linear |x| bins: the counts of numpy's own histogram, within the bf16 resolution
     x = rng.normal(size=N).astype(np.float32)
     top = float(np.abs(x).max())
-    lin = histogram.abs_linear(histogram.count(histogram.keys(x)), top, 256)
+    lin = histogram.abs_linear(histogram.sparse(histogram.count(histogram.keys(x))), top, 256)
     ref, _ = np.histogram(np.abs(x), 256, (0, top))
     assert lin.sum() == pytest.approx(N)
     np.testing.assert_allclose(lin, ref, atol=0.03 * ref.max())

@@ -4,10 +4,11 @@ The top 16 bits of a float32 (its truncated bfloat16) split the finite float lin
 no wider than 1/128 of the values they hold. So no range is needed in advance and nothing is
 re-binned while streaming, two histograms merge by adding counts, exactly (sharded and
 multi-process calibration rely on it), and a tensor costs at most 65,536 counts whatever the
-number of samples (qtool.calibration.statistics keeps only the filled ones). `abs_linear` re-bins
-into the range methods' linear histogram of |x| (2048 bins up to max |x|, the TensorRT recipe)
-by interpolating the cumulative count. NaN and +-Inf keys are ignored: the statistics count and
-exclude them first. Design: docs/design/histogram.md.
+number of samples (qtool.calibration.statistics keeps only the filled keys and their counts, the
+form the functions here read). `abs_linear` re-bins into the range methods' linear histogram of
+|x| (2048 bins up to max |x|, the TensorRT recipe) by interpolating the cumulative count, which
+is flat between filled keys. NaN and +-Inf keys are ignored: the statistics count and exclude
+them first. Design: docs/design/histogram.md.
 """
 
 from __future__ import annotations
@@ -45,26 +46,43 @@ def _edges() -> np.ndarray:
 _EDGES = _edges()
 
 
-def abs_counts(hist: np.ndarray) -> np.ndarray:
-    """Counts of |x| per key 0..0x7F7F (positive and negative keys folded together)."""
-    return hist[:_FINITE_KEYS] + hist[0x8000:0x8000 + _FINITE_KEYS]
+def sparse(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, counts): the filled keys of a dense histogram, ascending, and their counts (the form
+    TensorStats keeps and the functions below read)."""
+    keys = np.flatnonzero(dense)
+    return keys, dense[keys]
 
 
-def _clamped_cdf(counts: np.ndarray, top: float) -> tuple[np.ndarray, np.ndarray]:
-    """(edges, cumulative counts at the edges) of |x|, edges clamped to [0, top] (the exact max |x|)."""
-    cdf = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])
-    edges = np.minimum(_EDGES, top)
-    return edges, cdf
+def abs_counts(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(keys 0..0x7F7F of |x|, ascending, and their counts): positive and negative keys folded
+    together, the non-finite ones left out."""
+    keys, counts = hist
+    keys = keys.astype(np.int64)
+    positive = keys < _FINITE_KEYS
+    negative = (keys >= 0x8000) & (keys < 0x8000 + _FINITE_KEYS)
+    folded = np.concatenate([keys[positive], keys[negative] - 0x8000])
+    both = np.concatenate([counts[positive], counts[negative]])
+    order = np.argsort(folded, kind="stable")
+    folded, both = folded[order], both[order]
+    starts = np.flatnonzero(np.concatenate([[True], folded[1:] != folded[:-1]])) if folded.size else folded
+    return folded[starts], (np.add.reduceat(both, starts) if folded.size else both)
 
 
-def abs_linear(hist: np.ndarray, top: float, bins: int = 2048) -> np.ndarray:
+def abs_linear(hist: tuple[np.ndarray, np.ndarray], top: float, bins: int = 2048) -> np.ndarray:
     """The histogram of |x| on `bins` equal bins over [0, top], re-binned from the key histogram."""
-    counts = abs_counts(hist)
+    filled, counts = abs_counts(hist)
     if top <= 0 or not np.isfinite(top):
         out = np.zeros(bins)
         out[0] = counts.sum()
         return out
-    edges, cdf = _clamped_cdf(counts, top)
+    # the cumulative count is flat between the filled keys' edges: interpolated at those edges
+    # (and the last edge under `top`, where the clamped edges start) it gives what it gives at all
+    below_top = max(int(np.searchsorted(_EDGES, top, side="left")) - 1, 0)
+    at_edges = np.sort(np.concatenate([[0, below_top, _FINITE_KEYS], filled, filled + 1]), kind="stable")
+    at_edges = at_edges[np.concatenate([[True], at_edges[1:] != at_edges[:-1]])]  # (timsort merges sorted runs)
+    edges = np.minimum(_EDGES[at_edges], top)
+    cdf = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])
+    cdf = cdf[np.searchsorted(filled, at_edges, side="left")]  # the counts below each edge
     # np.interp needs increasing x; clamped edges repeat `top`: keep the last of equal edges
     keep = np.concatenate([edges[1:] > edges[:-1], [True]])
     points = np.linspace(0.0, top, bins + 1)
@@ -73,50 +91,61 @@ def abs_linear(hist: np.ndarray, top: float, bins: int = 2048) -> np.ndarray:
     return np.diff(at)
 
 
-def signed_values_and_counts(hist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _signed(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(the finite bins' positions in ascending value order, their counts): the negative keys from
+    the most negative (position 0) to -0, then the positive ones (position 0x7F80 + key)."""
+    keys, counts = hist
+    keys = keys.astype(np.int64)
+    positive = keys < _FINITE_KEYS
+    negative = (keys >= 0x8000) & (keys < 0x8000 + _FINITE_KEYS)
+    at = np.concatenate([_FINITE_KEYS - 1 - (keys[negative][::-1] - 0x8000), _FINITE_KEYS + keys[positive]])
+    return at, np.concatenate([counts[negative][::-1], counts[positive]])
+
+
+def signed_values_and_counts(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Bin centres (ascending values) and counts of the finite bins, for moments."""
-    pos = hist[:_FINITE_KEYS]
-    neg = hist[0x8000:0x8000 + _FINITE_KEYS]
-    centres = 0.5 * (_EDGES[:-1] + _EDGES[1:])
-    values = np.concatenate([-centres[::-1], centres])
-    counts = np.concatenate([neg[::-1], pos])
+    at, counts = _signed(hist)
+    values = 0.5 * (_SIGNED_EDGES[at] + _SIGNED_EDGES[at + 1])
     nonzero = counts > 0
     return values[nonzero], counts[nonzero].astype(np.float64)
 
 
-def signed_quantiles(hist: np.ndarray, qs: tuple[float, ...], lo: float, hi: float) -> list[float]:
+def signed_quantiles(hist: tuple[np.ndarray, np.ndarray], qs: tuple[float, ...], lo: float, hi: float
+                     ) -> list[float]:
     """The q-quantile (0..1) of the values for each q in `qs` (one cumulative count for all),
     interpolated within bins, clamped to the exact [lo, hi]."""
-    pos = hist[:_FINITE_KEYS].astype(np.float64)
-    neg = hist[0x8000:0x8000 + _FINITE_KEYS].astype(np.float64)
-    # ascending value order: negative bins from the most negative, then positive bins
-    edges = np.concatenate([-_EDGES[::-1], _EDGES[1:]])  # edges[0] = -2**128 ... edges[-1] = 2**128
-    counts = np.concatenate([neg[::-1], pos])
-    edges = np.clip(edges, lo, hi)
-    cdf = np.concatenate([[0.0], np.cumsum(counts)])
-    if cdf[-1] <= 0:
+    at, counts = _signed(hist)
+    cdf = np.cumsum(counts, dtype=np.float64)
+    if not cdf.size or cdf[-1] <= 0:
         return [hi if q >= 0.5 else lo for q in qs]
-    return [_interpolated(edges, cdf, q) for q in qs]
+    return [_interpolated(_SIGNED_EDGES, at, cdf, q, lambda e: np.clip(e, lo, hi)) for q in qs]
 
 
-def abs_quantile(hist: np.ndarray, q: float, top: float) -> float:
+def abs_quantile(hist: tuple[np.ndarray, np.ndarray], q: float, top: float) -> float:
     """The q-quantile of |x|, clamped to the exact max |x| `top`."""
-    counts = abs_counts(hist).astype(np.float64)
-    edges, cdf = _clamped_cdf(counts, top)
-    if cdf[-1] <= 0:
+    filled, counts = abs_counts(hist)
+    cdf = np.cumsum(counts, dtype=np.float64)
+    if not cdf.size or cdf[-1] <= 0:
         return top
-    return _interpolated(edges, cdf, q)
+    return _interpolated(_EDGES, filled, cdf, q, lambda e: np.minimum(e, top))
 
 
-def _interpolated(edges: np.ndarray, cdf: np.ndarray, q: float) -> float:
-    """The value below which a fraction q of the counts lie, interpolated linearly within its
-    bin (`cdf[k]`: the counts below `edges[k]`; the total is positive)."""
+def _interpolated(edges: np.ndarray, filled: np.ndarray, cdf: np.ndarray, q: float, clamp) -> float:
+    """The value below which a fraction q of the counts lie, interpolated linearly within its bin
+    (`edges`: every bin's edges; `filled`: the filled bins, ascending; `cdf`: the cumulative count
+    after each; the total is positive; between filled bins the cumulative count is flat), the
+    bin's edges clamped by `clamp`."""
     target = q * cdf[-1]
-    i = int(np.searchsorted(cdf, target, side="left"))
-    if i <= 0:
-        return float(edges[0])
-    if i >= len(cdf):
-        return float(edges[-1])
-    c0, c1 = cdf[i - 1], cdf[i]
+    if target <= 0:
+        return float(clamp(edges[:1])[0])
+    j = int(np.searchsorted(cdf, target, side="left"))
+    if j >= len(cdf):
+        return float(clamp(edges[-1:])[0])
+    k = int(filled[j])  # the bin the fraction q falls in
+    c0, c1 = (cdf[j - 1] if j else 0.0), cdf[j]
     frac = 0.0 if c1 == c0 else (target - c0) / (c1 - c0)
-    return float(edges[i - 1] + frac * (edges[i] - edges[i - 1]))
+    low, high = clamp(edges[k:k + 2])
+    return float(low + frac * (high - low))
+
+
+_SIGNED_EDGES = np.concatenate([-_EDGES[::-1], _EDGES[1:]])  # edges[0] = -2**128 ... edges[-1] = 2**128

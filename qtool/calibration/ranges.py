@@ -55,11 +55,12 @@ def minmax(stats: TensorStats, calib: CalibrationConfig) -> tuple[float, float]:
     return _symmetric(lo, hi) if calib.symmetric else (lo, hi)
 
 
-def _hist(stats: TensorStats) -> np.ndarray:
+def _hist(stats: TensorStats) -> tuple[np.ndarray, np.ndarray]:
+    """The histogram's filled keys and their counts (histogram.sparse's form)."""
     stats.flush()
-    if stats.hist is None:
+    if stats.hist_keys is None:
         raise ValueError("this range method needs a histogram; the statistics were collected without one")
-    return stats.hist
+    return stats.hist_keys, stats.hist_counts
 
 
 def percentile(stats: TensorStats, calib: CalibrationConfig) -> tuple[float, float]:
