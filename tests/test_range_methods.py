@@ -254,3 +254,65 @@ def test_unknown_method_is_a_clear_error():
     with pytest.raises(QtoolError, match="unknown calibration method 'kl'.*entropy"):
         ranges.choose_range(TensorStats(), "kl")
     assert math.isfinite(ranges.aciq_alpha("laplace"))
+
+
+def _dense_cdf_reference(hist: np.ndarray):
+    """The range methods' cumulative-count figures computed over all 65,536 dense keys: what reading
+    only the filled keys must reproduce bit for bit."""
+    f = 0x7F80
+    edges = histogram._EDGES
+
+    def interpolated(e, cdf, q):
+        target = q * cdf[-1]
+        i = int(np.searchsorted(cdf, target, side="left"))
+        if i <= 0:
+            return float(e[0])
+        if i >= len(cdf):
+            return float(e[-1])
+        c0, c1 = cdf[i - 1], cdf[i]
+        frac = 0.0 if c1 == c0 else (target - c0) / (c1 - c0)
+        return float(e[i - 1] + frac * (e[i] - e[i - 1]))
+
+    def abs_linear(top, bins):
+        counts = hist[:f] + hist[0x8000:0x8000 + f]
+        cdf = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])
+        clamped = np.minimum(edges, top)
+        keep = np.concatenate([clamped[1:] > clamped[:-1], [True]])
+        at = np.interp(np.linspace(0.0, top, bins + 1), clamped[keep], cdf[keep])
+        at[-1] = cdf[-1]
+        return np.diff(at)
+
+    def signed_quantile(q, lo, hi):
+        counts = np.concatenate([hist[0x8000:0x8000 + f][::-1], hist[:f]]).astype(np.float64)
+        cdf = np.concatenate([[0.0], np.cumsum(counts)])
+        return interpolated(np.clip(np.concatenate([-edges[::-1], edges[1:]]), lo, hi), cdf, q)
+
+    def abs_quantile(q, top):
+        counts = (hist[:f] + hist[0x8000:0x8000 + f]).astype(np.float64)
+        return interpolated(np.minimum(edges, top), np.concatenate([[0.0], np.cumsum(counts)]), q)
+
+    return abs_linear, signed_quantile, abs_quantile
+
+
+@pytest.mark.parametrize("kind", ["normal", "relu", "hard_sigmoid", "wide", "one_value"])
+def test_the_filled_keys_give_the_dense_cumulative_counts_figures_bit_for_bit(kind):
+    """percentile, mse and entropy read only the filled keys of a histogram; between them the
+    cumulative count is flat, so their figures equal those computed over every key exactly. The
+    hard-sigmoid case (values piled at exactly 0 and 1 = the max) needs the last edge under the max,
+    where the clamped edges start."""
+    rng = np.random.default_rng(7)
+    x = {"normal": rng.normal(0, 1, 20000),
+         "relu": np.maximum(rng.normal(0, 1, 20000), 0),
+         "hard_sigmoid": np.clip(rng.normal(0.5, 0.4, 20000), 0, 1),
+         "wide": rng.lognormal(0, 3, 20000) * rng.choice([-1, 1], 20000),
+         "one_value": np.full(100, 0.25)}[kind].astype(np.float32)
+    dense = histogram.count(histogram.keys(x))
+    filled = histogram.sparse(dense)
+    lo, hi = float(x.min()), float(x.max())
+    top = max(abs(lo), abs(hi))
+    abs_linear, signed_quantile, abs_quantile = _dense_cdf_reference(dense)
+    for bins in (2048, 100):
+        assert np.array_equal(histogram.abs_linear(filled, top, bins), abs_linear(top, bins))
+    for q in (0.0, 0.001, 0.5, 0.99, 0.9999, 1.0):
+        assert histogram.signed_quantiles(filled, (q,), lo, hi) == [signed_quantile(q, lo, hi)]
+        assert histogram.abs_quantile(filled, q, top) == abs_quantile(q, top)
