@@ -101,7 +101,8 @@ def entry() -> None:
     """The `qtool` command (and `python -m qtool`): main(), then the process ends at once with its
     exit code. A command has written, closed and synced everything it writes when main() returns,
     so Python's teardown (freeing every object, closing onnxruntime's sessions and threads one by
-    one) would only delay the exit; the output streams are flushed first. Tests call main() (click's runner), which returns as any function does."""
+    one) would only delay the exit; the output streams are flushed first. Tests call main()
+    (click's runner), which returns as any function does."""
     try:
         main()
         code = 0

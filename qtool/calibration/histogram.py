@@ -53,19 +53,28 @@ def sparse(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return keys, dense[keys]
 
 
-def abs_counts(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(keys 0..0x7F7F of |x|, ascending, and their counts): positive and negative keys folded
-    together, the non-finite ones left out."""
+def _finite_halves(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(the positive keys, their counts, the negative keys' magnitude keys, their counts), each
+    ascending; the non-finite keys left out."""
     keys, counts = hist
     keys = keys.astype(np.int64)
     positive = keys < _FINITE_KEYS
     negative = (keys >= 0x8000) & (keys < 0x8000 + _FINITE_KEYS)
-    folded = np.concatenate([keys[positive], keys[negative] - 0x8000])
-    both = np.concatenate([counts[positive], counts[negative]])
+    return keys[positive], counts[positive], keys[negative] - 0x8000, counts[negative]
+
+
+def abs_counts(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(keys 0..0x7F7F of |x|, ascending, and their counts): positive and negative keys folded
+    together, the non-finite ones left out."""
+    pos, pos_counts, neg, neg_counts = _finite_halves(hist)
+    folded = np.concatenate([pos, neg])
+    both = np.concatenate([pos_counts, neg_counts])
+    if not folded.size:
+        return folded, both
     order = np.argsort(folded, kind="stable")
     folded, both = folded[order], both[order]
-    starts = np.flatnonzero(np.concatenate([[True], folded[1:] != folded[:-1]])) if folded.size else folded
-    return folded[starts], (np.add.reduceat(both, starts) if folded.size else both)
+    starts = np.flatnonzero(np.concatenate([[True], folded[1:] != folded[:-1]]))  # a key in both halves: once
+    return folded[starts], np.add.reduceat(both, starts)
 
 
 def abs_linear(hist: tuple[np.ndarray, np.ndarray], top: float, bins: int = 2048) -> np.ndarray:
@@ -94,12 +103,9 @@ def abs_linear(hist: tuple[np.ndarray, np.ndarray], top: float, bins: int = 2048
 def _signed(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(the finite bins' positions in ascending value order, their counts): the negative keys from
     the most negative (position 0) to -0, then the positive ones (position 0x7F80 + key)."""
-    keys, counts = hist
-    keys = keys.astype(np.int64)
-    positive = keys < _FINITE_KEYS
-    negative = (keys >= 0x8000) & (keys < 0x8000 + _FINITE_KEYS)
-    at = np.concatenate([_FINITE_KEYS - 1 - (keys[negative][::-1] - 0x8000), _FINITE_KEYS + keys[positive]])
-    return at, np.concatenate([counts[negative][::-1], counts[positive]])
+    pos, pos_counts, neg, neg_counts = _finite_halves(hist)
+    return (np.concatenate([_FINITE_KEYS - 1 - neg[::-1], _FINITE_KEYS + pos]),
+            np.concatenate([neg_counts[::-1], pos_counts]))
 
 
 def signed_values_and_counts(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

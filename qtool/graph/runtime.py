@@ -329,8 +329,9 @@ def tensor_dims(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict
     # a large model's weights are held once, as the session's shared values: shape inference reads
     # their declared dims, and no copy of the model holds them again
     weights = SharedWeights(model) if _shares_weights(model) else None
+    source = weights.light if weights is not None else model
     light = onnx.ModelProto()
-    light.CopyFrom(weights.light if weights is not None else model)
+    light.CopyFrom(source)
     del light.graph.value_info[:]  # the exporter's open dims would stay open
     for value in light.graph.output:
         value.type.tensor_type.ClearField("shape")
@@ -339,10 +340,10 @@ def tensor_dims(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict
     missing = [name for node in model.graph.node for name in node.output if name and name not in shapes]
     if missing:
         try:
-            # shapes only: the graph as written, without onnxruntime's optimizations (a third of the
-            # session's build; a tensor's shape is the model's, whatever kernels compute it)
-            session = create_session(with_outputs(weights.light if weights is not None else model, missing), 1,
-                                     "shapes", weights=weights, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+            # shapes only: the graph as written, without onnxruntime's optimizations (less than half
+            # the session's build; a tensor's shape is the model's, whatever kernels compute it)
+            session = create_session(with_outputs(source, missing), 1, "shapes", weights=weights,
+                                     level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
             wanted = [o.name for o in session.get_outputs() if o.name in set(missing)]
             for name, value in zip(wanted, session.run(wanted, one)):
                 if isinstance(value, np.ndarray):

@@ -274,11 +274,13 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
         built = steps.quantize(model, plan, samples, bias_correction, rounding_mode)
         # the kernels onnxruntime makes of a written build, counted beside its run check where two
         # sessions of the model at once cost little memory, else after it
-        beside = counting and built[0].ByteSize() <= COUNT_BESIDE_BYTES
-        pending = in_background(_kernel_counts, built[0]) if beside else None
+        size = built[0].ByteSize() if counting else 0
+        pending = in_background(_kernel_counts, built[0], size) if counting and size <= COUNT_BESIDE_BYTES else None
         failure = run_check.check(built[0], ref)
         if failure is None:
-            kernels = pending.result() if beside else _kernel_counts(built[0]) if counting else None
+            kernels = None
+            if counting:
+                kernels = pending.result() if pending is not None else _kernel_counts(built[0], size)
             break
         found = None
         if len(kept) < MAX_KEPT_FLOAT:
@@ -304,10 +306,10 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
 COUNT_BESIDE_BYTES = 16 << 20  # a written build up to this size has its kernels counted beside its run check
 
 
-def _kernel_counts(model: onnx.ModelProto) -> Optional[KernelCounts]:
-    """count_kernels of an in-memory model; None where it cannot be counted so (over protobuf's
-    2 GiB, or onnxruntime fails to optimize it: the report then counts the written file)."""
-    if model.ByteSize() > 2**31 - 1:
+def _kernel_counts(model: onnx.ModelProto, size: int) -> Optional[KernelCounts]:
+    """count_kernels of an in-memory model of `size` bytes; None where it cannot be counted so (over
+    protobuf's 2 GiB, or onnxruntime fails to optimize it: the report then counts the written file)."""
+    if size > 2**31 - 1:
         return None
     try:
         return count_kernels(model)
