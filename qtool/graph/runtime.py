@@ -131,13 +131,10 @@ def in_background(function: Callable, *args) -> Future:
     a thread per call would multiply. A call the background thread itself waits for before its
     turn (made there, or queued behind the call waiting) runs there and then (_Call)."""
     global _BACKGROUND
+    if _BACKGROUND is None:
+        _BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix=_BACKGROUND_NAME)
     call = _Call(function, args, contextvars.copy_context())
-    if _on_background_thread():
-        call.run()
-    else:
-        if _BACKGROUND is None:
-            _BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix=_BACKGROUND_NAME)
-        _BACKGROUND.submit(call.run)
+    _BACKGROUND.submit(call.run)
     return call
 
 
