@@ -53,7 +53,10 @@ def choose_dynamic_weights(model_path: str | Path, strategy: str, data: DataLike
         return column, Decision(OPTION, "column", f"per tensor, a weight's median column of the {layers} dynamic "
                                 f"MatMul(s) would keep an SQNR of {weight_sqnr:.1f} dB, below {MIN_WEIGHT_SQNR}")
     tensor = with_options(options, dynamic_weights="tensor")
-    per_column, per_tensor = evaluate.measured([(table, column), (table, tensor)])
+    # in turn: the first candidate's fp32 reference and scoring runs go first on the background
+    # thread, where a second candidate started beside it would queue them behind its own build
+    per_column = evaluate(evaluate.build(table, column).model)
+    per_tensor = evaluate(evaluate.build(table, tensor).model)
     count = evaluate.count
     chosen, kind = ((tensor, "tensor") if per_tensor["cosine"] >= per_column["cosine"] - TOLERANCE
                     else (column, "column"))
