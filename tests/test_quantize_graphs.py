@@ -431,13 +431,14 @@ def test_a_model_of_no_op_qtool_quantizes_is_written_unchanged_before_anything_r
                             "Scaler); written unchanged",)
 
 
+@pytest.mark.parametrize("bias_correction", ["off", "weights"])
 @pytest.mark.parametrize("zero", [False, True])
-def test_a_bias_two_layers_share_is_quantized_for_each(tmp_path, zero):
+def test_a_bias_two_layers_share_is_quantized_for_each(tmp_path, zero, bias_correction):
     """Exporters share equal constants: one bias initializer read by two Convs whose inputs have
     different ranges (here conv_b reads 20 x). Each int32 bias must be at its own layer's input
     scale times its weight scales, since onnxruntime's QLinearConv adds the int32 values as they
     are (qtool.quantization.checks.check_bias_scales). An all-zero bias is zero at any scale: it
-    stays shared."""
+    stays shared (and bias correction leaves it so: each layer's shift differs)."""
     import qtool
 
     rng = np.random.default_rng(0)
@@ -458,7 +459,7 @@ def test_a_bias_two_layers_share_is_quantized_for_each(tmp_path, zero):
     data = graphs.write_samples(tmp_path / "data", rng, (c, 12, 12), count=8)
     result = qtool.quantize(str(path), data=str(data), progress=False,
                             config={"calibration": {"method": "minmax"},
-                                    "quantization": {"advanced": graphs.RULE_OFF}})
+                                    "quantization": {"advanced": graphs.RULE_OFF, "bias_correction": bias_correction}})
     written = {n.name: n for n in result.model.graph.node}
     # each reads its own int32 bias, but for a zero one
     assert (written["conv_a"].input[2] == written["conv_b"].input[2]) == zero

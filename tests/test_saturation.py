@@ -198,3 +198,29 @@ def test_minmax_tables_identical_on_a_kit_model(monkeypatch):
     cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(cfg.calibration, method="minmax",
                                                                    num_samples=96))
     _assert_same_tables(monkeypatch, model, data, cfg)
+
+
+def test_channel_means_are_kept_through_saturation_and_merge_to_the_same_sums_in_any_split():
+    """The per-sample channel means bias correction reads: kept for a tensor after it saturates,
+    equal to numpy's means of the batches (each sample weighing the same, whatever the batch size),
+    with the mean spatial size; a graph input's from the feeds; and two passes over halves of the
+    data merge to exactly the sums of one pass (integer sums: no order dependence)."""
+    model = _two_clips()
+    rng = np.random.default_rng(4)
+    shapes = [(2, 4, 8, 8), (1, 4, 8, 8), (3, 4, 8, 8), (2, 4, 8, 8)]
+    feeds = [rng.uniform(-5, 10, s).astype(np.float32) for s in shapes]  # a saturates in the first batch
+    batches = [Batch([str(i)], {"x": f}) for i, f in enumerate(feeds)]
+    ranks = {"a": 4, "b": 4, "x": 4}
+    whole = observe(model, ["a", "b", "x"], batches, saturate={"a", "b"}, means_for=ranks)
+    samples = np.concatenate(feeds)
+    for name, values in (("a", np.clip(samples, 0, 6)), ("b", np.clip(samples, -1, 100)), ("x", samples)):
+        assert whole[name].channel_samples == 8, name
+        np.testing.assert_allclose(whole[name].channel_mean, values.mean(axis=(2, 3)).mean(axis=0), atol=1e-6)
+        assert tuple(whole[name].spatial_mean) == (8.0, 8.0)
+    first = observe(model, ["a", "b", "x"], batches[:2], saturate={"a", "b"}, means_for=ranks)
+    second = observe(model, ["a", "b", "x"], batches[2:], saturate={"a", "b"}, means_for=ranks)
+    for name in ranks:
+        merged = first[name].merge(second[name])
+        assert np.array_equal(merged.channel_sums, whole[name].channel_sums), name
+        assert np.array_equal(merged.spatial_sums, whole[name].spatial_sums) and merged.channel_samples == 8
+    assert observe(model, ["a"], batches)["a"].channel_mean is None  # not asked for: not kept

@@ -43,6 +43,11 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
         s = stats[name]
         qp = params[name]
         table.tensors[name] = TableEntry(s.min if s.seen else None, s.max if s.seen else None, final[name], qp)
+        means = s.channel_mean
+        if means is not None:
+            # as the table's JSON writes them: a job that reads its table back builds the same bytes
+            table.channel_means[name] = tuple(float(f"{m:.7g}") for m in means)
+            table.spatial_sizes[name] = tuple(float(f"{m:.7g}") for m in s.spatial_mean)
     return table
 
 

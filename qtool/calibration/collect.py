@@ -50,13 +50,20 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, 
 def make_observer(model: onnx.ModelProto, plan: QuantPlan, calib: CalibrationConfig, threads: int = 0,
                   all_histograms: bool = False) -> Observer:
     """The observer of the plan's activations: histograms for the tensors whose method needs one
-    (all_histograms: every tensor)."""
+    (all_histograms: every tensor), channel means for the inputs of layers with a bias (bias_inputs)."""
     methods = methods_for(model, plan.activations, calib)
     histogram_for = set(plan.activations) if all_histograms else needs_histogram(methods)
     # may stop being observed once saturated; shard files keep every statistic (a merge may average them)
     saturate = set() if all_histograms else saturable(methods, calib)
     return Observer(model, plan.activations, histogram_for=histogram_for, threads=threads,
-                    sample_limit=calib.histogram_sample, saturate=saturate)
+                    sample_limit=calib.histogram_sample, saturate=saturate, means_for=bias_inputs(model, plan))
+
+
+def bias_inputs(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, int]:
+    """The activations whose channel means bias correction reads, the inputs of the layers with a
+    bias, with their rank (a Conv's is its weight's, whatever shape inference finds)."""
+    ranks = {t.name: len(t.dims) for t in model.graph.initializer}
+    return {b.activation: ranks.get(b.weight, 2) for b in plan.biases.values()}
 
 
 def warn_nonfinite(stats: dict[str, TensorStats]) -> None:

@@ -7,7 +7,9 @@ sample where a histogram is needed) and onnxruntime's kernels reduce in the same
 folds each batch's scalars and bounded samples into fixed-size summaries
 (qtool.calibration.statistics). A batch with non-finite extremes is re-run with those tensors
 whole, so their NaN/Inf are counted and excluded exactly; a saturated Clip output stops being
-reduced (qtool.calibration.saturation). The nodes, and why: docs/design/observer.md.
+reduced (qtool.calibration.saturation). The input of a layer with a bias also gets its per-sample
+channel means (GlobalAveragePool), which bias correction reads. The nodes, and why:
+docs/design/observer.md.
 """
 
 from __future__ import annotations
@@ -172,18 +174,42 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     return reduced, outputs
 
 
+def with_channel_means(reduced: onnx.ModelProto, ranks: dict[str, int]) -> dict[str, tuple[str, str]]:
+    """Adds to `reduced` (in place) an output of each tensor's per-sample channel means, [N, C, 1...]
+    (GlobalAveragePool, on onnxruntime's blocked layout) and of its shape for a tensor of rank 3 or
+    more, the tensor itself for rank 2 ([N, C]); `ranks`: tensor -> its rank; returns tensor ->
+    (means output, shape output or "")."""
+    types = elem_types(reduced)
+    means = {}
+    for i, name in enumerate(sorted(ranks)):
+        if ranks[name] < 2 or types.get(name, TensorProto.FLOAT) != TensorProto.FLOAT:
+            continue
+        out, shape = f"{_PREFIX}_mean{i}", ""
+        op = "GlobalAveragePool" if ranks[name] > 2 else "Identity"
+        reduced.graph.node.append(helper.make_node(op, [name], [out], name=out))
+        reduced.graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, None))
+        if ranks[name] > 2:
+            shape = f"{_PREFIX}_shape{i}"
+            reduced.graph.node.append(helper.make_node("Shape", [name], [shape], name=shape))
+            reduced.graph.output.append(helper.make_tensor_value_info(shape, TensorProto.INT64, [ranks[name]]))
+        means[name] = (out, shape)
+    return means
+
+
 def observe(model: onnx.ModelProto, tensors: list[str], batches: Iterable[Batch],
             histogram_for: Collection[str] = (), threads: int = 0,
             on_batch: Optional[Callable[[Batch], None]] = None,
-            sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()) -> dict[str, TensorStats]:
+            sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = (),
+            means_for: Optional[dict[str, int]] = None) -> dict[str, TensorStats]:
     """One pass over `batches`; returns a summary per tensor (with a histogram for `histogram_for`).
 
     `saturate`: tensors whose table entry needs only their overall extremes, plus their
     histogram for those in `histogram_for` (any method but the averaged min-max:
     qtool.calibration.saturation.saturable). Those bounded by construction stop having their extremes
     reduced once they reach their bounds; the ones with a histogram keep being sampled
-    (qtool.calibration.saturation)."""
-    return Observer(model, tensors, histogram_for, threads, sample_limit, saturate).run(batches, on_batch)
+    (qtool.calibration.saturation). `means_for`: tensor -> rank of the tensors whose per-sample
+    channel means (axis 1) are kept too (TensorStats.channel_mean), whether saturated or not."""
+    return Observer(model, tensors, histogram_for, threads, sample_limit, saturate, means_for).run(batches, on_batch)
 
 
 class Observer:
@@ -199,7 +225,8 @@ class Observer:
     KEPT_SESSIONS = 4
 
     def __init__(self, model: onnx.ModelProto, tensors: list[str], histogram_for: Collection[str] = (),
-                 threads: int = 0, sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = ()):
+                 threads: int = 0, sample_limit: int = SAMPLE_LIMIT, saturate: Collection[str] = (),
+                 means_for: Optional[dict[str, int]] = None):
         # tensors inside If/Loop/Scan bodies are observed through the graph outputs that carry them out
         self.in_loops = _made_in_loops(model, tensors)
         model, self.routes = with_body_outputs(model, tensors)
@@ -209,6 +236,10 @@ class Observer:
         self.fetched = [self.routes.get(t, t) for t in tensors if t not in inputs]
         self.from_feeds = [t for t in tensors if t in inputs]  # graph inputs are read from the feeds
         self.shapes = inferred_shapes(model, self.fetched)
+        # channel means of main-graph tensors only (a body's tensor leaves it stacked over iterations)
+        wanted = {t: rank for t, rank in (means_for or {}).items() if t in set(tensors)}
+        self.means_for = {t: rank for t, rank in wanted.items() if t not in self.routes and t not in inputs}
+        self.means_from_feeds = sorted(t for t in wanted if t in inputs)
         self.bounded = {t: b for t, b in saturation.bounds(model).items()
                         if t in saturate and t in self.fetched
                         and (t not in self.histogram_for or saturation.static(self.shapes.get(t)))}
@@ -232,7 +263,7 @@ class Observer:
             self._sessions.move_to_end(key)
         else:
             self._sessions[key] = _observing_session(self.weights, active, self.histogram_for, self.sample_limit,
-                                                     self.threads, self.shapes, known)
+                                                     self.threads, self.shapes, known, self.means_for)
             while len(self._sessions) > self.KEPT_SESSIONS:
                 self._sessions.popitem(last=False)
         return self._sessions[key]
@@ -243,7 +274,7 @@ class Observer:
         bounded = self.bounded
         active = list(self.fetched)  # extremes reduced (and sampled when in histogram_for)
         known: list[str] = []  # saturated histogram tensors: sampled and counted only
-        session, outputs, names = self._session(active, known)
+        session, outputs, names, means = self._session(active, known)
         rebuilds = 0
         stats = {t: TensorStats.with_histogram() if t in self.histogram_for else TensorStats()
                  for t in [*self.fetched, *self.from_feeds]}
@@ -282,6 +313,13 @@ class Observer:
                     stats[name].update(array)
             for name in self.from_feeds:
                 stats[name].update(batch.feeds[name])
+            for name, (out, shape) in means.items():
+                stats[name].add_channel_means(values[out], tuple(values[shape][2:]) if shape else ())
+            for name in self.means_from_feeds:
+                array = np.asarray(batch.feeds[name])
+                if array.ndim >= 2 and array.dtype == np.float32:
+                    stats[name].add_channel_means(array.reshape(*array.shape[:2], -1).mean(axis=2, dtype=np.float64),
+                                                  array.shape[2:])
             del values
             done = [t for t in active if t in bounded and stats[t].seen
                     and saturation.saturated(stats[t].min, stats[t].max, bounded[t])]
@@ -289,7 +327,7 @@ class Observer:
                                                     sum(self.weight[t] for t in active), rebuilds):
                 active = [t for t in active if t not in done]
                 known += [t for t in done if t in self.histogram_for]
-                session, outputs, names = self._session(active, known)
+                session, outputs, names, means = self._session(active, known)
                 rebuilds += 1
             if on_batch:
                 on_batch(batch)
@@ -308,14 +346,17 @@ def _made_in_loops(model: onnx.ModelProto, tensors: Collection[str]) -> bool:
 
 def _observing_session(weights: SharedWeights, names: list[str], histogram_for: Collection[str],
                        sample_limit: int, threads: int, shapes: Optional[dict[str, list]] = None,
-                       known: Collection[str] = ()):
-    """(session, per-tensor output names, the session outputs to fetch); no session when nothing
-    is left to observe (every observed tensor saturated and none sampled: the model need not run at all)."""
-    if not names and not known:
-        return None, {}, []
+                       known: Collection[str] = (), means_for: Optional[dict[str, int]] = None):
+    """(session, per-tensor output names, the session outputs to fetch, tensor -> its channel means'
+    output); no session when nothing is left to observe (every observed tensor saturated, none sampled
+    and no channel means kept: the model need not run at all)."""
+    if not names and not known and not means_for:
+        return None, {}, [], {}
     reduced, outputs = with_reductions(weights.light, names, set(histogram_for), sample_limit, shapes, known)
+    means = with_channel_means(reduced, means_for or {})
     # priority order: each tensor's reductions run soon after it is made (with the default order
     # nudenet's observing session held 1.3 GB at batch 8, with this one 0.6 GB; same statistics)
     return (create_session(reduced, threads, "the fp32 model with calibration observers", weights=weights,
                            order=ort.ExecutionOrder.PRIORITY_BASED, batch_pass=True), outputs,
-            [o for t in [*names, *known] for o in outputs[t][:4] if o])
+            [*(o for t in [*names, *known] for o in outputs[t][:4] if o), *(o for m in means.values() for o in m if o)],
+            means)

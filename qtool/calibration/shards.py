@@ -110,6 +110,9 @@ def save_stats(path: str | Path, stats: dict[str, TensorStats], meta: dict) -> N
         hist = s.hist
         if hist is not None:
             arrays[f"h{i}"] = hist
+        if s.channel_sums is not None:
+            arrays[f"c{i}"] = s.channel_sums
+            arrays[f"n{i}"] = np.array([s.channel_samples, *s.spatial_sums], dtype=np.int64)
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     atomic.write_bytes(path, buffer.getvalue())
@@ -128,6 +131,10 @@ def load_stats(path: str | Path) -> tuple[dict, dict[str, TensorStats]]:
                 count, nonfinite, batches, limit = (int(v) for v in npz[f"i{i}"])
                 fields = dict(min=lo, max=hi, count=count, nonfinite=nonfinite, batches=batches,
                               batch_min_sum=bmin, batch_max_sum=bmax, sample_limit=limit)
+                if f"c{i}" in npz.files:
+                    counts = npz[f"n{i}"].astype(np.int64)
+                    fields.update(channel_sums=npz[f"c{i}"].astype(np.int64), channel_samples=int(counts[0]),
+                                  spatial_sums=counts[1:])
                 stats[name] = (TensorStats.with_histogram(npz[f"h{i}"], **fields) if f"h{i}" in npz.files
                                else TensorStats(**fields))
             return header, stats

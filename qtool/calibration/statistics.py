@@ -9,6 +9,9 @@ sample the observer takes of each batch (qtool.calibration.observer). The histog
 filled keys and their counts: a tensor's values fill a few thousand of the 65,536 keys, and the
 dense int64 arrays (512 KB a tensor, hundreds of tensors) would be most of a calibration's peak
 memory; `hist` expands one tensor's when a range method reads it (docs/design/histogram.md).
+The input of a layer with a bias also keeps its per-channel mean (each sample weighs the same),
+which the bias correction of qtool.quantization.bias_correction reads: summed as integers of
+2^-24, so shards merge to the same bits as one pass.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ class TensorStats:
     # the histogram's nonzero keys (uint16, ascending) and their counts; both None when no method needs one
     hist_keys: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
     hist_counts: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    # per-channel means (axis 1) of each sample, summed in units of 2^-24 (integers: any merge order
+    # gives the same sums); None when the tensor's channel means are not kept
+    channel_sums: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    channel_samples: int = 0
+    # the sums over those samples of the tensor's spatial sizes (the axes after the channels): which
+    # of a Conv's taps fall on padding (qtool.quantization.bias_correction.weight_shift)
+    spatial_sums: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
     _pending: list = field(default_factory=list, repr=False, compare=False)
     _pending_size: int = field(default=0, repr=False, compare=False)
 
@@ -101,6 +111,39 @@ class TensorStats:
         if self._pending_size >= _FLUSH:
             self.flush()
 
+    def add_channel_means(self, means: np.ndarray, spatial: tuple[int, ...] = ()) -> None:
+        """One batch's per-sample channel means ([samples, channels]) and the tensor's spatial size
+        in that batch; a batch with a non-finite mean is left out (its NaN/Inf are excluded from the
+        extremes too), as is one whose channels or spatial axes differ from the earlier batches'."""
+        means = np.asarray(means, np.float64)
+        if means.ndim < 2 or means.size == 0 or not np.all(np.isfinite(means)):
+            return
+        means = means.reshape(means.shape[0], -1)
+        sizes = np.asarray(spatial, np.int64) * means.shape[0]
+        if self.channel_sums is not None and (self.channel_sums.shape != means.shape[1:]
+                                              or self.spatial_sums.shape != sizes.shape):
+            return
+        units = np.rint(np.clip(means, -_MEAN_LIMIT, _MEAN_LIMIT) * _MEAN_UNIT).astype(np.int64).sum(axis=0)
+        if self.channel_sums is None:
+            self.channel_sums, self.spatial_sums = units, sizes
+        else:
+            self.channel_sums, self.spatial_sums = self.channel_sums + units, self.spatial_sums + sizes
+        self.channel_samples += means.shape[0]
+
+    @property
+    def channel_mean(self) -> Optional[np.ndarray]:
+        """The mean over samples of each channel's mean, or None when none was kept."""
+        if self.channel_sums is None or not self.channel_samples:
+            return None
+        return self.channel_sums / _MEAN_UNIT / self.channel_samples
+
+    @property
+    def spatial_mean(self) -> Optional[np.ndarray]:
+        """The tensor's mean spatial size over the samples of channel_mean (empty for [N, C])."""
+        if self.spatial_sums is None or not self.channel_samples:
+            return None
+        return self.spatial_sums / self.channel_samples
+
     def flush(self) -> None:
         """Count buffered keys (one bincount for many small batches is much cheaper)."""
         if self._pending:
@@ -119,6 +162,15 @@ class TensorStats:
                       nonfinite=self.nonfinite + other.nonfinite, batches=self.batches + other.batches,
                       batch_min_sum=self.batch_min_sum + other.batch_min_sum,
                       batch_max_sum=self.batch_max_sum + other.batch_max_sum, sample_limit=self.sample_limit)
+        kept = [t for t in (self, other) if t.channel_sums is not None]
+        if len(kept) == 2 and (self.channel_sums.shape, self.spatial_sums.shape) == (other.channel_sums.shape,
+                                                                                   other.spatial_sums.shape):
+            fields.update(channel_sums=self.channel_sums + other.channel_sums,
+                          spatial_sums=self.spatial_sums + other.spatial_sums,
+                          channel_samples=self.channel_samples + other.channel_samples)
+        elif kept:  # one side only (or two that disagree: the first's, as a pass keeps its first batches')
+            fields.update(channel_sums=kept[0].channel_sums.copy(), spatial_sums=kept[0].spatial_sums.copy(),
+                          channel_samples=kept[0].channel_samples)
         if self.hist_keys is None:
             return TensorStats(**fields)
         hist = self.hist
@@ -141,5 +193,8 @@ class TensorStats:
         self.flush()
         return 0 if self.hist_keys is None else int(self.hist_counts.sum())
 
+
+_MEAN_UNIT = float(2**24)  # channel means are summed as integers of 2^-24
+_MEAN_LIMIT = float(2**20)  # clipped to +-2^20 first: no int64 sum overflows below 2^19 samples
 
 SAMPLE_LIMIT = 1 << 14  # default values per tensor and batch that feed the histogram

@@ -1,21 +1,35 @@
 """Bias correction: remove the mean output shift that weight and activation rounding cause.
 
-Rounding errors are not zero-mean per output channel, and the shift adds up layer after layer
-(nets with depthwise convs and swish/SE lose the most). For each Conv/Gemm with an int32 bias, in
-graph order, each sample's per-channel output mean is measured in the fp32 model and in the
-quantized model (earlier layers already corrected); the bias, whose scale s_in x s_w[c] stays
-exact, moves by the mean of those paired differences as far as the samples agree on it
-(`_correction`): a shift measured on a few dozen samples over hundreds of channels is often noise,
-which does not hold on other inputs. Each sample weighs the same, whatever its size (text lines
-of different widths). Cost: one fp32 pass, and one pass of the quantized model cut into slices
-ending at each corrected layer, each starting from the tensors the previous left (kept for the
-correction samples only), so the quantized model runs about once. Figures: benchmarks/README.md.
+Two forms, `bias_correction: weights` and `fast`.
+
+`weights` (what `auto` settles to wherever the table holds channel means): rounding a layer's
+weights to int8 moves each output channel's mean by (W - W_q) . m, m the per-channel means of the
+layer's input, which calibration measured in its one pass (qtool.calibration.statistics); the
+bias takes that back before it is quantized (`WeightShifts`, read by the rewrite). A Conv's tap
+that falls on padding at a border adds nothing there, so each tap counts for the share of output
+positions where it reads the input (from the input's mean spatial size, which calibration also
+keeps): on short maps (a few audio frames) that share is far from 1. Nothing runs: it costs the
+means' reductions in the observing pass and a product per layer. It is the systematic part of
+the shift, the same at every position of a map, so it holds on per-position outputs (detectors,
+segmenters) as on classifiers.
+
+`fast` measures the whole shift instead, activation rounding and what earlier layers pass on
+included: for each Conv/Gemm with an int32 bias, in graph order, each sample's per-channel output
+mean is measured in the fp32 model and in the quantized model (earlier layers already corrected);
+the bias, whose scale s_in x s_w[c] stays exact, moves by the mean of those paired differences as
+far as the samples agree on it (`_correction`): a shift measured on a few dozen samples over
+hundreds of channels is often noise, which does not hold on other inputs. Each sample weighs the
+same, whatever its size (text lines of different widths). Cost: one fp32 pass, and one pass of
+the quantized model cut into slices ending at each corrected layer, each starting from the
+tensors the previous left (kept for the correction samples only), so the quantized model runs
+about once. Figures: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 import onnx
@@ -23,7 +37,7 @@ from onnx import helper, numpy_helper
 
 from qtool.data.dataset import Batch
 from qtool.graph.edit import array_input, sub_model, with_outputs
-from qtool.graph.index import GraphIndex, node_label, replace_nodes
+from qtool.graph.index import GraphIndex, attribute, node_label, replace_nodes, scoped_nodes
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import INT32_MAX
 from qtool.quantization.rewrite import SCALE_SUFFIX, WEIGHT_SUFFIX
@@ -48,6 +62,78 @@ class BiasCorrectionReport:
     samples: int = 0
     channels: int = 0
     channels_corrected: int = 0  # those whose bias moved: a significant shift (_correction)
+
+
+class WeightShifts:
+    """The `bias_shift` of qtool.quantization.rewrite.quantize_graph for the `weights` form: each
+    layer with a bias whose input has channel means moves by weight_shift. A bias several layers
+    read (an all-zero one stays shared: zero at any scale) is left as it is: each layer's shift
+    differs."""
+
+    def __init__(self, model: onnx.ModelProto, plan: QuantPlan, channel_means: dict[str, tuple[float, ...]],
+                 spatial_sizes: dict[str, tuple[float, ...]]):
+        nodes = list(scoped_nodes(model.graph))
+        by_label = {node_label(n): n for n in nodes}
+        readers = Counter(name for n in nodes for name in n.input)
+        self._layers = {name: (by_label[b.node], np.asarray(channel_means[b.activation], np.float64),
+                               spatial_sizes.get(b.activation, ()))
+                        for name, b in plan.biases.items()
+                        if b.node in by_label and b.activation in channel_means and readers[name] == 1}
+
+    def __call__(self, bias: str, weight: np.ndarray, dequantized: np.ndarray) -> Optional[np.ndarray]:
+        if bias not in self._layers:
+            return None
+        node, means, spatial = self._layers[bias]
+        return weight_shift(node, weight, dequantized, means, spatial)
+
+
+def weight_shift(node: onnx.NodeProto, weight: np.ndarray, dequantized: np.ndarray, means: np.ndarray,
+                 spatial: tuple[float, ...] = ()) -> Optional[np.ndarray]:
+    """Each output channel's mean shift over the output positions, fp32 minus int8, that
+    `dequantized` in place of `weight` causes on an input whose channels average `means` and whose
+    spatial size is `spatial`: (W - W_q) . m, each Conv tap weighted by tap_shares. For a Conv
+    (any group count) and a Gemm without transA; None for another layer, a Conv whose spatial size
+    or padding is not known, or means that do not match the weight's input channels."""
+    error = weight.astype(np.float64) - dequantized
+    if node.op_type == "Conv" and error.ndim >= 3:
+        groups = attribute(node, "group", 1)
+        out, per_group = error.shape[:2]
+        shares = tap_shares(node, error.shape[2:], spatial)
+        if means.shape != (per_group * groups,) or out % groups or shares is None:
+            return None
+        taps = (error * shares).reshape(out, per_group, -1).sum(axis=2)
+        group_means = means.reshape(groups, per_group)[np.arange(out) // (out // groups)]
+        return (taps * group_means).sum(axis=1)
+    if node.op_type == "Gemm" and error.ndim == 2 and not attribute(node, "transA", 0):
+        rows = error.T if attribute(node, "transB", 0) else error  # [inputs, outputs]
+        return means @ rows if means.shape == (rows.shape[0],) else None
+    return None
+
+
+def tap_shares(node: onnx.NodeProto, kernel: tuple[int, ...], spatial: tuple[float, ...]) -> Optional[np.ndarray]:
+    """Per tap of a Conv's kernel, the share of its output positions at which the tap reads the
+    input rather than padding, for an input of `spatial` size (a mean over samples, rounded);
+    None where that size is unknown or the padding is not explicit (auto_pad SAME_*)."""
+    if len(spatial) != len(kernel) or attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID",
+                                                                                       "VALID"):
+        return None
+    axes = len(kernel)
+    strides = attribute(node, "strides", None) or [1] * axes
+    dilations = attribute(node, "dilations", None) or [1] * axes
+    pads = attribute(node, "pads", None) or [0] * (2 * axes)
+    shares = np.ones(kernel)
+    for a in range(axes):
+        size = max(1, int(round(spatial[a])))
+        span = dilations[a] * (kernel[a] - 1) + 1
+        positions = (size + pads[a] + pads[a + axes] - span) // strides[a] + 1
+        if positions < 1:
+            return None
+        start = np.arange(positions)[:, None] * strides[a] - pads[a] + np.arange(kernel[a])[None, :] * dilations[a]
+        share = ((start >= 0) & (start < size)).mean(axis=0)
+        shape = [1] * axes
+        shape[a] = kernel[a]
+        shares = shares * share.reshape(shape)
+    return shares
 
 
 class _SampleMeans:

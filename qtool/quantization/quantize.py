@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from qtool.quantization.adaround import adaptive_rounding
-from qtool.quantization.bias_correction import correct_biases
+from qtool.quantization.bias_correction import WeightShifts, correct_biases
 from qtool.quantization.checks import check_bias_scales, check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization import run_check
 from qtool.quantization.ort_cpu import PASSES as ORT_CPU_PASSES
@@ -57,14 +57,21 @@ def needs_data(options: QuantizeConfig) -> bool:
     return options.bias_correction == "fast" or options.weight_rounding == "adaptive"
 
 
-def resolve_data_steps(options: QuantizeConfig, have_data: bool) -> tuple[str, str]:
+def resolve_data_steps(options: QuantizeConfig, have_data: bool, have_means: bool) -> tuple[str, str]:
     """(bias correction, weight rounding) to run: `auto` means on when calibration data is at hand.
-    Asking for either explicitly without data is a user error."""
+    Asking explicitly for a step without what it reads (data; the table's channel means for
+    bias correction `weights`) is a user error."""
     if needs_data(options) and not have_data:
-        raise QtoolError("bias correction and adaptive weight rounding need calibration data (--data)")
+        raise QtoolError("bias correction fast and adaptive weight rounding need calibration data (--data)")
+    if options.bias_correction == "weights" and not have_means:
+        raise QtoolError(MEANS_MISSING)
     bias = "fast" if options.bias_correction == "auto" and have_data else options.bias_correction
     rounding = "adaptive" if options.weight_rounding == "auto" and have_data else options.weight_rounding
     return ("off" if bias == "auto" else bias), ("nearest" if rounding == "auto" else rounding)
+
+
+MEANS_MISSING = ("bias correction weights reads the channel means a qtool calibration records: quantize with "
+                 "--data, or with a qtool table that holds \"channel_means\"")
 
 
 def _optional(setting: str, what: str, notes: list[str], step: Callable):
@@ -263,8 +270,8 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
     graph = shared.graph(model_path, table, options)
     model, plan, unreached = graph.model, graph.plan, graph.unreached
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
-    bias_correction, rounding_mode = resolve_data_steps(options, data is not None)
-    samples = list(data(options.correction_samples)) if bias_correction != "off" or rounding_mode != "nearest" else []
+    bias_correction, rounding_mode = resolve_data_steps(options, data is not None, bool(table.channel_means))
+    samples = list(data(options.correction_samples)) if bias_correction == "fast" or rounding_mode != "nearest" else []
     ref = shared.reference(model_path, model, data)
     steps = _Steps(table, options, table_path, allow_missing, written=not candidate)
     kept: list[str] = []
@@ -386,8 +393,11 @@ class Candidates:
 
 
 def ranges_only(options: QuantizeConfig) -> QuantizeConfig:
-    """The options of a measured candidate: the data-driven weight steps run once, on the choice."""
-    return replace(options, bias_correction="off", weight_rounding="nearest")
+    """The options of a measured candidate: the steps that run on data (fast bias correction,
+    adaptive rounding) run once, on the choice; the weights form of bias correction, which reads
+    only the table, is built into every candidate as it will be into the model."""
+    bias = "weights" if options.bias_correction == "weights" else "off"
+    return replace(options, bias_correction=bias, weight_rounding="nearest")
 
 
 def candidates(model_path: str | Path, table: CalibrationTable, options: QuantizeConfig,
@@ -496,14 +506,22 @@ class _Steps:
         if rounding_mode == "adaptive":
             rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
                                  lambda: adaptive_rounding(model, plan, params, samples, options))
+        def shifts() -> Optional[WeightShifts]:
+            return (WeightShifts(model, plan, self.table.channel_means, self.table.spatial_sizes)
+                    if bias_correction == "weights" else None)
+
+        shifted = shifts()
         try:
-            qmodel, graph_notes = quantize_with(model, plan, params, options, rounding)
+            qmodel, graph_notes = quantize_with(model, plan, params, options, rounding, shifted)
             ran["weight_rounding"] = "adaptive" if rounding is not None else "nearest"
         except Exception as exc:
             if rounding is None or options.weight_rounding != "auto":
                 raise
             notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
-            qmodel, graph_notes = quantize_with(model, plan, params, options)
+            shifted = shifts()
+            qmodel, graph_notes = quantize_with(model, plan, params, options, bias_shift=shifted)
+        if shifted is not None:
+            ran["bias_correction"] = "weights"
         notes = plan.notes + graph_notes + notes
         if bias_correction == "fast":
             corrected = onnx.ModelProto()

@@ -100,7 +100,8 @@ class _Builder:
 
 
 def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams], options: QuantizeConfig,
-                  rounding: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
+                  rounding: Optional[Callable] = None, bias_shift: Optional[Callable] = None
+                  ) -> tuple[onnx.ModelProto, list[str]]:
     """quantize_graph with the grid arguments the options and their target give, and the
     activations `options.int16_activations` names in 16 bits. Dynamic MatMul weights are per
     column unless the options say per tensor (per_channel false, or dynamic_weights tensor)."""
@@ -110,18 +111,21 @@ def quantize_with(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.
                           options.activation_dtype, options.symmetric_activations, rounding,
                           target_of(options).symmetric_qmax,
                           options.per_channel and options.advanced.dynamic_weights != "tensor",
-                          target_of(options).activation_placement == "every_op")
+                          target_of(options).activation_placement == "every_op", bias_shift)
 
 
 def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp.QParams],
                    per_channel: bool = True, weight_qmax: int = qp.WEIGHT_QMAX, activation_dtype: str = "uint8",
                    symmetric: bool = False, rounding: Optional[Callable] = None,
                    symmetric_qmax: float = SYMMETRIC_HALF_GRID,
-                   dynamic_per_column: bool = True, exact_float_reads: bool = True) -> tuple[onnx.ModelProto, list[str]]:
+                   dynamic_per_column: bool = True, exact_float_reads: bool = True,
+                   bias_shift: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
     """Return the QDQ model and notes about what was adjusted (bias overflow, ...).
 
     `rounding(name, weight, scales, axis)`: int8 values of a weight at its final scales
-    (adaptive rounding), or None for round-to-nearest. `symmetric_qmax`: the target's symmetric
+    (adaptive rounding), or None for round-to-nearest. `bias_shift(bias, weight, dequantized)`:
+    what to add to a float bias for its layer's weight as dequantized (bias correction,
+    qtool.quantization.bias_correction.WeightShifts), or None to leave it. `symmetric_qmax`: the target's symmetric
     activation convention (qtool.targets), for constant operands quantized like activations.
     `exact_float_reads`: float readers of a float node's quantized output read its exact values
     (_exact_reads); off for a runtime that fuses each quantizer into the op before it, which then
@@ -144,7 +148,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
 
     # Biases: int32, scale exactly s_in * s_w[c]; widen a channel's weight scale where the
     # int32 range would overflow (tiny input scale times tiny weight scale).
-    bias_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    bias_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # float bias, its int32 scale
     widened: list[str] = []
     for name, bplan in plan.biases.items():
         if bplan.activation not in params or bplan.weight not in weight_scales:
@@ -169,7 +173,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         b_scale = qp.bias_scale(s_in, per_out)
         if weight_scales[bplan.weight].ndim == 0 and b_scale.size:
             b_scale = b_scale.reshape(-1)[0].reshape(())  # per-tensor: one scale, no axis (opset < 13 has none)
-        bias_arrays[name] = (qp.quantize_bias(bias, b_scale), b_scale)
+        bias_arrays[name] = (bias, b_scale)
 
     if widened:
         notes.append(f"int32 bias would overflow in near-zero weight channels; widened the weight scale of those "
@@ -182,6 +186,16 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         q = rounding(name, weight, scales, axis) if rounding else None
         q = qp.quantize_weight(weight, scales, axis, weight_qmax) if q is None else q
         forms[name] = (q, scales, np.zeros(scales.shape, np.int8), axis if scales.ndim else None)
+    for name, (bias, b_scale) in bias_arrays.items():
+        if bias_shift is not None:
+            weight = plan.biases[name].weight
+            q, scales, _, axis = forms[weight]
+            shape = [1] * q.ndim
+            if axis is not None:
+                shape[axis] = -1
+            shift = bias_shift(name, weight_data[weight], q * scales.astype(np.float64).reshape(shape))
+            bias = bias if shift is None else (bias + shift).astype(np.float32)
+        bias_arrays[name] = (qp.quantize_bias(bias, b_scale), b_scale)
     for name in plan.constants:
         # a constant operand: quantized per tensor like an activation, over its own exact range
         values = numpy_helper.to_array(float_inits[name]).astype(np.float32)

@@ -8,7 +8,10 @@ that diffs well in review:
      "model": {"file": ..., "sha256": ...},
      "method": "minmax", "settings": {...}, "num_samples": 256,
      "tensors": {"name": {"min", "max", "range": [lo, hi], "dtype", "scale", "zero_point"}},
-     "smoothing": {"name": [s_0, s_1, ...]}}   (only with SmoothQuant: qtool.plan.smooth_quant)
+     "smoothing": {"name": [s_0, s_1, ...]},   (only with SmoothQuant: qtool.plan.smooth_quant)
+     "channel_means": {"name": [m_0, m_1, ...]},   (the inputs of layers with a bias: their
+         per-channel means, 7 significant digits, which bias correction reads,
+     "spatial_sizes": {"name": [h, w]}}            and their mean spatial size over the samples)
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class CalibrationTable:
     # SmoothQuant's per-channel scales of each smoothed tensor: the ranges above are those of the
     # smoothed graph, so quantization must fold the same scales
     smoothing: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # the per-channel means of the inputs of layers with a bias, over the calibration samples
+    # (qtool.quantization.bias_correction); none in a table read from another format
+    channel_means: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    spatial_sizes: dict[str, tuple[float, ...]] = field(default_factory=dict)  # of those inputs, mean over samples
 
     def to_json_text(self) -> str:
         document = {
@@ -66,6 +73,9 @@ class CalibrationTable:
         }
         if self.smoothing:
             document["smoothing"] = {name: list(values) for name, values in self.smoothing.items()}
+        if self.channel_means:
+            document["channel_means"] = {name: list(values) for name, values in self.channel_means.items()}
+            document["spatial_sizes"] = {name: list(values) for name, values in self.spatial_sizes.items()}
         return json.dumps(document, indent=1, allow_nan=False) + "\n"
 
     def save(self, path: str | Path) -> None:
@@ -167,9 +177,15 @@ def table_from_document(document: Any, path: Path) -> CalibrationTable:
         model = document["model"]
         smoothing = {str(name): tuple(float(v) for v in values)
                      for name, values in document.get("smoothing", {}).items()}
+        means = {str(name): tuple(float(v) for v in values)
+                 for name, values in document.get("channel_means", {}).items()}
+        sizes = {str(name): tuple(float(v) for v in values)
+                 for name, values in document.get("spatial_sizes", {}).items()}
+        if not all(math.isfinite(v) for values in [*means.values(), *sizes.values()] for v in values):
+            raise ValueError("a channel mean or spatial size is not a finite number")
         table = CalibrationTable(str(model.get("file", "")), str(model["sha256"]), str(document["method"]),
                                  dict(document.get("settings", {})), int(document["num_samples"]), tensors,
-                                 smoothing=smoothing)
+                                 smoothing=smoothing, channel_means=means, spatial_sizes=sizes)
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise QtoolError(f"malformed calibration table: {type(exc).__name__} {exc}", path) from None
     return check_values(table, path)
