@@ -43,7 +43,9 @@ def test_merged_shards_equal_a_single_run(tmp_path, shard_files, method):
     _run(*BASE, "--method", method, "--merge", *shard_files, "-o", tmp_path / "merged.json")
     single = json.loads((tmp_path / "single.json").read_text())
     assert single["num_samples"] == 10 and len(single["tensors"]) > 10
-    # the histogram merges by adding counts and every range method reads only the merged summary
+    assert len(single["channel_means"]) > 10  # the config's bias correction (weights) reads them
+    # the histogram merges by adding counts, the channel means' integer sums add exactly, and every
+    # range method reads only the merged summary
     assert (tmp_path / "merged.json").read_bytes() == (tmp_path / "single.json").read_bytes()
 
 

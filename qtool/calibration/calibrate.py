@@ -9,7 +9,7 @@ from typing import Optional
 
 import onnx
 
-from qtool.calibration.collect import collect_statistics, refuse_nonfinite, warn_nonfinite
+from qtool.calibration.collect import collect_statistics, keeps_channel_means, refuse_nonfinite, warn_nonfinite
 from qtool.calibration.method_rules import methods_for
 from qtool.calibration.ranges import check_method, choose_range, resolve_method
 from qtool.calibration.smoothing import measured_smoothing
@@ -128,7 +128,8 @@ def _statistics(model_path, data: DataLike, preprocess: PreprocessConfig, calib:
         stats, seen = collect_parallel(engine, model_path, model, data, preprocess, calib, options,
                                        force_histograms=all_histograms, progress=progress)
     else:
-        stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress, all_histograms=all_histograms)
+        stats, seen = collect_statistics(model, plan, data, preprocess, calib, progress, all_histograms=all_histograms,
+                                         channel_means=keeps_channel_means(options))
     refuse_nonfinite(stats, data)
     return model, plan, options, stats, seen
 
@@ -151,7 +152,8 @@ def calibrate_shard(model_path, data, preprocess: PreprocessConfig, calib: Calib
                                        shard, force_histograms=True)
     else:
         model, plan = prepared_model(model_path, options)
-        stats, seen = collect_statistics(model, plan, data, preprocess, calib, shard=shard, all_histograms=True)
+        stats, seen = collect_statistics(model, plan, data, preprocess, calib, shard=shard, all_histograms=True,
+                                         channel_means=keeps_channel_means(options))
     save_stats(output, stats, {"model_file": Path(model_path).name, "model_sha256": sha256_file(model_path),
                                "num_samples": seen, "shard": list(shard), "batch_size": calib.batch_size,
                                "histogram_sample": calib.histogram_sample})

@@ -13,7 +13,7 @@ from qtool.calibration.method_rules import methods_for, needs_histogram
 from qtool.calibration.observer import Observer
 from qtool.calibration.saturation import saturable
 from qtool.calibration.statistics import TensorStats
-from qtool.config import CalibrationConfig, PreprocessConfig
+from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataLike, batches, count_samples, folder_only, open_data, select_shard
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs
@@ -24,16 +24,19 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, 
                        calib: CalibrationConfig, progress: bool = True, shard: tuple[int, int] = (0, 1),
                        warn: bool = True,
                        all_histograms: bool = False,
-                       observer: Optional[Observer] = None) -> tuple[dict[str, TensorStats], int]:
+                       observer: Optional[Observer] = None,
+                       channel_means: bool = False) -> tuple[dict[str, TensorStats], int]:
     """One streaming pass over shard `shard` = (k, n) of the data (the whole data for (0, 1));
-    histograms for the tensors whose method needs one (all_histograms: every tensor).
-    `observer`: one make_observer built of the same arguments, kept for several passes."""
+    histograms for the tensors whose method needs one (all_histograms: every tensor), channel
+    means where asked (keeps_channel_means). `observer`: one make_observer built of the same
+    arguments, kept for several passes."""
     source = open_data(data, input_specs(model), preprocess)
     if shard != (0, 1):
         folder_only(data, "sharding")
     limit = select_shard(source, calib, *shard)
     total = count_samples(source, limit)
-    observer = observer or make_observer(model, plan, calib, all_histograms=all_histograms)
+    observer = observer or make_observer(model, plan, calib, all_histograms=all_histograms,
+                                         channel_means=channel_means)
     seen = 0
     with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
         def advance(batch):
@@ -48,15 +51,23 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, 
 
 
 def make_observer(model: onnx.ModelProto, plan: QuantPlan, calib: CalibrationConfig, threads: int = 0,
-                  all_histograms: bool = False) -> Observer:
+                  all_histograms: bool = False, channel_means: bool = False) -> Observer:
     """The observer of the plan's activations: histograms for the tensors whose method needs one
-    (all_histograms: every tensor), channel means for the inputs of layers with a bias (bias_inputs)."""
+    (all_histograms: every tensor); with `channel_means`, the channel means of the inputs of
+    layers with a bias (bias_inputs)."""
     methods = methods_for(model, plan.activations, calib)
     histogram_for = set(plan.activations) if all_histograms else needs_histogram(methods)
     # may stop being observed once saturated; shard files keep every statistic (a merge may average them)
     saturate = set() if all_histograms else saturable(methods, calib)
     return Observer(model, plan.activations, histogram_for=histogram_for, threads=threads,
-                    sample_limit=calib.histogram_sample, saturate=saturate, means_for=bias_inputs(model, plan))
+                    sample_limit=calib.histogram_sample, saturate=saturate,
+                    means_for=bias_inputs(model, plan) if channel_means else None)
+
+
+def keeps_channel_means(options: QuantizeConfig) -> bool:
+    """Whether calibration keeps the channel means: only for the bias correction that reads them
+    (its weights form), since their reductions cost every other job time."""
+    return options.bias_correction == "weights"
 
 
 def bias_inputs(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, int]:

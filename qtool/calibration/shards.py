@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from qtool import atomic
-from qtool.calibration.collect import collect_statistics, make_observer, warn_nonfinite
+from qtool.calibration.collect import collect_statistics, keeps_channel_means, make_observer, warn_nonfinite
 from qtool.calibration.statistics import TensorStats
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataSource, MemorySource, check_shippable, open_data, split_shard
@@ -67,7 +67,8 @@ def _collect(job: _CollectJob) -> tuple[dict[str, TensorStats], int]:
                               lambda: prepared_model(job.model_path, job.options))
     observer = model_cache(job.model_path, job.model_sha256,
                            ("observer", job.options, job.calib, job.threads, job.all_histograms),
-                           lambda: make_observer(model, plan, job.calib, job.threads, job.all_histograms))
+                           lambda: make_observer(model, plan, job.calib, job.threads, job.all_histograms,
+                                                 keeps_channel_means(job.options)))
     return collect_statistics(model, plan, job.source, job.preprocess, job.calib, progress=False, warn=False,
                               observer=observer)
 

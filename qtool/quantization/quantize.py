@@ -70,8 +70,9 @@ def resolve_data_steps(options: QuantizeConfig, have_data: bool, have_means: boo
     return ("off" if bias == "auto" else bias), ("nearest" if rounding == "auto" else rounding)
 
 
-MEANS_MISSING = ("bias correction weights reads the channel means a qtool calibration records: quantize with "
-                 "--data, or with a qtool table that holds \"channel_means\"")
+MEANS_MISSING = ("bias correction weights reads the channel means a qtool calibration keeps when it is asked for: "
+                 "quantize with --data, or with a qtool table calibrated with quantization.bias_correction: weights "
+                 "in its config (it holds \"channel_means\")")
 
 
 def _optional(setting: str, what: str, notes: list[str], step: Callable):
