@@ -167,6 +167,19 @@ def test_weights_asked_for_with_a_table_without_channel_means_is_a_user_error(tm
                                     "-o", str(out)])
     assert run.exit_code == 2, run.output
     assert "channel means" in run.output + run.stderr and not out.exists()
+    # a model without a layer that has a bias: the means were kept (none), nothing to correct, no error
+    rng = np.random.default_rng(2)
+    matmul = graphs.model([helper.make_node("MatMul", ["v", "m"], ["y"], name="mm")],
+                          [graphs.tensor("v", ["N", 8])], [graphs.tensor("y", None)],
+                          [graphs.init("m", rng.normal(0, 1, (8, 4)).astype(np.float32))])
+    onnx.save(matmul, tmp_path / "mm.onnx")
+    vectors = tmp_path / "vectors"
+    vectors.mkdir()
+    for i in range(4):
+        np.save(vectors / f"{i}.npy", rng.normal(0, 1, (1, 8)).astype(np.float32))
+    done = qtool.quantize(tmp_path / "mm.onnx", data=vectors, progress=False,
+                          config={"quantization": {"bias_correction": "weights"}})
+    assert done.table.channel_means == {} and done.settled.quantization.bias_correction == "weights"
 
 
 def test_a_layer_after_a_pad_whose_amounts_a_chain_of_constant_nodes_builds(tmp_path):

@@ -39,12 +39,14 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     unreached = unreached_bodies(model.graph, plan.activations, lambda t: stats[t].seen)[1]
     table = CalibrationTable(Path(model_path).name, model_sha256 or sha256_file(model_path), method, settings,
                              num_samples, notes=tuple(plan.notes + unreached), smoothing=dict(options.smooth_scales))
+    if keeps_channel_means(options):
+        table.channel_means, table.spatial_sizes = {}, {}  # kept: none where no layer has a bias
     for name in plan.activations:
         s = stats[name]
         qp = params[name]
         table.tensors[name] = TableEntry(s.min if s.seen else None, s.max if s.seen else None, final[name], qp)
         means = s.channel_mean
-        if means is not None:
+        if means is not None and table.channel_means is not None:
             # as the table's JSON writes them: a job that reads its table back builds the same bytes
             table.channel_means[name] = tuple(float(f"{m:.7g}") for m in means)
             table.spatial_sizes[name] = tuple(float(f"{m:.7g}") for m in s.spatial_mean)

@@ -271,7 +271,7 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
     graph = shared.graph(model_path, table, options)
     model, plan, unreached = graph.model, graph.plan, graph.unreached
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
-    bias_correction, rounding_mode = resolve_data_steps(options, data is not None, bool(table.channel_means))
+    bias_correction, rounding_mode = resolve_data_steps(options, data is not None, table.channel_means is not None)
     samples = list(data(options.correction_samples)) if bias_correction == "fast" or rounding_mode != "nearest" else []
     ref = shared.reference(model_path, model, data)
     steps = _Steps(table, options, table_path, allow_missing, written=not candidate)
@@ -508,7 +508,7 @@ class _Steps:
             rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
                                  lambda: adaptive_rounding(model, plan, params, samples, options))
         def shifts() -> Optional[WeightShifts]:
-            return (WeightShifts(model, plan, self.table.channel_means, self.table.spatial_sizes)
+            return (WeightShifts(model, plan, self.table.channel_means or {}, self.table.spatial_sizes or {})
                     if bias_correction == "weights" else None)
 
         shifted = shifts()

@@ -57,9 +57,10 @@ class CalibrationTable:
     # smoothed graph, so quantization must fold the same scales
     smoothing: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # the per-channel means of the inputs of layers with a bias, over the calibration samples
-    # (qtool.quantization.bias_correction); none in a table read from another format
-    channel_means: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    spatial_sizes: dict[str, tuple[float, ...]] = field(default_factory=dict)  # of those inputs, mean over samples
+    # (qtool.quantization.bias_correction), and their mean spatial sizes; None where calibration did
+    # not keep them (not asked for, or a table read from another format)
+    channel_means: Optional[dict[str, tuple[float, ...]]] = None
+    spatial_sizes: Optional[dict[str, tuple[float, ...]]] = None
 
     def to_json_text(self) -> str:
         document = {
@@ -73,7 +74,7 @@ class CalibrationTable:
         }
         if self.smoothing:
             document["smoothing"] = {name: list(values) for name, values in self.smoothing.items()}
-        if self.channel_means:
+        if self.channel_means is not None:
             document["channel_means"] = {name: list(values) for name, values in self.channel_means.items()}
             document["spatial_sizes"] = {name: list(values) for name, values in self.spatial_sizes.items()}
         return json.dumps(document, indent=1, allow_nan=False) + "\n"
@@ -177,12 +178,13 @@ def table_from_document(document: Any, path: Path) -> CalibrationTable:
         model = document["model"]
         smoothing = {str(name): tuple(float(v) for v in values)
                      for name, values in document.get("smoothing", {}).items()}
-        means = {str(name): tuple(float(v) for v in values)
-                 for name, values in document.get("channel_means", {}).items()}
-        sizes = {str(name): tuple(float(v) for v in values)
-                 for name, values in document.get("spatial_sizes", {}).items()}
-        if not all(math.isfinite(v) for values in [*means.values(), *sizes.values()] for v in values):
-            raise ValueError("a channel mean or spatial size is not a finite number")
+        means = sizes = None
+        if "channel_means" in document:
+            means = {str(name): tuple(float(v) for v in values) for name, values in document["channel_means"].items()}
+            sizes = {str(name): tuple(float(v) for v in values)
+                     for name, values in document.get("spatial_sizes", {}).items()}
+            if not all(math.isfinite(v) for values in [*means.values(), *sizes.values()] for v in values):
+                raise ValueError("a channel mean or spatial size is not a finite number")
         table = CalibrationTable(str(model.get("file", "")), str(model["sha256"]), str(document["method"]),
                                  dict(document.get("settings", {})), int(document["num_samples"]), tensors,
                                  smoothing=smoothing, channel_means=means, spatial_sizes=sizes)
