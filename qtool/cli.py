@@ -312,9 +312,8 @@ def _quantize_options(func):
         click.option("--bias-correction", type=click.Choice(["auto", "weights", "fast", "off"]),
                      help="Correct int32 biases for the mean output shift of rounding: weights (each layer's shift "
                           "from its int8 weights, on the channel means calibration measured; no extra pass), fast "
-                          "(the shift the --data samples agree on, measured on them: a pass of each model), off (the "
-                          "default), or auto (fast when --data is given and the model's outputs are [N, C] vectors, "
-                          "else off)."),
+                          "(the shift the --data samples agree on, measured on them: a pass of each model), off, or "
+                          "auto (the default: the target's rule, off on ort-cpu, measured with --data on openvino)."),
         click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
                      help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
                           "auto: adaptive when --data is given; default nearest)."),

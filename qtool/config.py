@@ -24,7 +24,7 @@ INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "area")
 CHANNEL_ORDERS = ("RGB", "BGR")
 LAYOUTS = ("NCHW", "NHWC")
 ACTIVATION_DTYPES = ("uint8", "int8")
-# auto: fast when calibration data is at hand (quantize --data) and the outputs are [N, C]
+# auto: what the target says (Target.bias_correction): off, or weights where measured closer to fp32
 BIAS_CORRECTIONS = ("auto", "off", "weights", "fast")
 WEIGHT_ROUNDINGS = ("auto", "nearest", "adaptive")  # auto: adaptive when calibration data is at hand
 EMBEDDINGS = ("auto", "int8", "float")  # auto: int8 for tables of EMBEDDING_AUTO_BYTES or more (ort-cpu)
@@ -185,9 +185,9 @@ class QuantizeConfig:
     equalize: bool = False  # cross-layer equalization of Conv->act->Conv pairs before calibration
     # weights: each layer's bias takes back the mean output shift of its int8 weights, from the channel
     # means calibration measured; fast: the whole shift the samples agree on, measured on them (a pass
-    # of each model); auto: fast when quantize has calibration data and the outputs are [N, C]
+    # of each model); auto: the target's rule, off on onnxruntime CPU, measured on OpenVINO
     # (qtool.choices.bias_correction)
-    bias_correction: str = "off"
+    bias_correction: str = "auto"
     weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
     # MatMul/Gemm with a constant weight: static (Q/DQ from calibrated ranges) or dynamic (int8 weight,

@@ -97,6 +97,10 @@ class Target:
     # The speed rule of this runtime's kernels, by name (qtool.choices.speed.RULES): `speed_rule: auto`
     # keeps float the quantized nodes it says run no faster in int8; None: no rule, nothing kept float.
     speed_rule: Optional[str] = None
+    # What `bias_correction: auto` settles to with calibration data (qtool.choices.bias_correction):
+    # "off", or "measured" (the weights form where it scores closer to fp32 than none, as the runtime
+    # computes the candidates)
+    bias_correction: str = "off"
 
     def preset(self) -> dict:
         """The option values this target sets (field names of QuantizeConfig)."""
@@ -129,7 +133,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            smooth_inserts=True, int8_conv_zero_points=False,
            requantize_beside=("Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalAveragePool",
                               "GlobalMaxPool", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSum", "Transpose"),
-           speed_rule="openvino_cpu"),
+           speed_rule="openvino_cpu", bias_correction="measured"),
 )}
 DEFAULT_TARGET = "ort-cpu"
 PRESET_FIELDS = ("activation_dtype", "symmetric_activations", "per_channel", "reduce_range")

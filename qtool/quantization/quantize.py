@@ -58,16 +58,17 @@ def needs_data(options: QuantizeConfig) -> bool:
 
 
 def resolve_data_steps(options: QuantizeConfig, have_data: bool, have_means: bool) -> tuple[str, str]:
-    """(bias correction, weight rounding) to run: `auto` means on when calibration data is at hand.
-    Asking explicitly for a step without what it reads (data; the table's channel means for
-    bias correction `weights`) is a user error."""
+    """(bias correction, weight rounding) to run. Bias correction's `auto` is settled before the
+    build (qtool.choices.bias_correction): met here, it builds as off. Adaptive rounding's `auto` is
+    on when calibration data is at hand. Asking explicitly for a step without what it reads (data;
+    the table's channel means for bias correction `weights`) is a user error."""
     if needs_data(options) and not have_data:
         raise QtoolError("bias correction fast and adaptive weight rounding need calibration data (--data)")
     if options.bias_correction == "weights" and not have_means:
         raise QtoolError(MEANS_MISSING)
-    bias = "fast" if options.bias_correction == "auto" and have_data else options.bias_correction
+    bias = "off" if options.bias_correction == "auto" else options.bias_correction
     rounding = "adaptive" if options.weight_rounding == "auto" and have_data else options.weight_rounding
-    return ("off" if bias == "auto" else bias), ("nearest" if rounding == "auto" else rounding)
+    return bias, ("nearest" if rounding == "auto" else rounding)
 
 
 MEANS_MISSING = ("bias correction weights reads the channel means a qtool calibration keeps when it is asked for: "
