@@ -99,7 +99,7 @@ def variants(best: str) -> list[tuple[str, str, dict]]:
         ("+ equalization", base, {"bias_correction": "fast", "equalize": True}),
         ("+ adaptive rounding", base, {"bias_correction": "fast", "equalize": True, "weight_rounding": "adaptive"}),
         ("adaptive rounding alone", base, {"weight_rounding": "adaptive"}),
-        ("adaptive rounding + bias correction (configs/efficientnet_lite0.yaml with --data)", base,
+        ("adaptive rounding + bias correction", base,
          {"weight_rounding": "adaptive", "bias_correction": "fast"}),
         ("per-tensor weights", base, {"per_channel": False}),
         ("per-tensor weights + equalization", base, {"per_channel": False, "equalize": True}),

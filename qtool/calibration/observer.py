@@ -7,9 +7,9 @@ sample where a histogram is needed) and onnxruntime's kernels reduce in the same
 folds each batch's scalars and bounded samples into fixed-size summaries
 (qtool.calibration.statistics). A batch with non-finite extremes is re-run with those tensors
 whole, so their NaN/Inf are counted and excluded exactly; a saturated Clip output stops being
-reduced (qtool.calibration.saturation). The input of a layer with a bias also gets its per-sample
-channel means (GlobalAveragePool), which bias correction reads. The nodes, and why:
-docs/design/observer.md.
+reduced (qtool.calibration.saturation). Where bias correction's weights form will read them, the
+input of a layer with a bias also gets its per-sample channel means (GlobalAveragePool). The
+nodes, and why: docs/design/observer.md.
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ class Observer:
         self.from_feeds = [t for t in tensors if t in inputs]  # graph inputs are read from the feeds
         self.shapes = inferred_shapes(model, self.fetched)
         # channel means of main-graph tensors only (a body's tensor leaves it stacked over iterations)
-        wanted = {t: rank for t, rank in (means_for or {}).items() if t in set(tensors)}
+        observed = set(tensors)
+        wanted = {t: rank for t, rank in (means_for or {}).items() if t in observed}
         self.means_for = {t: rank for t, rank in wanted.items() if t not in self.routes and t not in inputs}
         self.means_from_feeds = sorted(t for t in wanted if t in inputs)
         self.bounded = {t: b for t, b in saturation.bounds(model).items()

@@ -9,9 +9,9 @@ sample the observer takes of each batch (qtool.calibration.observer). The histog
 filled keys and their counts: a tensor's values fill a few thousand of the 65,536 keys, and the
 dense int64 arrays (512 KB a tensor, hundreds of tensors) would be most of a calibration's peak
 memory; `hist` expands one tensor's when a range method reads it (docs/design/histogram.md).
-The input of a layer with a bias also keeps its per-channel mean (each sample weighs the same),
-which the bias correction of qtool.quantization.bias_correction reads: summed as integers of
-2^-24, so shards merge to the same bits as one pass.
+Where bias correction's weights form will read it (qtool.quantization.bias_correction), the input
+of a layer with a bias also keeps its per-channel mean (each sample weighs the same): summed as
+integers of 2^-24, so shards merge to the same bits as one pass.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 On onnxruntime CPU (and the targets without a rule) `auto` is off: neither form gains on every
 kit model there. The weights form lowered the worst held-out samples of the small PP-LCNet
-classifiers and the OCR recognizer and cost silero VAD 6 dB over four folds (in-sample scoring
-chose it there: the shift is fitted to the calibration samples' means), and the fast form moves
+classifiers and the OCR recognizer and cost silero VAD 6 dB over four folds, and the fast form moves
 the few positions that matter on a detector's per-position outputs and costs a pass of each
 model (benchmarks/README.md). On OpenVINO (Target.bias_correction "measured") the weights form
 is a candidate like the range methods: the model without and with it are scored as OpenVINO
@@ -14,12 +13,11 @@ keeps for it; without data, or with a table without them, `auto` is off.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 from qtool.choices.decision import Decision
 from qtool.choices.measure import MARGIN_DB, Scoring, figures
-from qtool.config import QuantizeConfig
+from qtool.config import QuantizeConfig, with_options
 from qtool.table.table import CalibrationTable
 from qtool.targets import target_of
 
@@ -32,7 +30,7 @@ def choose_bias_correction(table: CalibrationTable, options: QuantizeConfig, sco
     when they name a form already. `scoring`: the job's (None: no data to measure on)."""
     if options.bias_correction != "auto":
         return options, None
-    off = _with(options, "off")
+    off = with_options(options, bias_correction="off")
     target = target_of(options)
     if target.bias_correction != "measured":
         return off, Decision(OPTION, "off", f"auto: off on target {target.name}")
@@ -40,16 +38,10 @@ def choose_bias_correction(table: CalibrationTable, options: QuantizeConfig, sco
         return off, Decision(OPTION, "off", "auto: no calibration data to measure the weights form on")
     if table.channel_means is None:
         return off, Decision(OPTION, "off", "auto: the table holds no channel means (a table of another format)")
-    weights = _with(options, "weights")
+    weights = with_options(options, bias_correction="weights")
     without, with_weights = scoring.measured([(table, off), (table, weights)])
     kept = with_weights["cosine_db"] >= without["cosine_db"] + MARGIN_DB
     return (weights if kept else off), Decision(
         OPTION, "weights" if kept else "off",
         f"auto on target {target.name}: the weights form must be {MARGIN_DB} dB closer to fp32",
         (("off", figures(without)), ("weights", figures(with_weights))), scoring.count)
-
-
-def _with(options: QuantizeConfig, value: str) -> QuantizeConfig:
-    from dataclasses import replace
-
-    return replace(options, bias_correction=value)

@@ -2,7 +2,7 @@
 
 Two forms, `bias_correction: weights` and `fast`.
 
-`weights` (what `auto` settles to wherever the table holds channel means): rounding a layer's
+`weights` (asked for, or kept by `auto` where the target measures it): rounding a layer's
 weights to int8 moves each output channel's mean by (W - W_q) . m, m the per-channel means of the
 layer's input, which calibration measured in its one pass (qtool.calibration.statistics); the
 bias takes that back before it is quantized (`WeightShifts`, read by the rewrite). A Conv's tap
