@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from models import _figures, _gold, _samples  # noqa: E402
+from models import _figures, _gold, _samples, worst_cosines  # noqa: E402
 import qtool.api as api  # noqa: E402
 from qtool.config import PreprocessConfig  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> None:
                 chosen[variant].append(result.settled.calibration.method)
             print(f"fold {fold} done", file=sys.stderr, flush=True)
     figures = _figures(args.model, outputs, _gold(args.kit, args.model))
-    cosines = {v: _worst_cosines(outputs["fp32"], outputs[v]) for v in variants}
+    cosines = {v: np.array(worst_cosines(outputs["fp32"], outputs[v])) for v in variants}
     first = cosines[variants[0]]
     paired = {v: {"higher": int(np.sum(c > first)), "lower": int(np.sum(c < first))} for v, c in cosines.items()}
     print(json.dumps({"model": args.model, "folds": args.folds, "samples": len(outputs["fp32"]),
@@ -78,19 +78,6 @@ def main() -> None:
         f = figures[variant]
         print(f"| {variant} | {f['cos_mean']:.4f} / {f['cos_min']:.4f} | {f['sqnr']:.1f} | {f['task']} "
               f"| {', '.join(chosen[variant])} | {paired[variant]['higher']} / {paired[variant]['lower']} |")
-
-
-def _worst_cosines(reference: list, got: list) -> np.ndarray:
-    """Per sample, the cosine to fp32 of its worst output."""
-    worst = []
-    for r_outs, q_outs in zip(reference, got):
-        per_output = []
-        for r, q in zip(r_outs, q_outs):
-            r64, q64 = r.astype(np.float64).ravel(), q.astype(np.float64).ravel()
-            denom = np.linalg.norm(r64) * np.linalg.norm(q64)
-            per_output.append(float(r64 @ q64 / denom) if denom else float(np.array_equal(r64, q64)))
-        worst.append(min(per_output))
-    return np.array(worst)
 
 
 if __name__ == "__main__":

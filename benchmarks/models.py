@@ -87,6 +87,19 @@ def _quantize_ort(kind: str, model: Path, out: Path, calib: list[dict]) -> tuple
     return time.perf_counter() - start, ""
 
 
+def worst_cosines(ref: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> list[float]:
+    """Per sample, the cosine to fp32 of its worst output."""
+    worst = []
+    for r_outs, q_outs in zip(ref, got):
+        per_output = []
+        for r, q in zip(r_outs, q_outs):
+            r64, q64 = r.astype(np.float64).ravel(), q.astype(np.float64).ravel()
+            denom = np.linalg.norm(r64) * np.linalg.norm(q64)
+            per_output.append(float(r64 @ q64 / denom) if denom else float(np.array_equal(r64, q64)))
+        worst.append(min(per_output))
+    return worst
+
+
 def _figures(name: str, outputs: dict[str, list[list[np.ndarray]]], gold: list[float]) -> dict:
     """outputs: variant -> per sample, the model's outputs (float ones only)."""
     ref = outputs["fp32"]
@@ -94,15 +107,9 @@ def _figures(name: str, outputs: dict[str, list[list[np.ndarray]]], gold: list[f
     for variant, got in outputs.items():
         if variant == "fp32":
             continue
-        cos = []
+        cos = worst_cosines(ref, got)
         signal = noise = None
         for r_outs, q_outs in zip(ref, got):
-            per_output = []
-            for r, q in zip(r_outs, q_outs):
-                r64, q64 = r.astype(np.float64).ravel(), q.astype(np.float64).ravel()
-                denom = np.linalg.norm(r64) * np.linalg.norm(q64)
-                per_output.append(float(r64 @ q64 / denom) if denom else float(np.array_equal(r64, q64)))
-            cos.append(min(per_output))
             s = [float(np.sum(r.astype(np.float64) ** 2)) for r in r_outs]
             n = [float(np.sum((r.astype(np.float64) - q) ** 2)) for r, q in zip(r_outs, q_outs)]
             signal = s if signal is None else [a + b for a, b in zip(signal, s)]
