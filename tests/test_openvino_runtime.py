@@ -18,7 +18,8 @@ from tests import graphs
 
 # nothing measured: no OpenVINO needed to quantize; toy layers, which the speed rule would keep float
 CONFIG = {"calibration": {"method": "minmax"},
-          "quantization": {"target": "openvino", "advanced": {"head_tails": "off", "speed_rule": "off"}}}
+          "quantization": {"target": "openvino", "bias_correction": "off",
+                           "advanced": {"head_tails": "off", "speed_rule": "off"}}}
 
 
 @pytest.fixture(scope="module")

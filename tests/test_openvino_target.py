@@ -18,9 +18,10 @@ from tests.test_transformer_blocks import _attention_model, _gelu_model, _ln_mod
 
 # nothing measured: no OpenVINO needed to quantize; toy layers, which the speed rule would keep float
 CONFIG = {"calibration": {"method": "minmax"},
-          "quantization": {"target": "openvino", "advanced": {"head_tails": "off", **graphs.RULE_OFF}}}
+          "quantization": {"target": "openvino", "bias_correction": "off",
+                           "advanced": {"head_tails": "off", **graphs.RULE_OFF}}}
 RULE_ON = {"calibration": {"method": "minmax"},
-           "quantization": {"target": "openvino", "advanced": {"head_tails": "off"}}}
+           "quantization": {"target": "openvino", "bias_correction": "off", "advanced": {"head_tails": "off"}}}
 LAYERS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
