@@ -75,9 +75,10 @@ def keeps_channel_means(options: QuantizeConfig) -> bool:
 
 def bias_inputs(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, int]:
     """The activations whose channel means bias correction reads, the inputs of the layers with a
-    bias, with their rank (a Conv's is its weight's, whatever shape inference finds)."""
+    bias whose weight is a main-graph initializer, with their rank (a Conv's input's is its
+    weight's, a Gemm's 2, whatever shape inference finds)."""
     ranks = {t.name: len(t.dims) for t in model.graph.initializer}
-    return {b.activation: ranks.get(b.weight, 2) for b in plan.biases.values()}
+    return {b.activation: ranks[b.weight] for b in plan.biases.values() if b.weight in ranks}
 
 
 def warn_nonfinite(stats: dict[str, TensorStats]) -> None:

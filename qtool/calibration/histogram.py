@@ -87,8 +87,7 @@ def abs_linear(hist: tuple[np.ndarray, np.ndarray], top: float, bins: int = 2048
     # the cumulative count is flat between the filled keys' edges: interpolated at those edges
     # (and the last edge under `top`, where the clamped edges start) it gives what it gives at all
     below_top = max(int(np.searchsorted(_EDGES, top, side="left")) - 1, 0)
-    at_edges = np.sort(np.concatenate([[0, below_top, _FINITE_KEYS], filled, filled + 1]), kind="stable")
-    at_edges = at_edges[np.concatenate([[True], at_edges[1:] != at_edges[:-1]])]  # (timsort merges sorted runs)
+    at_edges = np.unique(np.concatenate([[0, below_top, _FINITE_KEYS], filled, filled + 1]))
     edges = np.minimum(_EDGES[at_edges], top)
     cdf = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])
     cdf = cdf[np.searchsorted(filled, at_edges, side="left")]  # the counts below each edge

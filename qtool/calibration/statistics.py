@@ -69,8 +69,8 @@ class TensorStats:
         return dense
 
     def _set_dense(self, dense: np.ndarray) -> None:
-        keys = np.flatnonzero(dense)
-        self.hist_keys, self.hist_counts = keys.astype(np.uint16), dense[keys]
+        keys, self.hist_counts = histogram.sparse(dense)
+        self.hist_keys = keys.astype(np.uint16)
 
     def update(self, array: np.ndarray) -> None:
         """Reduce a whole array (inputs, and the fallback path for batches holding NaN/Inf)."""
@@ -114,15 +114,12 @@ class TensorStats:
     def add_channel_means(self, means: np.ndarray, spatial: tuple[int, ...] = ()) -> None:
         """One batch's per-sample channel means ([samples, channels]) and the tensor's spatial size
         in that batch; a batch with a non-finite mean is left out (its NaN/Inf are excluded from the
-        extremes too), as is one whose channels or spatial axes differ from the earlier batches'."""
+        extremes too)."""
         means = np.asarray(means, np.float64)
         if means.ndim < 2 or means.size == 0 or not np.all(np.isfinite(means)):
             return
         means = means.reshape(means.shape[0], -1)
         sizes = np.asarray(spatial, np.int64) * means.shape[0]
-        if self.channel_sums is not None and (self.channel_sums.shape != means.shape[1:]
-                                              or self.spatial_sums.shape != sizes.shape):
-            return
         units = np.rint(np.clip(means, -_MEAN_LIMIT, _MEAN_LIMIT) * _MEAN_UNIT).astype(np.int64).sum(axis=0)
         if self.channel_sums is None:
             self.channel_sums, self.spatial_sums = units, sizes
@@ -162,15 +159,10 @@ class TensorStats:
                       nonfinite=self.nonfinite + other.nonfinite, batches=self.batches + other.batches,
                       batch_min_sum=self.batch_min_sum + other.batch_min_sum,
                       batch_max_sum=self.batch_max_sum + other.batch_max_sum, sample_limit=self.sample_limit)
-        kept = [t for t in (self, other) if t.channel_sums is not None]
-        if len(kept) == 2 and (self.channel_sums.shape, self.spatial_sums.shape) == (other.channel_sums.shape,
-                                                                                   other.spatial_sums.shape):
-            fields.update(channel_sums=self.channel_sums + other.channel_sums,
-                          spatial_sums=self.spatial_sums + other.spatial_sums,
-                          channel_samples=self.channel_samples + other.channel_samples)
-        elif kept:  # one side only (or two that disagree: the first's, as a pass keeps its first batches')
-            fields.update(channel_sums=kept[0].channel_sums.copy(), spatial_sums=kept[0].spatial_sums.copy(),
-                          channel_samples=kept[0].channel_samples)
+        kept = [t for t in (self, other) if t.channel_sums is not None]  # a shard without samples has none
+        if kept:
+            fields.update(channel_sums=sum(t.channel_sums for t in kept), spatial_sums=sum(t.spatial_sums for t in kept),
+                          channel_samples=sum(t.channel_samples for t in kept))
         if self.hist_keys is None:
             return TensorStats(**fields)
         hist = self.hist

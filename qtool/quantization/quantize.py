@@ -508,11 +508,8 @@ class _Steps:
         if rounding_mode == "adaptive":
             rounding = _optional(options.weight_rounding, "adaptive weight rounding", notes,
                                  lambda: adaptive_rounding(model, plan, params, samples, options))
-        def shifts() -> Optional[WeightShifts]:
-            return (WeightShifts(model, plan, self.table.channel_means or {}, self.table.spatial_sizes or {})
-                    if bias_correction == "weights" else None)
-
-        shifted = shifts()
+        shifted = (WeightShifts(model, plan, self.table.channel_means or {}, self.table.spatial_sizes or {})
+                   if bias_correction == "weights" else None)
         try:
             qmodel, graph_notes = quantize_with(model, plan, params, options, rounding, shifted)
             ran["weight_rounding"] = "adaptive" if rounding is not None else "nearest"
@@ -520,7 +517,6 @@ class _Steps:
             if rounding is None or options.weight_rounding != "auto":
                 raise
             notes.append(f"adaptive weight rounding skipped: {type(exc).__name__}: {exc}")
-            shifted = shifts()
             qmodel, graph_notes = quantize_with(model, plan, params, options, bias_shift=shifted)
         if shifted is not None:
             ran["bias_correction"] = "weights"

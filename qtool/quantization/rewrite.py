@@ -148,7 +148,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
 
     # Biases: int32, scale exactly s_in * s_w[c]; widen a channel's weight scale where the
     # int32 range would overflow (tiny input scale times tiny weight scale).
-    bias_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # float bias, its int32 scale
+    float_biases: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # float bias, its int32 scale
     widened: list[str] = []
     for name, bplan in plan.biases.items():
         if bplan.activation not in params or bplan.weight not in weight_scales:
@@ -173,7 +173,7 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         b_scale = qp.bias_scale(s_in, per_out)
         if weight_scales[bplan.weight].ndim == 0 and b_scale.size:
             b_scale = b_scale.reshape(-1)[0].reshape(())  # per-tensor: one scale, no axis (opset < 13 has none)
-        bias_arrays[name] = (bias, b_scale)
+        float_biases[name] = (bias, b_scale)
 
     if widened:
         notes.append(f"int32 bias would overflow in near-zero weight channels; widened the weight scale of those "
@@ -186,7 +186,9 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
         q = rounding(name, weight, scales, axis) if rounding else None
         q = qp.quantize_weight(weight, scales, axis, weight_qmax) if q is None else q
         forms[name] = (q, scales, np.zeros(scales.shape, np.int8), axis if scales.ndim else None)
-    for name, (bias, b_scale) in bias_arrays.items():
+    bias_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # int32 bias, its scale
+    for name, (bias, b_scale) in float_biases.items():
+        shift = None
         if bias_shift is not None:
             weight = plan.biases[name].weight
             q, scales, _, axis = forms[weight]
@@ -194,8 +196,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
             if axis is not None:
                 shape[axis] = -1
             shift = bias_shift(name, weight_data[weight], q * scales.astype(np.float64).reshape(shape))
-            bias = bias if shift is None else (bias + shift).astype(np.float32)
-        bias_arrays[name] = (qp.quantize_bias(bias, b_scale), b_scale)
+        bias_arrays[name] = (qp.quantize_bias(bias if shift is None else (bias + shift).astype(np.float32), b_scale),
+                             b_scale)
     for name in plan.constants:
         # a constant operand: quantized per tensor like an activation, over its own exact range
         values = numpy_helper.to_array(float_inits[name]).astype(np.float32)
