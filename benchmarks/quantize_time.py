@@ -45,6 +45,8 @@ STAGES = {
     ("qtool.choices.ranges", "choose_ranges"): "choice:ranges",
     ("qtool.choices.dynamic_weights", "choose_dynamic_weights"): "choice:dynamic_weights",
     ("qtool.choices.hard_forms", "choose_hard_forms"): "choice:hard_forms",
+    ("qtool.choices.bias_correction", "choose_bias_correction"): "choice:bias_correction",
+    ("qtool.choices.speed", "choose_float_for_speed"): "choice:speed",
     ("qtool.plan.dynamic", "matmul_strategy"): "choice:matmul",
     ("qtool.choices.measure", "scored_samples"): "scored samples",
     ("qtool.evaluation.mixed_precision.Evaluator", "__call__"): "evaluate candidate",
@@ -66,7 +68,7 @@ CHILD_STAGES = r"""
 import functools, importlib, json, resource, sys, threading, time
 sys.path.insert(0, {root!r})
 import qtool.api, qtool.cli, qtool.choices, qtool.choices.ranges, qtool.choices.measure  # noqa: E401
-import qtool.choices.dynamic_weights, qtool.choices.hard_forms, qtool.quantization.quantize
+import qtool.choices.dynamic_weights, qtool.choices.hard_forms, qtool.choices.bias_correction, qtool.choices.speed, qtool.quantization.quantize
 import qtool.evaluation.mixed_precision
 stages = {stages!r}
 totals, peak, local = {{}}, [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], threading.local()

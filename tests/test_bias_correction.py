@@ -185,6 +185,13 @@ def test_weights_asked_for_with_a_table_without_channel_means_is_a_user_error(tm
     done = qtool.quantize(tmp_path / "mm.onnx", data=vectors, progress=False,
                           config={"quantization": {"bias_correction": "weights"}})
     assert done.table.channel_means == {} and done.settled.quantization.bias_correction == "weights"
+    # where `auto` measures the form (OpenVINO), a model with nothing to correct is off without
+    # building a candidate (so without OpenVINO, every other choice named)
+    auto = qtool.quantize(tmp_path / "mm.onnx", data=vectors, progress=False,
+                          config={"calibration": {"method": "minmax"},
+                                  "quantization": {"target": "openvino", "matmul": "static"}})
+    [decision] = [d for d in auto.decisions if d.option == "quantization.bias_correction"]
+    assert decision.value == "off" and not decision.measured and "no layer with a bias" in decision.rule
 
 
 def test_a_layer_after_a_pad_whose_amounts_a_chain_of_constant_nodes_builds(tmp_path):

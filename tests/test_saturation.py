@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import qtool.calibration.collect as collect_module
@@ -14,20 +15,22 @@ import qtool.calibration.observer as observer_module
 from qtool.calibration.calibrate import calibrate
 from qtool.config import load_config
 from qtool.data.dataset import Batch
-from qtool.calibration.observer import observe
+from qtool.calibration.observer import observe, with_channel_means
 from qtool.calibration.saturation import bounds
+from qtool.graph.shapes import inferred_shapes
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, kit_path
 
 
-def _two_clips():
-    """x -> Clip(0, 6) -> a (ReLU6: both bounds reachable); x -> Clip(-1, 100) -> b -> Sigmoid -> y."""
+def _two_clips(spatial=(8, 8)):
+    """x -> Clip(0, 6) -> a (ReLU6: both bounds reachable); x -> Clip(-1, 100) -> b -> Sigmoid -> y;
+    x declared [N, 4, *spatial]."""
     inits = [numpy_helper.from_array(np.array(v, np.float32), n)
              for n, v in (("z", 0.0), ("six", 6.0), ("m1", -1.0), ("hundred", 100.0))]
     nodes = [helper.make_node("Clip", ["x", "z", "six"], ["a"], name="relu6"),
              helper.make_node("Clip", ["x", "m1", "hundred"], ["b"], name="wide"),
              helper.make_node("Add", ["a", "b"], ["s"], name="add"),
              helper.make_node("Sigmoid", ["s"], ["y"], name="out")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, *spatial])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
@@ -200,12 +203,23 @@ def test_minmax_tables_identical_on_a_kit_model(monkeypatch):
     _assert_same_tables(monkeypatch, model, data, cfg)
 
 
-def test_channel_means_are_kept_through_saturation_and_merge_to_the_same_sums_in_any_split():
+@pytest.mark.parametrize("spatial", [(8, 8), ("H", "W")], ids=["static", "dynamic"])
+def test_channel_means_are_kept_through_saturation_and_merge_to_the_same_sums_in_any_split(spatial):
     """The per-sample channel means bias correction reads: kept for a tensor after it saturates,
     equal to numpy's means of the batches (each sample weighing the same, whatever the batch size),
-    with the mean spatial size; a graph input's from the feeds; and two passes over halves of the
-    data merge to exactly the sums of one pass (integer sums: no order dependence)."""
-    model = _two_clips()
+    with the mean spatial size, read from the graph where its dims are known (no Shape node: it
+    would make onnxruntime reorder the tensor out of its blocked layout) and from a Shape output
+    where they are not; a graph input's from the feeds; and two passes over halves of the data
+    merge to exactly the sums of one pass (integer sums: no order dependence)."""
+    model = _two_clips(spatial)
+    observing = onnx.ModelProto()
+    observing.CopyFrom(model)
+    added = with_channel_means(observing, {"a": 4, "b": 4}, inferred_shapes(model))
+    shapes_read = [n for n in observing.graph.node if n.op_type == "Shape"]
+    if spatial == (8, 8):
+        assert not shapes_read and added["a"][1:] == ("", (8, 8))
+    else:
+        assert len(shapes_read) == 2 and added["a"][2] == ()
     rng = np.random.default_rng(4)
     shapes = [(2, 4, 8, 8), (1, 4, 8, 8), (3, 4, 8, 8), (2, 4, 8, 8)]
     feeds = [rng.uniform(-5, 10, s).astype(np.float32) for s in shapes]  # a saturates in the first batch

@@ -174,25 +174,32 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     return reduced, outputs
 
 
-def with_channel_means(reduced: onnx.ModelProto, ranks: dict[str, int]) -> dict[str, tuple[str, str]]:
+def with_channel_means(reduced: onnx.ModelProto, ranks: dict[str, int],
+                       shapes: Optional[dict[str, list]] = None) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     """Adds to `reduced` (in place) an output of each tensor's per-sample channel means, [N, C, 1...]
-    (GlobalAveragePool, on onnxruntime's blocked layout) and of its shape for a tensor of rank 3 or
-    more, the tensor itself for rank 2 ([N, C]); `ranks`: tensor -> its rank; returns tensor ->
-    (means output, shape output or "")."""
+    (GlobalAveragePool, on onnxruntime's blocked layout), the tensor itself for rank 2 ([N, C]);
+    `ranks`: tensor -> its rank; `shapes`: the dims shape inference gives. Its spatial size comes
+    from those dims where they are all known, else from an output of its shape (a Shape node makes
+    onnxruntime reorder the tensor out of the blocked layout: a copy of it per run). Returns tensor
+    -> (means output, shape output or "", the static spatial size or ())."""
     types = elem_types(reduced)
+    shapes = shapes or {}
     means = {}
     for i, name in enumerate(sorted(ranks)):
         if ranks[name] < 2 or types.get(name, TensorProto.FLOAT) != TensorProto.FLOAT:
             continue
-        out, shape = f"{_PREFIX}_mean{i}", ""
+        out, shape, static = f"{_PREFIX}_mean{i}", "", ()
         op = "GlobalAveragePool" if ranks[name] > 2 else "Identity"
         reduced.graph.node.append(helper.make_node(op, [name], [out], name=out))
         reduced.graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, None))
-        if ranks[name] > 2:
+        dims = shapes.get(name) or []
+        if ranks[name] > 2 and len(dims) == ranks[name] and all(isinstance(d, int) and d > 0 for d in dims[2:]):
+            static = tuple(dims[2:])
+        elif ranks[name] > 2:
             shape = f"{_PREFIX}_shape{i}"
             reduced.graph.node.append(helper.make_node("Shape", [name], [shape], name=shape))
             reduced.graph.output.append(helper.make_tensor_value_info(shape, TensorProto.INT64, [ranks[name]]))
-        means[name] = (out, shape)
+        means[name] = (out, shape, static)
     return means
 
 
@@ -314,8 +321,8 @@ class Observer:
                     stats[name].update(array)
             for name in self.from_feeds:
                 stats[name].update(batch.feeds[name])
-            for name, (out, shape) in means.items():
-                stats[name].add_channel_means(values[out], tuple(values[shape][2:]) if shape else ())
+            for name, (out, shape, static) in means.items():
+                stats[name].add_channel_means(values[out], tuple(values[shape][2:]) if shape else static)
             for name in self.means_from_feeds:
                 array = np.asarray(batch.feeds[name])
                 if array.ndim >= 2 and array.dtype == np.float32:
@@ -354,10 +361,10 @@ def _observing_session(weights: SharedWeights, names: list[str], histogram_for: 
     if not names and not known and not means_for:
         return None, {}, [], {}
     reduced, outputs = with_reductions(weights.light, names, set(histogram_for), sample_limit, shapes, known)
-    means = with_channel_means(reduced, means_for or {})
+    means = with_channel_means(reduced, means_for or {}, shapes)
     # priority order: each tensor's reductions run soon after it is made (with the default order
     # nudenet's observing session held 1.3 GB at batch 8, with this one 0.6 GB; same statistics)
     return (create_session(reduced, threads, "the fp32 model with calibration observers", weights=weights,
                            order=ort.ExecutionOrder.PRIORITY_BASED, batch_pass=True), outputs,
-            [*(o for t in [*names, *known] for o in outputs[t][:4] if o), *(o for m in means.values() for o in m if o)],
+            [*(o for t in [*names, *known] for o in outputs[t][:4] if o), *(o for m in means.values() for o in m[:2] if o)],
             means)
