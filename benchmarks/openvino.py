@@ -16,7 +16,9 @@ one held-out sample; each model compiled alone in a process of its own that runs
 (medians), the processes taking turns in a fresh (seeded) order for `--reps` repetitions, the
 median over them (`--timing turns`: all models in one process taking turns run by run, which
 evicts each one's data from the caches between its runs). Each run's process CPU time is
-taken beside its wall time (on a shared machine the CPU time is what preemption does not inflate).
+taken beside its wall time (on a shared machine the CPU time is what preemption does not inflate),
+and with each model alone, the sum of its runtime model's per-layer times per run (OpenVINO's
+counters): the kernels' own time, which moves least from run to run.
 Fidelity: over held-out samples (the kit's eval/ folder, else every fourth calibration file held
 back from calibration; EfficientNet: 32 dev photos), the mean of each sample's worst output
 cosine to the fp32 model's on OpenVINO at f32. From each int8 runtime model: the heavy ops
@@ -158,21 +160,23 @@ def measure(model: Path, made: dict, held: Path, rounds: int, batch: int = 1) ->
                                                   for r, s in zip(references, samples)]))
         figures[label].update(model_.layers())
     feeds = samples[0] if batch == 1 else _stacked(samples, batch)
+    sources = {"fp32": (model, None), "fp32_f32": (model, "f32"),
+               **{label: (made[label]["path"], None) for label in compiled if label in made}}
     if TIMING[0] == "processes":
-        sources = {"fp32": (model, None), "fp32_f32": (model, "f32"),
-                   **{label: (made[label]["path"], None) for label in compiled if label in made}}
         del compiled  # each timed model is compiled again in its own process
-        for label, (ms, cpu_ms) in _process_times(sources, feeds, rounds).items():
-            figures[label]["ms"], figures[label]["cpu_ms"] = ms, cpu_ms
+        for label, (ms, cpu_ms, layer_ms) in _process_times(sources, feeds, rounds).items():
+            figures[label]["ms"], figures[label]["cpu_ms"], figures[label]["layer_ms"] = ms, cpu_ms, layer_ms
     else:
-        _turn_times(compiled, feeds, rounds, figures)
+        _turn_times(compiled, sources, feeds, rounds, figures)
     for label, entry in made.items():
         figures.setdefault(label, {}).update({k: v for k, v in entry.items() if k != "path"})
     return figures
 
 
-def _turn_times(compiled: dict, feeds: dict, rounds: int, figures: dict) -> None:
-    """All models compiled in this process, taking turns run by run (medians)."""
+def _turn_times(compiled: dict, sources: dict, feeds: dict, rounds: int, figures: dict) -> None:
+    """All models compiled in this process, taking turns run by run (medians); then again each
+    compiled with the per-layer counters (`sources`: label -> (path, precision)), the sum of its
+    layers' times per run."""
     times: dict[str, list[float]] = {label: [] for label in compiled}
     cpu: dict[str, list[float]] = {label: [] for label in compiled}
     for model_ in compiled.values():
@@ -191,11 +195,36 @@ def _turn_times(compiled: dict, feeds: dict, rounds: int, figures: dict) -> None
     for label, values in times.items():
         figures[label]["ms"] = 1e3 * float(np.median(values))
         figures[label]["cpu_ms"] = 1e3 * float(np.median(cpu[label]))
+    # the same models compiled with the plugin's per-layer counters, taking turns the same way
+    counted = {label: _counted(*sources[label]) for label in compiled}
+    layers: dict[str, list[float]] = {label: [] for label in counted}
+    for round_ in range(rounds + 3):
+        for i in rng.permutation(len(order)):
+            label = order[i][0]
+            request, fed = counted[label]
+            request.infer(fed(feeds))
+            if round_ >= 3:
+                layers[label].append(sum(p.real_time.total_seconds() for p in request.profiling_info))
+    for label, values in layers.items():
+        figures[label]["layer_ms"] = 1e3 * float(np.median(values))
+
+
+def _counted(path, precision) -> tuple:
+    """(an infer request of the model at `path` compiled with the plugin's per-layer counters, at
+    `precision` (None: the default), 1 thread; feeds -> the feeds it reads)."""
+    import openvino as ov
+
+    config = {"INFERENCE_NUM_THREADS": 1, "PERF_COUNT": "YES", **({"INFERENCE_PRECISION_HINT": precision}
+                                                                   if precision else {})}
+    compiled = ov.Core().compile_model(str(path), "CPU", config)
+    inputs = {name for i in compiled.inputs for name in i.get_names()}
+    return compiled.create_infer_request(), lambda feeds: {k: v for k, v in feeds.items() if k in inputs}
 
 
 _CHILD = r"""
 import json, sys, time
 import numpy as np
+import openvino as ov
 sys.path.insert(0, sys.argv[1])
 from qtool.evaluation.openvino_runtime import CompiledModel
 path, feeds, runs, precision = sys.argv[2], np.load(sys.argv[3]), int(sys.argv[4]), sys.argv[5] or None
@@ -209,14 +238,28 @@ for _ in range(runs):
     model.run(None, feeds)
     cpu.append(time.process_time() - start_cpu)
     wall.append(time.perf_counter() - start)
-print(json.dumps([1e3 * float(np.median(wall)), 1e3 * float(np.median(cpu))]))
+# the same model compiled with the plugin's per-layer counters: each run's sum of its layers' times
+config = {"INFERENCE_NUM_THREADS": 1, "PERF_COUNT": "YES", **({"INFERENCE_PRECISION_HINT": precision} if precision else {})}
+counted = ov.Core().compile_model(path, "CPU", config)
+request = counted.create_infer_request()
+inputs = {name for i in counted.inputs for name in i.get_names()}
+fed = {k: v for k, v in feeds.items() if k in inputs}
+layers = []
+for i in range(runs + 10):
+    request.infer(fed)
+    if i >= 10:
+        layers.append(sum(p.real_time.total_seconds() for p in request.profiling_info))
+print(json.dumps([1e3 * float(np.median(wall)), 1e3 * float(np.median(cpu)), 1e3 * float(np.median(layers))]))
 """
 
 
 def _process_times(sources: dict, feeds: dict, runs: int) -> dict:
-    """label -> (wall ms, CPU ms): each model compiled alone in a process of its own that runs it
-    `runs` times (medians), the processes taking turns in a fresh order for REPS repetitions, the
-    median over them. Models compiled together in one process and taking turns run by run evict
+    """label -> (wall ms, CPU ms, layer ms): each model compiled alone in a process of its own that
+    runs it `runs` times (medians), the processes taking turns in a fresh order for REPS
+    repetitions, the median over them. Layer ms: the sum of the runtime model's per-layer times
+    (the plugin's counters, the model compiled again with them on) per run, which leaves out what
+    the machine adds around the kernels; two int8 models that compile to the same kernels measure
+    the same there. Models compiled together in one process and taking turns run by run evict
     each other from the caches: the recognizer's fp32 model took 6.1 ms that way and 2.9 ms alone."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "feeds.npz"
@@ -230,7 +273,7 @@ def _process_times(sources: dict, feeds: dict, runs: int) -> dict:
                 done = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), str(model), str(path), str(runs),
                                        precision or ""], capture_output=True, text=True, check=True)
                 found[labels[i]].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return {label: tuple(float(np.median([v[k] for v in values])) for k in (0, 1)) for label, values in found.items()}
+    return {label: tuple(float(np.median([v[k] for v in values])) for k in (0, 1, 2)) for label, values in found.items()}
 
 
 def table(rows: list[dict], load: str, variants: tuple[str, ...] = ()) -> str:
@@ -241,11 +284,12 @@ def table(rows: list[dict], load: str, variants: tuple[str, ...] = ()) -> str:
              "",
              f"| model | fp32 ms (default / f32) | int8: qtool {' / qtool '.join(QUANTIZERS[:2])} / NNCF"
              f"{''.join(' / ' + label for label in variants)}: speed vs fp32 default "
-             "| same, by CPU time | worst-output cosine on OpenVINO | unfused FakeQuantize | int8 heavy ops | quantize s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| same, by CPU time | same, by the sum of layer times | worst-output cosine on OpenVINO "
+             "| unfused FakeQuantize | int8 heavy ops | quantize s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         f = row["figures"]
-        cells = {k: [] for k in ("speed", "cpu", "cos", "fq", "int8", "secs")}
+        cells = {k: [] for k in ("speed", "cpu", "layers", "cos", "fq", "int8", "secs")}
         for label in labels:
             entry = f.get(label, {})
             if "ms" not in entry:
@@ -254,12 +298,14 @@ def table(rows: list[dict], load: str, variants: tuple[str, ...] = ()) -> str:
                 continue
             cells["speed"].append(f"{f['fp32']['ms'] / entry['ms']:.2f}x")
             cells["cpu"].append(f"{f['fp32']['cpu_ms'] / entry['cpu_ms']:.2f}x")
+            cells["layers"].append(f"{f['fp32']['layer_ms'] / entry['layer_ms']:.3f}x" if "layer_ms" in entry else "-")
             cells["cos"].append(f"{entry['cosine']:.4f}")
             cells["fq"].append(str(entry["unfused_fake_quantize"]))
             cells["int8"].append(f"{entry['int8_heavy_ops']}/{entry['heavy_ops']}")
             cells["secs"].append(f"{entry['seconds']:.0f}" if "seconds" in entry else "-")
         lines.append(f"| {row['model']} | {f['fp32']['ms']:.2f} / {f['fp32_f32']['ms']:.2f} | "
-                     + " | ".join(" / ".join(cells[k]) for k in ("speed", "cpu", "cos", "fq", "int8", "secs")) + " |")
+                     + " | ".join(" / ".join(cells[k]) for k in ("speed", "cpu", "layers", "cos", "fq", "int8", "secs"))
+                     + " |")
     return "\n".join(lines)
 
 
