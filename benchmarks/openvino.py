@@ -17,8 +17,9 @@ one held-out sample; each model compiled alone in a process of its own that runs
 median over them (`--timing turns`: all models in one process taking turns run by run, which
 evicts each one's data from the caches between its runs). Each run's process CPU time is
 taken beside its wall time (on a shared machine the CPU time is what preemption does not inflate),
-and with each model alone, the sum of its runtime model's per-layer times per run (OpenVINO's
-counters): the kernels' own time, which moves least from run to run.
+and, timed the same way with the model compiled again with OpenVINO's per-layer counters on, the
+sum of its runtime model's layer times per run: the kernels' own time, without what the machine
+adds around them.
 Fidelity: over held-out samples (the kit's eval/ folder, else every fourth calibration file held
 back from calibration; EfficientNet: 32 dev photos), the mean of each sample's worst output
 cosine to the fp32 model's on OpenVINO at f32. From each int8 runtime model: the heavy ops
@@ -258,8 +259,7 @@ def _process_times(sources: dict, feeds: dict, runs: int) -> dict:
     runs it `runs` times (medians), the processes taking turns in a fresh order for REPS
     repetitions, the median over them. Layer ms: the sum of the runtime model's per-layer times
     (the plugin's counters, the model compiled again with them on) per run, which leaves out what
-    the machine adds around the kernels; two int8 models that compile to the same kernels measure
-    the same there. Models compiled together in one process and taking turns run by run evict
+    the machine adds around the kernels. Models compiled together in one process and taking turns run by run evict
     each other from the caches: the recognizer's fp32 model took 6.1 ms that way and 2.9 ms alone."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "feeds.npz"
