@@ -7,10 +7,11 @@ The model's calibration files are cut into `folds` folds; for each, the plain co
 (qtool.quantize, every choice settled as the command settles it) runs on the other folds once per
 variant (`quantization.bias_correction` set to it; `measured`: `auto` with onnxruntime CPU's rule
 set to measure the weights form on each job's scored samples, as the OpenVINO target does), and
-every int8 model is compared with fp32 on the held-out fold. The figures pool all folds: cosine mean / min, SQNR of the worst output,
-models.py's task figure, the range method and bias correction each job settled, and per sample against the first
-variant: on how many samples the worst output's cosine is higher and lower (a paired count, which
-says whether a difference in the pooled figures is more than a few samples); and each variant's
+every int8 model is compared with fp32 on the held-out fold. The figures pool all folds: cosine
+mean / min, SQNR of the worst output, models.py's task figure, the range method and bias
+correction each job settled, and per sample against the first variant: on how many samples the
+worst output's cosine is higher and lower (a paired count, which says whether a difference in the
+pooled figures is more than a few samples); and each variant's
 job time in this process, the variants taking turns within each fold: the median over the folds
 (imports are in neither; the first fold's first job also warms the process up); where a job
 measured the choice, its figures on the calibration samples it scored (cosine dB per candidate).
@@ -21,8 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path

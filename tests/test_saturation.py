@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import qtool.calibration.collect as collect_module
