@@ -31,43 +31,34 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from models import _samples  # noqa: E402
 import qtool.api as api  # noqa: E402
 from qtool.config import PreprocessConfig  # noqa: E402
-from qtool.graph.index import bodies  # noqa: E402
+from qtool.graph.index import attribute, scoped_initializers, scoped_nodes  # noqa: E402
 from qtool.graph.runtime import create_session  # noqa: E402
 from qtool.quantization.bias_correction import weight_shift  # noqa: E402
 from qtool.table import qparams as qp  # noqa: E402
-
-
-def graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for _, body in bodies(node):
-            yield from graphs(body)
 
 
 def rounded(model: onnx.ModelProto, means: dict, sizes: dict, shifted: bool) -> onnx.ModelProto:
     """`model` with the weights of each Conv/Gemm with a bias whose input has channel means rounded
     to int8 per output channel, and with `shifted` their biases moved by the weights form."""
     out = copy.deepcopy(model)
-    for graph in graphs(out.graph):
-        inits = {t.name: t for t in graph.initializer}
-        for node in graph.node:
-            if (node.op_type not in ("Conv", "Gemm") or len(node.input) < 3 or node.input[0] not in means
-                    or node.input[1] not in inits or node.input[2] not in inits):
-                continue
-            weight = numpy_helper.to_array(inits[node.input[1]])
-            axis = 0 if node.op_type == "Conv" or any(a.name == "transB" and a.i for a in node.attribute) else 1
-            scales = qp.weight_scales(weight, axis, qp.WEIGHT_QMAX)
-            shape = [1] * weight.ndim
-            shape[axis] = -1
-            dequantized = (qp.quantize_weight(weight, scales, axis, qp.WEIGHT_QMAX).astype(np.float64)
-                           * scales.astype(np.float64).reshape(shape))
-            inits[node.input[1]].CopyFrom(numpy_helper.from_array(dequantized.astype(np.float32), node.input[1]))
-            shift = weight_shift(node, weight, dequantized, np.asarray(means[node.input[0]], np.float64),
-                                 tuple(sizes.get(node.input[0], ())))
-            if shifted and shift is not None:
-                bias = numpy_helper.to_array(inits[node.input[2]])
-                inits[node.input[2]].CopyFrom(numpy_helper.from_array((bias + shift).astype(np.float32),
-                                                                      node.input[2]))
+    inits = scoped_initializers(out.graph)
+    for node in scoped_nodes(out.graph):
+        if (node.op_type not in ("Conv", "Gemm") or len(node.input) < 3 or node.input[0] not in means
+                or node.input[1] not in inits or node.input[2] not in inits):
+            continue
+        weight = numpy_helper.to_array(inits[node.input[1]])
+        axis = 0 if node.op_type == "Conv" or attribute(node, "transB", 0) else 1
+        scales = qp.weight_scales(weight, axis, qp.WEIGHT_QMAX)
+        shape = [1] * weight.ndim
+        shape[axis] = -1
+        dequantized = (qp.quantize_weight(weight, scales, axis, qp.WEIGHT_QMAX).astype(np.float64)
+                       * scales.astype(np.float64).reshape(shape))
+        inits[node.input[1]].CopyFrom(numpy_helper.from_array(dequantized.astype(np.float32), node.input[1]))
+        shift = weight_shift(node, weight, dequantized, np.asarray(means[node.input[0]], np.float64),
+                             tuple(sizes.get(node.input[0], ())))
+        if shifted and shift is not None:
+            bias = numpy_helper.to_array(inits[node.input[2]])
+            inits[node.input[2]].CopyFrom(numpy_helper.from_array((bias + shift).astype(np.float32), node.input[2]))
     return out
 
 

@@ -197,35 +197,21 @@ def _turn_times(compiled: dict, sources: dict, feeds: dict, rounds: int, figures
         figures[label]["ms"] = 1e3 * float(np.median(values))
         figures[label]["cpu_ms"] = 1e3 * float(np.median(cpu[label]))
     # the same models compiled with the plugin's per-layer counters, taking turns the same way
-    counted = {label: _counted(*sources[label]) for label in compiled}
+    counted = {label: CompiledModel(path, 1, precision, counters=True) for label, (path, precision) in sources.items()}
     layers: dict[str, list[float]] = {label: [] for label in counted}
     for round_ in range(rounds + 3):
         for i in rng.permutation(len(order)):
             label = order[i][0]
-            request, fed = counted[label]
-            request.infer(fed(feeds))
+            counted[label].run(None, feeds)
             if round_ >= 3:
-                layers[label].append(sum(p.real_time.total_seconds() for p in request.profiling_info))
+                layers[label].append(counted[label].layer_seconds())
     for label, values in layers.items():
         figures[label]["layer_ms"] = 1e3 * float(np.median(values))
-
-
-def _counted(path, precision) -> tuple:
-    """(an infer request of the model at `path` compiled with the plugin's per-layer counters, at
-    `precision` (None: the default), 1 thread; feeds -> the feeds it reads)."""
-    import openvino as ov
-
-    config = {"INFERENCE_NUM_THREADS": 1, "PERF_COUNT": "YES", **({"INFERENCE_PRECISION_HINT": precision}
-                                                                   if precision else {})}
-    compiled = ov.Core().compile_model(str(path), "CPU", config)
-    inputs = {name for i in compiled.inputs for name in i.get_names()}
-    return compiled.create_infer_request(), lambda feeds: {k: v for k, v in feeds.items() if k in inputs}
 
 
 _CHILD = r"""
 import json, sys, time
 import numpy as np
-import openvino as ov
 sys.path.insert(0, sys.argv[1])
 from qtool.evaluation.openvino_runtime import CompiledModel
 path, feeds, runs, precision = sys.argv[2], np.load(sys.argv[3]), int(sys.argv[4]), sys.argv[5] or None
@@ -240,16 +226,12 @@ for _ in range(runs):
     cpu.append(time.process_time() - start_cpu)
     wall.append(time.perf_counter() - start)
 # the same model compiled with the plugin's per-layer counters: each run's sum of its layers' times
-config = {"INFERENCE_NUM_THREADS": 1, "PERF_COUNT": "YES", **({"INFERENCE_PRECISION_HINT": precision} if precision else {})}
-counted = ov.Core().compile_model(path, "CPU", config)
-request = counted.create_infer_request()
-inputs = {name for i in counted.inputs for name in i.get_names()}
-fed = {k: v for k, v in feeds.items() if k in inputs}
+counted = CompiledModel(path, 1, precision, counters=True)
 layers = []
 for i in range(runs + 10):
-    request.infer(fed)
+    counted.run(None, feeds)
     if i >= 10:
-        layers.append(sum(p.real_time.total_seconds() for p in request.profiling_info))
+        layers.append(counted.layer_seconds())
 print(json.dumps([1e3 * float(np.median(wall)), 1e3 * float(np.median(cpu)), 1e3 * float(np.median(layers))]))
 """
 

@@ -169,6 +169,12 @@ def target_of(options) -> Target:
     return TARGETS[options.target]
 
 
+def measures_bias_correction(options) -> bool:
+    """Whether `bias_correction: auto` measures the weights form on the options' target (its rule
+    is "measured"): calibration then keeps the channel means the candidate reads."""
+    return options.bias_correction == "auto" and target_of(options).bias_correction == "measured"
+
+
 def vnni_warning(options, has_vnni: Optional[bool]) -> Optional[str]:
     if (not target_of(options).saturates_without_vnni or options.activation_dtype != "uint8"
             or options.reduce_range):

@@ -82,6 +82,26 @@ def test_fp32_on_openvino_runs_all_in_float(models):
     assert layers["heavy_ops"] == 6 and layers["int8_heavy_ops"] == 0 and layers["unfused_fake_quantize"] == 0
 
 
+def test_with_counters_a_run_reports_its_layers_time_and_the_same_outputs(models):
+    """benchmarks/openvino.py's kernel time: a model compiled with the per-layer counters gives each
+    run's sum of its layers' times (positive, below the run's wall time) and the outputs it gives
+    without them."""
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    import time
+
+    from qtool.evaluation.openvino_runtime import CompiledModel
+
+    fp32, _, data = models
+    x = np.random.default_rng(2).normal(0, 1, (1, 3, 12, 12)).astype(np.float32)
+    feeds = {onnx.load(fp32).graph.input[0].name: x}
+    plain, counted = CompiledModel(fp32, 1, "f32"), CompiledModel(fp32, 1, "f32", counters=True)
+    start = time.perf_counter()
+    got = counted.run(None, feeds)
+    wall = time.perf_counter() - start
+    assert 0 < counted.layer_seconds() < wall
+    np.testing.assert_array_equal(got[0], plain.run(None, feeds)[0])
+
+
 def _quantize_cli(models, tmp_path):
     fp32, _, data = models
     return CliRunner().invoke(main, ["quantize", str(fp32), "--data", str(data), "--target", "openvino",

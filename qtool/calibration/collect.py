@@ -18,7 +18,7 @@ from qtool.data.dataset import DataLike, batches, count_samples, folder_only, op
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs
 from qtool.plan.planner import QuantPlan
-from qtool.targets import target_of
+from qtool.targets import measures_bias_correction
 
 
 def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, preprocess: PreprocessConfig,
@@ -69,8 +69,7 @@ def keeps_channel_means(options: QuantizeConfig) -> bool:
     """Whether calibration keeps the channel means: only for the bias correction that reads them
     (its weights form, asked for or measured by `auto` on the target), since their reductions cost
     every other job time."""
-    return options.bias_correction == "weights" or (options.bias_correction == "auto"
-                                                    and target_of(options).bias_correction == "measured")
+    return options.bias_correction == "weights" or measures_bias_correction(options)
 
 
 def bias_inputs(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, int]:

@@ -15,7 +15,7 @@ nodes, and why: docs/design/observer.md.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Collection, Iterable, Optional
+from typing import Callable, Collection, Iterable, NamedTuple, Optional
 
 import numpy as np
 import onnx
@@ -174,14 +174,22 @@ def with_reductions(model: onnx.ModelProto, names: list[str], sampled: Collectio
     return reduced, outputs
 
 
+class ChannelMeans(NamedTuple):
+    """Where one tensor's per-sample channel means come from in an observing session's outputs."""
+
+    output: str  # the means, [N, C, 1...]
+    shape: str  # the output of its shape where its spatial dims are dynamic, else ""
+    static: tuple[int, ...]  # its spatial size where shape inference knows it, else ()
+
+
 def with_channel_means(reduced: onnx.ModelProto, ranks: dict[str, int],
-                       shapes: Optional[dict[str, list]] = None) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+                       shapes: Optional[dict[str, list]] = None) -> dict[str, ChannelMeans]:
     """Adds to `reduced` (in place) an output of each tensor's per-sample channel means, [N, C, 1...]
     (GlobalAveragePool, on onnxruntime's blocked layout), the tensor itself for rank 2 ([N, C]);
     `ranks`: tensor -> its rank; `shapes`: the dims shape inference gives. Its spatial size comes
     from those dims where they are all known, else from an output of its shape (a Shape node makes
     onnxruntime reorder the tensor out of the blocked layout: a copy of it per run). Returns tensor
-    -> (means output, shape output or "", the static spatial size or ())."""
+    -> its ChannelMeans."""
     types = elem_types(reduced)
     shapes = shapes or {}
     means = {}
@@ -199,7 +207,7 @@ def with_channel_means(reduced: onnx.ModelProto, ranks: dict[str, int],
             shape = f"{_PREFIX}_shape{i}"
             reduced.graph.node.append(helper.make_node("Shape", [name], [shape], name=shape))
             reduced.graph.output.append(helper.make_tensor_value_info(shape, TensorProto.INT64, [ranks[name]]))
-        means[name] = (out, shape, static)
+        means[name] = ChannelMeans(out, shape, static)
     return means
 
 
@@ -321,8 +329,8 @@ class Observer:
                     stats[name].update(array)
             for name in self.from_feeds:
                 stats[name].update(batch.feeds[name])
-            for name, (out, shape, static) in means.items():
-                stats[name].add_channel_means(values[out], tuple(values[shape][2:]) if shape else static)
+            for name, m in means.items():
+                stats[name].add_channel_means(values[m.output], tuple(values[m.shape][2:]) if m.shape else m.static)
             for name in self.means_from_feeds:
                 array = np.asarray(batch.feeds[name])
                 if array.ndim >= 2 and array.dtype == np.float32:
@@ -366,5 +374,5 @@ def _observing_session(weights: SharedWeights, names: list[str], histogram_for: 
     # nudenet's observing session held 1.3 GB at batch 8, with this one 0.6 GB; same statistics)
     return (create_session(reduced, threads, "the fp32 model with calibration observers", weights=weights,
                            order=ort.ExecutionOrder.PRIORITY_BASED, batch_pass=True), outputs,
-            [*(o for t in [*names, *known] for o in outputs[t][:4] if o), *(o for m in means.values() for o in m[:2] if o)],
+            [*(o for t in [*names, *known] for o in outputs[t][:4] if o), *(o for m in means.values() for o in (m.output, m.shape) if o)],
             means)

@@ -22,7 +22,7 @@ from qtool.choices.decision import Decision
 from qtool.choices.measure import MARGIN_DB, Scoring, figures
 from qtool.config import QuantizeConfig, with_options
 from qtool.table.table import CalibrationTable
-from qtool.targets import target_of
+from qtool.targets import measures_bias_correction, target_of
 
 OPTION = "quantization.bias_correction"
 
@@ -35,7 +35,7 @@ def choose_bias_correction(table: CalibrationTable, options: QuantizeConfig, sco
         return options, None
     off = with_options(options, bias_correction="off")
     target = target_of(options)
-    if target.bias_correction != "measured":
+    if not measures_bias_correction(options):
         return off, Decision(OPTION, "off", f"auto: off on target {target.name}")
     if scoring is None:
         return off, Decision(OPTION, "off", "auto: no calibration data to measure the weights form on")

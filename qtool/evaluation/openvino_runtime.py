@@ -56,12 +56,16 @@ class CompiledModel:
     """A model compiled for OpenVINO's CPU plugin, run like an onnxruntime session:
     `run(output_names, feeds)` returns the outputs in the order asked."""
 
-    def __init__(self, model, threads: int = 1, precision: Optional[str] = None, label: Optional[str] = None):
-        """model: a path, or an onnx.ModelProto (read from its bytes)."""
+    def __init__(self, model, threads: int = 1, precision: Optional[str] = None, label: Optional[str] = None,
+                 counters: bool = False):
+        """model: a path, or an onnx.ModelProto (read from its bytes). `counters`: the plugin's
+        per-layer counters on (layer_seconds), which cost a little time on every run."""
         ov = require()
         config = {"INFERENCE_NUM_THREADS": threads}
         if precision is not None:
             config["INFERENCE_PRECISION_HINT"] = precision
+        if counters:
+            config["PERF_COUNT"] = "YES"
         core = ov.Core()
         try:
             source = str(model) if isinstance(model, (str, Path)) else core.read_model(model.SerializeToString(), b"")
@@ -89,6 +93,11 @@ class CompiledModel:
     def run(self, outputs: Optional[list[str]], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         values = list(self.request.infer({k: v for k, v in feeds.items() if k in self.inputs}).values())
         return [np.array(values[self.port[name]]) for name in (outputs or self.names)]
+
+    def layer_seconds(self) -> float:
+        """The sum of the runtime model's per-layer times in the last run (compiled with `counters`):
+        the kernels' own time, without what the machine adds around them."""
+        return sum(p.real_time.total_seconds() for p in self.request.profiling_info)
 
     def layers(self) -> dict:
         """The runtime model's heavy ops and how many run in int8, and the FakeQuantize ops left
