@@ -274,7 +274,7 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
     op_type = {node_label(n): n.op_type for n in scoped_nodes(model.graph)}
     bias_correction, rounding_mode = resolve_data_steps(options, data is not None, table.channel_means is not None)
     samples = list(data(options.correction_samples)) if bias_correction == "fast" or rounding_mode != "nearest" else []
-    ref = shared.reference(model_path, model, data)
+    shared.reference_soon(model_path, model, data)  # fp32's run goes on while the model is built
     steps = _Steps(table, options, table_path, allow_missing, written=not candidate)
     kept: list[str] = []
     fixes: list[str] = []
@@ -285,6 +285,7 @@ def _prepare(model_path: str | Path, table: CalibrationTable, options: QuantizeC
         # sessions of the model at once cost little memory, else after it
         size = built[0].ByteSize() if counting else 0
         pending = in_background(_kernel_counts, built[0], size) if counting and size <= COUNT_BESIDE_BYTES else None
+        ref = shared.reference(model_path, model, data)
         failure = run_check.check(built[0], ref)
         if failure is None:
             kernels = None
