@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -36,6 +37,16 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     tqdm.write(f"warning: {message}", file=sys.stderr)
 
 
+def _bars_lock() -> None:
+    """The progress bars are drawn by this process's threads only: a thread lock for them, set
+    before the first bar, which would otherwise make tqdm's multiprocessing lock (6 ms and a
+    semaphore, paid by every job, with its bars drawn or not)."""
+    from tqdm import tqdm
+
+    if not hasattr(tqdm, "_lock"):
+        tqdm.set_lock(threading.RLock())
+
+
 def _command(func):
     """Run a command body: user errors become one line and an exit code, bugs a short note.
     The one place exceptions become exit codes: QtoolError its own (2, 1), running out of
@@ -45,6 +56,7 @@ def _command(func):
     def wrapper(*args, **kwargs):
         debug = click.get_current_context().find_root().params.get("debug", False)
         warnings.showwarning = _show_warning
+        _bars_lock()
         try:
             with interrupt.signals_raise():
                 return func(*args, **kwargs)
