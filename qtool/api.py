@@ -256,16 +256,17 @@ def _quantize(model: str | Path, table: CalibrationTable | str | Path | None, da
         shared = SharedGraphs()
         scoring = Scoring(model, measurable, cfg, shared, specs, calib_data) if measurable is not None else None
         own_table = table is None
-        if own_table:
-            table, measured, ranges = _calibrated(model, data, cfg, progress, engine, scoring)
-        elif not isinstance(table, CalibrationTable):
-            from qtool.table.formats import read_table  # the formats' modules only when a table is read
+        with scoring.keeping() if own_table and scoring is not None else contextlib.nullcontext():
+            if own_table:
+                table, measured, ranges = _calibrated(model, data, cfg, progress, engine, scoring)
+            elif not isinstance(table, CalibrationTable):
+                from qtool.table.formats import read_table  # the formats' modules only when a table is read
 
-            table_path = table
-            table, _ = read_table(table, table_format, model, cfg.quantization)
-        cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
-        cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges, scoring,
-                                 shared)
+                table_path = table
+                table, _ = read_table(table, table_format, model, cfg.quantization)
+            cfg = replace(cfg, quantization=smoothed_options(cfg.quantization, table))
+            cfg, decisions = settle(model, fp32_model, table, measurable, cfg, calib_data, ranges, scoring,
+                                     shared)
         decisions = sized + decisions
         scoring = None  # every choice is settled: its fp32 session and candidates go before the final build
         outcome = None

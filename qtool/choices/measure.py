@@ -10,14 +10,15 @@ from __future__ import annotations
 import hashlib
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, ContextManager, Iterable, Optional
 
 import numpy as np
 import onnx
 
 from qtool.choices.speed import speed_rule
 from qtool.config import Config, QuantizeConfig
-from qtool.data.dataset import Batch, DataLike, batches, open_data, spread_samples
+from qtool.data.dataset import (Batch, DataLike, DataSource, MemorySource, batches, keeping_samples, open_data,
+                                spread_samples)
 from qtool.evaluation.macs import node_macs, sample_shapes
 from qtool.evaluation.mixed_precision import Evaluator
 from qtool.graph.modelio import InputSpec, input_specs, load_model
@@ -48,7 +49,7 @@ def scored_samples(model_path: str | Path, specs: list[InputSpec], data: DataLik
     """(`SAMPLES` calibration samples spread over them, fewer when they hold more than SCORED_VALUES
     input values, in batches; the intra-op threads their runs take: scoring_threads). `specs`: the
     model's inputs."""
-    source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, SAMPLES)
+    source = _spread(specs, data, cfg)
     samples = list(batches(source, cfg.calibration.batch_size, SAMPLES))
     count = sum(len(b) for b in samples)
     values = sum(int(np.size(array)) for batch in samples for array in batch.feeds.values())
@@ -57,6 +58,11 @@ def scored_samples(model_path: str | Path, specs: list[InputSpec], data: DataLik
         source = spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, fewer)
         samples = list(batches(source, cfg.calibration.batch_size, fewer))
     return samples, scoring_threads(onnx.load(str(model_path), load_external_data=False), samples)
+
+
+def _spread(specs: list[InputSpec], data: DataLike, cfg: Config) -> DataSource | MemorySource:
+    """SAMPLES calibration samples spread over the data."""
+    return spread_samples(open_data(data, specs, cfg.preprocess), cfg.calibration.num_samples, SAMPLES)
 
 
 def evaluator(model_path: str | Path, samples: list[Batch], threads: int, cfg: Config) -> Evaluator:
@@ -147,6 +153,14 @@ class Scoring:
             self._built.append((table, prepared, key, graph))
             self._built_bytes += size
         return graph, kept
+
+    def keeping(self) -> ContextManager[None]:
+        """Calibration reads the samples scored later first: within this, those of a folder are
+        decoded once (qtool.data.dataset.keeping_samples), up to SCORED_VALUES input values (what
+        the scoring reads)."""
+        specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
+        source = _spread(specs, self.data, self.cfg)
+        return keeping_samples(source.files if isinstance(source, DataSource) else [], SCORED_VALUES)
 
     @property
     def count(self) -> int:

@@ -13,6 +13,8 @@ model allows it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import contextvars
 import copy
 import os
 import threading
@@ -74,7 +76,19 @@ class DataSource:
         return path.relative_to(self.root).as_posix() if path != self.root else path.name
 
     def load(self, path: Path) -> Optional[Sample]:
-        """One sample; None (and a record in `skipped`) for an image that cannot be decoded."""
+        """One sample; None (and a record in `skipped`) for an image that cannot be decoded. Inside
+        keeping_samples(), a kept file's sample is decoded once."""
+        kept = _KEPT.get()
+        if kept is None:
+            return self._decode(path)
+        key = (self.root, path, self.kind, self.preprocess, tuple(self.specs))
+        sample = kept.samples.get(key)
+        if sample is None:
+            sample = self._decode(path)
+            kept.keep(key, path, sample)
+        return sample
+
+    def _decode(self, path: Path) -> Optional[Sample]:
         if self.kind == "images":
             image = read_image(path)
             if image is None:
@@ -83,6 +97,41 @@ class DataSource:
             tensor = preprocess_image(image, self.preprocess, self._size)
             return Sample(self.key(path), {self._image_input.name: tensor})
         return Sample(self.key(path), _load_tensors(path, self.specs))
+
+
+class _Kept:
+    """The samples keeping_samples() keeps: those of `files`, up to `budget` input values in all."""
+
+    def __init__(self, files: Iterable[Path], budget: int):
+        self.files, self.budget = set(files), budget
+        self.samples: dict[tuple, Sample] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, key: tuple, path: Path, sample: Optional[Sample]) -> None:
+        if sample is None or path not in self.files:
+            return
+        size = sum(int(np.size(array)) for array in sample.feeds.values())
+        with self._lock:
+            if key not in self.samples and size <= self.budget:
+                for array in sample.feeds.values():
+                    array.setflags(write=False)  # handed out again: no reader may change it
+                self.samples[key] = sample
+                self.budget -= size
+
+
+_KEPT: contextvars.ContextVar[Optional[_Kept]] = contextvars.ContextVar("qtool_kept_samples", default=None)
+
+
+@contextlib.contextmanager
+def keeping_samples(files: Iterable[Path], budget: int) -> Iterator[None]:
+    """Within it, the samples of `files` (a folder's) are decoded once, up to `budget` input values:
+    a job that reads some samples twice (calibration, then the choices' scored samples) holds those
+    few in memory rather than decoding them again. The same arrays either way."""
+    token = _KEPT.set(_Kept(files, budget))
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
 
 
 def open_data(data: DataLike, specs: list[InputSpec], preprocess: PreprocessConfig) -> DataSource | MemorySource:
@@ -318,7 +367,8 @@ def iter_samples(source: DataSource | MemorySource, limit: Optional[int] = None)
         try:
             while produced < wanted:
                 while position < len(files) and len(pending) < min(16, wanted - produced):
-                    pending.append(pool.submit(source.load, files[position]))
+                    # in the caller's context: its keeping_samples()
+                    pending.append(pool.submit(contextvars.copy_context().run, source.load, files[position]))
                     position += 1
                 if not pending:
                     break
