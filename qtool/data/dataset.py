@@ -1,7 +1,8 @@
 """Calibration and evaluation data: image folders, folders of .npy/.npz tensors, and samples in memory.
 
 A folder source is a sorted list of files (sorted so runs are deterministic); each file
-is one sample, loaded lazily so memory does not grow with the number of samples.
+is one sample, loaded lazily so memory does not grow with the number of samples (but for the
+few a job reads twice, which keeping_samples() holds).
 A memory source is whatever the caller iterates: any iterable of {input name: array}
 dicts, one sample each (a list, a generator, an NNCF Dataset), or a callable that
 returns a fresh such iterable for every pass over the data (what onnxruntime's
