@@ -255,7 +255,7 @@ def _process_times(sources: dict, feeds: dict, runs: int) -> dict:
                 done = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), str(model), str(path), str(runs),
                                        precision or ""], capture_output=True, text=True, check=True)
                 found[labels[i]].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return {label: tuple(float(np.median([v[k] for v in values])) for k in (0, 1, 2)) for label, values in found.items()}
+    return {label: tuple(float(np.median(column)) for column in zip(*values)) for label, values in found.items()}
 
 
 def table(rows: list[dict], load: str, variants: tuple[str, ...] = ()) -> str:

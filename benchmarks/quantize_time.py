@@ -68,7 +68,8 @@ CHILD_STAGES = r"""
 import functools, importlib, json, resource, sys, threading, time
 sys.path.insert(0, {root!r})
 import qtool.api, qtool.cli, qtool.choices, qtool.choices.ranges, qtool.choices.measure  # noqa: E401
-import qtool.choices.dynamic_weights, qtool.choices.hard_forms, qtool.choices.bias_correction, qtool.choices.speed, qtool.quantization.quantize
+import qtool.choices.dynamic_weights, qtool.choices.hard_forms, qtool.choices.bias_correction  # noqa: E401
+import qtool.choices.speed, qtool.quantization.quantize  # noqa: E401
 import qtool.evaluation.mixed_precision
 stages = {stages!r}
 totals, peak, local = {{}}, [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], threading.local()

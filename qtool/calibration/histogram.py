@@ -69,13 +69,13 @@ def abs_counts(hist: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndar
     pos, pos_counts, neg, neg_counts = _finite_halves(hist)
     # on the dense key line (a key in both halves once, its counts added): linear in the keys,
     # where sorting the filled keys costs a few ms a tensor
-    filled = np.zeros(_FINITE_KEYS, dtype=bool)
-    filled[pos] = True
-    filled[neg] = True
+    present = np.zeros(_FINITE_KEYS, dtype=bool)
+    present[pos] = True
+    present[neg] = True
     counts = np.zeros(_FINITE_KEYS, dtype=np.result_type(pos_counts, neg_counts))
     counts[pos] = pos_counts
     counts[neg] += neg_counts
-    folded = np.flatnonzero(filled)
+    folded = np.flatnonzero(present)
     return folded, counts[folded]
 
 

@@ -374,5 +374,6 @@ def _observing_session(weights: SharedWeights, names: list[str], histogram_for: 
     # nudenet's observing session held 1.3 GB at batch 8, with this one 0.6 GB; same statistics)
     return (create_session(reduced, threads, "the fp32 model with calibration observers", weights=weights,
                            order=ort.ExecutionOrder.PRIORITY_BASED, batch_pass=True), outputs,
-            [*(o for t in [*names, *known] for o in outputs[t][:4] if o), *(o for m in means.values() for o in (m.output, m.shape) if o)],
+            [*(o for t in [*names, *known] for o in outputs[t][:4] if o),
+             *(o for m in means.values() for o in (m.output, m.shape) if o)],
             means)

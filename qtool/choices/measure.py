@@ -158,8 +158,7 @@ class Scoring:
         """Calibration reads the samples scored later first: within this, those of a folder are
         decoded once (qtool.data.dataset.keeping_samples), up to SCORED_VALUES input values (what
         the scoring reads)."""
-        specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
-        source = _spread(specs, self.data, self.cfg)
+        source = _spread(self._model_specs(), self.data, self.cfg)
         return keeping_samples(source.files if isinstance(source, DataSource) else [], SCORED_VALUES)
 
     @property
@@ -170,9 +169,14 @@ class Scoring:
     def _read(self) -> list[Batch]:
         """The scored samples (read once, the threads their runs take set)."""
         if self._samples is None:
-            specs = self._specs if self._specs is not None else input_specs(load_model(self.model_path))
-            self._samples, self._threads = scored_samples(self.model_path, specs, self.data, self.cfg)
+            self._samples, self._threads = scored_samples(self.model_path, self._model_specs(), self.data, self.cfg)
         return self._samples
+
+    def _model_specs(self) -> list[InputSpec]:
+        """The model's inputs: the job's, else read from the file once."""
+        if self._specs is None:
+            self._specs = input_specs(load_model(self.model_path))
+        return self._specs
 
     def _start(self) -> None:
         """Start the fp32 runs on the scored samples in the background (qtool.graph.runtime.in_background):
