@@ -11,7 +11,6 @@ import functools
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -23,7 +22,7 @@ import click
 
 from qtool import __version__
 
-from qtool import interrupt
+from qtool import interrupt, progress
 from qtool.atomic import check_output_path, write_text
 from qtool.config import TASKS, load_config, override
 from qtool.errors import EXIT_BUG, EXIT_THRESHOLD, QtoolError, allocation_failure, not_enough_memory
@@ -31,20 +30,7 @@ from qtool.targets import TARGETS
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
-    from tqdm import tqdm  # imported here: `qtool --help` does not need it
-
-    # tqdm.write: a warning raised while a progress bar is drawn starts on its own line
-    tqdm.write(f"warning: {message}", file=sys.stderr)
-
-
-def _bars_lock() -> None:
-    """The progress bars are drawn by this process's threads only: a thread lock for them, set
-    before the first bar, which would otherwise make tqdm's multiprocessing lock (6 ms and a
-    semaphore, paid by every job, with its bars drawn or not)."""
-    from tqdm import tqdm
-
-    if not hasattr(tqdm, "_lock"):
-        tqdm.set_lock(threading.RLock())
+    progress.write(f"warning: {message}")  # below a progress bar being drawn, on a line of its own
 
 
 def _command(func):
@@ -56,7 +42,7 @@ def _command(func):
     def wrapper(*args, **kwargs):
         debug = click.get_current_context().find_root().params.get("debug", False)
         warnings.showwarning = _show_warning
-        _bars_lock()
+        progress.thread_lock()
         try:
             with interrupt.signals_raise():
                 return func(*args, **kwargs)

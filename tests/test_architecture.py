@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "qtool"
 
 LEVELS = {
-    "errors": 0, "interrupt": 0, "targets": 0,
+    "errors": 0, "interrupt": 0, "progress": 0, "targets": 0,
     "config": 1, "atomic": 1,
     "graph": 2,
     "data": 3, "prepare": 3,

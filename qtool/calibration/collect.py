@@ -7,7 +7,6 @@ import warnings
 from typing import Optional
 
 import onnx
-from tqdm import tqdm
 
 from qtool.calibration.method_rules import methods_for, needs_histogram
 from qtool.calibration.observer import Observer
@@ -18,6 +17,7 @@ from qtool.data.dataset import DataLike, batches, count_samples, folder_only, op
 from qtool.errors import QtoolError
 from qtool.graph.modelio import input_specs
 from qtool.plan.planner import QuantPlan
+from qtool.progress import bar as progress_bar
 from qtool.targets import measures_bias_correction
 
 
@@ -39,7 +39,7 @@ def collect_statistics(model: onnx.ModelProto, plan: QuantPlan, data: DataLike, 
     observer = observer or make_observer(model, plan, calib, all_histograms=all_histograms,
                                          channel_means=channel_means)
     seen = 0
-    with tqdm(total=total, desc="calibrating", unit="sample", disable=None if progress else True, leave=False) as bar:
+    with progress_bar("calibrating", "sample", total, progress) as bar:
         def advance(batch):
             nonlocal seen
             seen += len(batch)

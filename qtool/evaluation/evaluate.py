@@ -20,7 +20,6 @@ from typing import Optional
 
 import onnx
 import onnxruntime as ort
-from tqdm import tqdm
 
 from qtool import __version__
 from qtool.config import DetectionConfig, EvaluateConfig, PreprocessConfig, QuantizeConfig, load_section
@@ -39,6 +38,7 @@ from qtool.graph.modelio import external_files, input_specs, load_model, output_
 from qtool.graph.index import scoped_nodes
 from qtool.quantization.rewrite import DQ_SUFFIX
 from qtool.graph.runtime import create_session, tensor_dims
+from qtool.progress import bar as progress_bar
 from qtool.evaluation.report import EvaluationReport
 from qtool.evaluation.sensitivity import layer_sensitivity
 from qtool.table.table import load_table, smoothed_options
@@ -209,7 +209,7 @@ def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: 
     wanted = cfg.layer_samples if cfg.per_layer or cfg.sensitivity else 0
     total = count_samples(source, cfg.num_samples)
     seen = 0
-    with tqdm(total=total, desc="evaluating", unit="sample", disable=None if progress else True, leave=False) as bar:
+    with progress_bar("evaluating", "sample", total, progress) as bar:
         for batch in batches(source, cfg.batch_size, cfg.num_samples):
             ref = fp32.run(outputs, batch.feeds)
             test = int8.run(outputs, batch.feeds)
@@ -270,8 +270,7 @@ def _sensitivity(inputs: EvaluateInputs, quantization: QuantizeConfig, subset: l
         ranking = shards.sensitivity_on(engine, inputs.fp32, table, quantization, source, subset, batch_size,
                                         progress)
     else:
-        with tqdm(desc="one layer at a time", unit="layer", disable=None if progress else True,
-                  leave=False) as bar:
+        with progress_bar("one layer at a time", "layer", None, progress) as bar:
             ranking = layer_sensitivity(inputs.fp32, table, quantization, subset,
                                         on_layer=lambda layer: bar.update())
     return {"samples": sum(len(b) for b in subset), "seconds": time.perf_counter() - start,

@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 from qtool.errors import QtoolError
 from qtool.graph.modelio import sha256_file
+from qtool.progress import bar as progress_bar
 
 INSTALL_HINT = '--dask needs Dask: pip install "qtool[dask]" (or: pip install "dask[distributed]")'
 # shards per worker: few, since each costs a task's round trip and a pass's first, unsaturated batches;
@@ -129,19 +130,16 @@ def open_engine(dask: Optional[str] = None, workers: int = 1) -> Iterator[Option
 
 def run_in_order(engine: Engine, task: Callable[..., Result], jobs: Sequence[Job], desc: str,
                  progress: bool = True, common: object = None) -> Iterator[Result]:
-    """Submit every job, then yield the results in job order as soon as each is in (one tqdm
+    """Submit every job, then yield the results in job order as soon as each is in (one progress
     bar over the shards as they complete); the first failure cancels the rest and is raised.
     `common`: a handle from `shared`, passed to every task after its job (task(job, common))."""
-    from tqdm import tqdm
-
     extra = () if common is None else (common,)
     futures = [engine.executor.submit(task, job, *extra) for job in jobs]
     done: dict[int, Result] = {}
     index = {future: i for i, future in enumerate(futures)}
     following = 0
     try:
-        with tqdm(total=len(jobs), desc=desc, unit="shard", disable=None if progress else True,
-                  leave=False) as bar:
+        with progress_bar(desc, "shard", len(jobs), progress) as bar:
             for future in concurrent.futures.as_completed(futures):
                 done[index[future]] = future.result()
                 bar.update()
