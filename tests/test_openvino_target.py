@@ -5,6 +5,10 @@ transformer blocks float, no onnxruntime rewrite; the model runs in onnxruntime 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -129,11 +133,13 @@ def test_qdq_only_on_the_inputs_of_int8_layers(tmp_path):
     assert _quantized_tensors(model) == {"x", "a1", "r6", "r2", "gap"}
     assert _params(model, "r6") == _params(model, "r2")
     # symmetric: uint8 with zero point 0 where the range has no negative value (after Clip and Relu:
-    # every code on the values taken), else the int8 grid written uint8 with zero point 128 (OpenVINO
-    # computes int8 codes wrongly on CPUs without AMX), but where only MatMul/Gemm read (gap, below)
+    # every code on the values taken), else the int8 grid written uint8 with zero point 128 where the
+    # codes pass another op (a1: the residual Add reads them too; OpenVINO computes int8 codes through
+    # it wrongly on CPUs without AMX), and int8 where only layers read them (x: conv1; gap, below)
     types = _activation_types(model)
-    assert types["x"] == types["a1"] == types["r6"] == types["r2"] == np.uint8
-    assert _params(model, "x")[1] == _params(model, "a1")[1] == 128 and _params(model, "r6")[1] == 0
+    assert types["a1"] == types["r6"] == types["r2"] == np.uint8
+    assert _params(model, "a1")[1] == 128 and _params(model, "r6")[1] == 0
+    assert types["x"] == np.int8 and _params(model, "x")[1] == 0 and min(np.load(f).min() for f in data.iterdir()) < 0
     # gap, which only the Gemm and the MatMul read (through the Flatten), is symmetric int8 like the
     # rest: OpenVINO fuses a FullyConnected's dequantization only without a zero point
     assert types["gap"] == np.int8 and _params(model, "gap")[1] == 0 and _range_of(path, data, "gap")[0] < 0
@@ -257,6 +263,26 @@ def test_a_yolo_detector_fuses_every_quantizer_on_openvino(tmp_path):
             got = got.ravel().astype(np.float64)
             found.append(ref @ got / (np.linalg.norm(ref) * np.linalg.norm(got)))
     assert np.mean(on_ov) > 0.995 and abs(np.mean(on_ov) - np.mean(on_ort)) < 0.001
+    # the same on a CPU without AMX, as oneDNN runs when told to use AVX-512 VNNI at most: there
+    # int8 codes through the C2f blocks' Split, Concat and Add are computed wrongly (0.992 written so)
+    np.savez(tmp_path / "held.npz", *[feeds["images"] for feeds in held])
+    script = ("import sys, numpy as np, openvino as ov\n"
+              "core = ov.Core()\n"
+              "one = {'INFERENCE_NUM_THREADS': 1}\n"
+              "ref = core.compile_model(sys.argv[1], 'CPU', {**one, 'INFERENCE_PRECISION_HINT': 'f32'})\n"
+              "got = core.compile_model(sys.argv[2], 'CPU', one)\n"
+              "held = np.load(sys.argv[3])\n"
+              "cos = []\n"
+              "for key in held.files:\n"
+              "    a = next(iter(ref({'images': held[key]}).values())).ravel().astype(np.float64)\n"
+              "    b = next(iter(got({'images': held[key]}).values())).ravel().astype(np.float64)\n"
+              "    cos.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))\n"
+              "print(np.mean(cos))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(model), str(written), str(tmp_path / "held.npz")],
+                          env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI"), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) > 0.995
 
 
 def test_a_matmul_input_is_symmetric_so_openvino_fuses_its_dequantization(tmp_path):
@@ -397,10 +423,10 @@ def test_a_layer_output_read_by_a_pooling_and_another_op_gets_its_own_quantizer(
     assert "c" not in _quantized_tensors(static.model)
     path, data, result = _quantize(tmp_path, _se_block(np.random.default_rng(0), ["N", 8, "H", "W"]), (8, 12, 12))
     assert {"x", "c"} <= _quantized_tensors(result.model)
-    # only float ops read it, dequantized at once: int8 with zero point 0 (no Subtract), where the
-    # Conv's signed input is written uint8 with zero point 128
+    # only float ops read it, dequantized at once: int8 with zero point 0 (no Subtract), as the
+    # Conv's signed input, which only the Conv reads
     assert _params(result.model, "c")[1] == 0 and _activation_types(result.model)["c"] is np.int8
-    assert _params(result.model, "x")[1] == 128
+    assert _params(result.model, "x")[1] == 0 and _activation_types(result.model)["x"] is np.int8
     ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
     compiled = ov.Core().compile_model(ov.Core().read_model(result.model.SerializeToString(), b""), "CPU",
                                        {"INFERENCE_PRECISION_HINT": "f32"})

@@ -79,8 +79,9 @@ class QuantPlan:
     embeddings: dict[str, list[str]] = field(default_factory=dict)
     dynamic: dict[str, DynamicPlan] = field(default_factory=dict)  # node -> its weight-only rewrite
     # on a target writing signed codes uint8 (Target.signed_as_uint8), the activations that stay int8
-    # with zero point 0 (qtool.table.resolve): those only MatMul/Gemm layers read (OpenVINO fuses a
-    # FullyConnected's dequantization only without a zero point), and the layer outputs quantized for
+    # with zero point 0 (qtool.table.resolve): those only layers read directly (with a zero point
+    # OpenVINO's AMX int8 convolutions take twice the time), those only MatMul/Gemm layers read (OpenVINO
+    # fuses a FullyConnected's dequantization only without a zero point), and the layer outputs quantized for
     # the runtime's sake (Target.requantize_beside) that no int8 layer reads (dequantized at once:
     # a zero point adds a Subtract to the Convert and Multiply)
     int8_kept: list[str] = field(default_factory=list)
@@ -120,18 +121,26 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     plan.tie_groups = _merge_groups(scope.ties)
     plan.embeddings = _embedding_tables(model, ctx, options, only)
     if target_of(options).signed_as_uint8 and options.symmetric_activations:
-        plan.int8_kept = _linear_inputs_only(plan, ctx) + [t for t in scope.requantized if t in scope.quantized]
+        plan.int8_kept = _int8_codes(plan, ctx) + [t for t in scope.requantized if t in scope.quantized]
     return plan
 
 
 _LINEAR = ("MatMul", "Gemm")
 _CONVOLUTIONS = ("Conv", "ConvTranspose", "QLinearConv", "ConvInteger")
+_LAYERS = ("Conv", "ConvTranspose", *_LINEAR)  # the float layers a quantizer's codes go into
 
 
-def _linear_inputs_only(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
-    """The planned activations of the main graph that MatMul/Gemm layers read, directly or through
-    ops that only move values (a Reshape, Transpose, Concat), and no Conv reads so; a shared-scale
-    group goes as a whole. Readers in float (a residual Add) do not count."""
+def _int8_codes(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
+    """The planned activations of the main graph whose codes stay int8 on a target writing signed
+    codes uint8 (Target.signed_as_uint8): those only layers read, directly (Conv, ConvTranspose,
+    MatMul, Gemm: no Split, Concat, pooling or Add passes the codes on), and those MatMul/Gemm
+    layers read, directly or through ops that only move values (a Reshape, Transpose, Concat), and
+    no Conv reads so; a shared-scale group goes as a whole. For the second, readers in float (a
+    residual Add) do not count."""
+    def layers_only(name: str) -> bool:
+        readers = ctx.consumers.get(name, [])
+        return bool(readers) and all(node.op_type in _LAYERS and node.domain in ("", "ai.onnx") for node in readers)
+
     def linear_only(name: str, depth: int = 0) -> Optional[bool]:
         """True: a MatMul/Gemm reads it; False: a Conv does; None: neither."""
         found = None
@@ -149,7 +158,8 @@ def _linear_inputs_only(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
         return found
 
     main = set(ctx.producer) | {i.name for i in ctx.graph.input}
-    eligible = {name for name in plan.activations if name in main and name not in plan.fixed and linear_only(name)}
+    eligible = {name for name in plan.activations
+                if name in main and name not in plan.fixed and (layers_only(name) or linear_only(name))}
     for group in plan.tie_groups:
         if not all(name in eligible for name in group):
             eligible.difference_update(group)
