@@ -1,9 +1,9 @@
 """Progress bars on stderr: drawn where someone watches, and free where no one does.
 
 A bar is drawn when the caller asks for progress and stderr is a terminal (tqdm's own rule for
-`disable=None`). Elsewhere (CI, a pipe, a log file) the bar is a counter that draws nothing and
-tqdm is not imported at all: its import reads its version from the installed packages' metadata,
-about 30 ms that every job run from a pipeline would pay for a bar it never shows.
+`disable=None`). Elsewhere (CI, a pipe, a log file) the bar draws nothing and tqdm is not imported
+at all, so a job run from a pipeline pays nothing for a bar it never shows (tqdm's import also
+looks up its own version in the installed packages' metadata).
 """
 
 from __future__ import annotations
