@@ -73,3 +73,17 @@ def test_kept_samples_stay_within_their_budget_and_are_read_only(tmp_path):
     assert not first[0].flags.writeable and first[3].flags.writeable
     outside = [s.feeds["x"] for s in iter_samples(open_data(data, specs, PreprocessConfig()))]
     assert not any(a is b for a, b in zip(first, outside))
+
+
+def test_only_the_named_files_are_kept(tmp_path):
+    from qtool.config import PreprocessConfig
+    from qtool.data.dataset import iter_samples, keeping_samples, open_data
+
+    path = _dynamic_conv(tmp_path)
+    specs = input_specs(onnx.load(path))
+    data = graphs.write_samples(tmp_path / "data", np.random.default_rng(4), (3, 4, 4), count=4)
+    files = open_data(data, specs, PreprocessConfig()).files
+    with keeping_samples(files[1:2], budget=10**6):  # room for every file, one named
+        first = [s.feeds["x"] for s in iter_samples(open_data(data, specs, PreprocessConfig()))]
+        again = [s.feeds["x"] for s in iter_samples(open_data(data, specs, PreprocessConfig()))]
+    assert [a is b for a, b in zip(first, again)] == [False, True, False, False]

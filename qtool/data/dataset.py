@@ -80,13 +80,13 @@ class DataSource:
         """One sample; None (and a record in `skipped`) for an image that cannot be decoded. Inside
         keeping_samples(), a kept file's sample is decoded once."""
         kept = _KEPT.get()
-        if kept is None:
+        if kept is None or path not in kept.files:
             return self._decode(path)
         key = (self.root, path, self.kind, self.preprocess, tuple(self.specs))
         sample = kept.samples.get(key)
         if sample is None:
             sample = self._decode(path)
-            kept.keep(key, path, sample)
+            kept.keep(key, sample)
         return sample
 
     def _decode(self, path: Path) -> Optional[Sample]:
@@ -108,8 +108,9 @@ class _Kept:
         self.samples: dict[tuple, Sample] = {}
         self._lock = threading.Lock()
 
-    def keep(self, key: tuple, path: Path, sample: Optional[Sample]) -> None:
-        if sample is None or path not in self.files:
+    def keep(self, key: tuple, sample: Optional[Sample]) -> None:
+        """Keep `sample` (of one of `files`) while the budget has room for it."""
+        if sample is None:
             return
         size = sum(int(np.size(array)) for array in sample.feeds.values())
         with self._lock:

@@ -26,6 +26,7 @@ from qtool.plan.ops.pad import pad_value
 from qtool.targets import Target, target_of
 from qtool.graph.shapes import infer_shapes
 from qtool.plan.smooth_quant import smooth, smoothing_alpha
+from qtool.plan.speed import WEIGHTED
 from qtool.prepare.equalize import equalize, equalize_activations
 from qtool.prepare.graph_prep import divisions_to_multiplications, per_channel_possible, prepare_file
 from qtool.prepare.passes import PASSES as PREPARE_PASSES
@@ -127,7 +128,6 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
 
 _LINEAR = ("MatMul", "Gemm")
 _CONVOLUTIONS = ("Conv", "ConvTranspose", "QLinearConv", "ConvInteger")
-_LAYERS = ("Conv", "ConvTranspose", *_LINEAR)  # the float layers a quantizer's codes go into
 
 
 def _int8_codes(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
@@ -139,7 +139,7 @@ def _int8_codes(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
     residual Add) do not count."""
     def layers_only(name: str) -> bool:
         readers = ctx.consumers.get(name, [])
-        return bool(readers) and all(node.op_type in _LAYERS and node.domain in ("", "ai.onnx") for node in readers)
+        return bool(readers) and all(node.op_type in WEIGHTED and node.domain in ("", "ai.onnx") for node in readers)
 
     def linear_only(name: str, depth: int = 0) -> Optional[bool]:
         """True: a MatMul/Gemm reads it; False: a Conv does; None: neither."""
