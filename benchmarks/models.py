@@ -252,10 +252,10 @@ def timed_medians(paths: dict[str, Path], samples: list[dict], warmup: int = 2) 
     sample: the sessions made last ran a few percent faster on a 0.1 ms model, so the order flips
     sample by sample."""
     times: dict[str, list[float]] = {v: [] for v in paths}
-    runs = RUNS // min(TIMED_SAMPLES, len(samples))
     if samples:  # a fast model gets more runs: SAMPLE_SECONDS of the fastest on each sample
         probe = time_models({v: str(p) for v, p in paths.items()}, samples[0], threads=1, warmup=warmup, runs=3)
-        runs = max(runs, math.ceil(SAMPLE_SECONDS / min(float(np.median(t)) for t in probe.values())))
+        runs = max(RUNS // min(TIMED_SAMPLES, len(samples)),
+                   math.ceil(SAMPLE_SECONDS / min(float(np.median(t)) for t in probe.values())))
     for i, feeds in enumerate(samples[:TIMED_SAMPLES]):
         order = list(paths) if i % 2 == 0 else list(paths)[::-1]
         for v, t in time_models({v: str(paths[v]) for v in order}, feeds, threads=1, warmup=warmup,
