@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -248,41 +249,55 @@ def test_a_yolo_detector_fuses_every_quantizer_on_openvino(tmp_path):
     written = tmp_path / "int8.onnx"
     onnx.save(result.model, written)
     core = ov.Core()
-    compiled = core.compile_model(str(written), "CPU", {"INFERENCE_NUM_THREADS": 1})
+    compiled = _compile(core, written)
     kinds = [(o.get_rt_info()["layerType"].astype(str), o.get_rt_info()["runtimePrecision"].astype(str))
              for o in compiled.get_runtime_model().get_ordered_ops()]
     convs = [p for t, p in kinds if t == "Convolution"]
     assert len(convs) == 64 and all(p in ("u8", "i8") for p in convs)
     assert sum(t == "FakeQuantize" for t, _ in kinds) == 2
-    reference = core.compile_model(str(model), "CPU", {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"})
+    reference = _compile(core, model, f32=True)
     session = ort.InferenceSession(str(written), providers=["CPUExecutionProvider"])
-    on_ov, on_ort = [], []
-    for feeds in held:
-        ref = next(iter(reference(feeds).values())).ravel().astype(np.float64)
-        for got, found in ((next(iter(compiled(feeds).values())), on_ov), (session.run(None, feeds)[0], on_ort)):
-            got = got.ravel().astype(np.float64)
-            found.append(ref @ got / (np.linalg.norm(ref) * np.linalg.norm(got)))
+    on_ov = _cosines_to(reference, lambda feeds: next(iter(compiled(feeds).values())), held)
+    on_ort = _cosines_to(reference, lambda feeds: session.run(None, feeds)[0], held)
     assert np.mean(on_ov) > 0.995 and abs(np.mean(on_ov) - np.mean(on_ort)) < 0.001
-    # the same on a CPU without AMX, as oneDNN runs when told to use AVX-512 VNNI at most: there
-    # int8 codes through the C2f blocks' Split, Concat and Add are computed wrongly (0.992 written so)
+    # the same on a CPU without AMX, as oneDNN runs when told to use AVX-512 VNNI at most (read once
+    # per process: a process of its own): there int8 codes through the C2f blocks' Split, Concat and
+    # Add are computed wrongly (0.992 written so)
     np.savez(tmp_path / "held.npz", *[feeds["images"] for feeds in held])
-    script = ("import sys, numpy as np, openvino as ov\n"
-              "core = ov.Core()\n"
-              "one = {'INFERENCE_NUM_THREADS': 1}\n"
-              "ref = core.compile_model(sys.argv[1], 'CPU', {**one, 'INFERENCE_PRECISION_HINT': 'f32'})\n"
-              "got = core.compile_model(sys.argv[2], 'CPU', one)\n"
-              "held = np.load(sys.argv[3])\n"
-              "cos = []\n"
-              "for key in held.files:\n"
-              "    a = next(iter(ref({'images': held[key]}).values())).ravel().astype(np.float64)\n"
-              "    b = next(iter(got({'images': held[key]}).values())).ravel().astype(np.float64)\n"
-              "    cos.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))\n"
-              "print(np.mean(cos))\n")
+    script = ("import sys\nfrom tests.test_openvino_target import _openvino_cosine\n"
+              "print(_openvino_cosine(*sys.argv[1:]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(model), str(written), str(tmp_path / "held.npz")],
                           env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI"), capture_output=True, text=True,
-                          timeout=600)
+                          cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip().splitlines()[-1]) > 0.995
+
+
+def _compile(core, path, f32: bool = False):
+    """`path` compiled for OpenVINO's CPU plugin on 1 thread, at f32 or at its default precision."""
+    config = {"INFERENCE_NUM_THREADS": 1, **({"INFERENCE_PRECISION_HINT": "f32"} if f32 else {})}
+    return core.compile_model(str(path), "CPU", config)
+
+
+def _cosines_to(reference, run, held: list[dict]) -> list[float]:
+    """Per sample of `held`, the cosine of `run(feeds)` (a first output) to `reference`'s first output."""
+    found = []
+    for feeds in held:
+        ref = next(iter(reference(feeds).values())).ravel().astype(np.float64)
+        got = np.asarray(run(feeds)).ravel().astype(np.float64)
+        found.append(float(ref @ got / (np.linalg.norm(ref) * np.linalg.norm(got))))
+    return found
+
+
+def _openvino_cosine(fp32, int8, held_npz) -> float:
+    """The mean over the images saved in `held_npz` of `int8`'s cosine on OpenVINO to `fp32`'s at f32
+    (the YOLO test runs it in a process whose oneDNN is capped)."""
+    import openvino as ov
+
+    core, held = ov.Core(), np.load(held_npz)
+    compiled = _compile(core, int8)
+    return float(np.mean(_cosines_to(_compile(core, fp32, f32=True), lambda feeds: next(iter(compiled(feeds).values())),
+                                     [{"images": held[key]} for key in held.files])))
 
 
 def test_a_matmul_input_is_symmetric_so_openvino_fuses_its_dequantization(tmp_path):
