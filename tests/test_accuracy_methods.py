@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -209,10 +211,11 @@ def test_adaptive_rounding_splits_its_work_without_changing_a_bit(effnet_setup, 
     node = next(n for n in model.graph.node if n.op_type == "Conv" and n.input[1] == depthwise)
     x = _run(with_outputs(model, [node.input[0]]), data[0].feeds, [node.input[0]])[0]
     kernel = tuple(_weights(model)[depthwise].shape[2:])
-    whole = adaround._patches(x, node, kernel, np.random.default_rng(0))
+    pick = adaround._pick(node, x.shape, kernel, np.random.default_rng(0))
+    whole = adaround._patches(x, node, kernel, pick)
     flat = np.ascontiguousarray(whole.reshape(whole.shape[0], whole.shape[1], -1).transpose(1, 2, 0))
     monkeypatch.setattr(adaround, "PATCH_BYTES", flat[:7].nbytes)  # 7 channels at a time
-    second, count = adaround._depthwise_second(x, node, kernel, np.random.default_rng(0))
+    second, count = adaround._depthwise_second(x, node, kernel, pick)
     np.testing.assert_array_equal(second, flat @ flat.transpose(0, 2, 1))
     assert count == whole.shape[0]
     name = "_blocks.15._project_conv.weight"
@@ -224,6 +227,37 @@ def test_adaptive_rounding_splits_its_work_without_changing_a_bit(effnet_setup, 
     blocked = adaround.round_layer(w, scales, layer, iterations=30)
     monkeypatch.setattr(adaround, "MAX_BLOCKS", 1)
     np.testing.assert_array_equal(blocked, adaround.round_layer(w, scales, layer, iterations=30))
+
+
+@pytest.mark.slow
+def test_input_moments_on_threads_are_the_bytes_of_one_thread(effnet_setup, monkeypatch):
+    """collect_inputs draws every layer's patch positions in the layers' order before the layers'
+    sums run on worker threads, and adds the sums in that order: the second moments, and the rows
+    a dense layer keeps, are the bytes one thread computes, in whatever order the threads finish
+    (here each layer's sums start after a random delay)."""
+    cfg, model, data, table = effnet_setup
+    plan = build_plan(model, cfg.quantization)
+    moments, delays = adaround._moments, random.Random(0)
+
+    def late(*args):
+        time.sleep(delays.uniform(0, 0.004))
+        return moments(*args)
+
+    runs = {}
+    for cores in (4, 1):
+        monkeypatch.setattr(adaround, "allowed_cores", lambda: cores)
+        monkeypatch.setattr(adaround, "_moments", late if cores > 1 else moments)
+        runs[cores] = adaround.collect_inputs(model, plan, data)
+    threaded, single = runs[4], runs[1]
+    assert threaded.keys() == single.keys() and len(single) == 50
+    assert {layer.kind for layer in single.values()} == {"dense", "depthwise"}
+    assert any(layer.rows is not None for layer in single.values())
+    for name, layer in single.items():
+        assert threaded[name].count == layer.count
+        np.testing.assert_array_equal(threaded[name].second, layer.second)
+        assert (threaded[name].rows is None) == (layer.rows is None)
+        if layer.rows is not None:
+            np.testing.assert_array_equal(np.concatenate(threaded[name].rows), np.concatenate(layer.rows))
 
 
 @pytest.mark.slow
@@ -266,9 +300,10 @@ def test_conv_patches_and_depthwise_moments_are_the_windows_the_conv_reads(pads,
     windows = {xp[b, :, y * strides[0]:y * strides[0] + dilations[0] * (kernel[0] - 1) + 1:dilations[0],
                   z * strides[1]:z * strides[1] + dilations[1] * (kernel[1] - 1) + 1:dilations[1]].tobytes()
                for b in range(2) for y in range(oh) for z in range(ow)}
-    patches = adaround._patches(x, node, kernel, np.random.default_rng(1))
+    pick = adaround._pick(node, x.shape, kernel, np.random.default_rng(1))
+    patches = adaround._patches(x, node, kernel, pick)
     assert patches.shape[1:] == (5, 3, 2) and all(p.tobytes() in windows for p in patches)
-    second, count = adaround._depthwise_second(x, node, kernel, np.random.default_rng(1))
+    second, count = adaround._depthwise_second(x, node, kernel, pick)
     flat = patches.reshape(count, 5, -1).transpose(1, 0, 2).astype(np.float64)
     np.testing.assert_allclose(second, flat.transpose(0, 2, 1) @ flat, rtol=1e-5, atol=1e-5)
 

@@ -13,6 +13,7 @@ worse on the calibration inputs. Usage and figures: docs/accuracy.md.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,13 +34,14 @@ from qtool.graph.runtime import allowed_cores, create_session
 from qtool.targets import weight_qmax
 
 PATCHES_PER_BATCH = 2048
-PATCH_BYTES = 2**25  # a depthwise conv's patches gathered at most this many bytes at a time
+PATCH_BYTES = 2**24  # a depthwise conv's patches gathered at most this many bytes at a time (per thread)
 ITERATIONS = 200
 LEARNING_RATE = 0.05
 REG_WEIGHT = 0.01
 ZETA, GAMMA = 1.1, -0.1
 WARMUP = 0.2  # fraction of the steps without the regulariser
-BLOCK_VALUES = 2**15  # weights per row block of a layer's optimisation (see _blocks)
+BLOCK_VALUES = 2**17  # weights per row block of a layer's optimisation (see _blocks)
+SPLIT_VALUES = 2**15  # layers from this many weights on are split in at least two blocks
 MAX_BLOCKS = 8
 _MEMO: dict = {}  # the last model's layer statistics and roundings (see adaptive_rounding)
 
@@ -71,26 +73,53 @@ def _kind(node: onnx.NodeProto, weight: np.ndarray) -> Optional[tuple[str, int]]
     return None
 
 
-def _windows(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator
-             ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(planes, where, P) of up to PATCHES_PER_BATCH random input patches of a 2-D conv: each channel
-    as one row of its n padded planes (padded and moved in one copy), and where each patch's kh x kw
-    values sit in such a row ([P * kh * kw], patch by patch), so that one gather over any block of
-    channels gives [channels, P, kh * kw]."""
-    if x.ndim != 4 or len(kernel) != 2:
+def _geometry(shape: tuple[int, ...], node: onnx.NodeProto, kernel: tuple[int, ...]) -> tuple:
+    """(n, c, h, w, pads, strides, dilations, padded h, padded w, output h, output w) of a 2-D conv;
+    ValueError for a layout whose patches we do not unfold (3-D conv, auto_pad)."""
+    if len(shape) != 4 or len(kernel) != 2:
         raise ValueError("2-D convolutions only")
-    n, c, h, w = x.shape
+    n, c, h, w = shape
     kh, kw = kernel
-    sh, sw = attribute(node, "strides", [1, 1])
-    dh, dw = attribute(node, "dilations", [1, 1])
+    strides, dilations = attribute(node, "strides", [1, 1]), attribute(node, "dilations", [1, 1])
     pads = attribute(node, "pads", [0, 0, 0, 0])
     if attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         raise ValueError("auto_pad")
     hp, wp = h + pads[0] + pads[2], w + pads[1] + pads[3]
-    oh = (hp - dh * (kh - 1) - 1) // sh + 1
-    ow = (wp - dw * (kw - 1) - 1) // sw + 1
+    oh = (hp - dilations[0] * (kh - 1) - 1) // strides[0] + 1
+    ow = (wp - dilations[1] * (kw - 1) - 1) // strides[1] + 1
+    return n, c, h, w, pads, strides, dilations, hp, wp, oh, ow
+
+
+def _pointwise(node: onnx.NodeProto, kernel: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A 1x1 conv without pads: its patches are the input's columns (every stride-th position)."""
+    return all(k == 1 for k in kernel) and not any(attribute(node, "pads", [0])) and len(shape) == 4
+
+
+def _pick(node: onnx.NodeProto, shape: tuple[int, ...], kernel: tuple[int, ...], rng: np.random.Generator
+          ) -> Optional[np.ndarray]:
+    """The positions of the at most PATCHES_PER_BATCH input patches a conv's moments take from one
+    batch of input `shape` (None: all of them). Drawn from the one generator in the layers' order,
+    before any layer's sums, so that the sums can run on several threads and still be the same
+    bytes on every machine."""
+    if node.op_type != "Conv":
+        return None
+    if _pointwise(node, kernel, shape):
+        sh, sw = attribute(node, "strides", [1, 1])
+        total = shape[0] * -(-shape[2] // sh) * -(-shape[3] // sw)
+        return rng.choice(total, PATCHES_PER_BATCH, replace=False) if total > PATCHES_PER_BATCH else None
+    n, *_, oh, ow = _geometry(shape, node, kernel)
     total = n * oh * ow
-    pick = rng.choice(total, size=min(total, PATCHES_PER_BATCH), replace=False)
+    return rng.choice(total, size=min(total, PATCHES_PER_BATCH), replace=False)
+
+
+def _windows(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], pick: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, int]:
+    """(planes, where, P) of the input patches at positions `pick` (see _pick) of a 2-D conv: each
+    channel as one row of its n padded planes (padded and moved in one copy), and where each
+    patch's kh x kw values sit in such a row ([P * kh * kw], patch by patch), so that one gather
+    over any block of channels gives [channels, P, kh * kw]."""
+    n, c, h, w, pads, (sh, sw), (dh, dw), hp, wp, oh, ow = _geometry(x.shape, node, kernel)
+    kh, kw = kernel
     bi, rest = np.divmod(pick, oh * ow)
     oy, ox = np.divmod(rest, ow)
     ys = oy[:, None] * sh + np.arange(kh)[None, :] * dh  # [P, kh]
@@ -101,19 +130,19 @@ def _windows(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: 
     return padded.reshape(c, -1), where, len(pick)
 
 
-def _patches(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Up to PATCHES_PER_BATCH input patches of a 2-D conv: [P, C, kh, kw]."""
-    planes, where, count = _windows(x, node, kernel, rng)
+def _patches(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], pick: np.ndarray) -> np.ndarray:
+    """The input patches at positions `pick` of a 2-D conv: [P, C, kh, kw]."""
+    planes, where, count = _windows(x, node, kernel, pick)
     gathered = np.take(planes, where, axis=1).reshape(planes.shape[0], count, *kernel)
     return np.ascontiguousarray(gathered.transpose(1, 0, 2, 3))
 
 
 def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...],
-                      rng: np.random.Generator) -> tuple[np.ndarray, int]:
-    """(sum of x x^T per input channel [C, k, k], patches) of a depthwise conv's random patches,
-    gathered a few channels at a time: all channels' patches at once are P x C x k floats (236 MB
-    for 1152 channels of 5x5), the per-channel sums C x k x k."""
-    planes, where, count = _windows(x, node, kernel, rng)
+                      pick: np.ndarray) -> tuple[np.ndarray, int]:
+    """(sum of x x^T per input channel [C, k, k], patches) of a depthwise conv's patches at
+    positions `pick`, gathered a few channels at a time: all channels' patches at once are
+    P x C x k floats (236 MB for 1152 channels of 5x5), the per-channel sums C x k x k."""
+    planes, where, count = _windows(x, node, kernel, pick)
     c, k = planes.shape[0], kernel[0] * kernel[1]
     step = max(1, PATCH_BYTES // (4 * k * count))
     parts = []
@@ -123,21 +152,26 @@ def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ..
     return np.concatenate(parts), count
 
 
-def _accumulate(layer: _Layer, x: np.ndarray, weight: np.ndarray, rng: np.random.Generator) -> None:
+def _moments(layer: _Layer, x: np.ndarray, weight: np.ndarray, pick: Optional[np.ndarray]
+             ) -> tuple[np.ndarray, int, Optional[np.ndarray]]:
+    """(sum of x x^T over the batch's sampled input rows in float32, their number, the rows
+    themselves [rows, K] where a dense layer keeps them (see _Layer.rows), else None) for one layer
+    and batch. Runs on a worker thread; the layer's sums are not added to while it runs."""
     node = layer.node
+    flat = None
     if node.op_type == "Conv":
         kernel = tuple(weight.shape[2:])
-        if all(k == 1 for k in kernel) and not any(attribute(node, "pads", [0])) and x.ndim == 4:
+        if _pointwise(node, kernel, x.shape):
             sh, sw = attribute(node, "strides", [1, 1])
             cols = np.moveaxis(x[:, :, ::sh, ::sw], 1, -1).reshape(-1, x.shape[1])
-            if cols.shape[0] > PATCHES_PER_BATCH:
-                cols = cols[rng.choice(cols.shape[0], PATCHES_PER_BATCH, replace=False)]
+            if pick is not None:
+                cols = cols[pick]
             patches = cols.reshape(cols.shape[0], x.shape[1], 1, 1)
         elif layer.kind == "depthwise":
             patches = None
-            part, rows = _depthwise_second(x, node, kernel, rng)
+            part, rows = _depthwise_second(x, node, kernel, pick)
         else:
-            patches = _patches(x, node, kernel, rng)
+            patches = _patches(x, node, kernel, pick)
         if patches is not None:
             patches = patches.astype(np.float32, copy=False)
             if layer.kind == "depthwise":
@@ -150,9 +184,15 @@ def _accumulate(layer: _Layer, x: np.ndarray, weight: np.ndarray, rng: np.random
     else:
         flat = x.reshape(-1, x.shape[-1]).astype(np.float32)
         part, rows = flat.T @ flat, flat.shape[0]
-    if layer.kind == "dense":  # its rows kept while they stay few (see _Layer.rows)
-        few = 2 * (layer.count + rows) <= part.shape[0] and (layer.count == 0 or layer.rows is not None)
-        layer.rows = [*(layer.rows or []), flat.reshape(rows, -1)] if few else None
+    few = layer.kind == "dense" and 2 * (layer.count + rows) <= part.shape[0] and \
+        (layer.count == 0 or layer.rows is not None)  # its rows kept while they stay few
+    return part, rows, flat.reshape(rows, -1) if few else None
+
+
+def _add(layer: _Layer, part: np.ndarray, rows: int, kept: Optional[np.ndarray]) -> None:
+    """Add one batch's moments to the layer's running sums (in the batches' order)."""
+    if layer.kind == "dense":
+        layer.rows = [*(layer.rows or []), kept] if kept is not None else None
     part = part.astype(np.float64)  # per-batch sums in float32, the running total in float64
     layer.second = part if layer.second is None else layer.second + part
     layer.count += rows
@@ -160,7 +200,12 @@ def _accumulate(layer: _Layer, x: np.ndarray, weight: np.ndarray, rng: np.random
 
 def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], threads: int = 0,
                    seed: int = 0) -> dict[str, _Layer]:
-    """Weight name -> its layer with the input second moments C, from one fp32 pass."""
+    """Weight name -> its layer with the input second moments C, from one fp32 pass.
+
+    Per batch, the patch positions are drawn in the layers' order (_pick), then the layers' sums
+    run on one thread per allowed core with BLAS on one thread each (its own threads on these
+    small products spun for as much CPU as they computed), and are added in the layers' order:
+    the same bytes as one thread."""
     inits = {t.name: t for t in model.graph.initializer}
     by_label = {node_label(n): n for n in model.graph.node}
     layers: dict[str, _Layer] = {}
@@ -181,16 +226,29 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     session = create_session(with_outputs(model, fetched), threads, "fp32 model", batch_pass=True)
     rng = np.random.default_rng(seed)
     failed = set()
-    for batch in data:
-        arrays = dict(zip(fetched, session.run(fetched, batch.feeds)))
-        arrays.update({n: batch.feeds[n] for n in names if n in graph_inputs})
-        for name, layer in layers.items():
-            if name in failed:
-                continue
-            try:
-                _accumulate(layer, arrays[layer.node.input[0]], weights[name], rng)
-            except ValueError:
-                failed.add(name)  # a layout we do not unfold (3-D conv, auto_pad): round to nearest
+    workers = allowed_cores() or os.cpu_count() or 1
+    from threadpoolctl import threadpool_limits  # here: only a job that rounds adaptively imports it
+
+    with ThreadPoolExecutor(workers) as pool, threadpool_limits(limits=1, user_api="blas"):
+        for batch in data:
+            arrays = dict(zip(fetched, session.run(fetched, batch.feeds)))
+            arrays.update({n: batch.feeds[n] for n in names if n in graph_inputs})
+            jobs = []
+            for name, layer in layers.items():
+                if name in failed:
+                    continue
+                x = arrays[layer.node.input[0]]
+                try:
+                    pick = _pick(layer.node, x.shape, tuple(weights[name].shape[2:]), rng)
+                except ValueError:
+                    failed.add(name)  # a layout we do not unfold (3-D conv, auto_pad): round to nearest
+                    continue
+                jobs.append((name, pool.submit(_moments, layer, x, weights[name], pick)))
+            for name, job in jobs:
+                try:
+                    _add(layers[name], *job.result())
+                except ValueError:
+                    failed.add(name)
     return {name: layer for name, layer in layers.items() if name not in failed and layer.count}
 
 
@@ -255,10 +313,17 @@ def round_layer(weight: np.ndarray, scales: np.ndarray, layer: _Layer, iteration
 
 def _blocks(out: int, k: int) -> list[slice]:
     """The row blocks a layer's optimisation is split into: the rows are independent (each row's
-    error and Adam state are its own), so blocks run on separate threads; from the layer's shape
-    alone, never from the machine, so every machine computes the same products and writes the
-    same bytes. Layers under BLOCK_VALUES values stay whole: numpy's per-call cost would dominate."""
-    count = max(1, min(MAX_BLOCKS, out * k // BLOCK_VALUES, out))
+    error and Adam state are its own), so blocks run on separate threads. About BLOCK_VALUES
+    values each, a power of two of them (even work on 2, 4 or 8 cores), at least two from
+    SPLIT_VALUES on: larger blocks make larger products, which BLAS runs faster per value (a few
+    dozen rows of e C run well below its speed on a hundred), and fewer numpy calls per value.
+    From the layer's shape alone, never from the machine, so every machine computes the same
+    products and writes the same bytes."""
+    values = out * k
+    count = 1 << max(0, math.ceil(math.log2(max(1, values) / BLOCK_VALUES)))
+    if values >= SPLIT_VALUES:
+        count = max(count, 2)
+    count = max(1, min(MAX_BLOCKS, count, out))
     edges = np.linspace(0, out, count + 1).round().astype(int)
     return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
 
