@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,7 +37,7 @@ from qtool.atomic import write_text
 from qtool.graph.executor import Engine, as_engine, open_engine
 from qtool.graph.kernels import KernelCounts
 from qtool.graph.modelio import InputSpec, has_external_data, input_specs, load_model, save_model, sha256_file
-from qtool.graph.runtime import allowed_cores, job_model
+from qtool.graph.runtime import job_model, usable_cores
 from qtool.plan.planner import unquantizable
 from qtool.quantization.quantize import QuantizedGraph, SharedGraphs, quantize_model
 from qtool.table.table import CalibrationTable, smoothed_options
@@ -84,7 +83,7 @@ def search_workers(cfg: Config, search: MixedPrecisionSearch) -> int:
         return cfg.calibration.workers
     if search.workers is not None:
         return search.workers
-    return allowed_cores() or os.cpu_count() or 1
+    return usable_cores()
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,7 @@ def test_input_moments_on_threads_are_the_bytes_of_one_thread(effnet_setup, monk
 
     runs = {}
     for cores in (4, 1):
-        monkeypatch.setattr(adaround, "allowed_cores", lambda: cores)
+        monkeypatch.setattr(adaround, "usable_cores", lambda: cores)
         monkeypatch.setattr(adaround, "_moments", late if cores > 1 else moments)
         runs[cores] = adaround.collect_inputs(model, plan, data)
     threaded, single = runs[4], runs[1]

@@ -321,10 +321,10 @@ def test_the_search_scores_its_candidates_in_one_process_per_core_by_default(mon
     unless calibration.workers asks for more than one or MixedPrecisionSearch.workers says how many."""
     from qtool.api import MixedPrecisionSearch, search_workers
 
-    monkeypatch.setattr("qtool.api.allowed_cores", lambda: 3)
+    monkeypatch.setattr("qtool.graph.runtime.allowed_cores", lambda: 3)
     cfg = load_config(None)
     assert search_workers(cfg, MixedPrecisionSearch(data=None, cosine=0.9)) == 3
     assert search_workers(cfg, MixedPrecisionSearch(data=None, cosine=0.9, workers=1)) == 1
     assert search_workers(load_config({"calibration": {"workers": 2}}), MixedPrecisionSearch(data=None, cosine=0.9)) == 2
-    monkeypatch.setattr("qtool.api.allowed_cores", lambda: 0)  # every core: one per CPU
+    monkeypatch.setattr("qtool.graph.runtime.allowed_cores", lambda: 0)  # every core: one per CPU
     assert search_workers(cfg, MixedPrecisionSearch(data=None, cosine=0.9)) == (os.cpu_count() or 1)

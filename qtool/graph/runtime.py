@@ -183,6 +183,11 @@ def allowed_cores() -> int:
     return 0 if allowed >= (os.cpu_count() or allowed) else allowed
 
 
+def usable_cores() -> int:
+    """How many cores this process may run on (its affinity where the platform has one)."""
+    return allowed_cores() or os.cpu_count() or 1
+
+
 class SharedWeights:
     """A model's large initializers held once as onnxruntime values, for building several
     sessions of variants of one model (the observer's) without serialising and parsing the

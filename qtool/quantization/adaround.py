@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -30,7 +29,7 @@ from qtool.graph.edit import with_outputs
 from qtool.graph.index import attribute
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import WEIGHT_QMAX
-from qtool.graph.runtime import allowed_cores, create_session
+from qtool.graph.runtime import create_session, usable_cores
 from qtool.targets import weight_qmax
 
 PATCHES_PER_BATCH = 2048
@@ -226,7 +225,7 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     session = create_session(with_outputs(model, fetched), threads, "fp32 model", batch_pass=True)
     rng = np.random.default_rng(seed)
     failed = set()
-    workers = allowed_cores() or os.cpu_count() or 1
+    workers = usable_cores()
     from threadpoolctl import threadpool_limits  # here: only a job that rounds adaptively imports it
 
     with ThreadPoolExecutor(workers) as pool, threadpool_limits(limits=1, user_api="blas"):
@@ -334,7 +333,7 @@ def _optimise_rows(v: np.ndarray, low: np.ndarray, scaled: np.ndarray, c_rows: n
     OpenBLAS's own threads on these small products spent about 3x the CPU time of one thread
     (spinning between calls) for no gain on 2 cores."""
     blocks = _blocks(*v.shape)
-    workers = min(len(blocks), allowed_cores() or os.cpu_count() or 1)
+    workers = min(len(blocks), usable_cores())
     from threadpoolctl import threadpool_limits  # here: only a job that rounds adaptively imports it
 
     with threadpool_limits(limits=1, user_api="blas"):
