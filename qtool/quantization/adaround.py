@@ -202,9 +202,9 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     """Weight name -> its layer with the input second moments C, from one fp32 pass.
 
     Per batch, the patch positions are drawn in the layers' order (_pick), then the layers' sums
-    run on one thread per allowed core with BLAS on one thread each (its own threads on these
-    small products spun for as much CPU as they computed), and are added in the layers' order:
-    the same bytes as one thread."""
+    run on one thread per allowed core with BLAS on one thread each (OpenBLAS's own threads on
+    these small products spun, for no gain in wall time), and are added in the layers' order: the
+    same bytes as one thread."""
     inits = {t.name: t for t in model.graph.initializer}
     by_label = {node_label(n): n for n in model.graph.node}
     layers: dict[str, _Layer] = {}
