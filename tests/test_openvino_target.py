@@ -17,6 +17,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import qtool
+from qtool.evaluation.metrics import sample_cosines
 from qtool.targets import TARGETS
 from tests import graphs
 from tests.test_transformer_blocks import _attention_model, _gelu_model, _ln_model
@@ -281,12 +282,7 @@ def _compile(core, path, f32: bool = False):
 
 def _cosines_to(reference, run, held: list[dict]) -> list[float]:
     """Per sample of `held`, the cosine of `run(feeds)` (a first output) to `reference`'s first output."""
-    found = []
-    for feeds in held:
-        ref = next(iter(reference(feeds).values())).ravel().astype(np.float64)
-        got = np.asarray(run(feeds)).ravel().astype(np.float64)
-        found.append(float(ref @ got / (np.linalg.norm(ref) * np.linalg.norm(got))))
-    return found
+    return [float(sample_cosines(next(iter(reference(feeds).values())), np.asarray(run(feeds)))[0]) for feeds in held]
 
 
 def _openvino_cosine(fp32, int8, held_npz) -> float:

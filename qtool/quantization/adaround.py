@@ -50,6 +50,7 @@ class _Layer:
     node: onnx.NodeProto
     kind: str  # "dense" (one C for all rows) | "depthwise" (one C per input channel)
     out_axis: int  # the weight axis of output channels
+    kernel: tuple[int, ...] = ()  # a Conv's spatial kernel (the weight's shape after its two channel axes)
     second: Optional[np.ndarray] = None  # C accumulated (sum of x x^T)
     count: int = 0
     # a dense layer's input rows x themselves (float32) while they are fewer than half its K:
@@ -104,7 +105,7 @@ def _pick(node: onnx.NodeProto, shape: tuple[int, ...], kernel: tuple[int, ...],
         return None
     if _pointwise(node, kernel, shape):
         sh, sw = attribute(node, "strides", [1, 1])
-        total = shape[0] * -(-shape[2] // sh) * -(-shape[3] // sw)
+        total = shape[0] * len(range(0, shape[2], sh)) * len(range(0, shape[3], sw))  # _moments' x[..., ::sh, ::sw]
         return rng.choice(total, PATCHES_PER_BATCH, replace=False) if total > PATCHES_PER_BATCH else None
     n, *_, oh, ow = _geometry(shape, node, kernel)
     total = n * oh * ow
@@ -151,7 +152,7 @@ def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ..
     return np.concatenate(parts), count
 
 
-def _moments(layer: _Layer, x: np.ndarray, weight: np.ndarray, pick: Optional[np.ndarray]
+def _moments(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]
              ) -> tuple[np.ndarray, int, Optional[np.ndarray]]:
     """(sum of x x^T over the batch's sampled input rows in float32, their number, the rows
     themselves [rows, K] where a dense layer keeps them (see _Layer.rows), else None) for one layer
@@ -159,7 +160,7 @@ def _moments(layer: _Layer, x: np.ndarray, weight: np.ndarray, pick: Optional[np
     node = layer.node
     flat = None
     if node.op_type == "Conv":
-        kernel = tuple(weight.shape[2:])
+        kernel = layer.kernel
         if _pointwise(node, kernel, x.shape):
             sh, sw = attribute(node, "strides", [1, 1])
             cols = np.moveaxis(x[:, :, ::sh, ::sw], 1, -1).reshape(-1, x.shape[1])
@@ -202,13 +203,11 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     """Weight name -> its layer with the input second moments C, from one fp32 pass.
 
     Per batch, the patch positions are drawn in the layers' order (_pick), then the layers' sums
-    run on one thread per allowed core with BLAS on one thread each (OpenBLAS's own threads on
-    these small products spun, for no gain in wall time), and are added in the layers' order: the
+    run on one thread per allowed core (_one_blas_thread), and are added in the layers' order: the
     same bytes as one thread."""
     inits = {t.name: t for t in model.graph.initializer}
     by_label = {node_label(n): n for n in model.graph.node}
     layers: dict[str, _Layer] = {}
-    weights: dict[str, np.ndarray] = {}
     for name, wplan in plan.weights.items():
         node = by_label.get(wplan.node)
         if node is None or name not in inits:
@@ -217,18 +216,14 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
         kind = _kind(node, weight)
         if kind is None or node.input[1] != name:
             continue
-        layers[name] = _Layer(node, *kind)
-        weights[name] = weight
+        layers[name] = _Layer(node, *kind, tuple(weight.shape[2:]))
     names = list(dict.fromkeys(layer.node.input[0] for layer in layers.values()))
     graph_inputs = {i.name for i in model.graph.input}
     fetched = [n for n in names if n not in graph_inputs]
     session = create_session(with_outputs(model, fetched), threads, "fp32 model", batch_pass=True)
     rng = np.random.default_rng(seed)
     failed = set()
-    workers = usable_cores()
-    from threadpoolctl import threadpool_limits  # here: only a job that rounds adaptively imports it
-
-    with ThreadPoolExecutor(workers) as pool, threadpool_limits(limits=1, user_api="blas"):
+    with ThreadPoolExecutor(usable_cores()) as pool, _one_blas_thread():
         for batch in data:
             arrays = dict(zip(fetched, session.run(fetched, batch.feeds)))
             arrays.update({n: batch.feeds[n] for n in names if n in graph_inputs})
@@ -238,17 +233,27 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
                     continue
                 x = arrays[layer.node.input[0]]
                 try:
-                    pick = _pick(layer.node, x.shape, tuple(weights[name].shape[2:]), rng)
+                    pick = _pick(layer.node, x.shape, layer.kernel, rng)
                 except ValueError:
                     failed.add(name)  # a layout we do not unfold (3-D conv, auto_pad): round to nearest
                     continue
-                jobs.append((name, pool.submit(_moments, layer, x, weights[name], pick)))
+                jobs.append((name, pool.submit(_moments, layer, x, pick)))
             for name, job in jobs:
                 try:
                     _add(layers[name], *job.result())
                 except ValueError:
                     failed.add(name)
     return {name: layer for name, layer in layers.items() if name not in failed and layer.count}
+
+
+def _one_blas_thread():
+    """BLAS held to one thread while adaptive rounding's own threads run its small products:
+    OpenBLAS's own threads on them spin between calls (about 3x the CPU time of one thread in the
+    Adam steps) for no gain in wall time. threadpoolctl is imported here, by a job that rounds
+    adaptively, and by no other."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _rows(weight: np.ndarray, axis: int) -> np.ndarray:
@@ -329,14 +334,10 @@ def _blocks(out: int, k: int) -> list[slice]:
 
 def _optimise_rows(v: np.ndarray, low: np.ndarray, scaled: np.ndarray, c_rows: np.ndarray, depthwise: bool,
                    iterations: int, factored: bool = False) -> np.ndarray:
-    """`_optimise` on row blocks, one thread per allowed core, BLAS single-threaded meanwhile:
-    OpenBLAS's own threads on these small products spent about 3x the CPU time of one thread
-    (spinning between calls) for no gain on 2 cores."""
+    """`_optimise` on row blocks, one thread per allowed core (_one_blas_thread)."""
     blocks = _blocks(*v.shape)
     workers = min(len(blocks), usable_cores())
-    from threadpoolctl import threadpool_limits  # here: only a job that rounds adaptively imports it
-
-    with threadpool_limits(limits=1, user_api="blas"):
+    with _one_blas_thread():
         if workers == 1:
             return _optimise(v, low, scaled, c_rows, depthwise, iterations, factored)
         with ThreadPoolExecutor(workers) as pool:
