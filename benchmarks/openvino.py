@@ -328,8 +328,8 @@ def main() -> None:
             work = out / model.stem
             work.mkdir(parents=True, exist_ok=True)
             calib, held, _ = _data(args.kit, model, work)
-            made = {label: {"path": work / name} for label, name in
-                    (("openvino", "qtool_openvino.onnx"), ("ort-cpu", "qtool_ort-cpu.onnx"), ("nncf", "nncf.onnx"))
+            files = [(label, f"qtool_{label}.onnx") for label in ("openvino", "ort-cpu", *variants)]
+            made = {label: {"path": work / name} for label, name in files + [("nncf", "nncf.onnx")]
                     if (work / name).exists()} if args.reuse else quantize(model, calib, work, args.nncf_python,
                                                                            variants)
             loads.append(os.getloadavg()[0])

@@ -73,11 +73,11 @@ class Target:
     # with a low bound of 0 is (qtool.table.resolve; qtool.quantization.checks allows it).
     unsigned_nonnegative: bool = False
     # ... and one that does take negative values is written uint8 with zero point 128 where its codes
-    # pass a Split, Concat, pooling or Add: the same grid as int8 with zero point 0, every value the
+    # pass a Split, Concat, pooling or Resize: the same grid as int8 with zero point 0, every value the
     # same. OpenVINO's CPU plugin computes int8 codes wrongly on CPUs without AMX where they pass such
     # an op (a YOLOv8's class scores collapse; docs/targets.md) and uint8 ones right. Codes only
-    # layers read stay int8 (QuantPlan.int8_kept): with zero point 128 OpenVINO's AMX convolutions
-    # take about twice the time, and without AMX both forms are computed right at the same speed.
+    # layers and residual Adds read stay int8 (QuantPlan.int8_kept): with zero point 128 OpenVINO's AMX
+    # convolutions take two to four times as long, and without AMX both forms are computed right.
     signed_as_uint8: bool = False
     # The runtime the measured choices score candidates on, as it computes them
     # (qtool.choices.measure): "onnxruntime" or "openvino" (at f32, qtool.evaluation.openvino_runtime).
@@ -126,7 +126,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
     Target("openvino", "OpenVINO CPU: symmetric activations written uint8 (zero point 0 where the range has no "
-           "negative value, else 128; int8 where only layers, only MatMul/Gemm or only float ops read them) "
+           "negative value, else 128; int8 where only layers and residual Adds, only MatMul/Gemm or only float "
+           "ops read them) "
            "only where Conv/MatMul/Gemm read them and on a layer's output that a pooling and another op both read, "
            "int8 symmetric per-channel weights, no onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
@@ -195,8 +196,8 @@ def describe(options) -> str:
               f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
     if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
-        acts += (" (written uint8: zero point 0 where the range has no negative value, else 128 but where only "
-                 "MatMul/Gemm, or only float ops, read)"
+        acts += (" (written uint8: zero point 0 where the range has no negative value, else 128 where the codes "
+                 "pass a Split, Concat, pooling or Resize)"
                  if target.signed_as_uint8 else " (uint8 where the range has no negative value)")
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]

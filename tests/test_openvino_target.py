@@ -77,13 +77,13 @@ def _range_of(path, data, tensor: str) -> tuple[float, float]:
     return float(min(v.min() for v in values)), float(max(v.max() for v in values))
 
 
-def _movers_model(rng) -> onnx.ModelProto:
+def _movers_model(rng, activation: str = "Relu") -> onnx.ModelProto:
     """x -> Conv -> Relu (r) -> Split (a, b); b -> MaxPool (same size) -> m; Concat(a, m, Resize
     nearest of a 2x-pooled r) -> Conv -> y: every input the last Conv reads only moves r's values."""
     def w(*shape):
         return rng.normal(0, 0.3, shape).astype(np.float32)
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node(activation, ["c"], ["r"], name="relu"),
              helper.make_node("Split", ["r"], ["a", "b"], name="split", axis=1, num_outputs=2),
              helper.make_node("MaxPool", ["b"], ["m"], name="pool", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
              helper.make_node("AveragePool", ["r"], ["half"], name="down", kernel_shape=[2, 2], strides=[2, 2]),
@@ -102,6 +102,19 @@ def test_quantizers_go_above_ops_that_only_move_values(tmp_path):
     # fuses into the Conv; the Resize's input is the AveragePool's output, tied to r
     assert _quantized_tensors(model) == {"x", "r", "half"}
     assert _params(model, "r") == _params(model, "half")
+    assert min(_cosines(path, model, data)) > 0.999
+
+
+def test_signed_codes_through_ops_that_move_them_are_written_uint8(tmp_path):
+    """The int8 grid written uint8 with zero point 128 where signed codes pass a Split, a pooling or
+    a Resize (OpenVINO computes int8 codes through them wrongly on CPUs without AMX: the YOLO test
+    below), with the same values as int8 with zero point 0."""
+    path, data, result = _quantize(tmp_path, _movers_model(np.random.default_rng(0), "LeakyRelu"), (3, 8, 8))
+    model = result.model
+    assert _quantized_tensors(model) == {"x", "r", "half"} and _range_of(path, data, "r")[0] < 0
+    types = _activation_types(model)
+    assert types["r"] == types["half"] == np.uint8 and _params(model, "r")[1] == 128
+    assert types["x"] == np.int8  # only conv1 reads it
     assert min(_cosines(path, model, data)) > 0.999
 
 
@@ -135,13 +148,13 @@ def test_qdq_only_on_the_inputs_of_int8_layers(tmp_path):
     assert _quantized_tensors(model) == {"x", "a1", "r6", "r2", "gap"}
     assert _params(model, "r6") == _params(model, "r2")
     # symmetric: uint8 with zero point 0 where the range has no negative value (after Clip and Relu:
-    # every code on the values taken), else the int8 grid written uint8 with zero point 128 where the
-    # codes pass another op (a1: the residual Add reads them too; OpenVINO computes int8 codes through
-    # it wrongly on CPUs without AMX), and int8 where only layers read them (x: conv1; gap, below)
+    # every code on the values taken), and int8 where only layers and residual Adds read them (x:
+    # conv1; a1: the depthwise Conv and the residual Add; gap, below); signed codes through a Split
+    # or pooling: test_signed_codes_through_ops_that_move_them_are_written_uint8
     types = _activation_types(model)
-    assert types["a1"] == types["r6"] == types["r2"] == np.uint8
-    assert _params(model, "a1")[1] == 128 and _params(model, "r6")[1] == 0
+    assert types["r6"] == types["r2"] == np.uint8 and _params(model, "r6")[1] == 0
     assert types["x"] == np.int8 and _params(model, "x")[1] == 0 and min(np.load(f).min() for f in data.iterdir()) < 0
+    assert types["a1"] == np.int8 and _params(model, "a1")[1] == 0 and _range_of(path, data, "a1")[0] < 0
     # gap, which only the Gemm and the MatMul read (through the Flatten), is symmetric int8 like the
     # rest: OpenVINO fuses a FullyConnected's dequantization only without a zero point
     assert types["gap"] == np.int8 and _params(model, "gap")[1] == 0 and _range_of(path, data, "gap")[0] < 0
@@ -261,17 +274,58 @@ def test_a_yolo_detector_fuses_every_quantizer_on_openvino(tmp_path):
     on_ov = _cosines_to(reference, lambda feeds: next(iter(compiled(feeds).values())), held)
     on_ort = _cosines_to(reference, lambda feeds: session.run(None, feeds)[0], held)
     assert np.mean(on_ov) > 0.995 and abs(np.mean(on_ov) - np.mean(on_ort)) < 0.001
-    # the same on a CPU without AMX, as oneDNN runs when told to use AVX-512 VNNI at most (read once
-    # per process: a process of its own): there int8 codes through the C2f blocks' Split, Concat and
-    # Add are computed wrongly (0.992 written so)
-    np.savez(tmp_path / "held.npz", *[feeds["images"] for feeds in held])
+    # the same on a CPU without AMX: there int8 codes through the C2f blocks' Split and Concat are
+    # computed wrongly (0.992 written so)
+    assert _cosine_without_amx(model, written, held, tmp_path) > 0.995
+
+
+def test_residual_add_codes_stay_int8_and_are_computed_right_without_amx(tmp_path):
+    """The PP-OCR text-line classifier (MobileNetV3 blocks, every layer int8): codes that residual
+    Adds read are int8 with zero point 0 (a Convolution reading them with zero point 128 takes two
+    to four times as long on AMX), and OpenVINO computes them as right without AMX as with it."""
+    ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from tests.conftest import kit_path, kit_samples
+
+    model = kit_path("models", "rapidocr_cls_mobile_v2.onnx")
+    kit_samples("rapidocr_cls_mobile_v2", 24, tmp_path / "calib")
+    held = [dict(np.load(p)) for p in sorted(kit_path("inputs", "rapidocr_cls_mobile_v2", "calib").glob("*.npz"))[-8:]]
+    result = qtool.quantize(str(model), data=str(tmp_path / "calib"), config=CONFIG, progress=False)
+    written = tmp_path / "int8.onnx"
+    onnx.save(result.model, written)
+    types = _activation_types(result.model)
+    by_add = {name for name, readers in _readers_of_quantized(result.model).items() if "Add" in readers}
+    assert by_add and all(types[name] == np.int8 for name in by_add)
+    assert all(t != np.uint8 or _params(result.model, name)[1] == 0 for name, t in types.items())
+    core = ov.Core()
+    compiled = _compile(core, written)
+    with_amx = np.mean(_cosines_to(_compile(core, model, f32=True), lambda feeds: next(iter(compiled(feeds).values())),
+                                   held))
+    assert with_amx > 0.98 and abs(_cosine_without_amx(model, written, held, tmp_path) - with_amx) < 0.002
+
+
+def _readers_of_quantized(model: onnx.ModelProto) -> dict[str, set[str]]:
+    """Quantized activations -> the op types reading their dequantized values."""
+    dq_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    q_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    readers: dict[str, set[str]] = {}
+    for dq, q in dq_of.items():
+        if q in q_of:
+            readers[q_of[q]] = {n.op_type for n in model.graph.node if dq in n.input}
+    return readers
+
+
+def _cosine_without_amx(fp32, int8, held: list[dict], tmp_path) -> float:
+    """_openvino_cosine on a CPU without AMX, as oneDNN runs when told to use AVX-512 VNNI at most (it
+    reads that once per process: a process of its own)."""
+    name = next(iter(held[0]))
+    np.savez(tmp_path / "held.npz", *[feeds[name] for feeds in held])
     script = ("import sys\nfrom tests.test_openvino_target import _openvino_cosine\n"
               "print(_openvino_cosine(*sys.argv[1:]))\n")
-    done = subprocess.run([sys.executable, "-c", script, str(model), str(written), str(tmp_path / "held.npz")],
+    done = subprocess.run([sys.executable, "-c", script, str(fp32), str(int8), str(tmp_path / "held.npz"), name],
                           env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI"), capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) > 0.995
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def _compile(core, path, f32: bool = False):
@@ -285,15 +339,15 @@ def _cosines_to(reference, run, held: list[dict]) -> list[float]:
     return [float(sample_cosines(next(iter(reference(feeds).values())), np.asarray(run(feeds)))[0]) for feeds in held]
 
 
-def _openvino_cosine(fp32, int8, held_npz) -> float:
-    """The mean over the images saved in `held_npz` of `int8`'s cosine on OpenVINO to `fp32`'s at f32
-    (the YOLO test runs it in a process whose oneDNN is capped)."""
+def _openvino_cosine(fp32, int8, held_npz, name: str) -> float:
+    """The mean over the inputs `name` saved in `held_npz` of `int8`'s cosine on OpenVINO to `fp32`'s
+    at f32 (run in a process whose oneDNN is capped: _cosine_without_amx)."""
     import openvino as ov
 
     core, held = ov.Core(), np.load(held_npz)
     compiled = _compile(core, int8)
     return float(np.mean(_cosines_to(_compile(core, fp32, f32=True), lambda feeds: next(iter(compiled(feeds).values())),
-                                     [{"images": held[key]} for key in held.files])))
+                                     [{name: held[key]} for key in held.files])))
 
 
 def test_a_matmul_input_is_symmetric_so_openvino_fuses_its_dequantization(tmp_path):
