@@ -73,10 +73,10 @@ class Target:
     # with a low bound of 0 is (qtool.table.resolve; qtool.quantization.checks allows it).
     unsigned_nonnegative: bool = False
     # ... and one that does take negative values is written uint8 with zero point 128 where its codes
-    # pass a Split, Concat, pooling or Resize: the same grid as int8 with zero point 0, every value the
-    # same. OpenVINO's CPU plugin computes int8 codes wrongly on CPUs without AMX where they pass such
-    # an op (a YOLOv8's class scores collapse; docs/targets.md) and uint8 ones right. Codes only
-    # layers and residual Adds read stay int8 (QuantPlan.int8_kept): with zero point 128 OpenVINO's AMX
+    # pass a Split, Concat or pooling: the same grid as int8 with zero point 0, every value the same.
+    # OpenVINO's CPU plugin computes int8 codes wrongly on CPUs without AMX where they pass a Split or
+    # Concat (a YOLOv8's class scores collapse; docs/targets.md) and uint8 ones right. Codes only
+    # layers, Adds and Resizes read stay int8 (QuantPlan.int8_kept): with zero point 128 OpenVINO's AMX
     # convolutions take two to four times as long, and without AMX both forms are computed right.
     signed_as_uint8: bool = False
     # The runtime the measured choices score candidates on, as it computes them
@@ -126,13 +126,13 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "LiteRT", activation_dtype="int8", symmetric_activations=False, per_channel=True, float_outputs=False,
            int8_activations_only=True, spec_fixed_outputs=True),
     Target("openvino", "OpenVINO CPU: symmetric activations written uint8 (zero point 0 where the range has no "
-           "negative value, else 128; int8 where only layers and residual Adds, only MatMul/Gemm or only float "
+           "negative value, else 128; int8 where only layers, Adds and Resizes, only MatMul/Gemm or only float "
            "ops read them) "
            "only where Conv/MatMul/Gemm read them and on a layer's output that a pooling and another op both read, "
            "int8 symmetric per-channel weights, no onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
            activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, signed_as_uint8=True,
-           measured_on="openvino",
+           measured_on="openvino", prepare_passes=("residual_gate",),
            smooth_inserts=True, int8_conv_zero_points=False,
            requantize_beside=("Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalAveragePool",
                               "GlobalMaxPool", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSum", "Transpose"),
@@ -197,7 +197,7 @@ def describe(options) -> str:
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
     if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
         acts += (" (written uint8: zero point 0 where the range has no negative value, else 128 where the codes "
-                 "pass a Split, Concat, pooling or Resize)"
+                 "pass a Split, Concat or pooling)"
                  if target.signed_as_uint8 else " (uint8 where the range has no negative value)")
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]

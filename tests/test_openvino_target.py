@@ -106,9 +106,9 @@ def test_quantizers_go_above_ops_that_only_move_values(tmp_path):
 
 
 def test_signed_codes_through_ops_that_move_them_are_written_uint8(tmp_path):
-    """The int8 grid written uint8 with zero point 128 where signed codes pass a Split, a pooling or
-    a Resize (OpenVINO computes int8 codes through them wrongly on CPUs without AMX: the YOLO test
-    below), with the same values as int8 with zero point 0."""
+    """The int8 grid written uint8 with zero point 128 where signed codes pass a Split or a pooling
+    (OpenVINO computes int8 codes through a Split wrongly on CPUs without AMX: the YOLO test below),
+    with the same values as int8 with zero point 0; the Resize's input, tied to them, goes with them."""
     path, data, result = _quantize(tmp_path, _movers_model(np.random.default_rng(0), "LeakyRelu"), (3, 8, 8))
     model = result.model
     assert _quantized_tensors(model) == {"x", "r", "half"} and _range_of(path, data, "r")[0] < 0
@@ -116,6 +116,25 @@ def test_signed_codes_through_ops_that_move_them_are_written_uint8(tmp_path):
     assert types["r"] == types["half"] == np.uint8 and _params(model, "r")[1] == 128
     assert types["x"] == np.int8  # only conv1 reads it
     assert min(_cosines(path, model, data)) > 0.999
+
+
+def test_signed_codes_a_resize_passes_to_a_layer_stay_int8(tmp_path):
+    """x -> Conv -> LeakyRelu (r) -> nearest Resize -> Conv: the quantizer goes above the Resize, and
+    its signed codes stay int8 with zero point 0 (OpenVINO computes codes through a Resize right
+    without AMX, and a zero point would slow the reading Convolution on AMX)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("LeakyRelu", ["c"], ["r"], name="leaky"),
+             helper.make_node("Resize", ["r", "", "scales"], ["up"], name="up", mode="nearest"),
+             helper.make_node("Conv", ["up", "w2"], ["y"], name="conv2")]
+    inits = [graphs.init("w1", rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32)),
+             graphs.init("w2", rng.normal(0, 0.3, (4, 8, 1, 1)).astype(np.float32)),
+             graphs.init("scales", np.array([1, 1, 2, 2], np.float32))]
+    built = graphs.model(nodes, [graphs.tensor("x", ["N", 3, 8, 8])], [graphs.tensor("y", None)], inits, opset=18)
+    path, data, result = _quantize(tmp_path, built, (3, 8, 8))
+    assert _quantized_tensors(result.model) == {"x", "r"} and _range_of(path, data, "r")[0] < 0
+    assert _activation_types(result.model)["r"] == np.int8 and _params(result.model, "r")[1] == 0
+    assert min(_cosines(path, result.model, data)) > 0.999
 
 
 def _cosines(path, model: onnx.ModelProto, data) -> list[float]:
@@ -134,7 +153,8 @@ def test_the_openvino_target_is_data():
     target = TARGETS["openvino"]
     assert target.activation_placement == "inputs_of_int8_ops"
     assert not target.dynamic_matmul and not target.int8_embeddings and not target.kernels
-    assert not (target.prepare_passes or target.finish_passes or target.form_passes)
+    assert target.prepare_passes == ("residual_gate",)  # OpenVINO's form, none of onnxruntime's
+    assert not (target.finish_passes or target.form_passes)
     assert target.per_channel
 
 
@@ -458,9 +478,10 @@ def test_the_openvino_speed_rule_leaves_a_few_small_convolutions_among_large_one
     assert _float_weights(result.model) == set()
 
 
-def _se_block(rng, dims) -> onnx.ModelProto:
+def _se_block(rng, dims, residual: bool = False) -> onnx.ModelProto:
     """x -> Conv (c) -> [GlobalAveragePool -> Conv -> Relu -> Conv -> Sigmoid (g); Mul(c, g) -> y]:
-    a squeeze-and-excitation block, the pooling and the Mul both reading the Conv's output."""
+    a squeeze-and-excitation block, the pooling and the Mul both reading the Conv's output.
+    `residual`: y = c + Mul(c, g), a gated residual (PP-OCR's detector neck)."""
     inits = [graphs.init("w1", rng.normal(0, 0.3, (16, 8, 3, 3)).astype(np.float32)),
              graphs.init("w2", rng.normal(0, 0.3, (4, 16, 1, 1)).astype(np.float32)),
              graphs.init("b2", rng.normal(0, 0.3, 4).astype(np.float32)),
@@ -472,8 +493,45 @@ def _se_block(rng, dims) -> onnx.ModelProto:
              helper.make_node("Relu", ["s"], ["r"], name="relu"),
              helper.make_node("Conv", ["r", "w3", "b3"], ["e"], name="excite"),
              helper.make_node("Sigmoid", ["e"], ["g"], name="gate"),
-             helper.make_node("Mul", ["c", "g"], ["y"], name="scale")]
+             helper.make_node("Mul", ["c", "g"], ["m" if residual else "y"], name="scale")]
+    if residual:
+        nodes.append(helper.make_node("Add", ["c", "m"], ["y"], name="residual"))
     return graphs.model(nodes, [graphs.tensor("x", dims)], [graphs.tensor("y", None)], inits)
+
+
+def test_a_gated_residual_is_written_with_one_reader_of_its_input(tmp_path):
+    """x + x * g written x * (1 + g) (qtool.prepare.residual_gate): the same values, and where x is a
+    quantized layer output only the pooling and one Mul read it, so OpenVINO fuses its
+    dequantization into the Mul instead of a pass of its own."""
+    from qtool.prepare.residual_gate import gated_residuals
+
+    built = _se_block(np.random.default_rng(0), ["N", 8, "H", "W"], residual=True)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(built)
+    assert gated_residuals(copy) == 1 and {n.op_type for n in copy.graph.node} == \
+        {"Conv", "GlobalAveragePool", "Relu", "Sigmoid", "Add", "Mul"}
+    x = np.random.default_rng(1).normal(0, 1, (2, 8, 12, 12)).astype(np.float32)
+    before = ort.InferenceSession(built.SerializeToString()).run(None, {"x": x})[0]
+    after = ort.InferenceSession(copy.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
+    # a product that something else reads too stays
+    shared = onnx.ModelProto()
+    shared.CopyFrom(built)
+    shared.graph.output.append(graphs.tensor("m", None))
+    assert gated_residuals(shared) == 0
+
+    path, data, result = _quantize(tmp_path, built, (8, 12, 12))
+    model = result.model
+    dq_of_c = next(n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"
+                   and n.input[0] == next(q.output[0] for q in model.graph.node
+                                          if q.op_type == "QuantizeLinear" and q.input[0] == "c"))
+    assert sorted(n.op_type for n in model.graph.node if dq_of_c in n.input) == ["GlobalAveragePool", "Mul"]
+    assert min(_cosines(path, model, data)) > 0.999
+    ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    compiled = ov.Core().compile_model(ov.Core().read_model(model.SerializeToString(), b""), "CPU")
+    names = [o.get_rt_info()["originalLayersNames"].astype(str).split(",")
+             for o in compiled.get_runtime_model().get_ordered_ops()]
+    assert not any(all(n.endswith("_DequantizeLinear") for n in layer) for layer in names)  # no pass of its own
 
 
 def test_a_layer_output_read_by_a_pooling_and_another_op_gets_its_own_quantizer(tmp_path):

@@ -80,7 +80,7 @@ class QuantPlan:
     embeddings: dict[str, list[str]] = field(default_factory=dict)
     dynamic: dict[str, DynamicPlan] = field(default_factory=dict)  # node -> its weight-only rewrite
     # on a target writing signed codes uint8 (Target.signed_as_uint8), the activations that stay int8
-    # with zero point 0 (qtool.table.resolve): those only layers and residual Adds read directly (with a zero point
+    # with zero point 0 (qtool.table.resolve): those only layers, Adds and Resizes read directly (with a zero point
     # OpenVINO's AMX int8 convolutions take twice the time), those only MatMul/Gemm layers read (OpenVINO
     # fuses a FullyConnected's dequantization only without a zero point), and the layer outputs quantized for
     # the runtime's sake (Target.requantize_beside) that no int8 layer reads (dequantized at once:
@@ -128,14 +128,14 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
 
 _LINEAR = ("MatMul", "Gemm")
 # Readers of int8 codes OpenVINO computes right on CPUs with and without AMX (Target.signed_as_uint8)
-_CODES_READERS = (*WEIGHTED, "Add")
+_CODES_READERS = (*WEIGHTED, "Add", "Resize")
 _CONVOLUTIONS = ("Conv", "ConvTranspose", "QLinearConv", "ConvInteger")
 
 
 def _int8_codes(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
     """The planned activations of the main graph whose codes stay int8 on a target writing signed
-    codes uint8 (Target.signed_as_uint8): those only layers and residual Adds read, directly (Conv,
-    ConvTranspose, MatMul, Gemm, Add: no Split, Concat, pooling or Resize passes the codes on), and
+    codes uint8 (Target.signed_as_uint8): those only layers, Adds and Resizes read, directly (Conv,
+    ConvTranspose, MatMul, Gemm, Add, Resize: no Split, Concat or pooling passes the codes on), and
     those MatMul/Gemm layers read, directly or through ops that only move values (a Reshape,
     Transpose, Concat), and no Conv reads so; a shared-scale group goes as a whole. For the second,
     readers in float (a residual Add) do not count."""

@@ -10,6 +10,7 @@ from typing import Callable
 import onnx
 
 from qtool.prepare.embed_layer_norm import write_out_embed_layer_norms
+from qtool.prepare.residual_gate import gated_residuals
 
 
 def embed_layer_norm(model: onnx.ModelProto, options) -> bool:
@@ -18,4 +19,10 @@ def embed_layer_norm(model: onnx.ModelProto, options) -> bool:
     return options.advanced.embeddings != "float" and write_out_embed_layer_norms(model) > 0
 
 
-PASSES: dict[str, Callable[[onnx.ModelProto, object], bool]] = {"embed_layer_norm": embed_layer_norm}
+def residual_gate(model: onnx.ModelProto, options) -> bool:
+    """x + x * g written x * (1 + g): one reader of x, into which OpenVINO fuses its dequantization."""
+    return gated_residuals(model) > 0
+
+
+PASSES: dict[str, Callable[[onnx.ModelProto, object], bool]] = {"embed_layer_norm": embed_layer_norm,
+                                                                 "residual_gate": residual_gate}
