@@ -73,9 +73,10 @@ class Target:
     # with a low bound of 0 is (qtool.table.resolve; qtool.quantization.checks allows it).
     unsigned_nonnegative: bool = False
     # ... and one that does take negative values is written uint8 with zero point 128 where its codes
-    # pass a Split, Concat or pooling: the same grid as int8 with zero point 0, every value the same.
-    # OpenVINO's CPU plugin computes int8 codes wrongly on CPUs without AMX where they pass a Split or
-    # Concat (a YOLOv8's class scores collapse; docs/targets.md) and uint8 ones right. Codes only
+    # pass an op other than a layer, an Add or a Resize (a Split, Concat, pooling, Reshape, Transpose):
+    # the same grid as int8 with zero point 0, every value the same. OpenVINO's CPU plugin computes int8
+    # codes wrongly on CPUs without AMX where they pass a Split or Concat (a YOLOv8's class scores
+    # collapse; docs/targets.md), or a Reshape and Transpose into a Conv, and uint8 ones right. Codes only
     # layers, Adds and Resizes read stay int8 (QuantPlan.int8_kept): with zero point 128 OpenVINO's AMX
     # convolutions take two to four times as long, and without AMX both forms are computed right.
     signed_as_uint8: bool = False
@@ -196,8 +197,8 @@ def describe(options) -> str:
               f"[-{weight_qmax(options.reduce_range)}, {weight_qmax(options.reduce_range)}]"
     acts = f"{options.activation_dtype} {'symmetric' if options.symmetric_activations else 'asymmetric'} activations"
     if target.unsigned_nonnegative and options.symmetric_activations and options.activation_dtype == "int8":
-        acts += (" (written uint8: zero point 0 where the range has no negative value, else 128 where the codes "
-                 "pass a Split, Concat or pooling)"
+        acts += (" (written uint8: zero point 0 where the range has no negative value, else 128 where ops other "
+                 "than layers, Adds and Resizes pass the codes on)"
                  if target.signed_as_uint8 else " (uint8 where the range has no negative value)")
     overridden = [f"{name}={getattr(options, name)}" for name in PRESET_FIELDS
                   if name not in options.from_target and getattr(options, name) != target.preset()[name]]

@@ -1,10 +1,10 @@
 """A gated residual written with one reader of its input: x + x * g  ==>  x * (1 + g).
 
 Residual squeeze-and-excitation blocks (x plus x scaled by its channel gate g, as in PP-OCR's
-detector neck) read x twice. Where x is an int8 layer's quantized output, OpenVINO's CPU plugin
-then dequantizes it in an elementwise pass of its own, since its dequantization can be fused
-into one reader only; with one reader it is fused into that Mul (one pass over x instead of
-three: dequantize, Mul, Add). The product computes the same sum in real arithmetic; 1 + g has the
+detector neck) read x twice in float. Where x is a quantized layer output, OpenVINO's CPU plugin
+then dequantizes it in an elementwise pass of its own, since it fuses a dequantization into one
+float reader only; read by the one Mul, it is fused there (one pass over x instead of three:
+dequantize, Mul, Add). The product computes the same sum in real arithmetic; 1 + g has the
 gate's shape, a channel vector in such a block. Only where the Mul's output is read by the Add
 alone and no tensor of the three is known to be other than float32.
 """
