@@ -73,13 +73,16 @@ class Target:
     # with a low bound of 0 is (qtool.table.resolve; qtool.quantization.checks allows it).
     unsigned_nonnegative: bool = False
     # ... and one that does take negative values is written uint8 with zero point 128 where its codes
-    # pass an op other than a layer, an Add or a Resize (a Split, Concat, pooling, Reshape, Transpose):
-    # the same grid as int8 with zero point 0, every value the same. OpenVINO's CPU plugin computes int8
-    # codes wrongly on CPUs without AMX where they pass a Split or Concat (a YOLOv8's class scores
-    # collapse; docs/targets.md), or a Reshape and Transpose into a Conv, and uint8 ones right. Codes only
-    # layers, Adds and Resizes read stay int8 (QuantPlan.int8_kept): with zero point 128 OpenVINO's AMX
-    # convolutions take two to four times as long, and without AMX both forms are computed right.
+    # pass an op other than a layer or one of int8_code_readers (a Split, Concat, pooling, Reshape,
+    # Transpose): the same grid as int8 with zero point 0, every value the same. OpenVINO's CPU plugin
+    # computes int8 codes wrongly on CPUs without AMX where they pass a Split or Concat (a YOLOv8's class
+    # scores collapse; docs/targets.md), or a Reshape and Transpose into a Conv, and uint8 ones right.
+    # Codes only layers and int8_code_readers read stay int8 (QuantPlan.int8_kept): with zero point 128
+    # OpenVINO's AMX convolutions take 1.6-3.6x as long, and without AMX both forms are computed right.
     signed_as_uint8: bool = False
+    # The ops besides the int8 layers whose reading leaves signed codes int8 (signed_as_uint8): those
+    # measured computed right without AMX (oneDNN capped at AVX-512 VNNI; docs/targets.md).
+    int8_code_readers: tuple[str, ...] = ()
     # The runtime the measured choices score candidates on, as it computes them
     # (qtool.choices.measure): "onnxruntime" or "openvino" (at f32, qtool.evaluation.openvino_runtime).
     measured_on: str = "onnxruntime"
@@ -133,6 +136,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "int8 symmetric per-channel weights, no onnxruntime rewrites", "OpenVINO CPU",
            activation_dtype="int8", symmetric_activations=True, per_channel=True, symmetric_qmax=127.0,
            activation_placement="inputs_of_int8_ops", unsigned_nonnegative=True, signed_as_uint8=True,
+           int8_code_readers=("Add", "Resize"),
            measured_on="openvino", prepare_passes=("residual_gate",),
            smooth_inserts=True, int8_conv_zero_points=False,
            requantize_beside=("Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalAveragePool",

@@ -80,8 +80,8 @@ class QuantPlan:
     embeddings: dict[str, list[str]] = field(default_factory=dict)
     dynamic: dict[str, DynamicPlan] = field(default_factory=dict)  # node -> its weight-only rewrite
     # on a target writing signed codes uint8 (Target.signed_as_uint8), the activations that stay int8
-    # with zero point 0 (qtool.table.resolve): those only layers, Adds and Resizes read directly (with a zero point
-    # OpenVINO's AMX int8 convolutions take twice the time), those only MatMul/Gemm layers read (OpenVINO
+    # with zero point 0 (qtool.table.resolve): those only layers and Target.int8_code_readers read directly
+    # (with a zero point OpenVINO's AMX int8 convolutions take longer), those only MatMul/Gemm layers read (OpenVINO
     # fuses a FullyConnected's dequantization only without a zero point), and the layer outputs quantized for
     # the runtime's sake (Target.requantize_beside) that no int8 layer reads (dequantized at once:
     # a zero point adds a Subtract to the Convert and Multiply)
@@ -121,27 +121,27 @@ def build_plan(model: onnx.ModelProto, options: QuantizeConfig, only: Optional[C
     plan.activations = scope.ordered
     plan.tie_groups = _merge_groups(scope.ties)
     plan.embeddings = _embedding_tables(model, ctx, options, only)
-    if target_of(options).signed_as_uint8 and options.symmetric_activations:
-        plan.int8_kept = _int8_codes(plan, ctx) + [t for t in scope.requantized if t in scope.quantized]
+    target = target_of(options)
+    if target.signed_as_uint8 and options.symmetric_activations:
+        plan.int8_kept = _int8_codes(plan, ctx, (*WEIGHTED, *target.int8_code_readers)) + \
+            [t for t in scope.requantized if t in scope.quantized]
     return plan
 
 
 _LINEAR = ("MatMul", "Gemm")
-# Readers of int8 codes OpenVINO computes right on CPUs with and without AMX (Target.signed_as_uint8)
-_CODES_READERS = (*WEIGHTED, "Add", "Resize")
 _CONVOLUTIONS = ("Conv", "ConvTranspose", "QLinearConv", "ConvInteger")
 
 
-def _int8_codes(plan: QuantPlan, ctx: GraphIndex) -> list[str]:
+def _int8_codes(plan: QuantPlan, ctx: GraphIndex, readers_kept: tuple[str, ...]) -> list[str]:
     """The planned activations of the main graph whose codes stay int8 on a target writing signed
-    codes uint8 (Target.signed_as_uint8): those only layers, Adds and Resizes read, directly (Conv,
-    ConvTranspose, MatMul, Gemm, Add, Resize: no Split, Concat or pooling passes the codes on), and
+    codes uint8 (Target.signed_as_uint8): those only `readers_kept` read directly (the layers and the
+    target's int8_code_readers: no Split, Concat or pooling passes the codes on), and
     those MatMul/Gemm layers read, directly or through ops that only move values (a Reshape,
     Transpose, Concat), and no Conv reads so; a shared-scale group goes as a whole. For the second,
     readers in float (a residual Add) do not count."""
     def layers_only(name: str) -> bool:
         readers = ctx.consumers.get(name, [])
-        return bool(readers) and all(node.op_type in _CODES_READERS and node.domain in ("", "ai.onnx")
+        return bool(readers) and all(node.op_type in readers_kept and node.domain in ("", "ai.onnx")
                                      for node in readers)
 
     def linear_only(name: str, depth: int = 0) -> Optional[bool]:
