@@ -56,7 +56,7 @@ STAGES = {
     ("qtool.quantization.rewrite", "quantize_with"): "rewrite",
     ("qtool.table.resolve", "params_from_table"): "params",
     ("qtool.quantization.bias_correction", "correct_biases"): "bias correction",
-    ("qtool.quantization.adaround", "adaptive_rounding"): "adaptive rounding",
+    ("qtool.quantization.rounding", "adaptive_rounding"): "adaptive rounding",
     ("qtool.quantization.run_check", "check"): "run check",
     ("qtool.quantization.run_check", "reference"): "run check",
     ("qtool.quantization.quantize", "kernel_forms"): "kernel forms",

@@ -313,8 +313,8 @@ def _quantize_options(func):
                           "(the shift the --data samples agree on, measured on them: a pass of each model), off, or "
                           "auto (the default: the target's rule, off on ort-cpu, measured with --data on openvino)."),
         click.option("--weight-rounding", type=click.Choice(["auto", "nearest", "adaptive"]),
-                     help="Weight rounding: nearest, or adaptive (AdaRound-style, per layer, on calibration inputs; "
-                          "auto: adaptive when --data is given; default nearest)."),
+                     help="Weight rounding: nearest, or adaptive (each weight down or up for the least layer "
+                          "output error on calibration inputs; auto: adaptive when --data is given; default nearest)."),
         click.option("--latency-aware", "latency_aware", is_flag=True, default=None,
                      help="Opt-in tuning: time candidates on this machine and keep float the nodes onnxruntime runs "
                           "faster in float (the outcome depends on the machine: save it with --save-config)."),

@@ -188,7 +188,7 @@ class QuantizeConfig:
     # of each model); auto: the target's rule, off on onnxruntime CPU, measured on OpenVINO
     # (qtool.choices.bias_correction)
     bias_correction: str = "auto"
-    weight_rounding: str = "nearest"  # adaptive: AdaRound-style per-layer rounding
+    weight_rounding: str = "nearest"  # adaptive: rounding for the least layer output error (quantization/rounding.py)
     correction_samples: int = 64  # calibration samples used by bias correction and adaptive rounding
     # MatMul/Gemm with a constant weight: static (Q/DQ from calibrated ranges) or dynamic (int8 weight,
     # activation quantized at run time, every other node float); auto: dynamic for transformers

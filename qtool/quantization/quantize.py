@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import onnx
 
-from qtool.quantization.adaround import adaptive_rounding
+from qtool.quantization.rounding import adaptive_rounding
 from qtool.quantization.bias_correction import WeightShifts, correct_biases
 from qtool.quantization.checks import check_bias_scales, check_finite_constants, check_no_bad_scales, target_problems
 from qtool.quantization import run_check

@@ -122,8 +122,8 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                    bias_shift: Optional[Callable] = None) -> tuple[onnx.ModelProto, list[str]]:
     """Return the QDQ model and notes about what was adjusted (bias overflow, ...).
 
-    `rounding(name, weight, scales, axis)`: int8 values of a weight at its final scales
-    (adaptive rounding), or None for round-to-nearest. `bias_shift(bias, weight, dequantized)`:
+    `rounding({name: (weight, its final scales)})`: int8 values of the weights it rounds, by name
+    (adaptive rounding); the others round to nearest. `bias_shift(bias, weight, dequantized)`:
     what to add to a float bias for its layer's weight as dequantized (bias correction,
     qtool.quantization.bias_correction.WeightShifts), or None to leave it. `symmetric_qmax`: the target's symmetric
     activation convention (qtool.targets), for constant operands quantized like activations.
@@ -180,10 +180,11 @@ def quantize_graph(model: onnx.ModelProto, plan: QuantPlan, params: dict[str, qp
                      f"channels in {len(widened)} layer(s): {', '.join(widened)}")
 
     forms: dict[str, tuple] = {}  # float constant -> (int values, scale, zero point, axis) of its DequantizeLinear
+    chosen = rounding({name: (weight, weight_scales[name]) for name, weight in weight_data.items()}) if rounding else {}
     for name, weight in weight_data.items():
         axis = plan.weights[name].axis if per_channel else None
         scales = weight_scales[name]
-        q = rounding(name, weight, scales, axis) if rounding else None
+        q = chosen.get(name)
         q = qp.quantize_weight(weight, scales, axis, weight_qmax) if q is None else q
         forms[name] = (q, scales, np.zeros(scales.shape, np.int8), axis if scales.ndim else None)
     bias_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # int32 bias, its scale

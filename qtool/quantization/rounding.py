@@ -1,19 +1,22 @@
-"""Adaptive weight rounding (AdaRound, Nagel et al. 2020), optimised per layer with numpy.
+"""Adaptive weight rounding: each weight rounds down or up so that its layer's output error, not
+the weight's own, is small.
 
-Round-to-nearest minimises each weight's own error, not the layer's output error: errors of
-weights that see correlated inputs add up. For y = W x the output error of a rounded W~ is
-sum over output rows o of e_o C e_o^T with C = E[x x^T], so the K x K second moment of the layer's
-fp32 input patches (per channel for a depthwise conv), accumulated batch by batch, is all the data
-a layer needs. Each weight rounds down or up, W~ = s (floor(W / s) + h(V)), h a rectified sigmoid
-optimised with Adam on that error plus AdaRound's regulariser (beta annealed 20 -> 2), then
-rounded hard; a row not better than round-to-nearest keeps round-to-nearest, so no layer gets
-worse on the calibration inputs. Usage and figures: docs/accuracy.md.
+For y = W x the output error of a row's rounding error e (in units of the row's scale) is e C e^T
+with C = E[x x^T], so the K x K second moment of the layer's fp32 input patches (per channel for a
+depthwise conv), accumulated batch by batch, is all the data a layer needs. The rows are rounded
+one column at a time, as GPTQ/OPTQ does (Frantar et al. 2022), and each weight only to one of its
+two grid neighbours, as in AdaRound (Nagel et al. 2020): a column's rounding error is compensated
+on the columns not yet rounded, through the upper Cholesky factor U of (C + damping)^-1, which
+gives the least-squares compensation in one product per column. The most active inputs (largest
+diagonal of C) go first, so that the most columns are left to take their error. The damping, 1%
+of C's mean diagonal, keeps the inverse finite where C was seen on fewer rows than K. A row not
+better than round-to-nearest keeps round-to-nearest, so no layer gets worse on the calibration
+inputs. Usage and figures: docs/accuracy.md.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -34,14 +37,8 @@ from qtool.targets import weight_qmax
 
 PATCHES_PER_BATCH = 2048
 PATCH_BYTES = 2**24  # a depthwise conv's patches gathered at most this many bytes at a time (per thread)
-ITERATIONS = 200
-LEARNING_RATE = 0.05
-REG_WEIGHT = 0.01
-ZETA, GAMMA = 1.1, -0.1
-WARMUP = 0.2  # fraction of the steps without the regulariser
-BLOCK_VALUES = 2**17  # weights per row block of a layer's optimisation (see _blocks)
-SPLIT_VALUES = 2**15  # layers from this many weights on are split in at least two blocks
-MAX_BLOCKS = 8
+DAMPING = 0.01  # of C's mean diagonal, added to its diagonal
+COLUMN_BLOCK = 32  # columns compensated lazily as one block (one product for the columns after it)
 _MEMO: dict = {}  # the last model's layer statistics and roundings (see adaptive_rounding)
 
 
@@ -53,9 +50,6 @@ class _Layer:
     kernel: tuple[int, ...] = ()  # a Conv's spatial kernel (the weight's shape after its two channel axes)
     second: Optional[np.ndarray] = None  # C accumulated (sum of x x^T)
     count: int = 0
-    # a dense layer's input rows x themselves (float32) while they are fewer than half its K:
-    # C then has rank <= rows, and e C = (e X^T) X costs 2 rows / K of the K x K product
-    rows: Optional[list] = None
 
 
 def _kind(node: onnx.NodeProto, weight: np.ndarray) -> Optional[tuple[str, int]]:
@@ -152,13 +146,10 @@ def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ..
     return np.concatenate(parts), count
 
 
-def _moments(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]
-             ) -> tuple[np.ndarray, int, Optional[np.ndarray]]:
-    """(sum of x x^T over the batch's sampled input rows in float32, their number, the rows
-    themselves [rows, K] where a dense layer keeps them (see _Layer.rows), else None) for one layer
+def _moments(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]) -> tuple[np.ndarray, int]:
+    """(sum of x x^T over the batch's sampled input rows in float32, their number) for one layer
     and batch. Runs on a worker thread; the layer's sums are not added to while it runs."""
     node = layer.node
-    flat = None
     if node.op_type == "Conv":
         kernel = layer.kernel
         if _pointwise(node, kernel, x.shape):
@@ -168,31 +159,21 @@ def _moments(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]
                 cols = cols[pick]
             patches = cols.reshape(cols.shape[0], x.shape[1], 1, 1)
         elif layer.kind == "depthwise":
-            patches = None
-            part, rows = _depthwise_second(x, node, kernel, pick)
+            return _depthwise_second(x, node, kernel, pick)
         else:
             patches = _patches(x, node, kernel, pick)
-        if patches is not None:
-            patches = patches.astype(np.float32, copy=False)
-            if layer.kind == "depthwise":
-                flat = np.ascontiguousarray(patches.reshape(patches.shape[0], patches.shape[1], -1).transpose(1, 2, 0))
-                part = flat @ flat.transpose(0, 2, 1)  # [C, k, k]: batched BLAS, not einsum
-            else:
-                flat = patches.reshape(patches.shape[0], -1)
-                part = flat.T @ flat
-            rows = patches.shape[0]
-    else:
-        flat = x.reshape(-1, x.shape[-1]).astype(np.float32)
-        part, rows = flat.T @ flat, flat.shape[0]
-    few = layer.kind == "dense" and 2 * (layer.count + rows) <= part.shape[0] and \
-        (layer.count == 0 or layer.rows is not None)  # its rows kept while they stay few
-    return part, rows, flat.reshape(rows, -1) if few else None
+        patches = patches.astype(np.float32, copy=False)
+        if layer.kind == "depthwise":
+            flat = np.ascontiguousarray(patches.reshape(patches.shape[0], patches.shape[1], -1).transpose(1, 2, 0))
+            return flat @ flat.transpose(0, 2, 1), patches.shape[0]  # [C, k, k]: batched BLAS, not einsum
+        flat = patches.reshape(patches.shape[0], -1)
+        return flat.T @ flat, patches.shape[0]
+    flat = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    return flat.T @ flat, flat.shape[0]
 
 
-def _add(layer: _Layer, part: np.ndarray, rows: int, kept: Optional[np.ndarray]) -> None:
+def _add(layer: _Layer, part: np.ndarray, rows: int) -> None:
     """Add one batch's moments to the layer's running sums (in the batches' order)."""
-    if layer.kind == "dense":
-        layer.rows = [*(layer.rows or []), kept] if kept is not None else None
     part = part.astype(np.float64)  # per-batch sums in float32, the running total in float64
     layer.second = part if layer.second is None else layer.second + part
     layer.count += rows
@@ -247,10 +228,10 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
 
 
 def _one_blas_thread():
-    """BLAS held to one thread while adaptive rounding's own threads run its small products:
-    OpenBLAS's own threads on them spin between calls (about 3x the CPU time of one thread in the
-    Adam steps) for no gain in wall time. threadpoolctl is imported here, by a job that rounds
-    adaptively, and by no other."""
+    """BLAS held to one thread while the rounding's own threads (one layer each) run: every
+    layer's products are then the same single-threaded ones on any machine, and OpenBLAS's own
+    threads would only spin between the small products. threadpoolctl is imported here, by a job
+    that rounds adaptively, and by no other."""
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=1, user_api="blas")
@@ -268,148 +249,71 @@ def _row_errors(err: np.ndarray, second: np.ndarray, kind: str, multiplier: int)
     return ((err @ second) * err).sum(axis=1)  # BLAS: einsum's three-operand loop took seconds
 
 
-def _h(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    sig = 1.0 / (1.0 + np.exp(-v))
-    sig = sig.astype(v.dtype, copy=False)
-    raw = sig * (ZETA - GAMMA) + GAMMA
-    h = np.clip(raw, 0.0, 1.0)
-    grad = np.where((raw > 0) & (raw < 1), sig * (1 - sig) * (ZETA - GAMMA), 0.0)
-    return h, grad
+def _compensation(second: np.ndarray) -> np.ndarray:
+    """U, the upper Cholesky factor of (C + damping)^-1 (batched for [..., k, k]): row j of U over
+    U[j, j] is how a unit error in column j is best compensated on the columns after it."""
+    diagonal = np.diagonal(second, axis1=-2, axis2=-1)
+    damping = DAMPING * diagonal.mean(axis=-1) + 1e-12  # + a floor for a layer that saw only zeros
+    damped = second + damping[..., None, None] * np.eye(second.shape[-1])
+    return np.swapaxes(np.linalg.cholesky(np.linalg.inv(damped)), -1, -2)
 
 
-def round_layer(weight: np.ndarray, scales: np.ndarray, layer: _Layer, iterations: int = ITERATIONS,
-                qmax: int = WEIGHT_QMAX) -> np.ndarray:
+def _round_dense(z: np.ndarray, low: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Each column of z (rows x K, in scale units) rounded to low or low + 1, in order, its error
+    compensated on the columns after it: in blocks of COLUMN_BLOCK, within a block column by
+    column, then on the later columns as one product."""
+    z = z.copy()
+    q = np.empty_like(z)
+    k = z.shape[1]
+    for start in range(0, k, COLUMN_BLOCK):
+        end = min(start + COLUMN_BLOCK, k)
+        block = z[:, start:end]  # a view: compensated in place
+        errors = np.empty_like(block)
+        for j in range(end - start):
+            col = start + j
+            q[:, col] = np.clip(np.rint(block[:, j]), low[:, col], low[:, col] + 1)
+            errors[:, j] = (block[:, j] - q[:, col]) / u[col, col]
+            block[:, j + 1:] -= np.outer(errors[:, j], u[col, col + 1:end])
+        z[:, end:] -= errors @ u[start:end, end:]
+    return q
+
+
+def _round_depthwise(z: np.ndarray, low: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """_round_dense for rows that each have their own U ([rows, k, k]), in the kernel's order."""
+    z = z.copy()
+    q = np.empty_like(z)
+    for col in range(z.shape[1]):
+        q[:, col] = np.clip(np.rint(z[:, col]), low[:, col], low[:, col] + 1)
+        error = (z[:, col] - q[:, col]) / u[:, col, col]
+        z[:, col + 1:] -= error[:, None] * u[:, col, col + 1:]
+    return q
+
+
+def round_layer(weight: np.ndarray, scales: np.ndarray, layer: _Layer, qmax: int = WEIGHT_QMAX) -> np.ndarray:
     """int8 values in [-qmax, qmax] of `weight` with adaptive rounding (same shape as `weight`)."""
     axis = layer.out_axis
     rows = _rows(weight, axis)
-    out, k = rows.shape
+    out = rows.shape[0]
     s = np.broadcast_to(np.asarray(scales, np.float64).reshape(-1), (out,)) if np.ndim(scales) else \
         np.full(out, float(scales))
     scaled = rows / s[:, None]
-    low = np.floor(scaled)
-    rest = scaled - low
+    low = np.clip(np.floor(scaled), -qmax, qmax - 1)  # each weight becomes low or low + 1
     second = layer.second / layer.count
-    multiplier = out // second.shape[0] if layer.kind == "depthwise" else 1
-    # normalise C so the regulariser's weight does not depend on the input's magnitude
-    trace = np.trace(second, axis1=-2, axis2=-1)
-    norm = (np.mean(trace) / k) if np.mean(trace) > 0 else 1.0
-    c = second / norm
-    # the optimisation runs in float32 (twice the BLAS speed); the final comparison in float64
-    if layer.rows is not None:  # C = X^T X / (count norm): the product through the few input rows
-        c_rows = np.concatenate(layer.rows) * np.float32(1.0 / np.sqrt(layer.count * norm))
+    if layer.kind == "depthwise":
+        multiplier = out // second.shape[0]  # row o reads input channel o // multiplier
+        adaptive = _round_depthwise(scaled, low, np.repeat(_compensation(second), multiplier, axis=0))
     else:
-        c_rows = (np.repeat(c, multiplier, axis=0) if layer.kind == "depthwise" else c).astype(np.float32)
-    low32, scaled32 = low.astype(np.float32), scaled.astype(np.float32)
-
-    p = np.clip((rest - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
-    v = np.log(p / (1 - p)).astype(np.float32)
-    v = _optimise_rows(v, low32, scaled32, c_rows, layer.kind == "depthwise", iterations, layer.rows is not None)
-
-    h, _ = _h(v.astype(np.float64))
-    adaptive = np.clip(low + (h >= 0.5), -qmax, qmax)
+        multiplier = 1
+        order = np.argsort(-np.diagonal(second), kind="stable")  # the most active inputs first
+        adaptive = np.empty_like(scaled)
+        adaptive[:, order] = _round_dense(scaled[:, order], low[:, order],
+                                          _compensation(second[np.ix_(order, order)]))
     nearest = np.clip(np.rint(scaled), -qmax, qmax)
-    worse = _row_errors(adaptive - scaled, c, layer.kind, multiplier) >= \
-        _row_errors(nearest - scaled, c, layer.kind, multiplier)
+    worse = _row_errors(adaptive - scaled, second, layer.kind, multiplier) >= \
+        _row_errors(nearest - scaled, second, layer.kind, multiplier)
     chosen = np.where(worse[:, None], nearest, adaptive)
     moved = np.moveaxis(weight, axis, 0).shape
     return np.moveaxis(chosen.reshape(moved), 0, axis).astype(np.int8)
-
-
-def _blocks(out: int, k: int) -> list[slice]:
-    """The row blocks a layer's optimisation is split into: the rows are independent (each row's
-    error and Adam state are its own), so blocks run on separate threads. About BLOCK_VALUES
-    values each, a power of two of them (even work on 2, 4 or 8 cores), at least two from
-    SPLIT_VALUES on: larger blocks make larger products, which BLAS runs faster per value (a few
-    dozen rows of e C run well below its speed on a hundred), and fewer numpy calls per value.
-    From the layer's shape alone, never from the machine, so every machine computes the same
-    products and writes the same bytes."""
-    values = out * k
-    count = 1 << max(0, math.ceil(math.log2(max(1, values) / BLOCK_VALUES)))
-    if values >= SPLIT_VALUES:
-        count = max(count, 2)
-    count = max(1, min(MAX_BLOCKS, count, out))
-    edges = np.linspace(0, out, count + 1).round().astype(int)
-    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
-
-
-def _optimise_rows(v: np.ndarray, low: np.ndarray, scaled: np.ndarray, c_rows: np.ndarray, depthwise: bool,
-                   iterations: int, factored: bool = False) -> np.ndarray:
-    """`_optimise` on row blocks, one thread per allowed core (_one_blas_thread)."""
-    blocks = _blocks(*v.shape)
-    workers = min(len(blocks), usable_cores())
-    with _one_blas_thread():
-        if workers == 1:
-            return _optimise(v, low, scaled, c_rows, depthwise, iterations, factored)
-        with ThreadPoolExecutor(workers) as pool:
-            parts = pool.map(lambda b: _optimise(v[b], low[b], scaled[b], c_rows[b] if depthwise else c_rows,
-                                                 depthwise, iterations, factored), blocks)
-            return np.concatenate(list(parts))
-
-
-def _optimise(v: np.ndarray, low32: np.ndarray, scaled32: np.ndarray, c_rows: np.ndarray, depthwise: bool,
-              iterations: int, factored: bool = False) -> np.ndarray:
-    """Adam on the rows' relaxed roundings v (float32): their output error plus the annealed
-    regulariser. The arithmetic of `_h` and of the plain expressions, in place in a few buffers.
-    `factored`: c_rows is X with C = X^T X (fewer rows than K), and e C is (e X^T) X."""
-    k = v.shape[1]
-    v = v.copy()
-    m1, m2 = np.zeros_like(v), np.zeros_like(v)
-    sig, h, dh, err, a, b = (np.empty_like(v) for _ in range(6))
-    inside = np.empty(v.shape, bool)
-    gain = ZETA - GAMMA
-    warm = int(WARMUP * iterations)
-    for step in range(iterations):
-        # h, dh = _h(v)
-        np.negative(v, out=sig)
-        np.exp(sig, out=sig)
-        sig += 1.0
-        np.divide(1.0, sig, out=sig)
-        np.multiply(sig, gain, out=a)
-        a += GAMMA  # the stretched sigmoid
-        np.clip(a, 0.0, 1.0, out=h)
-        np.greater(a, 0, out=inside)
-        inside &= a < 1
-        np.subtract(1, sig, out=dh)
-        dh *= sig
-        dh *= gain
-        dh *= inside  # where the stretched sigmoid is clipped, no gradient
-        np.add(low32, h, out=err)
-        err -= scaled32  # in units of s: the scale is a per-row constant factor
-        if depthwise:
-            grad = (c_rows @ err[:, :, None])[:, :, 0]
-        elif factored:
-            grad = (err @ c_rows.T) @ c_rows
-        else:
-            grad = err @ c_rows
-        grad *= 2.0
-        grad /= k
-        if step >= warm:
-            beta = 20.0 + (2.0 - 20.0) * (step - warm) / max(1, iterations - warm)
-            np.multiply(h, 2.0, out=a)
-            a -= 1.0  # t = 2 h - 1
-            np.sign(a, out=b)
-            b *= REG_WEIGHT * beta
-            np.abs(a, out=a)
-            np.power(a, beta - 1, out=a)
-            b *= a
-            b *= 2.0
-            grad -= b
-        grad *= dh
-        m1 *= 0.9
-        np.multiply(grad, 0.1, out=a)
-        m1 += a
-        m2 *= 0.999
-        np.multiply(grad, 0.001, out=a)
-        a *= grad
-        m2 += a
-        np.divide(m1, 1 - 0.9 ** (step + 1), out=a)
-        a *= LEARNING_RATE
-        np.divide(m2, 1 - 0.999 ** (step + 1), out=b)
-        np.sqrt(b, out=b)
-        b += 1e-8
-        a /= b
-        v -= a
-    return v
 
 
 def output_error(weight: np.ndarray, q: np.ndarray, scales: np.ndarray, layer: _Layer) -> float:
@@ -438,13 +342,17 @@ def adaptive_rounding(model: onnx.ModelProto, plan: QuantPlan, params, data: lis
     layers, rounded = _MEMO["layers"], _MEMO["rounded"]
     qmax = weight_qmax(options.reduce_range)  # 7-bit weights with --reduce-range
 
-    def rounding(name: str, weight: np.ndarray, scales: np.ndarray, axis) -> Optional[np.ndarray]:
-        layer = layers.get(name)
-        if layer is None:
-            return None
-        memo = (name, np.asarray(scales).tobytes())
-        if memo not in rounded:
-            rounded[memo] = round_layer(weight, scales, layer, qmax=qmax)
-        return rounded[memo]
+    def rounding(weights: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+        """name -> int8 values of the weights (name -> (weight, its final scales)) it rounds:
+        the layers on one thread per allowed core, each layer's arithmetic on one (_one_blas_thread),
+        so the values do not depend on the machine's cores."""
+        todo = {(name, np.asarray(scales).tobytes()): (name, weight, scales)
+                for name, (weight, scales) in weights.items() if name in layers}
+        missing = sorted((memo for memo in todo if memo not in rounded), key=lambda m: -todo[m][1].size)
+        if missing:
+            with ThreadPoolExecutor(usable_cores()) as pool, _one_blas_thread():
+                done = pool.map(lambda m: round_layer(todo[m][1], todo[m][2], layers[todo[m][0]], qmax), missing)
+                rounded.update(zip(missing, done))
+        return {name: rounded[memo] for memo, (name, _, _) in todo.items()}
 
     return rounding
