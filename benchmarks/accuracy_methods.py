@@ -85,7 +85,7 @@ def best_method(model, calib_dir, cfg, samples, dev, labels, tmp: Path) -> tuple
 
 
 PLAIN = {"bias_correction": "off", "equalize": False, "weight_rounding": "nearest"}
-MIXED_PRECISION_BASE = {"bias_correction": "fast", "weight_rounding": "adaptive"}  # rounding memoised per layer
+MIXED_PRECISION_BASE = {"bias_correction": "weights", "weight_rounding": "adaptive"}  # EfficientNet config's steps; rounding memoised per layer
 
 
 def variants(best: str) -> list[tuple[str, str, dict]]:
