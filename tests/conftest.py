@@ -17,7 +17,7 @@ EFFNET = ROOT / "models" / "efficientnet_lite0_dyn.onnx"
 EFFNET_CONFIG = ROOT / "configs" / "efficientnet_lite0.yaml"
 CALIB_SAMPLES = ROOT / "calib_samples"
 # The EfficientNet config turns on bias correction and adaptive rounding whenever quantize has
-# --data (minutes of work); tests about other things quantize from the ranges alone.
+# --data (seconds of work each time); tests about other things quantize from the ranges alone.
 RANGES_ONLY = ("--bias-correction", "off", "--weight-rounding", "nearest")
 
 

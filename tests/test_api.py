@@ -19,7 +19,7 @@ from qtool.data.preprocess import preprocess_image, read_image
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, RANGES_ONLY, ROOT
 from tests.graphs import conv_model, write_samples
 
-# The config's bias correction and adaptive rounding (auto: on with data) take minutes: off here, as RANGES_ONLY.
+# The config's bias correction and adaptive rounding (auto: on with data) add seconds per job: off here, as RANGES_ONLY.
 RANGES_ONLY_SECTION = {"bias_correction": "off", "weight_rounding": "nearest"}
 FIXED_LATENCY = {"batch_size": 8, "threads": 1, "runs": 1, "fp32_ms": {"median": 2.0, "p90": 2.0},
                  "int8_ms": {"median": 1.0, "p90": 1.0}, "speedup": 2.0}
