@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -215,6 +216,26 @@ def _sequential_reference(z: np.ndarray, second: np.ndarray) -> np.ndarray:
             if j + 1 < k:  # e_rest = -H_rr^-1 H_rd e_done minimises (e_done, e_rest) H (e_done, e_rest)^T
                 target[rest] = z[r, rest] - np.linalg.solve(h[rest, rest], h[rest, done] @ (q[r, done] - z[r, done]))
     return q
+
+
+def test_a_layer_whose_inputs_are_not_finite_rounds_to_nearest():
+    """Inputs too large to square in float32 (or inf) make C infinite; such a layer is left out of
+    the adaptive rounding (it rounds to nearest) instead of poisoning its weights with NaN."""
+    rng = np.random.default_rng(3)
+    model = graphs.gemm_model(rng)
+    plan = build_plan(model, QuantizeConfig())
+    x = rng.normal(size=(8, 32)).astype(np.float32)
+    fine = adaround.collect_inputs(model, plan, [Batch(["a"], {"x": x})])
+    assert set(fine) == {"w"} and np.all(np.isfinite(fine["w"].second))
+    huge = x.copy()
+    huge[0, 0] = 3e38  # finite in float32, its square is not
+    with warnings.catch_warnings():  # nothing warns either (the products run on worker threads)
+        warnings.simplefilter("error")
+        assert adaround.collect_inputs(model, plan, [Batch(["a"], {"x": x}), Batch(["b"], {"x": huge})]) == {}
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    scales = qp.weight_scales(w, 0)
+    rounding = adaround.adaptive_rounding(model, plan, None, [Batch(["b"], {"x": huge})], QuantizeConfig())
+    assert rounding({"w": (w, scales)}) == {}  # the rewrite then rounds "w" to nearest
 
 
 @pytest.mark.parametrize("block", [1, 3, 64])

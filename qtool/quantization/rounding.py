@@ -148,7 +148,13 @@ def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ..
 
 def _moments(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]) -> tuple[np.ndarray, int]:
     """(sum of x x^T over the batch's sampled input rows in float32, their number) for one layer
-    and batch. Runs on a worker thread; the layer's sums are not added to while it runs."""
+    and batch. Runs on a worker thread; the layer's sums are not added to while it runs. Inputs
+    too large for float32 products give inf, silently: collect_inputs drops such a layer."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _sums(layer, x, pick)
+
+
+def _sums(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]) -> tuple[np.ndarray, int]:
     node = layer.node
     if node.op_type == "Conv":
         kernel = layer.kernel
@@ -185,7 +191,8 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
 
     Per batch, the patch positions are drawn in the layers' order (_pick), then the layers' sums
     run on one thread per allowed core (_one_blas_thread), and are added in the layers' order: the
-    same bytes as one thread."""
+    same bytes as one thread. A layer whose C is not finite (inputs with inf or NaN, or too
+    large to square in float32) is left out, so it rounds to nearest."""
     inits = {t.name: t for t in model.graph.initializer}
     by_label = {node_label(n): n for n in model.graph.node}
     layers: dict[str, _Layer] = {}
@@ -224,7 +231,8 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
                     _add(layers[name], *job.result())
                 except ValueError:
                     failed.add(name)
-    return {name: layer for name, layer in layers.items() if name not in failed and layer.count}
+    return {name: layer for name, layer in layers.items()
+            if name not in failed and layer.count and np.all(np.isfinite(layer.second))}
 
 
 def _one_blas_thread():
