@@ -366,7 +366,8 @@ def _quantize_job(options: dict, search=None) -> None:
     from qtool.graph.executor import open_engine
     from qtool.graph.kernels import kernel_summary
     from qtool.quantization.quantize import needs_data
-    from qtool.targets import cpu_has_vnni, describe as describe_target, vnni_warning
+    from qtool.graph.runtime import cpu_has_vnni
+    from qtool.targets import describe as describe_target, vnni_warning
 
     o = options
     model, table_path, data, output = o["model"], o["table_path"], o["data"], o["output"]
@@ -385,9 +386,6 @@ def _quantize_job(options: dict, search=None) -> None:
     for extra in (o["save_table"], o["save_config"], o["json_path"]):
         if extra:
             check_output_path(extra, model, output)
-    warning = vnni_warning(quant, cpu_has_vnni())
-    if warning:
-        click.echo(f"warning: {warning}", err=True)
     start = time.perf_counter()
     sharded = table_path is None or search is not None  # one engine for the calibration and the search
     workers = api.search_workers(cfg, search) if search is not None else cfg.calibration.workers
@@ -417,6 +415,9 @@ def _quantize_job(options: dict, search=None) -> None:
     click.echo(describe_target(quant))
     if TARGETS[quant.target].onnxruntime_kernels:
         click.echo(kernel_summary(result.kernels if result.kernels is not None else output))
+    warning = vnni_warning(quant, cpu_has_vnni())  # once everything is written: an error stays one line
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @main.command(cls=_GroupedCommand)

@@ -8,9 +8,7 @@ Why each shipped target's traits are what they are: docs/targets.md.
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 
@@ -152,26 +150,6 @@ def weight_qmax(reduce_range: bool) -> int:
     return 63 if reduce_range else 127
 
 
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[frozenset[str]]:
-    """The first CPU's flags on Linux (x86 `flags`, ARM `Features`); None where they cannot be read."""
-    try:
-        text = Path(cpuinfo).read_text(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return None
-
-
-def cpu_has_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[bool]:
-    """True/False on x86 Linux; None where it cannot be told (other OS or architecture)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
-        return None
-    flags = cpu_flags(cpuinfo)
-    return None if flags is None else bool(flags & {"avx512_vnni", "avx_vnni"})
-
-
 def target_of(options) -> Target:
     """The Target of a QuantizeConfig (or anything with a `target` name)."""
     return TARGETS[options.target]
@@ -188,9 +166,10 @@ def vnni_warning(options, has_vnni: Optional[bool]) -> Optional[str]:
             or options.reduce_range):
         return None
     if has_vnni is False:
-        return ("this x86 CPU has no VNNI (avx512_vnni/avx_vnni): onnxruntime's u8s8 kernels can saturate "
-                "int16 sums with full-range int8 weights; if accuracy suffers, quantize with --reduce-range "
-                "(7-bit weights)")
+        return ("this x86 CPU has no VNNI (avx512_vnni/avx_vnni): onnxruntime's default u8s8 kernels saturate "
+                "int16 pair sums with full-range int8 weights; qtool measures with exact products (session "
+                "option session.x64quantprecision=1, slower): set it where you run the model, or quantize "
+                "with --reduce-range (7-bit weights)")
     return None
 
 

@@ -43,11 +43,57 @@ def kit_samples(model: str, count: int, folder: Path) -> list[Path]:
     return copies
 
 
+def openvino_weights() -> dict:
+    """The quantization keys an OpenVINO comparison test adds: on an x86 CPU without VNNI OpenVINO's
+    int8 kernels drop each weight's lowest bit (oneDNN halves int8 weights there against int16
+    saturation; docs/targets.md), so its outputs match onnxruntime's only with 7-bit weights."""
+    from qtool.graph.runtime import cpu_has_vnni
+
+    return {"reduce_range": True} if cpu_has_vnni() is False else {}
+
+
 def run_qtool(*args, cwd=None, timeout=900) -> subprocess.CompletedProcess:
     """Run the CLI of this checkout (not whatever qtool is installed) in a subprocess."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def exact_int8_products_in_tests():
+    """The tests' own onnxruntime sessions compute int8 products as qtool's do: exactly. On an x86
+    CPU without VNNI onnxruntime's default u8s8 kernels add pairs of products in saturating int16
+    (qtool.graph.runtime.exact_int8_products); the figures the tests assert are then the same on
+    any CPU; an int8 weight read by two layers gets a copy each, as in qtool's sessions. Where the
+    defaults are exact already, nothing changes."""
+    import onnx
+    import onnxruntime as ort
+
+    from qtool.graph.edit import untied_int8
+    from qtool.graph.runtime import exact_int8_products
+
+    if not exact_int8_products():
+        yield
+        return
+    default = ort.InferenceSession
+
+    class ExactSession(default):
+        def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
+            sess_options = sess_options or ort.SessionOptions()
+            sess_options.add_session_config_entry("session.x64quantprecision", "1")
+            try:
+                super().__init__(path_or_bytes, sess_options, providers, provider_options, **kwargs)
+            except Exception:  # an int8 weight read by two layers: as qtool's sessions, a copy each
+                source = path_or_bytes if isinstance(path_or_bytes, bytes) else None
+                model = onnx.load_from_string(source) if source is not None else onnx.load(str(path_or_bytes))
+                untied = untied_int8(model)
+                if untied is None:
+                    raise
+                super().__init__(untied.SerializeToString(), sess_options, providers, provider_options, **kwargs)
+
+    ort.InferenceSession = ExactSession
+    yield
+    ort.InferenceSession = default
 
 
 @pytest.fixture

@@ -560,7 +560,10 @@ def test_mixed_precision_reaches_an_agreement_target_on_the_kit(tmp_path):
     chosen = found.chosen
     assert 1 <= len(chosen.float_layers) <= 4 and goal.met(chosen.figures)
     assert chosen.int8_mac_fraction >= 0.9
-    assert [t["float_layers"] for t in found.tried] == list(range(len(chosen.float_layers) + 1))
+    # the all-int8 model first, then prefixes of the ranking; the one kept is the fewest that met
+    # (which prefixes, and in what order, follows this CPU's float kernels: near-ties flip)
+    assert [t["float_layers"] for t in found.tried][:2] == [0, 1]
+    assert len(chosen.float_layers) == min(t["float_layers"] for t in found.tried if t["met"])
     # the first step ranked every move once: the 50 layers (the SpaceToDepth stem comes back whole)
     # to float, and the classifier Gemm to dynamic int8
     assert len(set(found.ranking)) == len(found.ranking) == 51 and "node_linear (dynamic)" in found.ranking

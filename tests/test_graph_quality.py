@@ -14,7 +14,8 @@ from qtool.config import QuantizeConfig, override
 from qtool.prepare.graph_prep import prepare
 from qtool.graph.kernels import count_kernels
 from qtool.quantization.checks import target_problems
-from qtool.targets import TARGETS, cpu_has_vnni, vnni_warning
+from qtool.graph.runtime import cpu_has_vnni
+from qtool.targets import TARGETS, vnni_warning
 
 from tests import graphs
 from tests.conftest import CALIB_SAMPLES, EFFNET, EFFNET_CONFIG, RANGES_ONLY, kit_path
@@ -305,6 +306,81 @@ def test_vnni_warning_from_cpu_flags(tmp_path):
     assert vnni_warning(QuantizeConfig(), True) is None
     assert vnni_warning(QuantizeConfig(reduce_range=True), False) is None
     assert vnni_warning(QuantizeConfig(target="litert"), False) is None
+
+
+def _saturating_matmul() -> onnx.ModelProto:
+    """x (uint8 codes 255) times int8 weights of 127: every pair of products sums to 64,770, past int16."""
+    k, n = 64, 8
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "sw"], ["wd"]),
+             helper.make_node("MatMul", ["xd", "wd"], ["m"]),
+             helper.make_node("QuantizeLinear", ["m", "sy", "zy"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"])]
+    inits = [numpy_helper.from_array(np.float32(1 / 255), "sx"), numpy_helper.from_array(np.uint8(0), "zx"),
+             numpy_helper.from_array(np.full((k, n), 127, np.int8), "wq"), numpy_helper.from_array(np.float32(0.01), "sw"),
+             numpy_helper.from_array(np.float32(0.5), "sy"), numpy_helper.from_array(np.uint8(0), "zy")]
+    return graphs.model(nodes, [graphs.tensor("x", [1, k])], [graphs.tensor("y", [1, n])], inits)
+
+
+def test_qtool_sessions_compute_int8_products_exactly_on_any_cpu():
+    """qtool scores, checks and evaluates int8 models in its own sessions: they must compute a
+    VNNI CPU's exact products on an x86 CPU without VNNI too, or its choices and figures would
+    depend on the machine."""
+    from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as DefaultSession
+
+    from qtool.graph.runtime import create_session, exact_int8_products
+
+    model = _saturating_matmul()
+    feeds = {"x": np.ones((1, 64), np.float32)}
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    exact = DefaultSession(model.SerializeToString(), plain, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(exact, 81.5)  # 64 x 1.0 x 1.27 = 81.28, to the output grid of 0.5
+    np.testing.assert_array_equal(create_session(model).run(None, feeds)[0], exact)
+    if exact_int8_products():  # this CPU's default kernels saturate: the option is what makes them exact
+        default = DefaultSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        assert np.abs(default - exact).max() > 10
+
+
+def test_an_int8_weight_read_by_two_layers_runs_with_exact_products(tmp_path):
+    """Two MatMuls reading one int8 weight (and one zero point): qtool's sessions load it (from a
+    proto and from a file) and compute both exactly. onnxruntime's exact-product rewrite on x86
+    without VNNI names its uint8 copy after the weight, so the second reader would collide; each
+    reader gets its own copy in the session's model (untied_int8), the written model keeps one."""
+    from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as DefaultSession
+
+    from qtool.graph.edit import untied_int8
+    from qtool.graph.runtime import create_session
+
+    k = 64
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["wd"]),
+             *[node for y in ("a", "b") for node in (
+                 helper.make_node("MatMul", ["xd", "wd"], [f"m{y}"]),
+                 helper.make_node("QuantizeLinear", [f"m{y}", "sy", "zy"], [f"q{y}"]),
+                 helper.make_node("DequantizeLinear", [f"q{y}", "sy", "zy"], [y]))]]
+    inits = [numpy_helper.from_array(np.float32(1 / 255), "sx"), numpy_helper.from_array(np.uint8(0), "zx"),
+             numpy_helper.from_array(np.full((k, k), 127, np.int8), "wq"), numpy_helper.from_array(np.float32(0.01), "sw"),
+             numpy_helper.from_array(np.int8(0), "zw"),
+             numpy_helper.from_array(np.float32(0.5), "sy"), numpy_helper.from_array(np.uint8(0), "zy")]
+    model = graphs.model(nodes, [graphs.tensor("x", [1, k])], [graphs.tensor("a", [1, k]), graphs.tensor("b", [1, k])], inits)
+    feeds = {"x": np.ones((1, k), np.float32)}
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    exact = DefaultSession(model.SerializeToString(), plain, providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(exact, 81.5)
+    onnx.save(model, tmp_path / "shared.onnx")
+    for source in (model, str(tmp_path / "shared.onnx")):
+        np.testing.assert_array_equal(create_session(source).run(None, feeds), exact)
+    untied = untied_int8(model)
+    reads = [x for n in untied.graph.node for x in n.input if x in {t.name for t in untied.graph.initializer
+                                                                    if t.data_type == onnx.TensorProto.INT8}]
+    assert len(reads) == len(set(reads)) == 4, reads  # two weights, two zero points, each read once
+    assert untied_int8(untied) is None
+    np.testing.assert_array_equal(DefaultSession(untied.SerializeToString(), plain, providers=["CPUExecutionProvider"])
+                                  .run(None, feeds), exact)
 
 
 def test_rgb_input_padded_to_4_channels_gives_identical_outputs(tmp_path, monkeypatch):

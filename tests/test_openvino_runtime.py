@@ -15,10 +15,11 @@ from click.testing import CliRunner
 import qtool
 from qtool.cli import main
 from tests import graphs
+from tests.conftest import openvino_weights
 
 # nothing measured: no OpenVINO needed to quantize; toy layers, which the speed rule would keep float
 CONFIG = {"calibration": {"method": "minmax"},
-          "quantization": {"target": "openvino", "bias_correction": "off",
+          "quantization": {"target": "openvino", "bias_correction": "off", **openvino_weights(),
                            "advanced": {"head_tails": "off", "speed_rule": "off"}}}
 
 
@@ -47,6 +48,9 @@ def test_the_default_runtime_is_onnxruntime(models):
     report = qtool.evaluate(fp32, int8, data, {"evaluation": {"batch_size": 1, "runs": 3}}, progress=False)
     assert report.runtime["name"] == "onnxruntime" and report.to_dict()["runtime"] == report.runtime
     assert "fp32_precision" not in report.latency
+    # whether int8 products were asked to be exact (x86 without VNNI) is data in the report
+    from qtool.graph.runtime import exact_int8_products
+    assert report.runtime["exact_int8_products"] is exact_int8_products()
 
 
 def test_evaluate_on_openvino(models):

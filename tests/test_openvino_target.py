@@ -20,14 +20,15 @@ import qtool
 from qtool.evaluation.metrics import sample_cosines
 from qtool.targets import TARGETS
 from tests import graphs
+from tests.conftest import openvino_weights
 from tests.test_transformer_blocks import _attention_model, _gelu_model, _ln_model
 
 # nothing measured: no OpenVINO needed to quantize; toy layers, which the speed rule would keep float
 CONFIG = {"calibration": {"method": "minmax"},
-          "quantization": {"target": "openvino", "bias_correction": "off",
+          "quantization": {"target": "openvino", "bias_correction": "off", **openvino_weights(),
                            "advanced": {"head_tails": "off", **graphs.RULE_OFF}}}
 RULE_ON = {"calibration": {"method": "minmax"},
-           "quantization": {"target": "openvino", "bias_correction": "off", "advanced": {"head_tails": "off"}}}
+           "quantization": {"target": "openvino", "bias_correction": "off", **openvino_weights(), "advanced": {"head_tails": "off"}}}
 LAYERS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 

@@ -37,7 +37,7 @@ from qtool.graph.executor import Engine
 from qtool.graph.modelio import external_files, input_specs, load_model, output_names
 from qtool.graph.index import scoped_nodes
 from qtool.quantization.rewrite import DQ_SUFFIX
-from qtool.graph.runtime import create_session, tensor_dims
+from qtool.graph.runtime import create_session, exact_int8_products, tensor_dims
 from qtool.progress import bar as progress_bar
 from qtool.evaluation.report import EvaluationReport
 from qtool.evaluation.sensitivity import layer_sensitivity
@@ -170,7 +170,8 @@ def build_report(inputs: EvaluateInputs, int8_model: onnx.ModelProto, folder: bo
         qtool_version=__version__,
         onnxruntime_version=ort.__version__,
         runtime={"name": cfg.runtime,
-                 "version": ort.__version__ if cfg.runtime == "onnxruntime" else openvino_runtime.version()},
+                 "version": ort.__version__ if cfg.runtime == "onnxruntime" else openvino_runtime.version(),
+                 **({"exact_int8_products": exact_int8_products()} if cfg.runtime == "onnxruntime" else {})},
         task=task.name,
         models={name: {"path": str(path), "size_bytes": sizes[name]}
                 for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},

@@ -41,7 +41,9 @@ class EvaluationReport:
     sensitivity: Optional[dict] = None
     thresholds: tuple[Verdict, ...] = ()
     passed: bool = True  # every threshold met (True when none was set)
-    runtime: Optional[dict] = None  # {"name", "version"}: where fidelity and latency were measured
+    # {"name", "version"}: where fidelity and latency were measured; on onnxruntime also
+    # "exact_int8_products" (qtool.graph.runtime.exact_int8_products: u8u8 kernels on an x86 CPU without VNNI)
+    runtime: Optional[dict] = None
 
     @property
     def classification(self) -> Optional[dict]:
@@ -181,6 +183,8 @@ def render_table(report: EvaluationReport) -> str:
     header = f"{report.data['samples']} samples from {report.data_name}, task {report.task}"
     if report.runtime is not None:
         header += f", on {report.runtime['name']} {report.runtime['version']}"
+        if report.runtime.get("exact_int8_products"):
+            header += " (exact int8 products: session.x64quantprecision=1, as this CPU has no VNNI)"
         if report.latency and "fp32_precision" in report.latency:
             header += f" (fp32 baseline at its default precision {report.latency['fp32_precision']})"
     lines = [header] + _align(summary_rows(report))

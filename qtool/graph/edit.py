@@ -16,7 +16,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.graph.index import (attribute, bodies, default_opset, keep_initializers, made_in, names_read,
-                               replace_nodes, scoped_nodes, set_attribute)
+                               replace_nodes, scoped_initializers, scoped_nodes, set_attribute)
 from qtool.graph.shapes import elem_types, inferred
 
 
@@ -216,3 +216,75 @@ def rescaled_tensors(model: onnx.ModelProto) -> set[str]:
         if prop.key == RESCALED_KEY:
             return set(json.loads(prop.value))
     return set()
+
+
+UNTIE_PREFIX = "qtool_untied"  # names of the copies untied_int8 makes
+
+
+def untied_int8(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of `model` in which no int8 initializer is read by two integer kernels: each reader
+    after the first (a node reading it, or one more reader of a DequantizeLinear of it) gets its own
+    copy, and its own DequantizeLinear. None where nothing is shared. The model computes the same;
+    onnxruntime's exact-product rewrite on x86 without VNNI (session.x64quantprecision) names the
+    uint8 copy it makes of an int8 weight or zero point after it, so a second reader fails to load."""
+    inits = scoped_initializers(model.graph)
+    int8 = {name for name, t in inits.items() if t.data_type == onnx.TensorProto.INT8}
+    if not _int8_reads(model.graph, int8, set(), dry=True):
+        return None
+    untied = onnx.ModelProto()
+    untied.CopyFrom(model)
+    _int8_reads(untied.graph, int8, set(), dry=False, inits=scoped_initializers(untied.graph),
+                fresh=itertools.count())
+    return untied
+
+
+def _int8_reads(graph: onnx.GraphProto, int8: set[str], seen: set[str], dry: bool, inits=None, fresh=None) -> bool:
+    """Walk the readers of int8 initializers (a DequantizeLinear's readers each count) in model
+    order; a reader of a name already `seen` is shared. Dry: tell whether any is; else give each
+    shared reader its own copies."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    shared = False
+
+    def own(name: str) -> str:
+        """`name`, or a copy of it where it has been read already."""
+        nonlocal shared
+        if name not in seen:
+            seen.add(name)
+            return name
+        shared = True
+        if dry:
+            return name
+        copy = onnx.TensorProto()
+        copy.CopyFrom(inits[name])
+        copy.name = f"{UNTIE_PREFIX}_{next(fresh)}_{name}"
+        graph.initializer.append(copy)
+        return copy.name
+
+    nodes: list[onnx.NodeProto] = []
+    for node in list(graph.node):
+        nodes.append(node)
+        if node.op_type == "DequantizeLinear" and node.input[0] in int8:
+            users = readers.get(node.output[0], [])
+            for k, user in enumerate(users or [None]):
+                inputs = [own(x) if i != 1 and x in int8 else x for i, x in enumerate(node.input)]
+                if k == 0:
+                    node.input[:] = inputs if not dry else node.input
+                    continue
+                if dry:
+                    continue
+                out = f"{UNTIE_PREFIX}_{next(fresh)}_{node.output[0]}"
+                nodes.append(helper.make_node("DequantizeLinear", inputs, [out], name=out,
+                                              **{a.name: helper.get_attribute_value(a) for a in node.attribute}))
+                user.input[:] = [out if x == node.output[0] else x for x in user.input]
+        else:
+            renamed = [own(x) if x in int8 else x for x in node.input]
+            if not dry:
+                node.input[:] = renamed
+        for _, body in bodies(node):
+            shared = _int8_reads(body, int8, seen, dry, inits, fresh) or shared
+    if not dry and len(nodes) > len(graph.node):
+        replace_nodes(graph, nodes)  # each copy right after the DequantizeLinear it copies
+    return shared

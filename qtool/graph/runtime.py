@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
+import platform
 import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
 import numpy as np
@@ -17,7 +20,7 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from qtool.graph import modelio
-from qtool.graph.edit import with_outputs
+from qtool.graph.edit import untied_int8, with_outputs
 from qtool.graph.index import names_read, tensor_bytes
 from qtool.graph.shapes import declared_shapes, inferred
 from qtool.errors import InternalError, LoadRefused, QtoolError, RunRefused, allocation_failure
@@ -94,6 +97,36 @@ def _session(source, options: ort.SessionOptions, label: str) -> Session:
     return session
 
 
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[frozenset[str]]:
+    """The first CPU's flags on Linux (x86 `flags`, ARM `Features`); None where they cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return None
+
+
+def cpu_has_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[bool]:
+    """True/False on x86 Linux; None where it cannot be told (other OS or architecture)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return None
+    flags = cpu_flags(cpuinfo)
+    return None if flags is None else bool(flags & {"avx512_vnni", "avx_vnni"})
+
+
+@functools.lru_cache(maxsize=1)
+def exact_int8_products() -> bool:
+    """Whether qtool's sessions ask onnxruntime for exact int8 products (session.x64quantprecision):
+    on an x86 CPU without VNNI its u8s8 kernels add pairs of products in saturating int16, so an
+    int8 model's outputs, and every choice scored on them, would differ from a VNNI CPU's. The
+    option runs those products as u8u8 (exact, slower) on such CPUs only; where VNNI sums in int32
+    the default kernels are exact already and stay."""
+    return cpu_has_vnni() is False
+
+
 def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
                     optimized_path: str | None = None, log_level: int = 4,
                     order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, batch_pass: bool = False) -> ort.SessionOptions:
@@ -107,7 +140,8 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
     latency: without the worker threads spinning between kernels (which shortens a latency but
     costs CPU time) and without the memory pattern (one block planned for every tensor of a run's
     shapes, kept for the next run of those shapes; with batches of 8 that block set the job's
-    peak RSS). The same results either way (docs/design/observer.md)."""
+    peak RSS). The same results either way (docs/design/observer.md). Exact int8 products
+    wherever onnxruntime's defaults would saturate them (exact_int8_products)."""
     options = ort.SessionOptions()
     options.execution_order = order
     if batch_pass:
@@ -118,6 +152,8 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
     options.intra_op_num_threads = threads or allowed_cores()
     options.inter_op_num_threads = 1
     options.log_severity_level = log_level
+    if exact_int8_products():
+        options.add_session_config_entry("session.x64quantprecision", "1")
     if optimized_path is not None:
         options.optimized_model_filepath = optimized_path
     return options
@@ -255,6 +291,14 @@ def _copy_fields(source, target, skip: str) -> None:
             setattr(target, field.name, value)
 
 
+def _untied_file(path: str) -> onnx.ModelProto | None:
+    """untied_int8 of the model at `path`; None where it shares nothing or cannot be read."""
+    try:
+        return untied_int8(modelio.load_model(path))
+    except QtoolError:
+        return None
+
+
 def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = "model",
                    weights: "SharedWeights | None" = None, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
                    optimized_path: str | None = None, log_level: int = 4,
@@ -264,6 +308,8 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
     initializers shares its own). The other options
     are session_options'. Its runs raise RunRefused where onnxruntime refuses them."""
     options = session_options(threads, level, optimized_path, log_level, order, batch_pass)
+    if exact_int8_products() and weights is None and not isinstance(model, str):
+        model = untied_int8(model) or model  # (session_options' exact products fail on shared int8 weights)
     if weights is None and optimized_path is None and not isinstance(model, str) and _shares_weights(model):
         weights = SharedWeights(model)
         model = weights.light
@@ -289,6 +335,10 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
         if allocation_failure(exc):
             raise
+        untied = _untied_file(model) if exact_int8_products() and isinstance(model, str) else None
+        if untied is not None:
+            return create_session(untied, threads, label, level=level, optimized_path=optimized_path,
+                                  log_level=log_level, order=order, batch_pass=batch_pass)
         raise LoadRefused(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
 
 
