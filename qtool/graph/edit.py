@@ -276,8 +276,9 @@ def _int8_reads(graph: onnx.GraphProto, int8: set[str], seen: set[str], dry: boo
                 if dry:
                     continue
                 out = f"{UNTIE_PREFIX}_{next(fresh)}_{node.output[0]}"
-                nodes.append(helper.make_node("DequantizeLinear", inputs, [out], name=out,
-                                              **{a.name: helper.get_attribute_value(a) for a in node.attribute}))
+                copy = helper.make_node("DequantizeLinear", inputs, [out], name=out)
+                copy.attribute.extend(node.attribute)  # axis, block_size
+                nodes.append(copy)
                 user.input[:] = [out if x == node.output[0] else x for x in user.input]
         else:
             renamed = [own(x) if x in int8 else x for x in node.input]
