@@ -219,16 +219,21 @@ def _sequential_reference(z: np.ndarray, second: np.ndarray) -> np.ndarray:
 
 
 def test_a_layer_whose_inputs_are_not_finite_rounds_to_nearest():
-    """Inputs too large to square in float32 (or inf) make C infinite; such a layer is left out of
-    the adaptive rounding (it rounds to nearest) instead of poisoning its weights with NaN."""
+    """An input of inf makes C not finite; such a layer is left out of the adaptive rounding (it
+    rounds to nearest) instead of poisoning its weights with NaN. The largest finite float32 input
+    squares fine in the float64 products: that layer is kept."""
     rng = np.random.default_rng(3)
     model = graphs.gemm_model(rng)
     plan = build_plan(model, QuantizeConfig())
     x = rng.normal(size=(8, 32)).astype(np.float32)
     fine = adaround.collect_inputs(model, plan, [Batch(["a"], {"x": x})])
     assert set(fine) == {"w"} and np.all(np.isfinite(fine["w"].second))
+    large = x.copy()
+    large[0, 0] = 3e38  # finite in float32, its square too in float64
+    kept = adaround.collect_inputs(model, plan, [Batch(["a"], {"x": x}), Batch(["b"], {"x": large})])
+    assert set(kept) == {"w"} and np.all(np.isfinite(kept["w"].second))
     huge = x.copy()
-    huge[0, 0] = 3e38  # finite in float32, its square is not
+    huge[0, 0] = np.inf
     with warnings.catch_warnings():  # nothing warns either (the products run on worker threads)
         warnings.simplefilter("error")
         assert adaround.collect_inputs(model, plan, [Batch(["a"], {"x": x}), Batch(["b"], {"x": huge})]) == {}
@@ -273,7 +278,7 @@ def test_adaptive_rounding_splits_its_work_without_changing_a_bit(effnet_setup, 
     kernel = tuple(_weights(model)[depthwise].shape[2:])
     pick = adaround._pick(node, x.shape, kernel, np.random.default_rng(0))
     whole = adaround._patches(x, node, kernel, pick)
-    flat = np.ascontiguousarray(whole.reshape(whole.shape[0], whole.shape[1], -1).transpose(1, 2, 0))
+    flat = np.ascontiguousarray(whole.reshape(whole.shape[0], whole.shape[1], -1).transpose(1, 2, 0), np.float64)
     monkeypatch.setattr(adaround, "PATCH_BYTES", flat[:7].nbytes)  # 7 channels at a time
     second, count = adaround._depthwise_second(x, node, kernel, pick)
     np.testing.assert_array_equal(second, flat @ flat.transpose(0, 2, 1))

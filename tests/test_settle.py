@@ -99,6 +99,34 @@ def test_the_plain_command_writes_the_same_bytes_beside_a_process_that_loads_bot
     assert _sha(again) == _sha(out)
 
 
+def _openblas_x86() -> bool:
+    import platform
+
+    import numpy as np
+
+    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    return "openblas" in str(blas.get("name", "")).lower() and platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.mark.skipif(not _openblas_x86(), reason="needs numpy's OpenBLAS on x86 (OPENBLAS_CORETYPE picks its kernels)")
+def test_adaptive_rounding_writes_the_same_bytes_with_another_blas_kernel(tmp_path):
+    """The shipped EfficientNet-Lite0 config (adaptive rounding on) writes the same bytes whichever
+    kernels numpy's BLAS runs, as it picks them by CPU: here an AVX2+FMA kernel and an AVX one
+    forced on one machine (float32 input moments differed in their last bits and so did the bytes)."""
+    from tests.conftest import EFFNET_CONFIG
+
+    shas = []
+    for core in ("Haswell", "Sandybridge"):
+        out = tmp_path / f"{core}.onnx"
+        env = dict(os.environ, OPENBLAS_CORETYPE=core, PYTHONPATH=str(ROOT))
+        done = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(EFFNET), "--data", str(CALIB_SAMPLES),
+                               "--config", str(EFFNET_CONFIG), "-o", str(out)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        shas.append(_sha(out))
+    assert shas[0] == shas[1]
+
+
 def test_the_speed_rule_runs_by_default_its_nodes_are_a_decision_and_the_settled_config_replays_them(tmp_path):
     """A small CNN whose early depthwise stages onnxruntime runs faster in float (the speed rule's
     Costs): the plain command keeps them float, says so in --json, and the settled config holds

@@ -138,18 +138,20 @@ def _depthwise_second(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ..
     P x C x k floats (236 MB for 1152 channels of 5x5), the per-channel sums C x k x k."""
     planes, where, count = _windows(x, node, kernel, pick)
     c, k = planes.shape[0], kernel[0] * kernel[1]
-    step = max(1, PATCH_BYTES // (4 * k * count))
+    step = max(1, PATCH_BYTES // (8 * k * count))
     parts = []
     for lo in range(0, c, step):
-        flat = np.take(planes[lo:lo + step], where, axis=1).reshape(-1, count, k).astype(np.float32, copy=False)
+        flat = np.take(planes[lo:lo + step], where, axis=1).reshape(-1, count, k).astype(np.float64, copy=False)
         parts.append(flat.transpose(0, 2, 1) @ flat)
     return np.concatenate(parts), count
 
 
 def _moments(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]) -> tuple[np.ndarray, int]:
-    """(sum of x x^T over the batch's sampled input rows in float32, their number) for one layer
-    and batch. Runs on a worker thread; the layer's sums are not added to while it runs. Inputs
-    too large for float32 products give inf, silently: collect_inputs drops such a layer."""
+    """(sum of x x^T over the batch's sampled input rows, their number) for one layer and batch,
+    in float64: float32 sums differ in their last bits with the BLAS kernel the CPU picks, and the
+    rounding's near-ties follow them (the written bytes did). Runs on a worker thread; the layer's
+    sums are not added to while it runs. An inf input gives inf or NaN, silently: collect_inputs
+    drops such a layer."""
     with np.errstate(over="ignore", invalid="ignore"):
         return _sums(layer, x, pick)
 
@@ -168,19 +170,19 @@ def _sums(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]) -> tuple[np.
             return _depthwise_second(x, node, kernel, pick)
         else:
             patches = _patches(x, node, kernel, pick)
-        patches = patches.astype(np.float32, copy=False)
+        patches = patches.astype(np.float64, copy=False)
         if layer.kind == "depthwise":
             flat = np.ascontiguousarray(patches.reshape(patches.shape[0], patches.shape[1], -1).transpose(1, 2, 0))
             return flat @ flat.transpose(0, 2, 1), patches.shape[0]  # [C, k, k]: batched BLAS, not einsum
         flat = patches.reshape(patches.shape[0], -1)
         return flat.T @ flat, patches.shape[0]
-    flat = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
     return flat.T @ flat, flat.shape[0]
 
 
 def _add(layer: _Layer, part: np.ndarray, rows: int) -> None:
     """Add one batch's moments to the layer's running sums (in the batches' order)."""
-    part = part.astype(np.float64)  # per-batch sums in float32, the running total in float64
+    part = part.astype(np.float64, copy=False)
     layer.second = part if layer.second is None else layer.second + part
     layer.count += rows
 
@@ -191,8 +193,8 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
 
     Per batch, the patch positions are drawn in the layers' order (_pick), then the layers' sums
     run on one thread per allowed core (_one_blas_thread), and are added in the layers' order: the
-    same bytes as one thread. A layer whose C is not finite (inputs with inf or NaN, or too
-    large to square in float32) is left out, so it rounds to nearest."""
+    same bytes as one thread. A layer whose C is not finite (inputs with inf or NaN) is
+    left out, so it rounds to nearest."""
     inits = {t.name: t for t in model.graph.initializer}
     by_label = {node_label(n): n for n in model.graph.node}
     layers: dict[str, _Layer] = {}
