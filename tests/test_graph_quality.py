@@ -379,6 +379,7 @@ def test_an_int8_weight_read_by_two_layers_runs_with_exact_products(tmp_path):
                                                                     if t.data_type == onnx.TensorProto.INT8}]
     assert len(reads) == len(set(reads)) == 4, reads  # two weights, two zero points, each read once
     assert untied_int8(untied) is None
+    assert [x for n in model.graph.node for x in n.input].count("wq") == 1  # the model itself is left as it was
     np.testing.assert_array_equal(DefaultSession(untied.SerializeToString(), plain, providers=["CPUExecutionProvider"])
                                   .run(None, feeds), exact)
 

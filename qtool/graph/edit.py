@@ -270,10 +270,10 @@ def _int8_reads(graph: onnx.GraphProto, int8: set[str], seen: set[str], dry: boo
             users = readers.get(node.output[0], [])
             for k, user in enumerate(users or [None]):
                 inputs = [own(x) if i != 1 and x in int8 else x for i, x in enumerate(node.input)]
-                if k == 0:
-                    node.input[:] = inputs if not dry else node.input
-                    continue
                 if dry:
+                    continue
+                if k == 0:
+                    node.input[:] = inputs
                     continue
                 out = f"{UNTIE_PREFIX}_{next(fresh)}_{node.output[0]}"
                 copy = helper.make_node("DequantizeLinear", inputs, [out], name=out)
