@@ -66,11 +66,9 @@ def exact_int8_products_in_tests():
     (qtool.graph.runtime.exact_int8_products); the figures the tests assert are then the same on
     any CPU; an int8 weight read by two layers gets a copy each, as in qtool's sessions. Where the
     defaults are exact already, nothing changes."""
-    import onnx
     import onnxruntime as ort
 
-    from qtool.graph.edit import untied_int8
-    from qtool.graph.runtime import exact_int8_products
+    from qtool.graph.runtime import EXACT_PRODUCTS, exact_int8_products, untied_source
 
     if not exact_int8_products():
         yield
@@ -80,13 +78,12 @@ def exact_int8_products_in_tests():
     class ExactSession(default):
         def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
             sess_options = sess_options or ort.SessionOptions()
-            sess_options.add_session_config_entry("session.x64quantprecision", "1")
+            sess_options.add_session_config_entry(*EXACT_PRODUCTS)
             try:
                 super().__init__(path_or_bytes, sess_options, providers, provider_options, **kwargs)
             except Exception:  # an int8 weight read by two layers: as qtool's sessions, a copy each
-                source = path_or_bytes if isinstance(path_or_bytes, bytes) else None
-                model = onnx.load_from_string(source) if source is not None else onnx.load(str(path_or_bytes))
-                untied = untied_int8(model)
+                source = path_or_bytes if isinstance(path_or_bytes, bytes) else str(path_or_bytes)
+                untied = untied_source(source)
                 if untied is None:
                     raise
                 super().__init__(untied.SerializeToString(), sess_options, providers, provider_options, **kwargs)

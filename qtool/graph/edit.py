@@ -15,8 +15,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.graph.index import (attribute, bodies, default_opset, keep_initializers, made_in, names_read,
-                               replace_nodes, scoped_initializers, scoped_nodes, set_attribute)
+from qtool.graph.index import (GraphIndex, attribute, bodies, default_opset, keep_initializers, made_in,
+                               names_read, rename_reads, replace_nodes, scoped_initializers, scoped_nodes,
+                               set_attribute)
 from qtool.graph.shapes import elem_types, inferred
 
 
@@ -227,35 +228,38 @@ def untied_int8(model: onnx.ModelProto) -> onnx.ModelProto | None:
     copy, and its own DequantizeLinear. None where nothing is shared. The model computes the same;
     onnxruntime's exact-product rewrite on x86 without VNNI (session.x64quantprecision) names the
     uint8 copy it makes of an int8 weight or zero point after it, so a second reader fails to load."""
-    inits = scoped_initializers(model.graph)
-    int8 = {name for name, t in inits.items() if t.data_type == onnx.TensorProto.INT8}
-    if not _int8_reads(model.graph, int8, set(), dry=True):
+    int8 = {name for name, t in scoped_initializers(model.graph).items() if t.data_type == onnx.TensorProto.INT8}
+    reads: dict[str, int] = {}
+    _count_int8_reads(model.graph, int8, reads)
+    if all(n <= 1 for n in reads.values()):
         return None
     untied = onnx.ModelProto()
     untied.CopyFrom(model)
-    _int8_reads(untied.graph, int8, set(), dry=False, inits=scoped_initializers(untied.graph),
-                fresh=itertools.count())
+    _untie(untied.graph, int8, scoped_initializers(untied.graph), set(), itertools.count())
     return untied
 
 
-def _int8_reads(graph: onnx.GraphProto, int8: set[str], seen: set[str], dry: bool, inits=None, fresh=None) -> bool:
-    """Walk the readers of int8 initializers (a DequantizeLinear's readers each count) in model
-    order; a reader of a name already `seen` is shared. Dry: tell whether any is; else give each
-    shared reader its own copies."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
+def _count_int8_reads(graph: onnx.GraphProto, int8: set[str], reads: dict[str, int]) -> None:
+    """reads[name] += one per node reading an int8 initializer, one per reader of a DequantizeLinear of it."""
+    readers = GraphIndex(graph).consumers
     for node in graph.node:
+        times = len(readers.get(node.output[0], ())) or 1 if node.op_type == "DequantizeLinear" else 1
         for name in node.input:
-            readers.setdefault(name, []).append(node)
-    shared = False
+            if name in int8:
+                reads[name] = reads.get(name, 0) + times
+        for _, body in bodies(node):
+            _count_int8_reads(body, int8, reads)
+
+
+def _untie(graph: onnx.GraphProto, int8: set[str], inits: dict[str, onnx.TensorProto], seen: set[str], fresh) -> None:
+    """Give each reader of an int8 initializer after the first (in model order) its own copy; a
+    DequantizeLinear of one gets a copy of itself per reader after its first."""
 
     def own(name: str) -> str:
-        """`name`, or a copy of it where it has been read already."""
-        nonlocal shared
+        if name not in int8:
+            return name
         if name not in seen:
             seen.add(name)
-            return name
-        shared = True
-        if dry:
             return name
         copy = onnx.TensorProto()
         copy.CopyFrom(inits[name])
@@ -263,29 +267,20 @@ def _int8_reads(graph: onnx.GraphProto, int8: set[str], seen: set[str], dry: boo
         graph.initializer.append(copy)
         return copy.name
 
+    readers = GraphIndex(graph).consumers
     nodes: list[onnx.NodeProto] = []
     for node in list(graph.node):
         nodes.append(node)
-        if node.op_type == "DequantizeLinear" and node.input[0] in int8:
-            users = readers.get(node.output[0], [])
-            for k, user in enumerate(users or [None]):
-                inputs = [own(x) if i != 1 and x in int8 else x for i, x in enumerate(node.input)]
-                if dry:
-                    continue
-                if k == 0:
-                    node.input[:] = inputs
-                    continue
+        original = list(node.input)
+        node.input[:] = [own(x) for x in original]
+        if node.op_type == "DequantizeLinear" and original[0] in int8:
+            for user in readers.get(node.output[0], [])[1:]:
                 out = f"{UNTIE_PREFIX}_{next(fresh)}_{node.output[0]}"
-                copy = helper.make_node("DequantizeLinear", inputs, [out], name=out)
+                copy = helper.make_node("DequantizeLinear", [own(x) for x in original], [out], name=out)
                 copy.attribute.extend(node.attribute)  # axis, block_size
                 nodes.append(copy)
-                user.input[:] = [out if x == node.output[0] else x for x in user.input]
-        else:
-            renamed = [own(x) if x in int8 else x for x in node.input]
-            if not dry:
-                node.input[:] = renamed
+                rename_reads([user], {node.output[0]: out})
         for _, body in bodies(node):
-            shared = _int8_reads(body, int8, seen, dry, inits, fresh) or shared
-    if not dry and len(nodes) > len(graph.node):
+            _untie(body, int8, inits, seen, fresh)
+    if len(nodes) > len(graph.node):
         replace_nodes(graph, nodes)  # each copy right after the DequantizeLinear it copies
-    return shared

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import numpy as np
 import onnx
 import onnxruntime as ort
+from google.protobuf.message import DecodeError
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from qtool.graph import modelio
@@ -117,6 +118,9 @@ def cpu_has_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[bool]:
     return None if flags is None else bool(flags & {"avx512_vnni", "avx_vnni"})
 
 
+EXACT_PRODUCTS = ("session.x64quantprecision", "1")  # onnxruntime's session option for exact u8s8 products
+
+
 @functools.lru_cache(maxsize=1)
 def exact_int8_products() -> bool:
     """Whether qtool's sessions ask onnxruntime for exact int8 products (session.x64quantprecision):
@@ -153,7 +157,7 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
     options.inter_op_num_threads = 1
     options.log_severity_level = log_level
     if exact_int8_products():
-        options.add_session_config_entry("session.x64quantprecision", "1")
+        options.add_session_config_entry(*EXACT_PRODUCTS)
     if optimized_path is not None:
         options.optimized_model_filepath = optimized_path
     return options
@@ -291,11 +295,12 @@ def _copy_fields(source, target, skip: str) -> None:
             setattr(target, field.name, value)
 
 
-def _untied_file(path: str) -> onnx.ModelProto | None:
-    """untied_int8 of the model at `path`; None where it shares nothing or cannot be read."""
+def untied_source(source: str | bytes) -> onnx.ModelProto | None:
+    """untied_int8 of a model file or serialized model that exact products failed to load; None
+    where it shares nothing or cannot be read (the load's own error stands)."""
     try:
-        return untied_int8(modelio.load_model(path))
-    except QtoolError:
+        return untied_int8(modelio.load_model(source) if isinstance(source, str) else onnx.load_from_string(source))
+    except (QtoolError, DecodeError):
         return None
 
 
@@ -335,7 +340,7 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
         if allocation_failure(exc):
             raise
-        untied = _untied_file(model) if exact_int8_products() and isinstance(model, str) else None
+        untied = untied_source(model) if exact_int8_products() and isinstance(model, str) else None
         if untied is not None:
             return create_session(untied, threads, label, level=level, optimized_path=optimized_path,
                                   log_level=log_level, order=order, batch_pass=batch_pass)

@@ -182,7 +182,6 @@ def _sums(layer: _Layer, x: np.ndarray, pick: Optional[np.ndarray]) -> tuple[np.
 
 def _add(layer: _Layer, part: np.ndarray, rows: int) -> None:
     """Add one batch's moments to the layer's running sums (in the batches' order)."""
-    part = part.astype(np.float64, copy=False)
     layer.second = part if layer.second is None else layer.second + part
     layer.count += rows
 
