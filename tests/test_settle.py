@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -100,8 +101,6 @@ def test_the_plain_command_writes_the_same_bytes_beside_a_process_that_loads_bot
 
 
 def _openblas_x86() -> bool:
-    import platform
-
     import numpy as np
 
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
@@ -120,6 +119,35 @@ def test_adaptive_rounding_writes_the_same_bytes_with_another_blas_kernel(tmp_pa
         out = tmp_path / f"{core}.onnx"
         env = dict(os.environ, OPENBLAS_CORETYPE=core, PYTHONPATH=str(ROOT))
         done = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(EFFNET), "--data", str(CALIB_SAMPLES),
+                               "--config", str(EFFNET_CONFIG), "-o", str(out)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        shas.append(_sha(out))
+    assert shas[0] == shas[1]
+
+
+def _opencv_has_ipp() -> bool:
+    import cv2
+
+    return platform.machine().lower() in ("x86_64", "amd64") and cv2.ipp.useIPP()
+
+
+@pytest.mark.skipif(not _opencv_has_ipp(), reason="needs OpenCV built with IPP on x86 (OPENCV_IPP picks its kernels)")
+def test_photos_calibrate_to_the_same_table_whichever_kernels_opencv_ipp_picks(tmp_path):
+    """The shipped photos, resized bicubic by the shipped EfficientNet-Lite0 config, calibrate to
+    the same table bytes whichever instruction set OpenCV's IPP picks, as it does by CPU: here its
+    SSE4.2 kernels forced against the CPU's own (with IPP's resize, one photo's pixels differed
+    between AVX-512 and AVX2 CPUs, and so did three ranges and half the channel means)."""
+    from tests.conftest import EFFNET_CONFIG
+
+    shas = []
+    for isa in ("sse42", None):
+        out = tmp_path / f"{isa}.json"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env.pop("OPENCV_IPP", None)
+        if isa:
+            env["OPENCV_IPP"] = isa
+        done = subprocess.run([sys.executable, "-m", "qtool", "calibrate", str(EFFNET), "--data", str(CALIB_SAMPLES),
                                "--config", str(EFFNET_CONFIG), "-o", str(out)],
                               env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr

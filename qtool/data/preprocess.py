@@ -104,4 +104,14 @@ def to_tensor(image: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
 
 
 def preprocess_image(image: np.ndarray, cfg: PreprocessConfig, size: tuple[int, int]) -> np.ndarray:
-    return to_tensor(resize_image(image, cfg, size), cfg)
+    """resize_image then to_tensor, with OpenCV's IPP paths off: IPP picks its kernels by the
+    CPU's instruction set and its cubic resize rounds some pixels otherwise on an AVX-512 CPU than
+    on an AVX2 one, so the same photo would calibrate to other ranges there; OpenCV's own kernels
+    give the same pixels on both. The switch is per thread in OpenCV, and restored after."""
+    cv2 = _cv2()
+    was = cv2.ipp.useIPP()
+    cv2.ipp.setUseIPP(False)
+    try:
+        return to_tensor(resize_image(image, cfg, size), cfg)
+    finally:
+        cv2.ipp.setUseIPP(was)
