@@ -106,7 +106,8 @@ def weight_shift(node: onnx.NodeProto, weight: np.ndarray, dequantized: np.ndarr
         return (taps * group_means).sum(axis=1)
     if node.op_type == "Gemm" and error.ndim == 2 and not attribute(node, "transA", 0):
         rows = error.T if attribute(node, "transB", 0) else error  # [inputs, outputs]
-        return means @ rows if means.shape == (rows.shape[0],) else None
+        # a sum in numpy's own order, not a BLAS product: BLAS kernels, picked by the CPU, add otherwise
+        return (means[:, None] * rows).sum(axis=0) if means.shape == (rows.shape[0],) else None
     return None
 
 
