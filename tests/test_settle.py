@@ -100,6 +100,23 @@ def test_the_plain_command_writes_the_same_bytes_beside_a_process_that_loads_bot
     assert _sha(again) == _sha(out)
 
 
+def _shipped_job_sha(out, verb: str, **env_vars) -> str:
+    """sha256 of `qtool VERB` on the shipped model, photos and config, in a process whose
+    environment sets `env_vars` (a None value: unset)."""
+    from tests.conftest import EFFNET_CONFIG
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for name, value in env_vars.items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
+    done = subprocess.run([sys.executable, "-m", "qtool", verb, str(EFFNET), "--data", str(CALIB_SAMPLES),
+                           "--config", str(EFFNET_CONFIG), "-o", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return _sha(out)
+
+
 def _openblas_x86() -> bool:
     import numpy as np
 
@@ -112,17 +129,8 @@ def test_adaptive_rounding_writes_the_same_bytes_with_another_blas_kernel(tmp_pa
     """The shipped EfficientNet-Lite0 config (adaptive rounding on) writes the same bytes whichever
     kernels numpy's BLAS runs, as it picks them by CPU: here an AVX2+FMA kernel and an AVX one
     forced on one machine (float32 input moments differed in their last bits and so did the bytes)."""
-    from tests.conftest import EFFNET_CONFIG
-
-    shas = []
-    for core in ("Haswell", "Sandybridge"):
-        out = tmp_path / f"{core}.onnx"
-        env = dict(os.environ, OPENBLAS_CORETYPE=core, PYTHONPATH=str(ROOT))
-        done = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(EFFNET), "--data", str(CALIB_SAMPLES),
-                               "--config", str(EFFNET_CONFIG), "-o", str(out)],
-                              env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr
-        shas.append(_sha(out))
+    shas = [_shipped_job_sha(tmp_path / f"{core}.onnx", "quantize", OPENBLAS_CORETYPE=core)
+            for core in ("Haswell", "Sandybridge")]
     assert shas[0] == shas[1]
 
 
@@ -138,20 +146,7 @@ def test_photos_calibrate_to_the_same_table_whichever_kernels_opencv_ipp_picks(t
     the same table bytes whichever instruction set OpenCV's IPP picks, as it does by CPU: here its
     SSE4.2 kernels forced against the CPU's own (with IPP's resize, one photo's pixels differed
     between AVX-512 and AVX2 CPUs, and so did three ranges and half the channel means)."""
-    from tests.conftest import EFFNET_CONFIG
-
-    shas = []
-    for isa in ("sse42", None):
-        out = tmp_path / f"{isa}.json"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        env.pop("OPENCV_IPP", None)
-        if isa:
-            env["OPENCV_IPP"] = isa
-        done = subprocess.run([sys.executable, "-m", "qtool", "calibrate", str(EFFNET), "--data", str(CALIB_SAMPLES),
-                               "--config", str(EFFNET_CONFIG), "-o", str(out)],
-                              env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr
-        shas.append(_sha(out))
+    shas = [_shipped_job_sha(tmp_path / f"{isa}.json", "calibrate", OPENCV_IPP=isa) for isa in ("sse42", None)]
     assert shas[0] == shas[1]
 
 
