@@ -7,8 +7,8 @@ valgrind (`--tool=none`) runs the program on a virtual CPU without AVX-512 (nor 
 AVX-512 machine, onnxruntime, numpy's BLAS and OpenCV then pick the kernels an AVX2 CPU runs. It
 does not change /proc/cpuinfo, which qtool reads to decide whether onnxruntime's int8 products
 need its exact mode (qtool.graph.runtime.exact_int8_products); the child under valgrind is told
-what an AVX2 CPU's /proc/cpuinfo would say (no avx512_vnni/avx_vnni). Expect a slowdown of a few
-hundred times under valgrind (minutes for a job of a second). Prints both digests and whether
+what an AVX2 CPU's /proc/cpuinfo would say (no avx512_vnni/avx_vnni). Expect a slowdown of 25 to 400
+times under valgrind (minutes for a job of a second). Prints both digests and whether
 they match; exit 1 where they differ.
 """
 
