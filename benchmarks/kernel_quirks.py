@@ -13,6 +13,9 @@ not model:
   which onnxruntime's QLinearConv runs on its depthwise kernel;
 - PRelu, which has no integer kernel;
 - a MaxPool whose QuantizeLinear onnxruntime moves above it, on a float producer;
+- a MaxPool after an integer Conv and a hard-swish (in its integer form: an Add of a constant whose
+  QuantizeLinear clips, and a Mul) or a SiLU, as the graph's output or read by another Conv: onnxruntime
+  runs an NhwcMaxPool only where it carries the Conv's NHWC layout on to another integer Conv;
 - Mul by a one-value constant of rank 1 over a tensor whose last axis is 1, and the same constant
   written as [1, 1, 1, 1];
 - Convs with few channels per kernel tap (8 channels, a 3 x 39 kernel) and others, for comparison, and
@@ -94,6 +97,68 @@ def maxpool_after_float(shape, quantized):
     return _graph(nodes, shape, inits)
 
 
+def maxpool_after_activation(shape, activation, quantized, conv_after=False):
+    """x -> Conv 1x1 -> hard-swish or SiLU -> MaxPool 2x2 -> y, float or with Q/DQ on every tensor as qtool
+    writes it for onnxruntime (the hard-swish as Add(x, 3) whose QuantizeLinear clips to [0, 6], and a Mul
+    whose second DequantizeLinear carries the 1/6)."""
+    channels = shape[1]
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.1, (channels, channels, 1, 1)).astype(np.float32)
+    scales = np.abs(w).reshape(channels, -1).max(axis=1) / 127
+    inits, nodes, x = [], [], "x"
+    if quantized:
+        nodes, inits, x = _qdq("x", 0.02)
+        inits += [numpy_helper.from_array(np.round(w / scales[:, None, None, None]).astype(np.int8), "wq"),
+                  numpy_helper.from_array(scales.astype(np.float32), "ws"),
+                  numpy_helper.from_array(np.zeros(channels, np.int8), "wz")]
+        nodes.append(helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0))
+    else:
+        inits.append(numpy_helper.from_array(w, "w"))
+    nodes.append(helper.make_node("Conv", [x, "w"], ["c"]))
+    c = "c"
+    if quantized:
+        more, extra, c = _qdq("c", 0.05)
+        nodes, inits = nodes + more, inits + extra
+    if activation == "silu":
+        nodes.append(helper.make_node("Sigmoid", [c], ["s"]))
+        gate = "s"
+        if quantized:
+            more, extra, gate = _qdq("s", 1 / 255, 0)
+            nodes, inits = nodes + more, inits + extra
+        nodes.append(helper.make_node("Mul", [c, gate], ["a"]))
+    elif not quantized:
+        nodes.append(helper.make_node("HardSwish", [c], ["a"]))
+    else:
+        inits += [numpy_helper.from_array(np.array(3 / 0.05 + 128, np.uint8), "three_q"),
+                  numpy_helper.from_array(np.array(0.05, np.float32), "three_s"),
+                  numpy_helper.from_array(np.array(128, np.uint8), "three_z"),
+                  numpy_helper.from_array(np.array(6 / 255, np.float32), "g_s"),
+                  numpy_helper.from_array(np.array(0, np.uint8), "g_z"),
+                  numpy_helper.from_array(np.array(1 / 255, np.float32), "g_s6")]
+        nodes += [helper.make_node("DequantizeLinear", ["three_q", "three_s", "three_z"], ["three"]),
+                  helper.make_node("Add", [c, "three"], ["p"]),
+                  helper.make_node("QuantizeLinear", ["p", "g_s", "g_z"], ["g_q"]),
+                  helper.make_node("DequantizeLinear", ["g_q", "g_s6", "g_z"], ["g"]),
+                  helper.make_node("Mul", [c, "g"], ["a"])]
+    a = "a"
+    if quantized:
+        more, extra, a = _qdq("a", 0.05, 10)
+        nodes, inits = nodes + more, inits + extra
+    nodes.append(helper.make_node("MaxPool", [a], ["m"], kernel_shape=[2, 2], strides=[2, 2]))
+    m = "m"
+    if quantized:
+        more, extra, m = _qdq("m", 0.05, 10)
+        nodes, inits = nodes + more, inits + extra
+    if conv_after:  # a second Conv reading the MaxPool, with the first one's weights
+        nodes.append(helper.make_node("Conv", [m, "w"], ["d"]))
+        m = "d"
+        if quantized:
+            more, extra, m = _qdq("d", 0.05)
+            nodes, inits = nodes + more, inits + extra
+    nodes.append(helper.make_node("Identity", [m], ["y"]))
+    return _graph(nodes, shape, inits, opset=14)
+
+
 def scalar_mul(shape, constant_shape, quantized):
     nodes, inits, x = _qdq("x", 0.02) if quantized else ([], [], "x")
     if quantized:  # the constant as int8 codes behind a DequantizeLinear, as qtool writes it
@@ -117,6 +182,14 @@ CASES = [
     ("Conv 1 -> 4, the same filter", lambda q: conv(1, 4, (1, 256), (1, 44098), (1, 2), q), [1, 1, 1, 44098]),
     ("PRelu, 28 x 22 x 22", lambda q: prelu([1, 28, 22, 22], q), [1, 28, 22, 22]),
     ("MaxPool 2x2 after a float Relu, 28 x 22 x 22", lambda q: maxpool_after_float([1, 28, 22, 22], q), [1, 28, 22, 22]),
+    ("Conv 1x1, hard-swish, MaxPool 2x2, 200 x 2 x 96 (the graph's output)",
+     lambda q: maxpool_after_activation([1, 200, 2, 96], "hardswish", q), [1, 200, 2, 96]),
+    ("Conv 1x1, hard-swish, MaxPool 2x2, 200 x 2 x 96, Conv 1x1",
+     lambda q: maxpool_after_activation([1, 200, 2, 96], "hardswish", q, conv_after=True), [1, 200, 2, 96]),
+    ("Conv 1x1, SiLU, MaxPool 2x2, 64 x 40 x 40 (the graph's output)",
+     lambda q: maxpool_after_activation([1, 64, 40, 40], "silu", q), [1, 64, 40, 40]),
+    ("Conv 1x1, SiLU, MaxPool 2x2, 64 x 40 x 40, Conv 1x1",
+     lambda q: maxpool_after_activation([1, 64, 40, 40], "silu", q, conv_after=True), [1, 64, 40, 40]),
     ("Mul by a [1] scalar over [1, 172, 264, 1]", lambda q: scalar_mul([1, 172, 264, 1], [1], q), [1, 172, 264, 1]),
     ("Mul by a [1, 1, 1, 1] scalar over [1, 172, 264, 1]", lambda q: scalar_mul([1, 172, 264, 1], [1, 1, 1, 1], q),
      [1, 172, 264, 1]),

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import onnx
 from onnx import helper
 
 from qtool.config import AdvancedConfig, QuantizeConfig
@@ -112,6 +113,23 @@ def keras_stem(rng, size=48):
     return model(nodes, [tensor("x", [1, 3, size, size])], [tensor("y", None)], inits + [slope])
 
 
+def pooled(rng, conv_after, size=16, channels=128):
+    """x -> 1x1 Conv -> HardSwish -> MaxPool 2x2 -> a 1x1 Conv (conv_after), or a classifier's head
+    (GlobalAveragePool -> Flatten -> Gemm)."""
+    conv, inits = _conv(rng, "conv", "x", "c", channels, channels)
+    nodes = [conv, helper.make_node("HardSwish", ["c"], ["h"], name="hardswish"),
+             helper.make_node("MaxPool", ["h"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2])]
+    if conv_after:
+        after, more = _conv(rng, "after", "p", "a", channels, channels)
+        nodes += [after, helper.make_node("Softsign", ["a"], ["y"], name="out")]
+    else:
+        more = [init("fc_w", rng.normal(0, 0.1, (10, channels)).astype(np.float32))]
+        nodes += [helper.make_node("GlobalAveragePool", ["p"], ["g"], name="gap"),
+                  helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+                  helper.make_node("Gemm", ["f", "fc_w"], ["y"], name="fc", transB=1)]
+    return model(nodes, [tensor("x", [1, channels, size, size])], [tensor("y", None)], inits + more)
+
+
 def decide(built, options=FLOAT_FORM, costs: Costs = COSTS) -> tuple[list[str], list[str]]:
     shapes = tensor_dims(built, {i.name: np.zeros([d.dim_value for d in i.type.tensor_type.shape.dim],
                                                     np.float32) for i in built.graph.input})
@@ -127,9 +145,12 @@ def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
     gate, _ = decide(squeeze_excite(np.random.default_rng(5)), costs=costs)
     resampler, _ = decide(one_channel_filter(np.random.default_rng(6)), costs=costs)
     stem, _ = decide(keras_stem(np.random.default_rng(7)), costs=costs)
+    integer = QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer"))
+    head, _ = decide(pooled(np.random.default_rng(8), conv_after=False), integer, costs=costs)
+    pool_conv, _ = decide(pooled(np.random.default_rng(8), conv_after=True), integer, costs=costs)
     pointwise = pointwise_chain(np.random.default_rng(4))
     float_form, _ = decide(pointwise, costs=costs)
-    integer_form, _ = decide(pointwise, QuantizeConfig(advanced=AdvancedConfig(hard_activations="integer")), costs=costs)
+    integer_form, _ = decide(pointwise, integer, costs=costs)
     return {
         # a depthwise Conv and the float-form HardSwish around it cost per value and gain nothing per MAC
         "the high-resolution chain goes float": {"depthwise", "hardswish_2", "hardswish_1"} <= set(chain),
@@ -149,8 +170,12 @@ def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
         "a squeeze-excite gate's small Convs go float": len({"squeeze", "excite"} & set(gate)) == 1,
         # one input and one output channel: a depthwise kernel's cost per sample and tap, no dense gain
         "a one-channel filter with a long kernel goes float": resampler == ["filter"],
-        # float, the stem and PRelu would leave the MaxPool before the int8 conv_a on uint8 in NCHW
-        "a MaxPool before an int8 Conv keeps the nodes before it int8": stem == [],
+        # a float PRelu would leave the MaxPool before an int8 conv_a on uint8 in NCHW, fed by a float node
+        "a MaxPool goes float with the nodes on either side or not at all": stem == [] or {
+            "prelu", "pool", "conv_a"} <= set(stem),
+        # no integer Conv after it: a uint8 MaxPool would run in NCHW; float, it needs its producer float too
+        "a MaxPool before a classifier's head goes float with its producer": {"pool", "hardswish"} <= set(head),
+        "a MaxPool between integer Convs stays int8": "pool" not in pool_conv,
     }
 
 
@@ -164,6 +189,7 @@ def test_decisions():
     {"mac": 0.1},  # a dense MAC saves 10x what it does
     {"integer_kernel": 1e6},  # an integer kernel's fixed cost 300x too high: int8 layers never pay off
     {"boundary": 0.0},  # Q/DQ free: islands of float in int8 cost nothing
+    {"nchw_pool": 0.0},  # a uint8 MaxPool as fast in NCHW as in NHWC
 ])
 def test_a_cost_planted_wrong_changes_a_decision(planted):
     """test_decisions fails when a cost is planted wrong."""
@@ -226,3 +252,27 @@ def test_a_broadcast_stepping_value_by_value_is_costed():
     shaped = batch_norm_over_unit_axis(np.random.default_rng(9), scalar_shape=(1, 1, 1, 1))
     assert "unit_span" not in cost_terms(shaped, build_plan(shaped, FLOAT_FORM), shapes, FLOAT_FORM).nodes["bn_mul"]
     assert decide(shaped)[0] == []
+
+
+@pytest.mark.parametrize("conv_after", [False, True])
+def test_the_maxpools_costed_in_nchw_are_those_onnxruntime_leaves_in_nchw(tmp_path, conv_after):
+    """The rule's layout for a uint8 MaxPool against onnxruntime's own graph optimizer (no timing): quantized
+    with every node int8, the MaxPool runs as NhwcMaxPool exactly where the rule charges it nothing."""
+    import onnxruntime as ort
+
+    from qtool import api
+    from tests.graphs import write_samples
+
+    built = pooled(np.random.default_rng(9), conv_after)
+    path = tmp_path / "m.onnx"
+    onnx.save(built, path)
+    data = write_samples(tmp_path / "data", np.random.default_rng(10), (128, 16, 16), count=4)
+    result = api.quantize(path, data=data, config={"quantization": {"advanced": {"float_nodes": []}}}, progress=False)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(result.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    pools = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node if n.op_type.endswith("MaxPool")]
+    shapes = tensor_dims(built, {"x": np.zeros((1, 128, 16, 16), np.float32)})
+    charged = cost_terms(built, build_plan(built, FLOAT_FORM), shapes, FLOAT_FORM).nodes["pool"].get("nchw_pool", 0)
+    assert pools == (["NhwcMaxPool"] if conv_after else ["MaxPool"])
+    assert (charged > 0) == (pools == ["MaxPool"])

@@ -25,7 +25,7 @@ from qtool.graph.index import GraphIndex, attribute, node_label
 from qtool.plan.ops import rule_for
 
 FEATURES = ("boundary", "passes", "integer_kernel", "mac", "weight", "tap", "depthwise_mac", "depthwise_float_mac",
-            "unit_span")
+            "unit_span", "nchw_pool")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Costs:
     depthwise_float_mac: float = 0.41  # a float depthwise Conv's cost per MAC it computes (padding skipped)
     # no kit model has it; measured on single ops (benchmarks/kernel_quirks.py), not fitted:
     unit_span: float = 14.0  # a QLinearAdd/QLinearMul broadcasting a rank-1 scalar over a last axis of 1: per value
+    nchw_pool: float = 3.0  # a uint8 MaxPool onnxruntime runs in NCHW, above its float one: per output value and tap
 
     def ns(self, features: Mapping[str, float]) -> float:
         """The features' cost (the savings' counts are negative)."""
@@ -58,9 +59,15 @@ HARD = ("HardSwish", "HardSigmoid")
 FUSED_IN_FLOAT = ("Relu", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Sigmoid", "Tanh")
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 NO_INTEGER_KERNEL = ("ConvTranspose", "PRelu")  # onnxruntime 1.32 CPU runs them in float between a DQ and a Q
-# onnxruntime moves a QuantizeLinear after a MaxPool above it, and runs a uint8 MaxPool fed by a float node
-# in NCHW, several times its float time: a MaxPool is int8 where its reader is, and its producer where it is
+# onnxruntime moves a QuantizeLinear after a MaxPool above it and a DequantizeLinear before it below it: a
+# MaxPool is int8 where its reader or its producer is. Its uint8 kernel is fast in NHWC only (NhwcMaxPool), which
+# onnxruntime uses where it can carry an integer Conv's NHWC layout through the MaxPool to another integer Conv:
+# through elementwise ops (an activation, a SiLU's or a hard-swish's Add and Mul), Concat and MaxPool, not
+# through a float node, a PRelu, a pooling to 1x1 and a Reshape. Elsewhere it runs in NCHW, several times its
+# float time (Costs.nchw_pool; benchmarks/kernel_quirks.py)
 LIFTED = ("MaxPool",)
+CARRY_LAYOUT = ("MaxPool", "Relu", "Clip", "Sigmoid", "LeakyRelu", "Tanh", "HardSigmoid", "HardSwish", "Add", "Mul",
+                "Concat")
 Features = dict  # feature name -> count
 
 
@@ -160,6 +167,8 @@ def cost_terms(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[int]]
                     terms.joined.add(key)
                 if producer.op_type in LIFTED or node.op_type in LIFTED:  # the reader's int8 makes its producer's
                     terms.follows.add((label, source))
+                if node.op_type in LIFTED:  # and the producer's makes the MaxPool's
+                    terms.follows.add((source, label))
             else:  # a graph input or a float node's output: a QuantizeLinear when this node is int8
                 _add(terms.nodes[label], boundary(name))
         for name in node.output:
@@ -221,6 +230,9 @@ def _own(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Sequence[
         if not fused:
             _add(feats, one_pass, -1.0)
         return feats, 0, False
+    if op in LIFTED and not (_from_conv(node.input[0], index) and _to_conv(node.output[0], index)):
+        taps = float(np.prod(attribute(node, "kernel_shape", None) or [1], dtype=np.int64))
+        return {"nchw_pool": out * taps}, 0, False
     if rule is not None and rule.fusable_activation:
         return {}, 0, False  # Relu/Clip: fused into the integer kernel (or its requantization) too
     if fused:  # Sigmoid/Tanh/LeakyRelu: a QLinear kernel where float fuses
@@ -243,6 +255,45 @@ def _unit_span(node: onnx.NodeProto, index: GraphIndex, shapes: Mapping[str, Seq
         return False
     small, large = sorted(dims, key=len)
     return len(small) == 1 and small[0] == 1 and len(large) > 1 and large[-1] == 1
+
+
+def _from_conv(name: str, index: GraphIndex) -> bool:
+    """Whether the tensor `name` comes from Convs through CARRY_LAYOUT ops only (constants aside)."""
+    known: dict[str, bool] = {}
+    stack = [name]
+    while stack:  # depth first without recursion: a residual trunk can be hundreds of nodes deep
+        top = stack[-1]
+        producer = index.producer.get(top)
+        if producer is None:
+            known[top] = False
+        elif producer.op_type == "Conv":
+            known[top] = True
+        else:
+            sources = [i for i in producer.input if i and not index.is_constant(i)]
+            if producer.op_type not in CARRY_LAYOUT:
+                sources = []
+            waiting = [s for s in sources if s not in known]
+            if waiting:
+                stack.extend(waiting)
+                continue
+            known[top] = bool(sources) and all(known[s] for s in sources)
+        stack.pop()
+    return known[name]
+
+
+def _to_conv(name: str, index: GraphIndex) -> bool:
+    """Whether a reader of the tensor `name` leads to a Conv through CARRY_LAYOUT ops."""
+    seen, queue = {name}, deque([name])
+    while queue:
+        for reader in index.consumers.get(queue.popleft(), []):
+            if reader.op_type == "Conv":
+                return True
+            if reader.op_type in CARRY_LAYOUT:
+                for out in reader.output[:1]:
+                    if out not in seen:
+                        seen.add(out)
+                        queue.append(out)
+    return False
 
 
 def _fused_gate(conv: onnx.NodeProto, index: GraphIndex) -> bool:
@@ -329,7 +380,8 @@ def _reason(group: list[str], terms: Terms, costs: Costs, saving: float) -> str:
     causes = [(part["boundary"] + part["passes"], "Q/DQ and unfused activations"),
               (part["tap"] + part["depthwise_mac"] + part["depthwise_float_mac"], "depthwise Convs"),
               (part["integer_kernel"], "integer kernels' fixed cost"),
-              (part["unit_span"], "broadcasts stepping value by value")]
+              (part["unit_span"], "broadcasts stepping value by value"),
+              (part["nchw_pool"], "uint8 MaxPools in NCHW")]
     costs_text = ", ".join(f"{us:.0f} us {what}" for us, what in causes if us >= 0.5)
     saved = -(part["mac"] + part["weight"])
     span = f"'{group[0]}'" + (f" to '{group[-1]}'" if len(group) > 1 else "")
