@@ -458,6 +458,16 @@ def test_the_openvino_speed_rule_keeps_small_convolutions_float(tmp_path):
     assert result.settled.quantization.advanced.float_nodes == ("small",)
 
 
+def test_in_a_network_of_small_convolutions_the_openvino_speed_rule_floats_the_middling_ones_too(tmp_path):
+    # small: 147k MACs; "big" 8 x 72 x 48 x 48 = 1.3M, over 2^18 but under 2^22, where an int8 convolution
+    # gains a few percent at most: in a network whose convolutions are half small it goes float with them
+    path, data, result = _quantize(tmp_path, _convs_then_gemm(np.random.default_rng(0), 8, 8), (8, 48, 48),
+                                   config=RULE_ON)
+    decision = next(d for d in result.decisions if d.option == "quantization.advanced.float_nodes")
+    assert decision.value == ("small", "big") and "1 larger ones" in decision.details[0]
+    assert _float_weights(result.model) == {"small", "big"}
+
+
 def test_the_openvino_speed_rule_leaves_an_int8_model(tmp_path):
     # both convolutions under 2^18 MACs at 12 x 12 and no other weighted layer: the larger Conv stays int8
     built = _convs_then_gemm(np.random.default_rng(0), 8, 8, size=12, head=False)
