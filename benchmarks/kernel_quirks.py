@@ -53,19 +53,24 @@ def _qdq(name, scale, zero=128):
     return nodes, inits, f"{name}_dq"
 
 
+def _weights(w, quantized):
+    """(nodes, initializers) giving the tensor "w": float, or int8 codes per output channel behind a
+    DequantizeLinear, as qtool writes them."""
+    if not quantized:
+        return [], [numpy_helper.from_array(w, "w")]
+    scales = np.abs(w).reshape(w.shape[0], -1).max(axis=1) / 127
+    codes = np.round(w / scales.reshape((-1,) + (1,) * (w.ndim - 1))).astype(np.int8)
+    inits = [numpy_helper.from_array(codes, "wq"), numpy_helper.from_array(scales.astype(np.float32), "ws"),
+             numpy_helper.from_array(np.zeros(w.shape[0], np.int8), "wz")]
+    return [helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0)], inits
+
+
 def conv(c_in, c_out, kernel, size, strides, quantized):
     rng = np.random.default_rng(0)
     w = rng.normal(0, 0.1, (c_out, c_in, *kernel)).astype(np.float32)
-    nodes, inits, x = [], [], "x"
-    if quantized:
-        nodes, inits, x = _qdq("x", 0.02)
-        scales = np.abs(w).reshape(c_out, -1).max(axis=1) / 127
-        codes = np.round(w / scales[:, None, None, None]).astype(np.int8)
-        inits += [numpy_helper.from_array(codes, "wq"), numpy_helper.from_array(scales.astype(np.float32), "ws"),
-                  numpy_helper.from_array(np.zeros(c_out, np.int8), "wz")]
-        nodes.append(helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0))
-    else:
-        inits.append(numpy_helper.from_array(w, "w"))
+    nodes, inits, x = _qdq("x", 0.02) if quantized else ([], [], "x")
+    more, extra = _weights(w, quantized)
+    nodes, inits = nodes + more, inits + extra
     nodes.append(helper.make_node("Conv", [x, "w"], ["c" if quantized else "y"], strides=list(strides)))
     if quantized:
         more, extra, out = _qdq("c", 0.05)
@@ -104,16 +109,9 @@ def maxpool_after_activation(shape, activation, quantized, conv_after=False):
     channels = shape[1]
     rng = np.random.default_rng(0)
     w = rng.normal(0, 0.1, (channels, channels, 1, 1)).astype(np.float32)
-    scales = np.abs(w).reshape(channels, -1).max(axis=1) / 127
-    inits, nodes, x = [], [], "x"
-    if quantized:
-        nodes, inits, x = _qdq("x", 0.02)
-        inits += [numpy_helper.from_array(np.round(w / scales[:, None, None, None]).astype(np.int8), "wq"),
-                  numpy_helper.from_array(scales.astype(np.float32), "ws"),
-                  numpy_helper.from_array(np.zeros(channels, np.int8), "wz")]
-        nodes.append(helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0))
-    else:
-        inits.append(numpy_helper.from_array(w, "w"))
+    nodes, inits, x = _qdq("x", 0.02) if quantized else ([], [], "x")
+    more, extra = _weights(w, quantized)
+    nodes, inits = nodes + more, inits + extra
     nodes.append(helper.make_node("Conv", [x, "w"], ["c"]))
     c = "c"
     if quantized:

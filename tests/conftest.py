@@ -52,9 +52,14 @@ def openvino_weights() -> dict:
     return {"reduce_range": True} if cpu_has_vnni() is False else {}
 
 
-def run_qtool(*args, cwd=None, timeout=900) -> subprocess.CompletedProcess:
-    """Run the CLI of this checkout (not whatever qtool is installed) in a subprocess."""
+def run_qtool(*args, cwd=None, timeout=900, env_vars=None) -> subprocess.CompletedProcess:
+    """Run the CLI of this checkout (not whatever qtool is installed) in a subprocess; `env_vars`:
+    variables to set in its environment (a None value: unset)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name, value in (env_vars or {}).items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
     return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

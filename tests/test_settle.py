@@ -105,14 +105,8 @@ def _shipped_job_sha(out, verb: str, **env_vars) -> str:
     environment sets `env_vars` (a None value: unset)."""
     from tests.conftest import EFFNET_CONFIG
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for name, value in env_vars.items():
-        env.pop(name, None)
-        if value is not None:
-            env[name] = value
-    done = subprocess.run([sys.executable, "-m", "qtool", verb, str(EFFNET), "--data", str(CALIB_SAMPLES),
-                           "--config", str(EFFNET_CONFIG), "-o", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = run_qtool(verb, EFFNET, "--data", CALIB_SAMPLES, "--config", EFFNET_CONFIG, "-o", out, timeout=600,
+                     env_vars=env_vars)
     assert done.returncode == 0, done.stderr
     return _sha(out)
 

@@ -6,14 +6,16 @@ from dataclasses import replace
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
+from qtool import api
 from qtool.config import AdvancedConfig, QuantizeConfig
 from qtool.plan.planner import build_plan
 from qtool.graph.runtime import tensor_dims
 from qtool.plan.speed import COSTS, Costs, cost_terms, float_for_speed
-from tests.graphs import init, model, tensor
+from tests.graphs import init, model, tensor, write_samples
 
 FLOAT_FORM = QuantizeConfig(advanced=AdvancedConfig(hard_activations="float"))  # the hard-swish's float form (DQ, op, Q)
 
@@ -258,11 +260,6 @@ def test_a_broadcast_stepping_value_by_value_is_costed():
 def test_the_maxpools_costed_in_nchw_are_those_onnxruntime_leaves_in_nchw(tmp_path, conv_after):
     """The rule's layout for a uint8 MaxPool against onnxruntime's own graph optimizer (no timing): quantized
     with every node int8, the MaxPool runs as NhwcMaxPool exactly where the rule charges it nothing."""
-    import onnxruntime as ort
-
-    from qtool import api
-    from tests.graphs import write_samples
-
     built = pooled(np.random.default_rng(9), conv_after)
     path = tmp_path / "m.onnx"
     onnx.save(built, path)

@@ -66,8 +66,7 @@ NO_INTEGER_KERNEL = ("ConvTranspose", "PRelu")  # onnxruntime 1.32 CPU runs them
 # through a float node, a PRelu, a pooling to 1x1 and a Reshape. Elsewhere it runs in NCHW, several times its
 # float time (Costs.nchw_pool; benchmarks/kernel_quirks.py)
 LIFTED = ("MaxPool",)
-CARRY_LAYOUT = ("MaxPool", "Relu", "Clip", "Sigmoid", "LeakyRelu", "Tanh", "HardSigmoid", "HardSwish", "Add", "Mul",
-                "Concat")
+CARRY_LAYOUT = (*LIFTED, *FUSED_IN_FLOAT, "Add", "Mul", "Concat")
 Features = dict  # feature name -> count
 
 
@@ -269,9 +268,8 @@ def _from_conv(name: str, index: GraphIndex) -> bool:
         elif producer.op_type == "Conv":
             known[top] = True
         else:
-            sources = [i for i in producer.input if i and not index.is_constant(i)]
-            if producer.op_type not in CARRY_LAYOUT:
-                sources = []
+            sources = [i for i in producer.input if i and not index.is_constant(i)] \
+                if producer.op_type in CARRY_LAYOUT else []
             waiting = [s for s in sources if s not in known]
             if waiting:
                 stack.extend(waiting)
@@ -288,11 +286,9 @@ def _to_conv(name: str, index: GraphIndex) -> bool:
         for reader in index.consumers.get(queue.popleft(), []):
             if reader.op_type == "Conv":
                 return True
-            if reader.op_type in CARRY_LAYOUT:
-                for out in reader.output[:1]:
-                    if out not in seen:
-                        seen.add(out)
-                        queue.append(out)
+            if reader.op_type in CARRY_LAYOUT and reader.output[0] not in seen:
+                seen.add(reader.output[0])
+                queue.append(reader.output[0])
     return False
 
 
