@@ -313,6 +313,15 @@ def test_an_inputs_only_target_gets_the_rewrite_as_elementwise_ops(tmp_path, for
     path, data = _saved(tmp_path, form)
     options, equalized = _equalized(path, data, QuantizeConfig(target="openvino"))
     assert [n.name for n in equalized.graph.node if n.op_type == "Conv"] == ["conv_a", "dw", "conv_b"]
+    # conv_a and the activation compute as exported: no per-channel step after conv_a, which the
+    # runtime would compute on each of its outputs; only the depthwise Conv's input is rescaled
+    exported = onnx.load(path)
+    readers = lambda model: sorted(n.name for n in model.graph.node if "a" in n.input)  # noqa: E731
+    weight = lambda model: numpy_helper.to_array(  # noqa: E731
+        next(i for i in model.graph.initializer if i.name == next(n for n in model.graph.node
+                                                                  if n.name == "conv_a").input[1]))
+    assert readers(equalized) == readers(exported)
+    np.testing.assert_array_equal(weight(equalized), weight(exported))
     x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
     np.testing.assert_allclose(create_session(equalized).run(None, {"x": x})[0],
                                create_session(str(path)).run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)

@@ -333,9 +333,9 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
     """Rewrite every site of `model` whose tensor `scales` names (module comment above) in place, and
     take those entries out of `scales`; the number rewritten. A hard-swish's gate (and a tail) is
     written as a depthwise 1x1 Conv, an int8 layer where every op is quantized; `elementwise`: as
-    per-channel Muls by constants around the activation as exported (_rescaling_nodes), for a
-    runtime that quantizes only its int8 layers' inputs and fuses such Muls into the Conv before
-    and the quantizer after."""
+    a per-channel Mul by a constant after the activation as exported (_rescaling_nodes), for a
+    runtime that quantizes only its int8 layers' inputs and fuses such a Mul into the quantizer
+    after it."""
     index = GraphIndex(model.graph)
     sites = []
     for site in _sites(index):
@@ -349,19 +349,20 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
         s = _factors(scales.pop(site.tensor), site.tensor, site)
         t = _factors(scales.pop(site.output), site.output, site) if site.tail and site.output in scales else s
         first, second = site.first, site.second
+        w2 = numpy_helper.to_array(inits[second.input[1]]).astype(np.float64)
+        _replace(inits[second.input[1]], _scale_second(w2, t, depthwise=True))
+        spatial = w2.ndim - 2
+        if elementwise and (site.hard_swish or site.tail):
+            replaced.update(_rescaling_nodes(model, site, t, spatial))
+            continue
         w1 = numpy_helper.to_array(inits[first.input[1]]).astype(np.float64)
         _replace(inits[first.input[1]], w1 / s.reshape((-1,) + (1,) * (w1.ndim - 1)))
         if len(first.input) > 2 and first.input[2]:
             _replace(inits[first.input[2]], numpy_helper.to_array(inits[first.input[2]]).astype(np.float64) / s)
-        w2 = numpy_helper.to_array(inits[second.input[1]]).astype(np.float64)
-        _replace(inits[second.input[1]], _scale_second(w2, t, depthwise=True))
-        if elementwise and (site.hard_swish or site.tail):
-            replaced.update(_rescaling_nodes(model, site, s, t, spatial=w1.ndim - 2))
-            continue
         if site.hard_swish:
-            replaced.update(_gate_nodes(model, site, s, spatial=w1.ndim - 2))
+            replaced.update(_gate_nodes(model, site, s, spatial))
         if site.tail:
-            replaced.update(_tail_nodes(model, site, s, t, spatial=w1.ndim - 2))
+            replaced.update(_tail_nodes(model, site, s, t, spatial))
     if replaced:
         nodes = []
         for node in model.graph.node:
@@ -369,43 +370,34 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
         del model.graph.node[:]
         model.graph.node.extend(nodes)
     # x, the hard-swish's product and result (its gate's tensors keep their values), the tail's result;
-    # in the elementwise form the activation computes on the restored x, so its tensors keep theirs
+    # in the elementwise form only the result (x and the activation keep their values)
     mark_rescaled(model, [name for site in sites for name in
-                          (site.tensor, site.output, *(n.output[0] for n in site.swish
-                                                       if n.op_type not in GATE_OPS and not elementwise))])
+                          ((site.output,) if elementwise and (site.hard_swish or site.tail) else
+                           (site.tensor, site.output, *(n.output[0] for n in site.swish if n.op_type not in GATE_OPS)))])
     return len(sites)
 
 
-def _rescaling_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray, t: np.ndarray,
+def _rescaling_nodes(model: onnx.ModelProto, site: ActivationSite, t: np.ndarray,
                      spatial: int) -> dict[str, list[onnx.NodeProto]]:
-    """The elementwise form of a rewritten chain: x' = x / s (the first Conv's output) times s gives
-    x back, the activation and its tail compute as exported, and their result times 1 / t is the
-    depthwise Conv's equalized input. Each step is a per-channel Mul by a constant, which a runtime
-    that fuses elementwise ops folds into the Conv before (x' * s) and into the quantizer after
-    (* 1 / t: that quantizer becomes one with a range per channel)."""
-    shape = (1, -1) + (1,) * spatial
-    restore = numpy_helper.from_array(s.astype(np.float32).reshape(shape), _gate_weight(site.tensor))
-    shrink = numpy_helper.from_array((1.0 / t).astype(np.float32).reshape(shape), _tail_weight(site.tensor))
-    model.graph.initializer.extend([restore, shrink])
-    x, restored, result = site.tensor, f"{site.tensor}_restored", site.output
+    """The elementwise form of a rewritten chain: the first Conv, the activation and its tail compute
+    as exported, and their result times 1 / t is the depthwise Conv's equalized input: one
+    per-channel Mul by a constant, which a runtime that fuses elementwise ops folds into the
+    quantizer after it (that quantizer becomes one with a range per channel). x itself is not
+    rescaled: no int8 layer reads it, and a per-channel Mul after the first Conv would be a step
+    the runtime computes on every output of that Conv."""
+    shrink = numpy_helper.from_array((1.0 / t).astype(np.float32).reshape((1, -1) + (1,) * spatial),
+                                     _tail_weight(site.tensor))
+    model.graph.initializer.append(shrink)
+    result = site.output
     unscaled = f"{result}_unscaled"
-    nodes = [*site.swish, *site.tail]
-    replaced: dict[str, list[onnx.NodeProto]] = {}
-    for node in nodes:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        for i, name in enumerate(copy.input):
-            if name == x:
-                copy.input[i] = restored
-        for i, name in enumerate(copy.output):
-            if name == result:
-                copy.output[i] = unscaled
-        replaced[node.output[0]] = [copy]
-    label = node_label(site.first)
-    replaced[nodes[-1].output[0]].append(helper.make_node("Mul", [unscaled, shrink.name], [result],
-                                                          name=f"{label}_equalized_out"))
-    replaced[x] = [site.first, helper.make_node("Mul", [x, restore.name], [restored], name=f"{label}_equalized_in")]
-    return replaced
+    last = [*site.swish, *site.tail][-1]
+    copy = onnx.NodeProto()
+    copy.CopyFrom(last)
+    for i, name in enumerate(copy.output):
+        if name == result:
+            copy.output[i] = unscaled
+    return {last.output[0]: [copy, helper.make_node("Mul", [unscaled, shrink.name], [result],
+                                                    name=f"{node_label(site.first)}_equalized_out")]}
 
 
 def _factors(values: tuple[float, ...], tensor: str, site: ActivationSite) -> np.ndarray:
@@ -486,11 +478,11 @@ def _tail_weight(tensor: str) -> str:
 
 def equalized_chains(model: onnx.ModelProto, tensors: Collection[str]) -> dict[str, set[str]]:
     """For each of `tensors` whose hard-swish equalize_activations rewrote in `model` (its gate's
-    weight is there), the labels of its chain's nodes: the Conv writing the tensor, the gate and the
+    or its rescaling Mul's weight is there), the labels of its chain's nodes: the Conv writing the tensor, the gate and the
     rest of the hard-swish, its tail, and the depthwise Conv reading the result. (A chain through a
     homogeneous activation keeps its nodes: rescaled, it costs nothing in float.)"""
     names = {t.name for t in model.graph.initializer}
-    rewritten = [tensor for tensor in tensors if _gate_weight(tensor) in names]
+    rewritten = [tensor for tensor in tensors if _gate_weight(tensor) in names or _tail_weight(tensor) in names]
     if not rewritten:
         return {}
     index = GraphIndex(model.graph)
