@@ -305,6 +305,15 @@ def test_a_chain_settled_float_by_its_equalized_labels_quantizes_as_exported(tmp
     create_session(result.model).run(None, {"x": x})
 
 
+def _readers(model: onnx.ModelProto, tensor: str) -> list[str]:
+    return sorted(n.name for n in model.graph.node if tensor in n.input)
+
+
+def _weight(model: onnx.ModelProto, conv: str) -> np.ndarray:
+    name = next(n for n in model.graph.node if n.name == conv).input[1]
+    return numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == name))
+
+
 @pytest.mark.parametrize("form", SWISH_FORMS)
 def test_an_inputs_only_target_gets_the_rewrite_as_elementwise_ops(tmp_path, form):
     """OpenVINO quantizes only what its int8 layers read: the rewritten hard-swish's gate (and tail)
@@ -316,12 +325,8 @@ def test_an_inputs_only_target_gets_the_rewrite_as_elementwise_ops(tmp_path, for
     # conv_a and the activation compute as exported: no per-channel step after conv_a, which the
     # runtime would compute on each of its outputs; only the depthwise Conv's input is rescaled
     exported = onnx.load(path)
-    readers = lambda model: sorted(n.name for n in model.graph.node if "a" in n.input)  # noqa: E731
-    weight = lambda model: numpy_helper.to_array(  # noqa: E731
-        next(i for i in model.graph.initializer if i.name == next(n for n in model.graph.node
-                                                                  if n.name == "conv_a").input[1]))
-    assert readers(equalized) == readers(exported)
-    np.testing.assert_array_equal(weight(equalized), weight(exported))
+    assert _readers(equalized, "a") == _readers(exported, "a")
+    np.testing.assert_array_equal(_weight(equalized, "conv_a"), _weight(exported, "conv_a"))
     x = np.stack([np.load(f)[0] for f in sorted(data.iterdir())])
     np.testing.assert_allclose(create_session(equalized).run(None, {"x": x})[0],
                                create_session(str(path)).run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)

@@ -478,9 +478,10 @@ def _tail_weight(tensor: str) -> str:
 
 def equalized_chains(model: onnx.ModelProto, tensors: Collection[str]) -> dict[str, set[str]]:
     """For each of `tensors` whose hard-swish equalize_activations rewrote in `model` (its gate's
-    or its rescaling Mul's weight is there), the labels of its chain's nodes: the Conv writing the tensor, the gate and the
-    rest of the hard-swish, its tail, and the depthwise Conv reading the result. (A chain through a
-    homogeneous activation keeps its nodes: rescaled, it costs nothing in float.)"""
+    or its rescaling Mul's weight is there), the labels of its chain's nodes: the Conv writing the
+    tensor, the gate and the rest of the hard-swish, its tail, and the depthwise Conv reading the
+    result. (A chain through a homogeneous activation keeps its nodes: rescaled, it costs nothing
+    in float.)"""
     names = {t.name for t in model.graph.initializer}
     rewritten = [tensor for tensor in tensors if _gate_weight(tensor) in names or _tail_weight(tensor) in names]
     if not rewritten:
