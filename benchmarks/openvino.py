@@ -22,9 +22,10 @@ sum of its runtime model's layer times per run: the kernels' own time, without w
 adds around them.
 Fidelity: over held-out samples (the kit's eval/ folder, else every fourth calibration file held
 back from calibration; EfficientNet: 32 dev photos), the mean of each sample's worst output
-cosine to the fp32 model's on OpenVINO at f32. From each int8 runtime model: the heavy ops
-(Convolution, FullyConnected, MatMul, Deconvolution) that run in int8, and the FakeQuantize ops
-left unfused. `--variant LABEL=YAML` adds a qtool row quantized with `--target openvino --config
+cosine to the fp32 model's on OpenVINO at f32 (for the DB detector also the IoU of its text
+pixels, probability above 0.3, with the reference's, pooled; JSON only). From each int8 runtime
+model: the heavy ops (Convolution, FullyConnected, MatMul, Deconvolution) that run in int8, and
+the FakeQuantize ops left unfused. `--variant LABEL=YAML` adds a qtool row quantized with `--target openvino --config
 YAML` (configs/openvino_asymmetric.yaml, for one). Prints JSON lines, then a markdown table with
 the machine's load.
 """
@@ -56,6 +57,7 @@ QUANTIZERS = ("openvino", "ort-cpu", "nncf")
 BATCH = [1]  # the timed batch, for the table's title
 TIMING = ["processes"]  # how the models are timed: "processes" (each alone) or "turns" (together)
 REPS = [10]  # repetitions of the processes' turns
+DB_DETECTOR, DB_THRESH = "rapidocr_v4_det", 0.3  # its text-pixel IoU is reported beside the cosine
 
 
 def _qtool(*args) -> subprocess.CompletedProcess:
@@ -137,6 +139,14 @@ def _worst_cosine(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
     return min([1.0] + [float(sample_cosines(a.reshape(1, -1), b.reshape(1, -1))[0]) for a, b in zip(ref, got)])
 
 
+def _text_iou(ref: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> float:
+    """The DB detector's text pixels (probability above DB_THRESH) against the reference's:
+    intersection over union, pooled over the samples (as benchmarks/models.py)."""
+    pairs = [(r[0] > DB_THRESH, g[0] > DB_THRESH) for r, g in zip(ref, got)]
+    union = sum(int((a | b).sum()) for a, b in pairs)
+    return sum(int((a & b).sum()) for a, b in pairs) / union if union else 1.0
+
+
 def _stacked(samples: list[dict], batch: int) -> dict:
     """The first `batch` samples as one batch (samples of one shape)."""
     return {name: np.concatenate([s[name] for s in samples[:batch]]) for name in samples[0]}
@@ -157,8 +167,10 @@ def measure(model: Path, made: dict, held: Path, rounds: int, batch: int = 1) ->
     figures: dict = {label: {} for label in compiled}
     references = [compiled["fp32_f32"].run(None, s) for s in samples]
     for label, model_ in compiled.items():
-        figures[label]["cosine"] = float(np.mean([_worst_cosine(r, model_.run(None, s))
-                                                  for r, s in zip(references, samples)]))
+        outputs = [model_.run(None, s) for s in samples]
+        figures[label]["cosine"] = float(np.mean([_worst_cosine(r, o) for r, o in zip(references, outputs)]))
+        if model.stem == DB_DETECTOR:
+            figures[label]["text_iou"] = _text_iou(references, outputs)
         figures[label].update(model_.layers())
     feeds = samples[0] if batch == 1 else _stacked(samples, batch)
     sources = {"fp32": (model, None), "fp32_f32": (model, "f32"),
