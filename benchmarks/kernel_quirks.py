@@ -106,24 +106,28 @@ def maxpool_after_activation(shape, activation, quantized, conv_after=False):
     """x -> Conv 1x1 -> hard-swish or SiLU -> MaxPool 2x2 -> y, float or with Q/DQ on every tensor as qtool
     writes it for onnxruntime (the hard-swish as Add(x, 3) whose QuantizeLinear clips to [0, 6], and a Mul
     whose second DequantizeLinear carries the 1/6)."""
+    nodes, inits = [], []
+
+    def pair(name, scale, zero=128):
+        """`name` behind a Q/DQ pair where the graph is quantized: the name to read."""
+        if not quantized:
+            return name
+        more, extra, out = _qdq(name, scale, zero)
+        nodes.extend(more)
+        inits.extend(extra)
+        return out
+
     channels = shape[1]
-    rng = np.random.default_rng(0)
-    w = rng.normal(0, 0.1, (channels, channels, 1, 1)).astype(np.float32)
-    nodes, inits, x = _qdq("x", 0.02) if quantized else ([], [], "x")
+    w = np.random.default_rng(0).normal(0, 0.1, (channels, channels, 1, 1)).astype(np.float32)
+    x = pair("x", 0.02)
     more, extra = _weights(w, quantized)
-    nodes, inits = nodes + more, inits + extra
+    nodes += more
+    inits += extra
     nodes.append(helper.make_node("Conv", [x, "w"], ["c"]))
-    c = "c"
-    if quantized:
-        more, extra, c = _qdq("c", 0.05)
-        nodes, inits = nodes + more, inits + extra
+    c = pair("c", 0.05)
     if activation == "silu":
         nodes.append(helper.make_node("Sigmoid", [c], ["s"]))
-        gate = "s"
-        if quantized:
-            more, extra, gate = _qdq("s", 1 / 255, 0)
-            nodes, inits = nodes + more, inits + extra
-        nodes.append(helper.make_node("Mul", [c, gate], ["a"]))
+        nodes.append(helper.make_node("Mul", [c, pair("s", 1 / 255, 0)], ["a"]))
     elif not quantized:
         nodes.append(helper.make_node("HardSwish", [c], ["a"]))
     else:
@@ -138,21 +142,11 @@ def maxpool_after_activation(shape, activation, quantized, conv_after=False):
                   helper.make_node("QuantizeLinear", ["p", "g_s", "g_z"], ["g_q"]),
                   helper.make_node("DequantizeLinear", ["g_q", "g_s6", "g_z"], ["g"]),
                   helper.make_node("Mul", [c, "g"], ["a"])]
-    a = "a"
-    if quantized:
-        more, extra, a = _qdq("a", 0.05, 10)
-        nodes, inits = nodes + more, inits + extra
-    nodes.append(helper.make_node("MaxPool", [a], ["m"], kernel_shape=[2, 2], strides=[2, 2]))
-    m = "m"
-    if quantized:
-        more, extra, m = _qdq("m", 0.05, 10)
-        nodes, inits = nodes + more, inits + extra
+    nodes.append(helper.make_node("MaxPool", [pair("a", 0.05, 10)], ["m"], kernel_shape=[2, 2], strides=[2, 2]))
+    m = pair("m", 0.05, 10)
     if conv_after:  # a second Conv reading the MaxPool, with the first one's weights
         nodes.append(helper.make_node("Conv", [m, "w"], ["d"]))
-        m = "d"
-        if quantized:
-            more, extra, m = _qdq("d", 0.05)
-            nodes, inits = nodes + more, inits + extra
+        m = pair("d", 0.05)
     nodes.append(helper.make_node("Identity", [m], ["y"]))
     return _graph(nodes, shape, inits, opset=14)
 

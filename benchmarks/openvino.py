@@ -25,9 +25,9 @@ back from calibration; EfficientNet: 32 dev photos), the mean of each sample's w
 cosine to the fp32 model's on OpenVINO at f32 (for the DB detector also the IoU of its text
 pixels, probability above 0.3, with the reference's, pooled; JSON only). From each int8 runtime
 model: the heavy ops (Convolution, FullyConnected, MatMul, Deconvolution) that run in int8, and
-the FakeQuantize ops left unfused. `--variant LABEL=YAML` adds a qtool row quantized with `--target openvino --config
-YAML` (configs/openvino_asymmetric.yaml, for one). Prints JSON lines, then a markdown table with
-the machine's load.
+the FakeQuantize ops left unfused. `--variant LABEL=YAML` adds a qtool row quantized with
+`--target openvino --config YAML` (configs/openvino_asymmetric.yaml, for one). Prints JSON lines,
+then a markdown table with the machine's load.
 """
 
 from __future__ import annotations
