@@ -103,13 +103,16 @@ def test_the_check_runs_on_made_up_inputs_without_data(tmp_path):
 
 def test_a_model_that_still_does_not_run_is_an_internal_error_and_is_not_written(tmp_path):
     # four independent failing branches need four nodes in float: one more than the check keeps
+    # (the speed rule off: it would keep these small layers float for speed, and the model would run)
     _cubic_model(tmp_path / "m.onnx", branches=4)
+    (tmp_path / "config").mkdir()
     result = CliRunner().invoke(main, ["quantize", str(tmp_path / "m.onnx"), "--data", str(_data(tmp_path)),
+                                       "--config", str(graphs.mechanics_yaml(tmp_path / "config")),
                                        "-o", str(tmp_path / "q.onnx")])
     assert result.exit_code == 3, result.output + result.stderr
     assert "internal error" in result.stderr and "'Cubic' mode" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "m.onnx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config", "data", "m.onnx"]
 
 
 def _identity_model() -> onnx.ModelProto:

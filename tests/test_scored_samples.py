@@ -87,3 +87,58 @@ def test_only_the_named_files_are_kept(tmp_path):
         first = [s.feeds["x"] for s in iter_samples(open_data(data, specs, PreprocessConfig()))]
         again = [s.feeds["x"] for s in iter_samples(open_data(data, specs, PreprocessConfig()))]
     assert [a is b for a, b in zip(first, again)] == [False, True, False, False]
+
+
+def test_candidates_are_scored_on_their_qdq_as_written(tmp_path, monkeypatch):
+    """The choices score a candidate on its quantization grid as the graph writes it: every
+    QuantizeLinear/DequantizeLinear computed as such, the ops between them in float (which every
+    CPU computes alike up to the last bits), not fused into onnxruntime's integer kernels, whose
+    rounding differs between CPU families. The model qtool writes is still checked on those kernels."""
+    import onnxruntime as ort
+
+    from qtool import api
+    from qtool.graph import runtime
+
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="c1", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "w2", "b2"], ["b"], name="c2", pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["a", "b"], ["m"], name="mul"),
+             helper.make_node("Add", ["m", "a"], ["s"], name="add"),
+             helper.make_node("Conv", ["s", "w3", "b3"], ["c"], name="c3", pads=[1, 1, 1, 1]),
+             helper.make_node("Softsign", ["c"], ["y"], name="out")]
+    shapes = {"w1": (16, 8, 3, 3), "b1": (16,), "w2": (16, 8, 3, 3), "b2": (16,), "w3": (16, 16, 3, 3), "b3": (16,)}
+    inits = [graphs.init(name, rng.normal(0, 0.3, shape).astype(np.float32)) for name, shape in shapes.items()]
+    path = tmp_path / "m.onnx"
+    onnx.save(graphs.model(nodes, [graphs.tensor("x", [1, 8, 12, 12])], [graphs.tensor("y", None)], inits), path)
+    data = graphs.write_samples(tmp_path / "data", rng, (8, 12, 12), count=8)
+    made = []  # (source, options, label, the session) of every onnxruntime session the job makes
+    original = runtime._session
+
+    def recording(source, options, label):
+        session = original(source, options, label)
+        made.append((source, options, label, session))
+        return session
+
+    monkeypatch.setattr(runtime, "_session", recording)
+    result = api.quantize(path, data=data, config={"quantization": {"advanced": dict(graphs.RULE_OFF)}})
+    assert [d for d in result.decisions if d.option == "calibration.method"][0].measured
+
+    def kernels(source, options) -> set[str]:
+        """The op types of the graph onnxruntime runs for `source` with `options`."""
+        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+        return {n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node}
+
+    int8 = [(source, options, label) for source, options, label, _ in made if label in ("int8 model", "candidate")]
+    def as_written(options) -> bool:
+        try:
+            return options.get_session_config_entry("session.disable_quant_qdq") == "1"
+        except RuntimeError:  # onnxruntime's answer for a key never set
+            return False
+
+    scored = [(s, o) for s, o, label in int8 if as_written(o)]
+    checked = [(s, o) for s, o, label in int8 if not as_written(o)]
+    assert scored and checked  # the candidates' sessions; the written model's run check
+    for source, options in scored:
+        assert not {op for op in kernels(source, options) if op.startswith("QLinear")}
+    assert len(checked) == 1 and {"QLinearConv", "QLinearMul"} <= kernels(*checked[0])

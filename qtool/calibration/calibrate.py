@@ -7,9 +7,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import onnx
 
 from qtool.calibration.collect import collect_statistics, keeps_channel_means, refuse_nonfinite, warn_nonfinite
+from qtool.calibration.grid import away_from_zero, outward
 from qtool.calibration.method_rules import methods_for
 from qtool.calibration.ranges import check_method, choose_range, resolve_method
 from qtool.calibration.smoothing import measured_smoothing
@@ -32,7 +34,8 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
     """The table of `stats`; `model_sha256`: the model file's, when the caller has it already."""
     methods = methods_for(model, plan.activations, calib)
     method = resolve_method(calib.method)
-    ranges = {name: choose_range(stats[name], methods.get(name, method), calib) for name in plan.activations}
+    # widened onto a coarse grid (qtool.calibration.grid): another CPU's last bits stay out of the bytes
+    ranges = {name: outward(*choose_range(stats[name], methods.get(name, method), calib)) for name in plan.activations}
     final, params = resolve_qparams(plan, ranges, options)
     settings = {"batch_size": calib.batch_size, **_range_settings(calib), **_quantize_settings(options)}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
@@ -47,8 +50,8 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
         table.tensors[name] = TableEntry(s.min if s.seen else None, s.max if s.seen else None, final[name], qp)
         means = s.channel_mean
         if means is not None and table.channel_means is not None:
-            # as the table's JSON writes them: a job that reads its table back builds the same bytes
-            table.channel_means[name] = tuple(float(f"{m:.7g}") for m in means)
+            # on the grid of the ranges (qtool.calibration.grid): another CPU pools them in another order
+            table.channel_means[name] = tuple(float(m) for m in away_from_zero(np.asarray(means, np.float64)))
             table.spatial_sizes[name] = tuple(float(f"{m:.7g}") for m in s.spatial_mean)
     return table
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from qtool.calibration.grid import CHANNEL_BITS, away_from_zero
 from qtool.calibration.observer import run_batch
 from qtool.config import CalibrationConfig, PreprocessConfig, QuantizeConfig
 from qtool.data.dataset import DataLike, batches, open_data
@@ -72,6 +73,7 @@ def measured_smoothing(model_path: str | Path, model: onnx.ModelProto, plan: Qua
                 others = tuple(a for a in range(value.ndim) if a != axis % value.ndim)
                 np.maximum(maxima[name], np.maximum(value.max(axis=others), -value.min(axis=others)),
                            out=maxima[name])
+    maxima = {name: away_from_zero(value, CHANNEL_BITS) for name, value in maxima.items()}  # calibration.grid
     equal = tuple((key, activation_scales(maxima[name])) for key, name in measured)
     # an inserted Mul costs a pass over the tensor: only where outlier channels stretch its range,
     # unless the runtime folds it into the quantizer after it (Target.smooth_inserts)

@@ -1,7 +1,10 @@
 """How the measured choices score a candidate: the all-int8 model (ranges only: the data-driven
 weight steps run once, on the choice) against fp32 on SAMPLES calibration samples spread over the
 data, by the worst output's cosine; a distance in dB, the mean of -10 log10(1 - cosine), so that
-a few samples a rounding moves a lot do not carry the mean. The choices of one job share a Scoring:
+a few samples a rounding moves a lot do not carry the mean. On onnxruntime a candidate's Q/DQ pairs
+run as written, its other ops in float: its grid, which every CPU computes alike, where onnxruntime's
+integer kernels round differently on ARM and x86 (up to a dB on a candidate), so that a choice
+near its margin does not go another way on another CPU. The choices of one job share a Scoring:
 one evaluator, one prepared graph and plan for all their candidates, each candidate built once and
 each distinct model measured once."""
 
@@ -67,7 +70,13 @@ def _spread(specs: list[InputSpec], data: DataLike, cfg: Config) -> DataSource |
 
 def evaluator(model_path: str | Path, samples: list[Batch], threads: int, cfg: Config) -> Evaluator:
     """The fidelity of a candidate int8 model to fp32 on `samples` (fp32 runs on them now)."""
-    return Evaluator(Path(model_path), samples, None, threads, runtime=target_of(cfg.quantization).measured_on)
+    return Evaluator(Path(model_path), samples, None, threads, runtime=target_of(cfg.quantization).measured_on,
+                     as_written=as_written(cfg))
+
+
+def as_written(cfg: Config) -> bool:
+    """Whether candidates run with their Q/DQ as written (on onnxruntime: the module docstring)."""
+    return target_of(cfg.quantization).measured_on == "onnxruntime"
 
 
 def scoring_threads(model: onnx.ModelProto, samples: list[Batch]) -> int:
@@ -145,7 +154,7 @@ class Scoring:
         for made, graph_of, same, graph in self._built:
             if graph_of is prepared and same == key and (made is table or made == table):
                 return graph, run_check.Kept()
-        with run_check.keeping(self._threads) as kept:  # the session the candidate is scored on next
+        with run_check.keeping(self._threads, as_written(self.cfg)) as kept:  # the session it is scored on next
             graph = quantize_model(self.model_path, table, options, allow_missing=True,
                                    data=self.calib_data, shared=self.shared, candidate=True)
         size = graph.model.ByteSize() + (graph.canonical.ByteSize() if graph.canonical is not None else 0)

@@ -58,7 +58,7 @@ def _center_crop(image: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
 
 
 def resize_image(image: np.ndarray, cfg: PreprocessConfig, size: tuple[int, int]) -> np.ndarray:
-    """Geometric part: BGR uint8 in, BGR uint8 of exactly `size` (height, width) out."""
+    """Geometric part: a BGR image in, the same of exactly `size` (height, width) out, its dtype kept."""
     cv2 = _cv2()
     out_h, out_w = size
     interp = getattr(cv2, _INTERPOLATION[cfg.interpolation])
@@ -104,14 +104,17 @@ def to_tensor(image: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
 
 
 def preprocess_image(image: np.ndarray, cfg: PreprocessConfig, size: tuple[int, int]) -> np.ndarray:
-    """resize_image then to_tensor, with OpenCV's IPP paths off: IPP picks its kernels by the
-    CPU's instruction set and its cubic resize rounds some pixels otherwise on an AVX-512 CPU than
-    on an AVX2 one, so the same photo would calibrate to other ranges there; OpenCV's own kernels
-    give the same pixels on both. The switch is per thread in OpenCV, and restored after."""
+    """resize_image then to_tensor, the pixels resized as float32 (kept in 0..255, as 8 bits
+    saturate) and with OpenCV's IPP paths off. Both so that the same photo gives the same input on
+    any CPU: OpenCV's 8-bit resize rounds its fixed-point sums to whole levels, and its kernels
+    for ARM and x86 (IPP's for AVX-512 and AVX2 too) round some pixels one level apart, which
+    moves ranges by percents; in float32 they differ at most in the last bits, which the measured
+    values' grid absorbs (qtool.calibration.grid). The IPP switch is per thread, restored after."""
     cv2 = _cv2()
     was = cv2.ipp.useIPP()
     cv2.ipp.setUseIPP(False)
     try:
-        return to_tensor(resize_image(image, cfg, size), cfg)
+        resized = resize_image(image.astype(np.float32), cfg, size)
+        return to_tensor(np.clip(resized, 0.0, 255.0, out=resized), cfg)
     finally:
         cv2.ipp.setUseIPP(was)

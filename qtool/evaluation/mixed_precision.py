@@ -125,17 +125,20 @@ class Evaluator:
     """fp32 outputs computed once; each candidate's outputs compared with them."""
 
     def __init__(self, model_path: Path, data: list[Batch], labels: Optional[Labels], threads: int,
-                 runtime: str = "onnxruntime"):
+                 runtime: str = "onnxruntime", as_written: bool = False):
         """runtime: where the models run ("openvino": compiled at f32 by OpenVINO's CPU plugin,
-        qtool.evaluation.openvino_runtime, as a target that deploys there computes them)."""
+        qtool.evaluation.openvino_runtime, as a target that deploys there computes them);
+        `as_written`: onnxruntime computes the candidates' Q/DQ as written (session_options)."""
         self.data, self.labels, self.threads, self.runtime = data, labels, threads, runtime
+        self.as_written = as_written
         session = self._session(str(model_path), str(model_path))
         self.outputs = [o.name for o in session.get_outputs()]
         self.reference = [session.run(self.outputs, batch.feeds) for batch in data]
 
     def __call__(self, qmodel: onnx.ModelProto, session=None) -> tuple[dict, list[np.ndarray]]:
         """(figures, the candidate's first output per batch). `session`: one of `qmodel` already made
-        (onnxruntime, on this evaluator's threads: the run check's), used where the candidates run alike."""
+        (onnxruntime, on this evaluator's threads and `as_written`: the run check's), used where the
+        candidates run alike."""
         if session is None or self.runtime != "onnxruntime":
             session = self._session(qmodel, "candidate")
         fidelity = [FidelityAccumulator() for _ in self.outputs]
@@ -165,7 +168,7 @@ class Evaluator:
 
             require("--target openvino's measured choices (scored on OpenVINO)")
             return CompiledModel(model, self.threads, "f32", label=label)
-        return create_session(model, self.threads, label, batch_pass=True)
+        return create_session(model, self.threads, label, batch_pass=True, as_written=self.as_written)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ def cpu_has_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> Optional[bool]:
 
 
 EXACT_PRODUCTS = ("session.x64quantprecision", "1")  # onnxruntime's session option for exact u8s8 products
+QDQ_AS_WRITTEN = ("session.disable_quant_qdq", "1")  # ... for Q/DQ pairs left unfused (session_options)
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,7 +134,8 @@ def exact_int8_products() -> bool:
 
 def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
                     optimized_path: str | None = None, log_level: int = 4,
-                    order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, batch_pass: bool = False) -> ort.SessionOptions:
+                    order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, batch_pass: bool = False,
+                    as_written: bool = False) -> ort.SessionOptions:
     """`level` and `optimized_path` (where onnxruntime writes its optimized graph) are for
     asking which kernels onnxruntime makes (qtool.graph.kernels). `log_level` 4 (fatal only):
     a failure in onnxruntime reaches qtool as an exception, which qtool reports in its own one
@@ -145,7 +147,11 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
     costs CPU time) and without the memory pattern (one block planned for every tensor of a run's
     shapes, kept for the next run of those shapes; with batches of 8 that block set the job's
     peak RSS). The same results either way (docs/design/observer.md). Exact int8 products
-    wherever onnxruntime's defaults would saturate them (exact_int8_products)."""
+    wherever onnxruntime's defaults would saturate them (exact_int8_products). `as_written`: every
+    QuantizeLinear and DequantizeLinear computed as the graph writes it, the ops between them in
+    float (onnxruntime fuses no Q/DQ pair into an integer kernel): the quantization grid itself,
+    the same on every CPU up to the float kernels' last bits, where the integer kernels round and
+    requantize differently on ARM and on x86 (qtool.choices.measure)."""
     options = ort.SessionOptions()
     options.execution_order = order
     if batch_pass:
@@ -160,6 +166,8 @@ def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = _ENABL
         options.add_session_config_entry(*EXACT_PRODUCTS)
     if optimized_path is not None:
         options.optimized_model_filepath = optimized_path
+    if as_written:
+        options.add_session_config_entry(*QDQ_AS_WRITTEN)
     return options
 
 
@@ -307,12 +315,13 @@ def untied_source(source: str | bytes) -> onnx.ModelProto | None:
 def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = "model",
                    weights: "SharedWeights | None" = None, level: ort.GraphOptimizationLevel = _ENABLE_ALL,
                    optimized_path: str | None = None, log_level: int = 4,
-                   order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, batch_pass: bool = False) -> Session:
+                   order: ort.ExecutionOrder = ort.ExecutionOrder.DEFAULT, batch_pass: bool = False,
+                   as_written: bool = False) -> Session:
     """A session of `model` (a path or a proto); with `weights`, `model` is a variant of
     `weights.light` whose large initializers are the shared values (a proto with SHARE_MIN_BYTES of
     initializers shares its own). The other options
     are session_options'. Its runs raise RunRefused where onnxruntime refuses them."""
-    options = session_options(threads, level, optimized_path, log_level, order, batch_pass)
+    options = session_options(threads, level, optimized_path, log_level, order, batch_pass, as_written)
     if exact_int8_products() and weights is None and not isinstance(model, str):
         model = untied_int8(model) or model  # (session_options' exact products fail on shared int8 weights)
     if weights is None and optimized_path is None and not isinstance(model, str) and _shares_weights(model):
@@ -334,7 +343,7 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         # data. onnxruntime has read the initializers once the session exists.
         with modelio.on_disk(model) as path:
             return create_session(str(path), threads, label, level=level, optimized_path=optimized_path,
-                                  log_level=log_level, order=order, batch_pass=batch_pass)
+                                  log_level=log_level, order=order, batch_pass=batch_pass, as_written=as_written)
     try:
         return _session(source, options, label)
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -343,7 +352,7 @@ def create_session(model: onnx.ModelProto | str, threads: int = 0, label: str = 
         untied = untied_source(model) if exact_int8_products() and isinstance(model, str) else None
         if untied is not None:
             return create_session(untied, threads, label, level=level, optimized_path=optimized_path,
-                                  log_level=log_level, order=order, batch_pass=batch_pass)
+                                  log_level=log_level, order=order, batch_pass=batch_pass, as_written=as_written)
         raise LoadRefused(f"onnxruntime cannot load it: {str(exc).strip().splitlines()[0]}", label) from exc
 
 

@@ -60,6 +60,7 @@ class Kept:
     model: Optional[onnx.ModelProto] = None
     session: object = None
     threads: int = 1
+    as_written: bool = False  # sessions with their Q/DQ computed as written (qtool.graph.runtime)
 
     def take(self, model: onnx.ModelProto):
         """The session of `model` if it is the kept one (by identity: the proto check ran), else None;
@@ -73,12 +74,12 @@ _KEEPING: ContextVar[Optional[Kept]] = ContextVar("qtool_run_check_keeping", def
 
 
 @contextmanager
-def keeping(threads: int = 1) -> Iterator[Kept]:
+def keeping(threads: int = 1, as_written: bool = False) -> Iterator[Kept]:
     """Within it, `check` keeps the session of the last model that passes, for a caller that runs
     that same model next (a measured choice scores the candidate it has just built: one session
-    fewer per candidate); its run checks run on `threads` intra-op threads, as that caller's runs do.
-    Outside it nothing is kept, so no session outlives its check."""
-    kept = Kept(threads=threads)
+    fewer per candidate); its run checks run on `threads` intra-op threads and `as_written`, as that
+    caller's runs do. Outside it nothing is kept, so no session outlives its check."""
+    kept = Kept(threads=threads, as_written=as_written)
     token = _KEEPING.set(kept)
     try:
         yield kept
@@ -111,7 +112,7 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], label: str, load_
     try:
         # a batch_pass: a measured choice scores its candidate on this session next (keeping())
         session = create_session(model, threads=kept.threads if kept is not None else 1, label=label,
-                                 log_level=4, batch_pass=True)
+                                 log_level=4, batch_pass=True, as_written=kept is not None and kept.as_written)
     except QtoolError as exc:
         return None, RunFailure(f"onnxruntime cannot load it: {ort_reason(exc)}"), None
     if load_only:
