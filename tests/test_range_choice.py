@@ -71,11 +71,13 @@ def test_auto_keeps_min_max_where_it_is_good_or_cannot_measure(tmp_path):
 
 
 def test_the_choice_is_by_cosine_distance_in_db():
-    """The mean of -10 log10(1 - cosine): one sample a rounding moved a lot does not carry it."""
+    """The mean of -10 log10(1 - cosine) up to 50 dB: one sample a rounding moved a lot does not
+    carry it, nor do samples as good as fp32 whose dB only single rounding flips move."""
     from qtool.evaluation.mixed_precision import cosine_db
 
     assert cosine_db(np.array([0.99, 0.999])) == pytest.approx(25.0)
-    assert cosine_db(np.array([1.0])) == pytest.approx(120.0)  # identical outputs
+    assert cosine_db(np.array([1.0])) == pytest.approx(50.0)  # identical outputs
+    assert cosine_db(np.array([0.99, 1 - 1e-6])) == cosine_db(np.array([0.99, 1 - 1e-7])) == pytest.approx(35.0)
     steady = np.full(16, 0.985)  # mean 0.985, 18.2 dB
     one_bad = np.r_[np.full(15, 0.9995), 0.74]  # closer on 15 of 16 samples: mean 0.983, 31.3 dB
     assert one_bad.mean() < steady.mean() and cosine_db(one_bad) > cosine_db(steady) + 10

@@ -114,11 +114,16 @@ def _worst_cosines(fidelity: list[FidelityAccumulator], reference: list[np.ndarr
     return np.minimum.reduce([c if len(c) == samples else np.full(samples, np.mean(c)) for c in cosines])
 
 
+CEILING_DB = 50.0
+
+
 def cosine_db(cosines: np.ndarray) -> float:
-    """The mean over samples of -10 log10(1 - cosine): each sample's distance to fp32 in dB (120 for
-    identical outputs). Unlike the mean cosine it is not carried by one or two samples whose
-    outputs a small change moves a lot."""
-    return float(np.mean(-10.0 * np.log10(np.maximum(1.0 - cosines, 1e-12))))
+    """The mean over samples of -10 log10(1 - cosine), each sample's distance to fp32 in dB, up to
+    CEILING_DB. Unlike the mean cosine it is not carried by one or two samples whose outputs a
+    small change moves a lot. The ceiling (1 - cosine = 1e-5) keeps the samples that are as good
+    as fp32 from carrying it instead: past it a sample's dB measures single rounding flips, which
+    moved one by 10 dB when every input moved by one ulp, more than the choices' margins."""
+    return float(np.mean(np.minimum(-10.0 * np.log10(np.maximum(1.0 - cosines, 1e-12)), CEILING_DB)))
 
 
 class Evaluator:
