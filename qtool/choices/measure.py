@@ -2,12 +2,12 @@
 weight steps run once, on the choice) against fp32 on SAMPLES calibration samples spread over the
 data, by the worst output's cosine; a distance in dB, the mean of -10 log10(1 - cosine) up to a
 ceiling (qtool.evaluation.mixed_precision.cosine_db), so that a few samples a rounding moves a
-lot do not carry the mean. On onnxruntime a candidate's Q/DQ pairs
-run as written, its other ops in float: its grid, which every CPU computes alike, where onnxruntime's
-integer kernels round differently on ARM and x86 (up to a dB on a candidate), so that a choice
-near its margin does not go another way on another CPU. The choices of one job share a Scoring:
-one evaluator, one prepared graph and plan for all their candidates, each candidate built once and
-each distinct model measured once."""
+lot do not carry the mean. On onnxruntime a candidate's Q/DQ pairs run as written, its other ops
+in float: the grid it writes, which every CPU computes alike up to float last bits, where the
+integer kernels requantize otherwise, and otherwise on ARM than on x86 (up to a dB on a
+candidate), so that a choice does not go another way on another CPU. The choices of one job
+share a Scoring: one evaluator, one prepared graph and plan for all their candidates, each
+candidate built once and each distinct model measured once."""
 
 from __future__ import annotations
 
