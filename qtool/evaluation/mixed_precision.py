@@ -122,7 +122,7 @@ def cosine_db(cosines: np.ndarray) -> float:
     CEILING_DB. Unlike the mean cosine it is not carried by one or two samples whose outputs a
     small change moves a lot. The ceiling (1 - cosine = 1e-5) keeps the samples that are as good
     as fp32 from carrying it instead: past it a sample's dB measures single rounding flips, which
-    moved one by 10 dB when every input moved by one ulp, more than the choices' margins."""
+    moved one by 10 dB when every input moved by 2^-20 of itself, more than the choices' margins."""
     return float(np.mean(np.minimum(-10.0 * np.log10(np.maximum(1.0 - cosines, 1e-12)), CEILING_DB)))
 
 
