@@ -7,7 +7,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import onnx
 
 from qtool.calibration.collect import collect_statistics, keeps_channel_means, refuse_nonfinite, warn_nonfinite
@@ -51,7 +50,7 @@ def build_table(plan: QuantPlan, stats: dict[str, TensorStats], calib: Calibrati
         means = s.channel_mean
         if means is not None and table.channel_means is not None:
             # on the grid of the ranges (qtool.calibration.grid): another CPU pools them in another order
-            table.channel_means[name] = tuple(float(m) for m in away_from_zero(np.asarray(means, np.float64)))
+            table.channel_means[name] = tuple(float(m) for m in away_from_zero(means))
             table.spatial_sizes[name] = tuple(float(f"{m:.7g}") for m in s.spatial_mean)
     return table
 
