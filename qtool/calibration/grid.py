@@ -1,16 +1,13 @@
 """Measured values on a coarse grid, so that another CPU's float kernels do not reach the written bytes.
 
-onnxruntime's fp32 kernels differ between instruction-set families (x86 against ARM) in the last
-bits of the activations, and every range or channel maximum measured from them inherits that; each
-int8 scale, zero point, int32 bias and rescaled weight computed from them would too. A measured
-value is therefore kept to MANTISSA_BITS bits of mantissa, rounded outward (a range only widens,
-by less than 2^-MANTISSA_BITS, 0.4%, of itself): a difference of a few ulps then changes a byte
-only where it straddles one of 256 steps per octave (about 1e-4 of values for a 3e-7 difference).
-Per-channel maxima, thousands per model, set only the equalization and SmoothQuant factors, which
-need no such precision: they take CHANNEL_BITS (steps of at most 3%), so that one of them
-straddles a step 8 times less often. Bit arithmetic on float64, the same on every CPU; grid
-values map to themselves (a table read back).
-"""
+onnxruntime's fp32 kernels differ between x86 and ARM in the activations' last bits, and every range,
+mean or channel maximum measured from them, and each scale, zero point and int32 bias computed from
+those, would inherit that. A measured value is therefore kept to MANTISSA_BITS bits of mantissa,
+rounded outward (a range only widens, by less than 0.4%): a few-ulp difference then changes a byte
+only where it straddles one of 256 steps per octave. Channel maxima, thousands per model, only set
+equalization and SmoothQuant factors: they take CHANNEL_BITS (steps of at most 3%), so that one of
+them straddles a step 8 times less often. Bit arithmetic on float64, the same on every CPU; grid
+values map to themselves (a table read back)."""
 
 from __future__ import annotations
 
