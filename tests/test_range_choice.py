@@ -108,3 +108,30 @@ def test_the_candidates_are_measured_on_samples_spread_over_the_data(tmp_path):
     assert [float(item["x"].flat[0]) for item in picked.data] == [float(i) for i in range(0, 48, 3)]
     generator = open_data((s for s in listed), specs, Config().preprocess)
     assert spread_samples(generator, None, 16) is generator
+
+
+@pytest.mark.parametrize("macs", [0, 10**18], ids=["two-thread runs", "one-thread runs"])
+def test_candidates_measured_together_score_as_each_alone(tmp_path, monkeypatch, macs):
+    """Candidates measured in one call overlap (the next built while one is scored, or two scored at
+    once): each still gets the figures of its own model, those it gets measured alone."""
+    from qtool.calibration.calibrate import calibrate_methods
+    from qtool.choices import measure
+    from qtool.graph import runtime
+
+    monkeypatch.setattr(measure, "PARALLEL_MACS", macs)
+    rng = np.random.default_rng(4)
+    path = tmp_path / "m.onnx"
+    _conv(path, rng)
+    data = _samples(rng, 500.0)
+    cfg = load_config(None)
+    tables = calibrate_methods(path, data, cfg.preprocess, cfg.calibration, cfg.quantization,
+                               ["minmax", "mse", "percentile"], progress=False)
+    background = []
+    original = runtime.in_background
+    monkeypatch.setattr(measure, "in_background",
+                        lambda function, *args: background.append(function.__name__) or original(function, *args))
+    together = measure.Scoring(path, data, cfg).measured([(t, cfg.quantization) for t in tables])
+    assert background.count("_build" if macs == 0 else "_measure") == 2  # the later candidates overlapped
+    alone = [measure.Scoring(path, data, cfg).measured([(t, cfg.quantization)])[0] for t in tables]
+    assert together == alone
+    assert len({f["cosine_db"] for f in alone}) == 3  # three different models

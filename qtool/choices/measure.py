@@ -129,15 +129,31 @@ class Scoring:
     def measured(self, pairs: list[tuple[CalibrationTable, QuantizeConfig]]) -> list[dict]:
         """The figures of the candidate of each (table, options), as build() then self() give them.
         Where a scored run takes one thread (scoring_threads), the first is built and scored on this
-        thread while the background thread (in_background) builds and scores the others:
-        onnxruntime leaves Python's lock while it loads and runs a candidate, so one candidate's
-        session is made while the other is built, on the two cores. Each candidate is built and
-        scored alone, on the scoring's threads, so the figures are the same either way."""
+        thread while the background thread (in_background) builds and scores the others; where it
+        takes more, each next candidate is built there while the one before is scored (_pipelined).
+        onnxruntime leaves Python's lock while it loads and runs a candidate, so the two cores work
+        at once. Each candidate is built and scored alone, on the scoring's threads, so the figures
+        are the same either way."""
         self._read()  # the scoring's threads
-        if self._threads > 1 or len(pairs) < 2:
+        if len(pairs) < 2:
             return [self._measure(table, options) for table, options in pairs]
+        if self._threads > 1:
+            return self._pipelined(pairs)
         later = [in_background(self._measure, table, options) for table, options in pairs[1:]]
         return [self._measure(*pairs[0])] + [pending.result() for pending in later]
+
+    def _pipelined(self, pairs: list[tuple[CalibrationTable, QuantizeConfig]]) -> list[dict]:
+        """measured() where a scored run takes SCORING_THREADS: the candidates scored one after
+        another on this thread, each next one built on the background thread meanwhile (a build is
+        mostly Python on one core)."""
+        scored, built = [], self._build(*pairs[0])
+        for i in range(len(pairs)):
+            following = in_background(self._build, *pairs[i + 1]) if i + 1 < len(pairs) else None
+            graph, kept = built
+            scored.append(self._figures(graph.model, kept.take(graph.model)))
+            if following is not None:
+                built = following.result()
+        return scored
 
     def _measure(self, table: CalibrationTable, options: QuantizeConfig) -> dict:
         graph, kept = self._build(table, options)
