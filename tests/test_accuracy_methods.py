@@ -200,6 +200,34 @@ def test_adaptive_rounding_lowers_a_real_layers_output_error(effnet_setup):
         assert np.abs(adaround.round_layer(w, scales7, layer, qmax=63).astype(int)).max() <= 63
 
 
+@pytest.mark.slow
+def test_adaptive_rounding_runs_its_fp32_pass_in_parts_within_its_budget(effnet_setup, monkeypatch):
+    """The pass fetches every layer's input, so a calibration batch of 224 px photos runs in parts
+    whose float tensors hold at most FETCHED_BYTES (the job's peak memory), which share the batch's
+    patches: the stem conv still gets about PATCHES_PER_BATCH of them per batch."""
+    from qtool.graph.shapes import samples_within
+
+    cfg, model, data, _ = effnet_setup
+    plan = build_plan(model, cfg.quantization)
+    plan.weights = {k: v for k, v in plan.weights.items() if k == "_conv_stem.weight"}
+    sizes = []
+    made = adaround.create_session
+
+    def recording(*args, **kwargs):
+        session = made(*args, **kwargs)
+        run = session.run
+        session.run = lambda names, feeds: sizes.append(len(next(iter(feeds.values())))) or run(names, feeds)
+        return session
+
+    monkeypatch.setattr(adaround, "create_session", recording)
+    layers = adaround.collect_inputs(model, plan, data)
+    part = samples_within(model, 5, adaround.FETCHED_BYTES)
+    assert len(data[0]) == 5 and part < 5  # EfficientNet's batches of 5 do not fit the budget
+    assert max(sizes) == part and sum(sizes) == sum(len(b) for b in data)
+    count = layers["_conv_stem.weight"].count
+    assert 0.99 * adaround.PATCHES_PER_BATCH * len(data) <= count <= adaround.PATCHES_PER_BATCH * len(data)
+
+
 def _sequential_reference(z: np.ndarray, second: np.ndarray) -> np.ndarray:
     """Each row rounded column by column in order, each column to floor or floor + 1, the columns
     not yet rounded then moved to the least output error given those rounded (a linear solve per

@@ -27,7 +27,7 @@ from qtool.data.dataset import Batch
 from qtool.graph.edit import with_body_outputs, with_outputs
 from qtool.graph.index import bodies, made_in, scoped_nodes
 from qtool.graph.runtime import SharedWeights, create_session
-from qtool.graph.shapes import declared_shapes, elem_types, inferred_shapes
+from qtool.graph.shapes import elem_types, inferred_shapes, samples_within
 from qtool.calibration.statistics import SAMPLE_LIMIT, TensorStats
 
 _PREFIX = "qtool_observe"
@@ -37,19 +37,12 @@ _PREFIX = "qtool_observe"
 # peaked 236 MB higher calibrating at batch 8 than at batch 1, in the same time. So a calibration
 # run takes at most as many samples as keep that sum under RUN_BYTES (docs/design/observer.md).
 RUN_BYTES = 128 * 2**20
-_ITEM_BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.DOUBLE: 8}
 
 
 def run_batch(model: onnx.ModelProto, requested: int) -> int:
     """Samples per calibration run of `model` for batches of `requested`: fewer where the float
-    tensors the graph computes, by the shapes it declares past the first axis (dynamic ones not
-    counted), hold more than RUN_BYTES for `requested` samples; decided from the graph alone."""
-    types = elem_types(model)
-    per_sample = 0
-    for name, dims in declared_shapes(model).items():
-        if types.get(name) in _ITEM_BYTES and dims and all(d is not None for d in dims[1:]):
-            per_sample += int(np.prod(dims[1:], dtype=np.int64)) * _ITEM_BYTES[types[name]]
-    return max(1, min(requested, RUN_BYTES // per_sample)) if per_sample else requested
+    tensors the graph computes hold more than RUN_BYTES (qtool.graph.shapes.samples_within)."""
+    return samples_within(model, requested, RUN_BYTES)
 
 
 def pool_stride(height: int, width: int) -> int:

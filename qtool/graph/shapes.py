@@ -10,6 +10,7 @@ declares (unknown shapes take each caller's generic path).
 
 from __future__ import annotations
 
+import math
 from typing import Collection, Mapping, Optional, Sequence
 
 import onnx
@@ -159,3 +160,18 @@ def inferred_shapes(model: onnx.ModelProto, needed: Optional[Collection[str]] = 
     if needed is not None and all(name in declared for name in needed):
         return declared
     return declared_shapes(inferred(model, data_prop=False))
+
+
+_ITEM_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.DOUBLE: 8}
+
+
+def samples_within(model: onnx.ModelProto, requested: int, budget: int) -> int:
+    """How many of `requested` samples one run of `model` takes so that the float tensors the graph
+    computes, by the shapes it declares past the first axis (dynamic ones not counted), hold at most
+    `budget` bytes; at least 1. Decided from the graph alone: the same on every machine."""
+    types = elem_types(model)
+    per_sample = 0
+    for name, dims in declared_shapes(model).items():
+        if types.get(name) in _ITEM_BYTES and dims and all(d is not None for d in dims[1:]):
+            per_sample += math.prod(dims[1:]) * _ITEM_BYTES[types[name]]
+    return max(1, min(requested, budget // per_sample)) if per_sample else requested

@@ -33,10 +33,15 @@ from qtool.graph.index import attribute
 from qtool.plan.planner import QuantPlan
 from qtool.table.qparams import WEIGHT_QMAX
 from qtool.graph.runtime import create_session, usable_cores
+from qtool.graph.shapes import samples_within
 from qtool.targets import weight_qmax
 
 PATCHES_PER_BATCH = 2048
 PATCH_BYTES = 2**24  # a depthwise conv's patches gathered at most this many bytes at a time (per thread)
+# The pass fetches every layer's input: a calibration batch runs in parts whose float tensors hold
+# at most this many bytes (qtool.graph.shapes.samples_within). EfficientNet-Lite0's batches of 8
+# raised the job's peak RSS by 832 MB in one run, by about 300 MB one sample a run.
+FETCHED_BYTES = 2**25
 DAMPING = 0.01  # of C's mean diagonal, added to its diagonal
 COLUMN_BLOCK = 32  # columns compensated lazily as one block (one product for the columns after it)
 _MEMO: dict = {}  # the last model's layer statistics and roundings (see adaptive_rounding)
@@ -89,10 +94,10 @@ def _pointwise(node: onnx.NodeProto, kernel: tuple[int, ...], shape: tuple[int, 
     return all(k == 1 for k in kernel) and not any(attribute(node, "pads", [0])) and len(shape) == 4
 
 
-def _pick(node: onnx.NodeProto, shape: tuple[int, ...], kernel: tuple[int, ...], rng: np.random.Generator
-          ) -> Optional[np.ndarray]:
-    """The positions of the at most PATCHES_PER_BATCH input patches a conv's moments take from one
-    batch of input `shape` (None: all of them). Drawn from the one generator in the layers' order,
+def _pick(node: onnx.NodeProto, shape: tuple[int, ...], kernel: tuple[int, ...], rng: np.random.Generator,
+          limit: int = PATCHES_PER_BATCH) -> Optional[np.ndarray]:
+    """The positions of the at most `limit` input patches a conv's moments take from one run of
+    input `shape` (None: all of them). Drawn from the one generator in the layers' order,
     before any layer's sums, so that the sums can run on several threads and still be the same
     bytes on every machine."""
     if node.op_type != "Conv":
@@ -100,10 +105,19 @@ def _pick(node: onnx.NodeProto, shape: tuple[int, ...], kernel: tuple[int, ...],
     if _pointwise(node, kernel, shape):
         sh, sw = attribute(node, "strides", [1, 1])
         total = shape[0] * len(range(0, shape[2], sh)) * len(range(0, shape[3], sw))  # _moments' x[..., ::sh, ::sw]
-        return rng.choice(total, PATCHES_PER_BATCH, replace=False) if total > PATCHES_PER_BATCH else None
+        return rng.choice(total, limit, replace=False) if total > limit else None
     n, *_, oh, ow = _geometry(shape, node, kernel)
     total = n * oh * ow
-    return rng.choice(total, size=min(total, PATCHES_PER_BATCH), replace=False)
+    return rng.choice(total, size=min(total, limit), replace=False)
+
+
+def _runs(batch: Batch, size: int) -> list[Batch]:
+    """`batch` cut into runs of at most `size` samples (a batch of several samples holds them along
+    every feed's first axis: qtool.data.dataset.batches)."""
+    if len(batch) <= size:
+        return [batch]
+    return [Batch(batch.keys[lo:lo + size], {name: array[lo:lo + size] for name, array in batch.feeds.items()})
+            for lo in range(0, len(batch), size)]
 
 
 def _windows(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], pick: np.ndarray
@@ -190,7 +204,8 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
                    seed: int = 0) -> dict[str, _Layer]:
     """Weight name -> its layer with the input second moments C, from one fp32 pass.
 
-    Per batch, the patch positions are drawn in the layers' order (_pick), then the layers' sums
+    Each batch runs in parts of at most FETCHED_BYTES of tensors, which share its PATCHES_PER_BATCH
+    patches by their samples. Per part, the patch positions are drawn in the layers' order (_pick), then the layers' sums
     run on one thread per allowed core (_one_blas_thread), and are added in the layers' order: the
     same bytes as one thread. A layer whose C is not finite (inputs with inf or NaN) is
     left out, so it rounds to nearest."""
@@ -212,17 +227,19 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     session = create_session(with_outputs(model, fetched), threads, "fp32 model", batch_pass=True)
     rng = np.random.default_rng(seed)
     failed = set()
+    runs = [(run, max(1, PATCHES_PER_BATCH * len(run) // len(batch)))
+            for batch in data for run in _runs(batch, samples_within(model, len(batch), FETCHED_BYTES))]
     with ThreadPoolExecutor(usable_cores()) as pool, _one_blas_thread():
-        for batch in data:
-            arrays = dict(zip(fetched, session.run(fetched, batch.feeds)))
-            arrays.update({n: batch.feeds[n] for n in names if n in graph_inputs})
+        for run, limit in runs:
+            arrays = dict(zip(fetched, session.run(fetched, run.feeds)))
+            arrays.update({n: run.feeds[n] for n in names if n in graph_inputs})
             jobs = []
             for name, layer in layers.items():
                 if name in failed:
                     continue
                 x = arrays[layer.node.input[0]]
                 try:
-                    pick = _pick(layer.node, x.shape, layer.kernel, rng)
+                    pick = _pick(layer.node, x.shape, layer.kernel, rng, limit)
                 except ValueError:
                     failed.add(name)  # a layout we do not unfold (3-D conv, auto_pad): round to nearest
                     continue
