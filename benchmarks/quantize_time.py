@@ -10,7 +10,9 @@ where the kit has no eval/). onnxruntime: quantize_static (QDQ, per-channel, its
 otherwise) with a CalibrationDataReader over the same samples read by qtool's data loading, the
 model written, as models.py does; time starts when the child starts (imports included for both).
 --nncf runs NNCF's default quantization of the ONNX model too (benchmarks/openvino_nncf.py, in NNCF's
-own virtual environment, batch 1 on the same .npy/.npz samples; not on EfficientNet's photos), for its wall time and peak RSS.
+own virtual environment, batch 1 on the same .npy/.npz samples; on EfficientNet the photos preprocessed
+by the config into .npz once, before the runs, so NNCF's runs read arrays where the others decode
+photos), for its wall time and peak RSS.
 qtool's tree is compiled to bytecode before the first run, as an installed qtool is.
 --repeat N runs each job N times, the quantizers taking turns in each round, and prints the
 medians (wall, CPU, peak RSS): on a shared machine one run of a 0.5 s job is mostly noise.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import importlib.util
 import json
 import os
 import statistics
@@ -201,6 +204,16 @@ def jobs(kit: Path, models: list[str], efficientnet: bool, work: Path) -> list[t
     return found
 
 
+def _photo_arrays(model: Path, photos: Path, config: Path, out: Path) -> Path:
+    """Every photo of `photos` preprocessed by `config`, one .npz a sample, for NNCF (made once;
+    benchmarks/openvino.py's, loaded by path: as `openvino` it would hide the package). NNCF then
+    reads arrays where qtool and quantize_static decode the photos."""
+    spec = importlib.util.spec_from_file_location("openvino_bench", ROOT / "benchmarks" / "openvino.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench._photos_as_arrays(model, photos, config, out, len(list(photos.iterdir())))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kit", type=Path, default=ROOT.parent / "shared" / "bench")
@@ -234,9 +247,10 @@ def main() -> None:
                     code = CHILD_ORT.format(root=str(ROOT), model=str(model), data=str(calib), config=config,
                                             out=str(out_dir / f"{slug}.ort.onnx"))
                     runs.setdefault("ort", []).append(run_child([sys.executable, "-c", code]))
-                if args.nncf and not extra:  # NNCF reads .npy/.npz samples, not a config's photos
+                if args.nncf:  # NNCF reads .npy/.npz samples: a config's photos preprocessed once
+                    arrays = _photo_arrays(model, calib, Path(config), work / "photos_npz") if extra else calib
                     runs.setdefault("nncf", []).append(run_child(
-                        [args.nncf, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model), str(calib),
+                        [args.nncf, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model), str(arrays),
                          str(out_dir / f"{slug}.nncf.onnx")]))
             row.update({tool: medians(results) for tool, results in runs.items()})
             if args.stages:
