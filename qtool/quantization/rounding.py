@@ -38,9 +38,9 @@ from qtool.targets import weight_qmax
 
 PATCHES_PER_BATCH = 2048
 PATCH_BYTES = 2**24  # a depthwise conv's patches gathered at most this many bytes at a time (per thread)
-# The pass fetches every layer's input: a calibration batch runs in parts whose float tensors hold
-# at most this many bytes (qtool.graph.shapes.samples_within). EfficientNet-Lite0's batches of 8
-# raised the job's peak RSS by 832 MB in one run, by about 300 MB one sample a run.
+# The pass fetches every layer's input at once, which with a whole batch of photos set the job's
+# peak memory: a calibration batch runs in parts whose float tensors hold at most this many bytes
+# (qtool.graph.shapes.samples_within; figures in benchmarks/README.md).
 FETCHED_BYTES = 2**25
 DAMPING = 0.01  # of C's mean diagonal, added to its diagonal
 COLUMN_BLOCK = 32  # columns compensated lazily as one block (one product for the columns after it)
@@ -205,9 +205,9 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     """Weight name -> its layer with the input second moments C, from one fp32 pass.
 
     Each batch runs in parts of at most FETCHED_BYTES of tensors, which share its PATCHES_PER_BATCH
-    patches by their samples. Per part, the patch positions are drawn in the layers' order (_pick), then the layers' sums
-    run on one thread per allowed core (_one_blas_thread), and are added in the layers' order: the
-    same bytes as one thread. A layer whose C is not finite (inputs with inf or NaN) is
+    patches by their samples. Per part, the patch positions are drawn in the layers' order (_pick),
+    then the layers' sums run on one thread per allowed core (_one_blas_thread), and are added in
+    the layers' order: the same bytes as one thread. A layer whose C is not finite (inputs with inf or NaN) is
     left out, so it rounds to nearest."""
     inits = {t.name: t for t in model.graph.initializer}
     by_label = {node_label(n): n for n in model.graph.node}
