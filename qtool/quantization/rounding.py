@@ -113,8 +113,9 @@ def _pick(node: onnx.NodeProto, shape: tuple[int, ...], kernel: tuple[int, ...],
 
 def _runs(batch: Batch, size: int) -> list[Batch]:
     """`batch` cut into runs of at most `size` samples (a batch of several samples holds them along
-    every feed's first axis: qtool.data.dataset.batches)."""
-    if len(batch) <= size:
+    every feed's first axis: qtool.data.dataset.batches); whole where a feed's first axis is not
+    one row a sample."""
+    if len(batch) <= size or any(np.ndim(a) == 0 or len(a) != len(batch) for a in batch.feeds.values()):
         return [batch]
     return [Batch(batch.keys[lo:lo + size], {name: array[lo:lo + size] for name, array in batch.feeds.items()})
             for lo in range(0, len(batch), size)]
