@@ -228,6 +228,17 @@ def test_adaptive_rounding_runs_its_fp32_pass_in_parts_within_its_budget(effnet_
     assert 0.99 * adaround.PATCHES_PER_BATCH * len(data) <= count <= adaround.PATCHES_PER_BATCH * len(data)
 
 
+def test_a_batch_is_cut_into_runs_only_along_one_row_a_sample():
+    """Runs of a batch take its samples' rows; a batch whose feeds do not hold one row a sample
+    (a sample file with several rows, a scalar feed) runs whole."""
+    batch = Batch(["a", "b", "c"], {"x": np.arange(6.0).reshape(3, 2), "m": np.ones(3, bool)})
+    runs = adaround._runs(batch, 2)
+    assert [r.keys for r in runs] == [["a", "b"], ["c"]]
+    assert np.array_equal(np.concatenate([r.feeds["x"] for r in runs]), batch.feeds["x"])
+    assert adaround._runs(Batch(["a", "b"], {"x": np.zeros((8, 2))}), 1)[0].feeds["x"].shape == (8, 2)
+    assert len(adaround._runs(Batch(["a", "b"], {"x": np.zeros((2, 2)), "sr": np.array(16000)}), 1)) == 1
+
+
 def _sequential_reference(z: np.ndarray, second: np.ndarray) -> np.ndarray:
     """Each row rounded column by column in order, each column to floor or floor + 1, the columns
     not yet rounded then moved to the least output error given those rounded (a linear solve per
