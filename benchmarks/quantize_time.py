@@ -241,14 +241,15 @@ def main() -> None:
             argv = ["quantize", str(model), "--data", str(calib), *extra, "-o", str(out)]
             row = {"label": label, "load": os.getloadavg()[0]}
             runs: dict[str, list] = {}
+            # NNCF reads .npy/.npz samples: a config's photos preprocessed once
+            arrays = _photo_arrays(model, calib, Path(config), work / "photos_npz") if args.nncf and extra else calib
             for _ in range(args.repeat):  # the tools take turns, round by round
                 runs.setdefault("qtool", []).append(run_child([sys.executable, "-m", "qtool", *argv]))
                 if not args.no_ort:
                     code = CHILD_ORT.format(root=str(ROOT), model=str(model), data=str(calib), config=config,
                                             out=str(out_dir / f"{slug}.ort.onnx"))
                     runs.setdefault("ort", []).append(run_child([sys.executable, "-c", code]))
-                if args.nncf:  # NNCF reads .npy/.npz samples: a config's photos preprocessed once
-                    arrays = _photo_arrays(model, calib, Path(config), work / "photos_npz") if extra else calib
+                if args.nncf:
                     runs.setdefault("nncf", []).append(run_child(
                         [args.nncf, str(ROOT / "benchmarks" / "openvino_nncf.py"), str(model), str(arrays),
                          str(out_dir / f"{slug}.nncf.onnx")]))

@@ -232,11 +232,11 @@ def test_a_batch_is_cut_into_runs_only_along_one_row_a_sample():
     """Runs of a batch take its samples' rows; a batch whose feeds do not hold one row a sample
     (a sample file with several rows, a scalar feed) runs whole."""
     batch = Batch(["a", "b", "c"], {"x": np.arange(6.0).reshape(3, 2), "m": np.ones(3, bool)})
-    runs = adaround._runs(batch, 2)
+    runs = batch.parts(2)
     assert [r.keys for r in runs] == [["a", "b"], ["c"]]
     assert np.array_equal(np.concatenate([r.feeds["x"] for r in runs]), batch.feeds["x"])
-    assert adaround._runs(Batch(["a", "b"], {"x": np.zeros((8, 2))}), 1)[0].feeds["x"].shape == (8, 2)
-    assert len(adaround._runs(Batch(["a", "b"], {"x": np.zeros((2, 2)), "sr": np.array(16000)}), 1)) == 1
+    assert Batch(["a", "b"], {"x": np.zeros((8, 2))}).parts(1)[0].feeds["x"].shape == (8, 2)
+    assert len(Batch(["a", "b"], {"x": np.zeros((2, 2)), "sr": np.array(16000)}).parts(1)) == 1
 
 
 def _sequential_reference(z: np.ndarray, second: np.ndarray) -> np.ndarray:

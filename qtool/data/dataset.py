@@ -55,6 +55,14 @@ class Batch:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def parts(self, size: int) -> list["Batch"]:
+        """This batch cut into batches of at most `size` samples (batches() stacks several samples
+        along every feed's first axis); whole where a feed's first axis is not one row a sample."""
+        if len(self) <= size or any(np.ndim(a) == 0 or len(a) != len(self) for a in self.feeds.values()):
+            return [self]
+        return [Batch(self.keys[lo:lo + size], {name: array[lo:lo + size] for name, array in self.feeds.items()})
+                for lo in range(0, len(self), size)]
+
 
 class DataSource:
     """Lazily loaded samples of one folder, either all images or all tensors."""

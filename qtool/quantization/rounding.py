@@ -111,16 +111,6 @@ def _pick(node: onnx.NodeProto, shape: tuple[int, ...], kernel: tuple[int, ...],
     return rng.choice(total, size=min(total, limit), replace=False)
 
 
-def _runs(batch: Batch, size: int) -> list[Batch]:
-    """`batch` cut into runs of at most `size` samples (a batch of several samples holds them along
-    every feed's first axis: qtool.data.dataset.batches); whole where a feed's first axis is not
-    one row a sample."""
-    if len(batch) <= size or any(np.ndim(a) == 0 or len(a) != len(batch) for a in batch.feeds.values()):
-        return [batch]
-    return [Batch(batch.keys[lo:lo + size], {name: array[lo:lo + size] for name, array in batch.feeds.items()})
-            for lo in range(0, len(batch), size)]
-
-
 def _windows(x: np.ndarray, node: onnx.NodeProto, kernel: tuple[int, ...], pick: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, int]:
     """(planes, where, P) of the input patches at positions `pick` (see _pick) of a 2-D conv: each
@@ -228,8 +218,8 @@ def collect_inputs(model: onnx.ModelProto, plan: QuantPlan, data: list[Batch], t
     session = create_session(with_outputs(model, fetched), threads, "fp32 model", batch_pass=True)
     rng = np.random.default_rng(seed)
     failed = set()
-    runs = [(run, max(1, PATCHES_PER_BATCH * len(run) // len(batch)))
-            for batch in data for run in _runs(batch, samples_within(model, len(batch), FETCHED_BYTES))]
+    size = samples_within(model, max((len(batch) for batch in data), default=1), FETCHED_BYTES)
+    runs = [(run, max(1, PATCHES_PER_BATCH * len(run) // len(batch))) for batch in data for run in batch.parts(size)]
     with ThreadPoolExecutor(usable_cores()) as pool, _one_blas_thread():
         for run, limit in runs:
             arrays = dict(zip(fetched, session.run(fetched, run.feeds)))
