@@ -46,30 +46,31 @@ _spec = importlib.util.spec_from_file_location("ov_bench", Path(__file__).with_n
 ov_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ov_bench)  # noqa: E305 - sets sys.path for qtool and openvino too
 
+from qtool.graph.index import GraphIndex  # noqa: E402 - after ov_bench put qtool on sys.path
+
 CAP = "AVX512_CORE_VNNI"
 
 
-def _constant(name: str, graph: onnx.GraphProto) -> tuple[onnx.TensorProto | None, np.ndarray | None]:
-    for tensor in graph.initializer:
-        if tensor.name == name:
-            return tensor, numpy_helper.to_array(tensor)
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            return node.attribute[0].t, numpy_helper.to_array(node.attribute[0].t)
-    return None, None
+def _constant(name: str, index: GraphIndex) -> tuple[onnx.TensorProto | None, np.ndarray | None]:
+    """The tensor holding a constant input (an initializer or a Constant node's) and its values."""
+    tensor = index.initializers.get(name)
+    producer = index.producer.get(name)
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        tensor = producer.attribute[0].t
+    return (tensor, numpy_helper.to_array(tensor)) if tensor is not None else (None, None)
 
 
 def without_tail_shift(model: onnx.ModelProto) -> int:
     """Zero the constant of each Add that feeds an equalized chain's rescaling Mul; how many."""
-    graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
+    index = GraphIndex(model)
     done = 0
-    for node in graph.node:
-        add = producer.get(node.input[0]) if node.op_type == "Mul" and node.name.endswith("_equalized_out") else None
+    for node in model.graph.node:
+        add = index.producer.get(node.input[0]) if node.op_type == "Mul" and node.name.endswith("_equalized_out") \
+            else None
         if add is None or add.op_type != "Add":
             continue
         for name in add.input:
-            tensor, value = _constant(name, graph)
+            tensor, value = _constant(name, index)
             if tensor is not None:
                 tensor.CopyFrom(numpy_helper.from_array(np.zeros_like(value), tensor.name))
                 done += 1
@@ -79,30 +80,30 @@ def without_tail_shift(model: onnx.ModelProto) -> int:
 
 def uint8_grid_pairs(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """The QuantizeLinear nodes with a uint8 zero point of 128, in graph order."""
+    index = GraphIndex(model)
     found = []
     for node in model.graph.node:
         if node.op_type == "QuantizeLinear" and len(node.input) > 2:
-            _, zero = _constant(node.input[2], model.graph)
+            _, zero = _constant(node.input[2], index)
             if zero is not None and zero.dtype == np.uint8 and np.all(zero == 128):
                 found.append(node)
     return found
 
 
-def as_int8(model: onnx.ModelProto, picks: list[int]) -> None:
-    """The picked uint8 zero-point-128 pairs (indices into uint8_grid_pairs) written int8 with zero
-    point 0: each Q and the DQs reading it take a new int8 zero point."""
-    pairs = uint8_grid_pairs(model)
-    readers = defaultdict(list)
-    for node in model.graph.node:
-        if node.op_type == "DequantizeLinear":
-            readers[node.input[0]].append(node)
+def as_int8(base: onnx.ModelProto, picks: list[int]) -> onnx.ModelProto:
+    """A copy of `base` with the picked uint8 zero-point-128 pairs (indices into uint8_grid_pairs)
+    written int8 with zero point 0: each Q and the DQs reading it take a new int8 zero point."""
+    model = onnx.ModelProto()
+    model.CopyFrom(base)
+    pairs, index = uint8_grid_pairs(model), GraphIndex(model)
     for k in picks:
         q = pairs[k]
-        _, zero = _constant(q.input[2], model.graph)
+        _, zero = _constant(q.input[2], index)
         name = f"{q.output[0]}_zero_int8"
         model.graph.initializer.append(numpy_helper.from_array(np.zeros(zero.shape, np.int8), name))
-        for node in (q, *readers[q.output[0]]):
+        for node in (q, *(r for r in index.consumers.get(q.output[0], []) if r.op_type == "DequantizeLinear")):
             node.input[2] = name
+    return model
 
 
 def _samples(held: Path, model: Path) -> list[dict]:
@@ -185,31 +186,28 @@ def main() -> None:
         if (wanted and work.name not in wanted) or not (ours.exists() and nncf.exists() and fp32.exists()):
             continue
         _, held, _ = ov_bench._data(args.kit, fp32, work)
-        model = onnx.load(str(ours))
+        base = onnx.load(str(ours))
         paths = {"qtool": ours, "nncf": nncf}
+        model = onnx.ModelProto()
+        model.CopyFrom(base)
         shifted = without_tail_shift(model)
         if shifted:
             paths["no_tail_shift"] = work / "probe_no_tail_shift.onnx"
             onnx.save(model, paths["no_tail_shift"])
-        model = onnx.load(str(ours))
-        grid = len(uint8_grid_pairs(model))
-        if grid:
-            as_int8(model, list(range(grid)))
+        pairs = [q.name for q in uint8_grid_pairs(base)]
+        if pairs:
             paths["int8_codes"] = work / "probe_int8_codes.onnx"
-            onnx.save(model, paths["int8_codes"])
-        row = {"model": work.name, "tail_shifts": shifted, "uint8_grid_pairs": grid,
+            onnx.save(as_int8(base, list(range(len(pairs)))), paths["int8_codes"])
+        row = {"model": work.name, "tail_shifts": shifted, "uint8_grid_pairs": len(pairs),
                "layers": layers(paths, _samples(held, fp32), args.rounds)}
-        if grid:
-            single = {}
-            for k in range(grid):
-                model = onnx.load(str(ours))
-                as_int8(model, [k])
-                single[f"pair_{k}"] = work / f"probe_pair_{k}.onnx"
-                onnx.save(model, single[f"pair_{k}"])
+        if pairs:
+            single = {f"pair_{k}": work / f"probe_pair_{k}.onnx" for k in range(len(pairs))}
+            for k, path in enumerate(single.values()):
+                onnx.save(as_int8(base, [k]), path)
             probed = {label: paths[label] for label in ("qtool", "nncf", "int8_codes")}
             row["cosine"] = cosines(fp32, probed, held)
             row["cosine_without_amx"] = capped_cosines(fp32, {**probed, **single}, held)
-            row["pairs"] = [q.name for q in uint8_grid_pairs(onnx.load(str(ours)))]
+            row["pairs"] = pairs
             for path in single.values():
                 path.unlink()
         print(json.dumps(row), flush=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import functools
 import importlib.util
 import json
 import os
@@ -204,14 +205,20 @@ def jobs(kit: Path, models: list[str], efficientnet: bool, work: Path) -> list[t
     return found
 
 
-def _photo_arrays(model: Path, photos: Path, config: Path, out: Path) -> Path:
-    """Every photo of `photos` preprocessed by `config`, one .npz a sample, for NNCF (made once;
-    benchmarks/openvino.py's, loaded by path: as `openvino` it would hide the package). NNCF then
-    reads arrays where qtool and quantize_static decode the photos."""
+@functools.cache
+def _openvino_bench():
+    """benchmarks/openvino.py, loaded by path once (as `openvino` it would hide the package)."""
     spec = importlib.util.spec_from_file_location("openvino_bench", ROOT / "benchmarks" / "openvino.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench._photos_as_arrays(model, photos, config, out, len(list(photos.iterdir())))
+    return bench
+
+
+def _photo_arrays(model: Path, photos: Path, config: Path, out: Path) -> Path:
+    """Every photo of `photos` preprocessed by `config`, one .npz a sample, for NNCF (made once:
+    the EfficientNet jobs share the preprocessing; benchmarks/openvino.py's). NNCF then reads
+    arrays where qtool and quantize_static decode the photos."""
+    return _openvino_bench()._photos_as_arrays(model, photos, config, out, len(list(photos.iterdir())))
 
 
 def main() -> None:
