@@ -3,11 +3,10 @@
 No one range method suits every model (docs/accuracy.md, "Range methods"). One calibration pass
 keeps a histogram of every tensor and builds the table of each candidate method from it; the
 model is quantized with each (qtool.choices.measure) and the table whose int8 model is closest
-to fp32 is kept. Every candidate is measured: a min-max model already at a mean cosine of KEEP
-can still be several dB further from fp32 than a clipping method's (one int8 step per 1/255 of
-a range that a few rare values stretch). Min-max comes first and stays when no other method
-gains MARGIN_DB over it: it clips nothing, and the rare large values other methods clip can
-matter more to a task than to the cosine.
+to fp32 is kept. Min-max comes first and stays when it already reaches a mean cosine of KEEP
+(the others are then not quantized at all) or when no other method gains MARGIN_DB over it: it
+clips nothing, and the rare large values other methods clip can matter more to a task than to
+the cosine.
 """
 
 from __future__ import annotations
@@ -41,7 +40,12 @@ def choose_ranges(model_path: str | Path, data: DataLike, cfg: Config, progress:
         return first, tables, Decision(OPTION, first.method, "every candidate method gives the same ranges")
     evaluate = scoring if scoring is not None else Scoring(model_path, data, cfg)
     count = evaluate.count
-    measured = evaluate.measured([(table, cfg.quantization) for table in tables])
+    measured = evaluate.measured([(first, cfg.quantization)])
+    if measured[0]["cosine"] >= KEEP:
+        decision = Decision(OPTION, first.method, f"the first candidate reaches a mean cosine of {KEEP}",
+                            ((first.method, figures(measured[0])),), count)
+        return first, tables, decision
+    measured += evaluate.measured([(table, cfg.quantization) for table in tables[1:]])
     best = 0
     for i, candidate in enumerate(measured[1:], 1):
         if candidate["cosine_db"] > measured[best]["cosine_db"] + MARGIN_DB:
