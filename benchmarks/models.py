@@ -23,9 +23,10 @@ DB detector, whose task the README leaves open, the intersection over union of i
 speedup over fp32 (1 thread, batch 1, all four models in one process taking turns, in a fresh
 order each turn, 10 runs on each of the first 8 held-out samples, or more where the fastest model
 takes less than 50 ms for them, with the sessions made in reverse order every other sample, median);
-time to quantize (wall clock; CPU time, peak RSS and qtool's per-stage profile, each quantizer in
-a process of its own: benchmarks/quantize_time.py). A quantizer that fails is reported with its
-first error line.
+time to quantize: wall clock, CPU time (user + sys) and peak RSS, each quantizer in a process of its
+own, imports and data loading included (benchmarks/quantize_time.run_child; qtool's per-stage
+profile and several rounds in turns: benchmarks/quantize_time.py). A quantizer that fails, or whose
+model onnxruntime cannot load, is reported with its last error line.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kit import _qtool, _split  # noqa: E402
+from kit import _split  # noqa: E402
+from quantize_time import CHILD_ORT, run_child  # noqa: E402
 from qtool.config import PreprocessConfig, load_config  # noqa: E402
 from qtool.data.dataset import batches, open_data  # noqa: E402
 from qtool.evaluation.ctc import greedy_decode  # noqa: E402
@@ -89,6 +91,12 @@ def _quantize_ort(kind: str, model: Path, out: Path, calib: list[dict]) -> tuple
     except Exception as exc:  # onnxruntime's quantizer raises many types
         return time.perf_counter() - start, f"fails: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:90]}"
     return time.perf_counter() - start, ""
+
+
+CHILD_DYNAMIC = r"""
+from onnxruntime.quantization import quantize_dynamic
+quantize_dynamic({model!r}, {out!r})
+"""
 
 
 def worst_cosines(ref: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> list[float]:
@@ -208,24 +216,27 @@ def run_model(kit: Path, model: Path, work: Path, extra: dict[str, Path]) -> dic
     """extra: label -> YAML config of a further qtool row."""
     name = model.stem
     paths = {"fp32": model, **{v: work / f"{v}.onnx" for v in (*VARIANTS, *extra)}}
-    row: dict = {"model": name, "errors": {}, "seconds": {}}
+    row: dict = {"model": name, "errors": {}, "seconds": {}, "cost": {}}
     calib, held, preprocess, args, limit = data_split(kit, model, work)
-    start = time.perf_counter()
-    done = _qtool("quantize", model, "--data", calib, *args, "-o", paths["qtool"])
-    row["seconds"]["qtool"] = time.perf_counter() - start
-    if done.returncode:
-        row["errors"]["qtool"] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"
-    for label, config in extra.items():
-        start = time.perf_counter()
-        done = _qtool("quantize", model, "--data", calib, "--config", config, "-o", paths[label])
-        row["seconds"][label] = time.perf_counter() - start
-        if done.returncode:
-            row["errors"][label] = f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:90]}"
-    calib_feeds = _samples(calib, model, preprocess)
-    for kind in ("ort_static", "ort_dynamic"):
-        row["seconds"][kind], error = _quantize_ort(kind, model, paths[kind], calib_feeds)
-        if error:
-            row["errors"][kind] = error
+    config = str(args[1]) if args else ""
+    jobs = {"qtool": [sys.executable, "-m", "qtool", "quantize", str(model), "--data", str(calib), *map(str, args),
+                      "-o", str(paths["qtool"])],
+            **{label: [sys.executable, "-m", "qtool", "quantize", str(model), "--data", str(calib), "--config",
+                       str(path), "-o", str(paths[label])] for label, path in extra.items()},
+            "ort_static": [sys.executable, "-c", CHILD_ORT.format(root=str(ROOT), model=str(model), data=str(calib),
+                                                                  config=config, out=str(paths["ort_static"]))],
+            "ort_dynamic": [sys.executable, "-c", CHILD_DYNAMIC.format(model=str(model),
+                                                                       out=str(paths["ort_dynamic"]))]}
+    for label, argv in jobs.items():  # each in a process of its own (quantize_time.run_child)
+        done = run_child(argv)
+        row["seconds"][label], row["cost"][label] = done["wall"], (done["cpu"], done["rss_mb"])
+        if done["rc"]:
+            row["errors"][label] = f"fails: {done['error'][:90]}"
+            continue
+        try:
+            create_session(str(paths[label]), 1, str(paths[label]))  # a model onnxruntime cannot load fails too
+        except Exception as exc:
+            row["errors"][label] = f"fails: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:90]}"
     eval_feeds = _samples(held, model, preprocess, limit)
     ok = {v: p for v, p in paths.items() if v not in row["errors"]}
     outputs = {}
@@ -353,8 +364,9 @@ def _cell(row: dict, variant: str) -> str:
     if variant in row["errors"]:
         return f"{row['errors'][variant]} |" + " |" * 4
     f = row["figures"][variant]
+    cpu, rss = row["cost"][variant]
     return (f"{f['cos_mean']:.4f} / {f['cos_min']:.4f} | {f['sqnr']:.1f} | {f['task']} | "
-            f"{row['speedup'][variant]:.2f}x | {row['seconds'][variant]:.1f} s |")
+            f"{row['speedup'][variant]:.2f}x | {row['seconds'][variant]:.1f} / {cpu:.1f} s, {rss:.0f} MB |")
 
 
 def main() -> None:
@@ -378,7 +390,8 @@ def main() -> None:
             rows.append(run_model(args.kit, model, work, {} if model.stem == "efficientnet_lite0_dyn" else extra))
             print(rows[-1], file=sys.stderr, flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")
-    print("| model | quantizer | cosine mean / min | SQNR dB | task kept | speedup (fp32 ms) | time to quantize |")
+    print("| model | quantizer | cosine mean / min | SQNR dB | task kept | speedup (fp32 ms) "
+          "| time to quantize: wall / CPU, peak RSS |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         for variant in (*VARIANTS, *(v for v in extra if v in row["seconds"])):
