@@ -141,6 +141,7 @@ def decide(built, options=FLOAT_FORM, costs: Costs = COSTS) -> tuple[list[str], 
 def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
     """Each decision the tests below expect, true or false with `costs`."""
     chain, reasons = decide(mobile_block(np.random.default_rng(0)), costs=costs)
+    kept = {"expand", "project"} - set(chain)
     big, _ = decide(large_conv(np.random.default_rng(1)), costs=costs)
     middle, _ = decide(sandwich(np.random.default_rng(2)), costs=costs)
     wide, _ = decide(mobile_block(np.random.default_rng(3), size=7, channels=256), costs=costs)
@@ -157,8 +158,10 @@ def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
         # a depthwise Conv and the float-form HardSwish around it cost per value and gain nothing per MAC
         "the high-resolution chain goes float": {"depthwise", "hardswish_2", "hardswish_1"} <= set(chain),
         # every dense layer float would leave no int8 layer: the one that costs least in int8 stays
-        "one of its dense layers stays int8": len({"expand", "project"} - set(chain)) == 1,
-        "one reason, by cause": len(reasons) == 1 and "depthwise Convs" in reasons[0],
+        "one of its dense layers stays int8": len(kept) == 1,
+        # one reason for the float group, by cause, then one naming the dense layer kept int8
+        "one reason, by cause": len(reasons) == 2 and "depthwise Convs" in reasons[0],
+        "the layer kept int8 is named": len(kept) == 1 and reasons[-1].startswith(f"'{min(kept)}' stays int8"),
         "a large Conv stays int8": big == [],
         # the cut weighs the Q/DQ a float island would need: the depthwise Conv stays with its neighbours
         "a depthwise Conv between large Convs stays int8": middle == [],
