@@ -160,7 +160,7 @@ def outcomes(costs: Costs = COSTS) -> dict[str, bool]:
         # every dense layer float would leave no int8 layer: the one that costs least in int8 stays
         "one of its dense layers stays int8": len(kept) == 1,
         # one reason for the float group, by cause, then one naming the dense layer kept int8
-        "one reason, by cause": len(reasons) == 2 and "depthwise Convs" in reasons[0],
+        "a reason for the float group, by cause": len(reasons) == 2 and "depthwise Convs" in reasons[0],
         "the layer kept int8 is named": len(kept) == 1 and reasons[-1].startswith(f"'{min(kept)}' stays int8"),
         "a large Conv stays int8": big == [],
         # the cut weighs the Q/DQ a float island would need: the depthwise Conv stays with its neighbours
