@@ -127,7 +127,8 @@ def float_for_speed(model: onnx.ModelProto, plan, shapes: Mapping[str, Sequence[
             continue
         labels += group
         reasons.append(_reason(group, terms, costs, saving))
-    if pinned is not None:
+    if pinned is not None and all(label in labels for label in terms.dense if label != pinned):
+        # the pin decided something only where every other dense layer went float (after MIN_SAVING)
         loss = costs.ns(terms.features(labels)) - costs.ns(terms.features([*labels, pinned]))
         reasons.append(f"'{pinned}' stays int8, the dense layer that costs least in int8, so that the model stays "
                        f"an int8 model: every dense layer is estimated faster in float, this one by "
