@@ -72,9 +72,10 @@ class Target:
     unsigned_nonnegative: bool = False
     # ... and one that does take negative values is written uint8 with zero point 128 where its codes
     # pass an op other than a layer or one of int8_code_readers (a Split, Concat, pooling, Reshape,
-    # Transpose): the same grid as int8 with zero point 0, every value the same. OpenVINO's CPU plugin
-    # computes int8 codes wrongly on CPUs without AMX where they pass a Split or Concat (a YOLOv8's class
-    # scores collapse; docs/targets.md), or a Reshape and Transpose into a Conv, and uint8 ones right.
+    # Transpose): the same grid as int8 with zero point 0, every value the same. On CPUs without AMX
+    # OpenVINO's CPU plugin converts int8 codes to uint8 for its Convolutions and loses their scale where
+    # they reach a Concat (a YOLOv8's class scores collapse; docs/targets.md), or a run-time Reshape and
+    # Transpose, and computes uint8 ones right.
     # Codes only layers and int8_code_readers read stay int8 (QuantPlan.int8_kept): with zero point 128
     # OpenVINO's AMX convolutions take 1.6-3.6x as long, and without AMX both forms are computed right.
     signed_as_uint8: bool = False
