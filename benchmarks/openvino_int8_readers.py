@@ -16,6 +16,7 @@ op other than a layer, an Add or a Resize (qtool.targets, signed_as_uint8).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -112,7 +113,9 @@ def measure() -> dict:
 
 
 def main() -> None:
-    if "--child" in sys.argv:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    if parser.parse_args().child:
         print(json.dumps(measure()))
         return
     found = {}
