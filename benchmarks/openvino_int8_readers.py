@@ -10,8 +10,8 @@ exact QDQ arithmetic) and in OpenVINO at f32, here and in child processes whose 
 at AVX-512 VNNI and at AVX-512 BF16 (ONEDNN_MAX_CPU_ISA: what CPUs without AMX run; OpenVINO then
 runs every int8 Convolution with uint8 inputs and converts int8 codes). Prints, per ISA, op and
 code type, the largest difference from onnxruntime in codes (0 = computed exactly; int8 / uint8)
-and the Convolution's runtime precision. The `openvino` target writes uint8 codes wherever they pass an
-op other than a layer, an Add or a Resize (qtool.targets, signed_as_uint8).
+and the Convolution's runtime precision. The `openvino` target writes uint8 codes wherever they
+pass an op other than a layer, an Add or a Resize (qtool.targets, signed_as_uint8).
 """
 
 from __future__ import annotations
