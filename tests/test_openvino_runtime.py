@@ -62,7 +62,8 @@ def test_evaluate_on_openvino(models):
                             progress=False)
     import openvino
 
-    assert report.runtime == {"name": "openvino", "version": openvino.get_version().split("-")[0]}
+    assert report.runtime == {"name": "openvino", "version": openvino.get_version().split("-")[0],
+                              "int8_codes_lost_at_concat": []}  # no Concat in this model
     latency = report.latency
     assert latency["runtime"] == "openvino" and latency["fp32_precision"] == default_precision()
     assert ("fp32_f32_ms" in latency) == (default_precision() != "f32")
@@ -227,3 +228,90 @@ def test_an_input_no_node_reads_and_an_output_behind_an_identity_on_openvino(tmp
     report = qtool.evaluate(fp32, int8, data, {"evaluation": {"batch_size": 1, "runs": 2, "runtime": "openvino"}},
                             progress=False)
     assert list(report.outputs) == ["fetch_0"] and report.outputs["fetch_0"]["cosine"] > 0.99
+
+
+def _concat_models(folder):
+    """A Concat of x and -x read by a 1x1 Conv: the fp32 model (its weights already on the int8
+    grid) and two QDQ forms of it that compute the same values, the activations' codes int8 with
+    zero point 0 and uint8 with zero point 128 (scale 0.03)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.3, (4, 8, 1, 1)).astype(np.float32)
+    w_scale = (np.abs(w).reshape(4, -1).max(1) / 127).astype(np.float32)
+    w_codes = np.round(w / w_scale[:, None, None, None]).astype(np.int8)
+    io = ([graphs.tensor("x", [1, 4, 6, 6])], [graphs.tensor("y", [1, 4, 6, 6])])
+    head = [helper.make_node("Neg", ["x"], ["n"])]
+    fp32 = graphs.model(head + [helper.make_node("Concat", ["x", "n"], ["c"], axis=1),
+                                helper.make_node("Conv", ["c", "w"], ["y"])],
+                        *io, [graphs.init("w", w_codes.astype(np.float32) * w_scale[:, None, None, None])])
+    paths = {"fp32": folder / "concat.onnx"}
+    onnx.save(fp32, paths["fp32"])
+    for codes, (dtype, zero) in {"int8": (TensorProto.INT8, 0), "uint8": (TensorProto.UINT8, 128)}.items():
+        nodes = list(head)
+        for t in ("x", "n"):
+            nodes += [helper.make_node("QuantizeLinear", [t, "s", "z"], [f"{t}_q"]),
+                      helper.make_node("DequantizeLinear", [f"{t}_q", "s", "z"], [f"{t}_d"])]
+        nodes += [helper.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0),
+                  helper.make_node("Concat", ["x_d", "n_d"], ["c"], axis=1),
+                  helper.make_node("Conv", ["c", "w"], ["y"])]
+        inits = [graphs.init("s", np.float32(0.03)), helper.make_tensor("z", dtype, [], [zero]),
+                 graphs.init("wq", w_codes), graphs.init("ws", w_scale)]
+        paths[codes] = folder / f"concat_{codes}.onnx"
+        onnx.save(graphs.model(nodes, *io, inits), paths[codes])
+    return paths, graphs.write_samples(folder / "data", rng, (4, 6, 6), count=4)
+
+
+def test_int8_codes_a_concat_loses_are_named_where_openvino_converts_them(tmp_path):
+    """On a CPU without AMX (oneDNN capped at AVX-512 VNNI in a child process) OpenVINO converts int8
+    codes for its Convolutions and loses the scale of those that reach a Concat: the report names
+    them, and the outputs show it; the same values written uint8 with zero point 128 are computed
+    right and nothing is named. Uncapped, what is named follows what this CPU's plugin does."""
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    import json
+    import os
+    import subprocess
+
+    from qtool.evaluation.openvino_runtime import converts_int8_codes
+
+    paths, data = _concat_models(tmp_path)
+    reports = {}
+    for codes in ("int8", "uint8"):
+        out = tmp_path / f"{codes}.json"
+        done = subprocess.run([sys.executable, "-m", "qtool", "evaluate", str(paths["fp32"]), str(paths[codes]),
+                               "--data", str(data), "--runtime", "openvino", "--runs", "1", "--batch-size", "1",
+                               "--json", str(out)],
+                              env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI"), capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr
+        reports[codes] = json.loads(out.read_text())
+        if codes == "int8":
+            assert "loses the scale of 2 that reach a Concat" in done.stdout
+    assert reports["int8"]["runtime"]["int8_codes_lost_at_concat"] == ["x", "n"]
+    assert reports["uint8"]["runtime"]["int8_codes_lost_at_concat"] == []
+    assert reports["uint8"]["outputs"]["y"]["cosine"] > 0.999
+    assert reports["int8"]["outputs"]["y"]["cosine"] < 0.99
+    here = qtool.evaluate(str(paths["fp32"]), str(paths["int8"]), str(data),
+                          {"evaluation": {"batch_size": 1, "runs": 1, "runtime": "openvino"}}, progress=False)
+    assert here.runtime["int8_codes_lost_at_concat"] == (["x", "n"] if converts_int8_codes() else [])
+
+
+def test_only_codes_that_reach_a_concat_read_by_a_convolution_are_named(tmp_path):
+    """The graph half of codes_lost_at_concat: int8 codes through a Concat into a Conv are named
+    where the plugin converts them; codes whose Concat feeds no Conv (an output, a Mul) and uint8
+    codes are not; where it does not convert, nothing is."""
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    from onnx import helper
+
+    from qtool.evaluation.openvino_runtime import codes_lost_at_concat
+
+    paths, _ = _concat_models(tmp_path)
+    int8 = onnx.load(paths["int8"])
+    assert codes_lost_at_concat(int8, converts=True) == ["x", "n"]
+    assert codes_lost_at_concat(int8, converts=False) == []
+    assert codes_lost_at_concat(onnx.load(paths["uint8"]), converts=True) == []
+    for reader in ("Identity", "Mul"):  # the Concat read by something else than a Conv
+        model = onnx.load(paths["int8"])
+        conv = next(n for n in model.graph.node if n.op_type == "Conv")
+        conv.CopyFrom(helper.make_node(reader, ["c", "c"] if reader == "Mul" else ["c"], ["y"]))
+        assert codes_lost_at_concat(model, converts=True) == []

@@ -171,7 +171,8 @@ def build_report(inputs: EvaluateInputs, int8_model: onnx.ModelProto, folder: bo
         onnxruntime_version=ort.__version__,
         runtime={"name": cfg.runtime,
                  "version": ort.__version__ if cfg.runtime == "onnxruntime" else openvino_runtime.version(),
-                 **({"exact_int8_products": exact_int8_products()} if cfg.runtime == "onnxruntime" else {})},
+                 **({"exact_int8_products": exact_int8_products()} if cfg.runtime == "onnxruntime" else
+                    {"int8_codes_lost_at_concat": openvino_runtime.codes_lost_at_concat(int8_model)})},
         task=task.name,
         models={name: {"path": str(path), "size_bytes": sizes[name]}
                 for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},

@@ -1,13 +1,12 @@
 """OpenVINO as the runtime an evaluation measures on (`qtool evaluate --runtime openvino`).
 
-OpenVINO reads the ONNX QDQ model itself: each QuantizeLinear/DequantizeLinear pair becomes a
-FakeQuantize, which its low-precision transformations fold into int8 kernels. Both models are
-compiled for the CPU with `threads` inference threads; the fp32 model at OpenVINO's default
-inference precision (bf16 on CPUs that have it, else f32) and, where that is not f32, at f32 too,
-so the report shows both baselines. What the compiled int8 model runs in int8 is read from its
-runtime model: each heavy op's (Convolution, which includes grouped ones, Deconvolution,
-FullyConnected, MatMul) runtime precision, and the FakeQuantize ops left as ops of their own.
-OpenVINO is an optional extra: pip install "qtool[openvino]".
+OpenVINO reads the QDQ model itself, folding each Q/DQ pair (a FakeQuantize) into int8 kernels.
+Both models run on the CPU with `threads` threads, the fp32 one at OpenVINO's default precision (bf16
+where the CPU has it) and at f32 too, so the report shows both baselines. What the int8 model runs
+in int8 is read from its runtime model: each heavy op's precision and the FakeQuantize ops left on
+their own. A plugin that gives its Convolutions uint8 inputs only (CPUs without AMX) loses the scale
+of int8 codes that reach a Concat on the way (benchmarks/openvino_int8_readers.py); the report names
+such tensors (codes_lost_at_concat). Optional extra: pip install "qtool[openvino]".
 """
 
 from __future__ import annotations
@@ -21,6 +20,9 @@ import numpy as np
 from qtool.errors import QtoolError
 
 RUNTIMES = ("onnxruntime", "openvino")
+# ops that hand a tensor's codes on unchanged towards the layer that reads them
+CODE_MOVERS = ("Split", "Slice", "MaxPool", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Resize",
+               "Identity")
 INSTALL = 'pip install "qtool[openvino]"'
 # layer types of the CPU plugin's runtime model that do the multiply-accumulate work
 HEAVY_OPS = ("Convolution", "Deconvolution", "FullyConnected", "MatMul")
@@ -109,6 +111,61 @@ class CompiledModel:
         heavy = [precision for kind, precision in kinds if kind in HEAVY_OPS]
         return {"heavy_ops": len(heavy), "int8_heavy_ops": sum(p in INT8 for p in heavy),
                 "unfused_fake_quantize": sum(kind == "FakeQuantize" for kind, _ in kinds)}
+
+
+def converts_int8_codes() -> bool:
+    """Whether this CPU's plugin runs a Convolution reading int8 codes with uint8 inputs (it then
+    converts the codes): a one-Convolution QDQ model compiled, its runtime precision read."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+             helper.make_node("DequantizeLinear", ["w", "s"], ["wd"]), helper.make_node("Conv", ["d", "wd"], ["y"])]
+    constants = [numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+                 numpy_helper.from_array(np.array(0, np.int8), "z"),
+                 numpy_helper.from_array(np.ones((1, 1, 1, 1), np.int8), "w")]
+    graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 2, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 2, 2])], constants)
+    probe = CompiledModel(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), label="probe")
+    kinds = [op.get_rt_info() for op in probe.compiled.get_runtime_model().get_ordered_ops()]
+    return not any(info["layerType"].astype(str) == "Convolution" and info["runtimePrecision"].astype(str) == "i8"
+                   for info in kinds)
+
+
+def codes_lost_at_concat(model, converts: Optional[bool] = None) -> list[str]:
+    """The tensors of `model` (a path or ModelProto) quantized to int8 codes that reach a Concat
+    whose output a Convolution reads (through ops that move codes), where the plugin converts int8
+    codes (`converts`; None: this CPU's, converts_int8_codes); else none. Named by the
+    QuantizeLinear's input."""
+    import onnx
+
+    from qtool.graph.index import GraphIndex
+
+    if isinstance(model, (str, Path)):
+        model = onnx.load(str(model), load_external_data=False)
+    index = GraphIndex(model)
+
+    def int8_codes(q: onnx.NodeProto) -> bool:
+        zero = index.initializers.get(q.input[2]) if len(q.input) > 2 and q.input[2] else None
+        return zero is not None and zero.data_type == onnx.TensorProto.INT8
+
+    def reached(start: str, stop) -> bool:
+        seen, todo = {start}, [start]
+        while todo:
+            for node in index.consumers.get(todo.pop(), []):
+                if stop(node):
+                    return True
+                if node.op_type in (*CODE_MOVERS, "DequantizeLinear", "Concat"):
+                    todo += [out for out in node.output if out and out not in seen]
+                    seen.update(node.output)
+        return False
+
+    def concat_into_conv(node: onnx.NodeProto) -> bool:
+        return node.op_type == "Concat" and reached(node.output[0], lambda n: n.op_type == "Conv")
+
+    found = [q.input[0] for q in model.graph.node
+             if q.op_type == "QuantizeLinear" and int8_codes(q) and reached(q.output[0], concat_into_conv)]
+    return found if found and (converts_int8_codes() if converts is None else converts) else []
 
 
 def _graph_outputs(model) -> set[str]:

@@ -42,7 +42,8 @@ class EvaluationReport:
     thresholds: tuple[Verdict, ...] = ()
     passed: bool = True  # every threshold met (True when none was set)
     # {"name", "version"}: where fidelity and latency were measured; on onnxruntime also
-    # "exact_int8_products" (qtool.graph.runtime.exact_int8_products: u8u8 kernels on an x86 CPU without VNNI)
+    # "exact_int8_products" (qtool.graph.runtime.exact_int8_products: u8u8 kernels on an x86 CPU without VNNI);
+    # on OpenVINO "int8_codes_lost_at_concat" (qtool.evaluation.openvino_runtime.codes_lost_at_concat)
     runtime: Optional[dict] = None
 
     @property
@@ -185,6 +186,11 @@ def render_table(report: EvaluationReport) -> str:
         header += f", on {report.runtime['name']} {report.runtime['version']}"
         if report.runtime.get("exact_int8_products"):
             header += " (exact int8 products: session.x64quantprecision=1, as this CPU has no VNNI)"
+        lost = report.runtime.get("int8_codes_lost_at_concat")
+        if lost:
+            header += (f" (on this CPU OpenVINO converts int8 codes for its Convolutions and loses the scale of "
+                       f"{len(lost)} that reach a Concat, {', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}: "
+                       f"written uint8 with zero point 128 they are computed right)")
         if report.latency and "fp32_precision" in report.latency:
             header += f" (fp32 baseline at its default precision {report.latency['fp32_precision']})"
     lines = [header] + _align(summary_rows(report))
