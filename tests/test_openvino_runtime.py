@@ -310,6 +310,19 @@ def test_only_codes_that_reach_a_concat_read_by_a_convolution_are_named(tmp_path
     assert codes_lost_at_concat(int8, converts=True) == ["x", "n"]
     assert codes_lost_at_concat(int8, converts=False) == []
     assert codes_lost_at_concat(onnx.load(paths["uint8"]), converts=True) == []
+    # a zero point given by a Constant node (as exporters that keep weights in Constants write it)
+    model = onnx.load(paths["int8"])
+    zero = next(t for t in model.graph.initializer if t.name == "z")
+    model.graph.initializer.remove(zero)
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["z"], value=zero))
+    assert codes_lost_at_concat(model, converts=True) == ["x", "n"]
+    # a Q/DQ pair on the Concat's output, as some quantizers add: the codes reach the Conv all the same
+    model = onnx.load(paths["int8"])
+    conv = next(n for n in model.graph.node if n.op_type == "Conv")
+    conv.input[0] = "c_d"
+    model.graph.node.extend([helper.make_node("QuantizeLinear", ["c", "s", "z"], ["c_q"]),
+                             helper.make_node("DequantizeLinear", ["c_q", "s", "z"], ["c_d"])])
+    assert codes_lost_at_concat(model, converts=True) == ["x", "n"]
     for reader in ("Identity", "Mul"):  # the Concat read by something else than a Conv
         model = onnx.load(paths["int8"])
         conv = next(n for n in model.graph.node if n.op_type == "Conv")

@@ -146,25 +146,33 @@ def codes_lost_at_concat(model, converts: Optional[bool] = None) -> list[str]:
     index = GraphIndex(model)
 
     def int8_codes(q: onnx.NodeProto) -> bool:
-        zero = index.initializers.get(q.input[2]) if len(q.input) > 2 and q.input[2] else None
+        name = q.input[2] if len(q.input) > 2 else ""
+        zero, producer = index.initializers.get(name), index.producer.get(name)
+        if zero is None and producer is not None and producer.op_type == "Constant":
+            zero = next((a.t for a in producer.attribute if a.name == "value"), None)
         return zero is not None and zero.data_type == onnx.TensorProto.INT8
 
-    def reached(start: str, stop) -> bool:
+    def reached(start: str, stop, through: tuple[str, ...]) -> bool:
         seen, todo = {start}, [start]
         while todo:
             for node in index.consumers.get(todo.pop(), []):
                 if stop(node):
                     return True
-                if node.op_type in (*CODE_MOVERS, "DequantizeLinear", "Concat"):
+                if node.op_type in through:
                     todo += [out for out in node.output if out and out not in seen]
                     seen.update(node.output)
         return False
 
+    # a Q/DQ pair on the Concat's output leaves its codes as they were (the same loss); one before
+    # the Concat writes codes of its own, found as a QuantizeLinear of its own
+    moved = (*CODE_MOVERS, "DequantizeLinear", "Concat")
+
     def concat_into_conv(node: onnx.NodeProto) -> bool:
-        return node.op_type == "Concat" and reached(node.output[0], lambda n: n.op_type == "Conv")
+        return node.op_type == "Concat" and reached(node.output[0], lambda n: n.op_type == "Conv",
+                                                    (*moved, "QuantizeLinear"))
 
     found = [q.input[0] for q in model.graph.node
-             if q.op_type == "QuantizeLinear" and int8_codes(q) and reached(q.output[0], concat_into_conv)]
+             if q.op_type == "QuantizeLinear" and int8_codes(q) and reached(q.output[0], concat_into_conv, moved)]
     return found if found and (converts_int8_codes() if converts is None else converts) else []
 
 
