@@ -298,8 +298,8 @@ def test_int8_codes_a_concat_loses_are_named_where_openvino_converts_them(tmp_pa
 
 def test_only_codes_that_reach_a_concat_read_by_a_convolution_are_named(tmp_path):
     """The graph half of codes_lost_at_concat: int8 codes through a Concat into a Conv are named
-    where the plugin converts them (also with a zero point from a Constant, or a Q/DQ pair after
-    the Concat); codes whose Concat feeds no Conv (an Identity, a Mul) and uint8 codes are not;
+    where the plugin converts them (also through a MaxPool on the way, with a zero point from a
+    Constant, or with a Q/DQ pair after the Concat); codes whose Concat feeds no Conv (an Identity, a Mul) and uint8 codes are not;
     where the plugin does not convert, nothing is."""
     pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
     from onnx import helper
@@ -316,6 +316,12 @@ def test_only_codes_that_reach_a_concat_read_by_a_convolution_are_named(tmp_path
     zero = next(t for t in model.graph.initializer if t.name == "z")
     model.graph.initializer.remove(zero)
     model.graph.node.insert(0, helper.make_node("Constant", [], ["z"], value=zero))
+    assert codes_lost_at_concat(model, converts=True) == ["x", "n"]
+    # codes that pass an op moving them (a MaxPool, whose rule ties its output) on their way to the Concat
+    model = onnx.load(paths["int8"])
+    concat = next(n for n in model.graph.node if n.op_type == "Concat")
+    concat.input[0] = "x_p"
+    model.graph.node.append(helper.make_node("MaxPool", ["x_d"], ["x_p"], kernel_shape=[1, 1]))
     assert codes_lost_at_concat(model, converts=True) == ["x", "n"]
     # a Q/DQ pair on the Concat's output, as some quantizers add: the codes reach the Conv all the same
     model = onnx.load(paths["int8"])

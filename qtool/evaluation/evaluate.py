@@ -169,10 +169,7 @@ def build_report(inputs: EvaluateInputs, int8_model: onnx.ModelProto, folder: bo
     report = EvaluationReport(
         qtool_version=__version__,
         onnxruntime_version=ort.__version__,
-        runtime={"name": cfg.runtime,
-                 "version": ort.__version__ if cfg.runtime == "onnxruntime" else openvino_runtime.version(),
-                 **({"exact_int8_products": exact_int8_products()} if cfg.runtime == "onnxruntime" else
-                    {"int8_codes_lost_at_concat": openvino_runtime.codes_lost_at_concat(int8_model)})},
+        runtime=_runtime(cfg.runtime, int8_model),
         task=task.name,
         models={name: {"path": str(path), "size_bytes": sizes[name]}
                 for name, path in (("fp32", inputs.fp32), ("int8", inputs.int8))},
@@ -187,6 +184,15 @@ def build_report(inputs: EvaluateInputs, int8_model: onnx.ModelProto, folder: bo
         sensitivity=sensitivity)
     verdicts = check_thresholds(report, cfg)
     return replace(report, thresholds=tuple(verdicts), passed=all(v.passed for v in verdicts))
+
+
+def _runtime(name: str, int8_model: onnx.ModelProto) -> dict:
+    """The report's runtime section: its name and version, and what this CPU changes in its int8
+    arithmetic (onnxruntime: exact products without VNNI; OpenVINO: codes it loses at a Concat)."""
+    if name == "onnxruntime":
+        return {"name": name, "version": ort.__version__, "exact_int8_products": exact_int8_products()}
+    return {"name": name, "version": openvino_runtime.version(),
+            "int8_codes_lost_at_concat": openvino_runtime.codes_lost_at_concat(int8_model)}
 
 
 @dataclass

@@ -20,9 +20,6 @@ import numpy as np
 from qtool.errors import QtoolError
 
 RUNTIMES = ("onnxruntime", "openvino")
-# ops that hand a tensor's codes on unchanged towards the layer that reads them
-CODE_MOVERS = ("Split", "Slice", "MaxPool", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Resize",
-               "Identity")
 INSTALL = 'pip install "qtool[openvino]"'
 # layer types of the CPU plugin's runtime model that do the multiply-accumulate work
 HEAVY_OPS = ("Convolution", "Deconvolution", "FullyConnected", "MatMul")
@@ -140,6 +137,7 @@ def codes_lost_at_concat(model, converts: Optional[bool] = None) -> list[str]:
     import onnx
 
     from qtool.graph.index import GraphIndex
+    from qtool.plan.ops import rule_for
 
     if isinstance(model, (str, Path)):
         model = onnx.load(str(model), load_external_data=False)
@@ -152,27 +150,31 @@ def codes_lost_at_concat(model, converts: Optional[bool] = None) -> list[str]:
             zero = next((a.t for a in producer.attribute if a.name == "value"), None)
         return zero is not None and zero.data_type == onnx.TensorProto.INT8
 
-    def reached(start: str, stop, through: tuple[str, ...]) -> bool:
+    def passes_codes(node: onnx.NodeProto, requantized: bool = False) -> bool:
+        """A DequantizeLinear, or an op whose output ties its input's scale (it moves codes: a
+        MaxPool, Reshape, Split, Concat...); with `requantized` a QuantizeLinear too: a Q/DQ pair
+        on a Concat's output leaves its codes as they were, where one before it writes codes of
+        its own (found as a QuantizeLinear of its own)."""
+        rule = rule_for(node.op_type, node.domain)
+        return node.op_type == "DequantizeLinear" or (requantized and node.op_type == "QuantizeLinear") \
+            or (rule is not None and rule.output == "tie")
+
+    def reached(start: str, stop, requantized: bool = False) -> bool:
         seen, todo = {start}, [start]
         while todo:
             for node in index.consumers.get(todo.pop(), []):
                 if stop(node):
                     return True
-                if node.op_type in through:
+                if passes_codes(node, requantized):
                     todo += [out for out in node.output if out and out not in seen]
                     seen.update(node.output)
         return False
 
-    # a Q/DQ pair on the Concat's output leaves its codes as they were (the same loss); one before
-    # the Concat writes codes of its own, found as a QuantizeLinear of its own
-    moved = (*CODE_MOVERS, "DequantizeLinear", "Concat")
-
     def concat_into_conv(node: onnx.NodeProto) -> bool:
-        return node.op_type == "Concat" and reached(node.output[0], lambda n: n.op_type == "Conv",
-                                                    (*moved, "QuantizeLinear"))
+        return node.op_type == "Concat" and reached(node.output[0], lambda n: n.op_type == "Conv", True)
 
     found = [q.input[0] for q in model.graph.node
-             if q.op_type == "QuantizeLinear" and int8_codes(q) and reached(q.output[0], concat_into_conv, moved)]
+             if q.op_type == "QuantizeLinear" and int8_codes(q) and reached(q.output[0], concat_into_conv)]
     return found if found and (converts_int8_codes() if converts is None else converts) else []
 
 
