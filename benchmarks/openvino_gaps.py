@@ -52,11 +52,8 @@ CAP = "AVX512_CORE_VNNI"
 
 
 def _constant(name: str, index: GraphIndex) -> tuple[onnx.TensorProto | None, np.ndarray | None]:
-    """The tensor holding a constant input (an initializer or a Constant node's) and its values."""
-    tensor = index.initializers.get(name)
-    producer = index.producer.get(name)
-    if tensor is None and producer is not None and producer.op_type == "Constant":
-        tensor = producer.attribute[0].t
+    """The tensor holding a constant input (GraphIndex.constant_tensor) and its values."""
+    tensor = index.constant_tensor(name)
     return (tensor, numpy_helper.to_array(tensor)) if tensor is not None else (None, None)
 
 

@@ -299,9 +299,9 @@ def test_int8_codes_a_concat_loses_are_named_where_openvino_converts_them(tmp_pa
 def test_only_codes_that_reach_a_concat_read_by_a_convolution_are_named(tmp_path):
     """The graph half of codes_lost_at_concat: int8 codes through a Concat into a Conv are named
     where the plugin converts them (also through a MaxPool on the way, with a zero point from a
-    Constant, or with a Q/DQ pair after the Concat); codes whose Concat feeds no Conv (an Identity, a Mul) and uint8 codes are not;
-    where the plugin does not convert, nothing is."""
-    pytest.importorskip("openvino", reason="openvino is not installed (pip install \"qtool[openvino]\")")
+    Constant, or with a Q/DQ pair after the Concat); codes whose Concat feeds no Conv (an Identity,
+    a Mul) and uint8 codes are not; where the plugin does not convert, nothing is. No OpenVINO
+    needed: the plugin's side is given."""
     from onnx import helper
 
     from qtool.evaluation.openvino_runtime import codes_lost_at_concat

@@ -144,10 +144,7 @@ def codes_lost_at_concat(model, converts: Optional[bool] = None) -> list[str]:
     index = GraphIndex(model)
 
     def int8_codes(q: onnx.NodeProto) -> bool:
-        name = q.input[2] if len(q.input) > 2 else ""
-        zero, producer = index.initializers.get(name), index.producer.get(name)
-        if zero is None and producer is not None and producer.op_type == "Constant":
-            zero = next((a.t for a in producer.attribute if a.name == "value"), None)
+        zero = index.constant_tensor(q.input[2]) if len(q.input) > 2 else None
         return zero is not None and zero.data_type == onnx.TensorProto.INT8
 
     def passes_codes(node: onnx.NodeProto, requantized: bool = False) -> bool:

@@ -82,6 +82,14 @@ class GraphIndex:
     def is_constant(self, name: str) -> bool:
         return name in self.initializers
 
+    def constant_tensor(self, name: str) -> Optional[onnx.TensorProto]:
+        """The tensor holding a constant: an initializer, or a Constant node's value (exporters
+        that keep weights in Constant nodes write them so); None for a computed tensor."""
+        producer = self.producer.get(name)
+        if name in self.initializers or producer is None or producer.op_type != "Constant":
+            return self.initializers.get(name)
+        return next((a.t for a in producer.attribute if a.name == "value"), None)
+
     def const(self, name: str) -> Optional[np.ndarray]:
         """The initializer's values, or None for a computed tensor."""
         init = self.initializers.get(name)
