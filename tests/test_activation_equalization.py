@@ -24,8 +24,8 @@ C = 8
 GAINS = np.array([1.0, 0.01, 0.05, 1.0, 0.02, 0.5, 0.03, 0.2], np.float32)  # channel c of conv_a's output
 # hard-swish three ways; then with a scalar affine after it (PP-LCNetV3), which gets factors of its
 # own; then the homogeneous activations, which need no rewrite
-FORMS = ["written_out", "hardswish_op", "hardsigmoid_mul", "written_out_affine", "hardswish_op_affine",
-         "relu", "linear"]
+FORMS = ["written_out", "gate_scaled", "hardswish_op", "hardsigmoid_mul", "written_out_affine", "gate_scaled_affine",
+         "hardswish_op_affine", "relu", "linear"]
 
 
 def _dw_input(form: str) -> str:
@@ -49,6 +49,11 @@ def _chain(rng, form: str) -> onnx.ModelProto:
                helper.make_node("Clip", ["a3", "zero", "six"], ["c"], name="clip"),
                helper.make_node("Mul", ["a", "c"], ["m"], name="mul"),
                helper.make_node("Div", ["m", "six"], [swish], name="div")]
+    elif form.startswith("gate_scaled"):  # x * (Clip(x + 3, 0, 6) / 6), as timm's hard_sigmoid exports
+        act = [helper.make_node("Add", ["a", "three"], ["a3"], name="add3"),
+               helper.make_node("Clip", ["a3", "zero", "six"], ["c"], name="clip"),
+               helper.make_node("Div", ["c", "six"], ["cs"], name="div"),
+               helper.make_node("Mul", ["a", "cs"], [swish], name="mul")]
     elif form.startswith("hardswish_op"):
         act = [helper.make_node("HardSwish", ["a"], [swish])]
     elif form == "hardsigmoid_mul":
@@ -215,7 +220,7 @@ def test_an_excluded_chain_is_quantized_as_exported(tmp_path):
     assert sum(n.op_type == "Conv" for n in result.model.graph.node) == 3  # conv_a, dw, conv_b: no gate
 
 
-@pytest.mark.parametrize("form", ["written_out", "written_out_affine", "linear"])
+@pytest.mark.parametrize("form", ["written_out", "written_out_affine", "gate_scaled", "linear"])
 def test_per_layer_error_leaves_out_the_rescaled_tensors(tmp_path, form):
     """An equalized tensor keeps its name but holds x / s: paired with the fp32 x it would read as
     a huge error (cosine far below the int8 model's). The int8 model names them in its metadata;
@@ -230,6 +235,7 @@ def test_per_layer_error_leaves_out_the_rescaled_tensors(tmp_path, form):
                                                    "quantization": {"advanced": dict(graphs.RULE_OFF)}})
     rescaled = rescaled_tensors(result.model)
     assert {"a", _dw_input(form)} <= rescaled and "d" not in rescaled
+    assert not {"a3", "c", "cs"} & rescaled  # the gate's tensors keep their values
     fp32 = onnx.load(path)
     errors = layer_errors(fp32, result.model, batches(open_data(data, input_specs(fp32), PreprocessConfig()), 4))
     reported = {e.tensor for e in errors}

@@ -219,6 +219,15 @@ class ActivationSite:
         return bool(self.swish) and self.swish[0].op_type not in HOMOGENEOUS
 
     @property
+    def rescaled(self) -> tuple[str, ...]:
+        """The activation's tensors that equalization rescales: from its first node past the gate
+        that reads x (the product) to its result. The gate's, / 6 included when it divides the
+        gate (x * (Clip(x + 3, 0, 6) / 6)), keep their values."""
+        start = next((i for i, n in enumerate(self.swish) if n.op_type not in GATE_OPS and self.tensor in n.input),
+                     len(self.swish))
+        return tuple(n.output[0] for n in self.swish[start:])
+
+    @property
     def output(self) -> str:
         """The depthwise Conv's input: with a tail, equalized by factors of its own."""
         return self.second.input[0]
@@ -227,7 +236,8 @@ class ActivationSite:
 def activation_sites(model: onnx.ModelProto) -> list[ActivationSite]:
     """Conv -> activation -> depthwise Conv chains whose activations can be equalized exactly: a
     hard-swish (HardSwish, x * HardSigmoid(x), or written out as x * Clip(x + 3, 0, 6) then / 6 or
-    * (1/6)), optionally followed by a scalar affine (* a, + b); Relu; LeakyRelu; or none."""
+    * (1/6), or as x * (Clip(x + 3, 0, 6) / 6)), optionally followed by a scalar affine (* a, + b);
+    Relu; LeakyRelu; or none."""
     return _sites(GraphIndex(model.graph))
 
 
@@ -306,18 +316,27 @@ def _hard_swish(x: str, index: GraphIndex) -> Optional[list[onnx.NodeProto]]:
         if clip is None or clip.op_type != "Clip" or index.clip_bounds(clip) != (0.0, 6.0):
             return None
         nodes.append(clip)
+        scale = index.only_consumer(clip.output[0])
+        if scale is not mul and _divides_by_six(scale, clip.output[0], index):  # x * (Clip(...) / 6)
+            nodes.append(scale)
     if index.only_consumer(nodes[-1].output[0]) is not mul or sorted(mul.input) != sorted([x, nodes[-1].output[0]]):
         return None
     nodes.append(mul)
-    if gate.op_type == "Add":  # then / 6 or * (1/6)
+    if gate.op_type == "Add" and len(nodes) == 3:  # x * Clip(...), then / 6 or * (1/6)
         scale = index.only_consumer(mul.output[0])
-        if scale is None or scale.op_type not in ("Div", "Mul") or scale.input[0] != mul.output[0]:
-            return None
-        value = index.scalar(scale.input[1])
-        if value is None or not np.isclose(value if scale.op_type == "Div" else 1.0 / value, 6.0, rtol=1e-5):
+        if not _divides_by_six(scale, mul.output[0], index):
             return None
         nodes.append(scale)
     return nodes
+
+
+def _divides_by_six(node: Optional[onnx.NodeProto], tensor: str, index: GraphIndex) -> bool:
+    """`node` is `tensor` / 6 or `tensor` * (1/6)."""
+    if node is None or node.op_type not in ("Div", "Mul") or node.input[0] != tensor or len(node.input) != 2:
+        return False
+    value = index.scalar(node.input[1])
+    return value is not None and value != 0 and bool(
+        np.isclose(value if node.op_type == "Div" else 1.0 / value, 6.0, rtol=1e-5))
 
 
 def activation_scales(maxima: np.ndarray) -> tuple[float, ...]:
@@ -373,7 +392,7 @@ def equalize_activations(model: onnx.ModelProto, scales: dict[str, tuple[float, 
     # in the elementwise form only the result (x and the activation keep their values)
     mark_rescaled(model, [name for site in sites for name in
                           ((site.output,) if elementwise and (site.hard_swish or site.tail) else
-                           (site.tensor, site.output, *(n.output[0] for n in site.swish if n.op_type not in GATE_OPS)))])
+                           (site.tensor, site.output, *site.rescaled))])
     return len(sites)
 
 
@@ -415,7 +434,7 @@ def _tail_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray, t: 
     Conv from hardswish(x) / s, or 6 hardswish(x) / s, to y / t; the nodes it replaces go."""
     a, b = site.affine
     first = site.swish[-1]
-    if site.swish[0].op_type == "Add":  # x' * Clip(...) then / 6 or * (1/6): the Conv takes the / 6
+    if site.swish[0].op_type == "Add" and site.tensor not in first.input:  # x' * Clip(...) then / 6: the Conv takes the / 6
         a /= 6.0
         source = first.input[0]
         gone = [first, *site.tail[:-1]]
