@@ -434,7 +434,8 @@ def _tail_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray, t: 
     Conv from hardswish(x) / s, or 6 hardswish(x) / s, to y / t; the nodes it replaces go."""
     a, b = site.affine
     first = site.swish[-1]
-    if site.swish[0].op_type == "Add" and site.tensor not in first.input:  # x' * Clip(...) then / 6: the Conv takes the / 6
+    if site.swish[0].op_type == "Add" and site.tensor not in first.input:  # x' * Clip(...) then / 6:
+        # the Conv takes the / 6 (in x' * (Clip(...) / 6) the gate keeps it)
         a /= 6.0
         source = first.input[0]
         gone = [first, *site.tail[:-1]]
