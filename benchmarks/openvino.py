@@ -51,7 +51,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(ROOT))
 
 from qtool.evaluation.metrics import sample_cosines  # noqa: E402
-from qtool.evaluation.openvino_runtime import CompiledModel, default_precision  # noqa: E402
+from qtool.evaluation.openvino_runtime import CompiledModel, check_compiles, default_precision  # noqa: E402
 
 QUANTIZERS = ("openvino", "ort-cpu", "nncf")
 BATCH = [1]  # the timed batch, for the table's title
@@ -161,6 +161,7 @@ def measure(model: Path, made: dict, held: Path, rounds: int, batch: int = 1) ->
     for label, entry in made.items():
         if "path" in entry:
             try:
+                check_compiles(entry["path"])  # a model the plugin crashes on is a failed row, not the end
                 compiled[label] = CompiledModel(entry["path"], 1)
             except Exception as exc:  # noqa: BLE001 - report it in the table
                 entry["error"] = str(exc).splitlines()[0]

@@ -11,6 +11,8 @@ such tensors (codes_lost_at_concat). Optional extra: pip install "qtool[openvino
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -49,6 +51,24 @@ def default_precision() -> str:
     """OpenVINO's default inference precision on this CPU: bf16 or f32 (f16 on some ARM CPUs)."""
     ov = require()
     return ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+
+
+# compiles a model at the default precision and at f32 (what evaluate compiles) in a process of its own
+_COMPILE = ("import sys, openvino as ov; core = ov.Core(); "
+            "[core.compile_model(sys.argv[1], 'CPU', {'INFERENCE_NUM_THREADS': 1, **extra}) "
+            "for extra in ({}, {'INFERENCE_PRECISION_HINT': 'f32'})]")
+
+
+def check_compiles(path: str | Path) -> None:
+    """Compile `path` in a child process first: OpenVINO's CPU plugin can kill the process that
+    compiles a model (a signal, no exception: 2026.4.1 on a Concat whose quantizer has a zero
+    point, requantized before a Convolution), which would end qtool with no message. Such a model
+    gets a one-line error naming it (exit 2); other failures are the in-process compile's to report."""
+    require()
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], capture_output=True, text=True)
+    if done.returncode < 0:
+        raise QtoolError(f"OpenVINO {version()}'s CPU plugin crashes compiling it (signal {-done.returncode}); "
+                         "a model quantized with --target openvino avoids the patterns known to do this", str(path))
 
 
 class CompiledModel:
