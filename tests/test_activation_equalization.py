@@ -22,7 +22,7 @@ from tests.graphs import RULE_OFF, init, model, tensor, write_samples
 
 C = 8
 GAINS = np.array([1.0, 0.01, 0.05, 1.0, 0.02, 0.5, 0.03, 0.2], np.float32)  # channel c of conv_a's output
-# hard-swish three ways; then with a scalar affine after it (PP-LCNetV3), which gets factors of its
+# hard-swish four ways; then with a scalar affine after it (PP-LCNetV3), which gets factors of its
 # own; then the homogeneous activations, which need no rewrite
 FORMS = ["written_out", "gate_scaled", "hardswish_op", "hardsigmoid_mul", "written_out_affine", "gate_scaled_affine",
          "hardswish_op_affine", "relu", "linear"]
