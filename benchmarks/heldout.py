@@ -523,12 +523,16 @@ def cosines(ref: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> tuple[l
     return table.min(1).tolist(), table.mean(0).tolist()
 
 
+def written(samples: list[dict], folder: Path) -> Path:
+    """`samples` as .npz files in `folder`, one a sample (what --data reads)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, feeds in enumerate(samples):
+        np.savez(folder / f"{i:03d}.npz", **feeds)
+    return folder
+
+
 def measure(name: str, spec: dict, work: Path) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
-    calib = work / "calib"
-    calib.mkdir(exist_ok=True)
-    for i, feeds in enumerate(spec["calib"]):
-        np.savez(calib / f"{i:03d}.npz", **feeds)
+    calib = written(spec["calib"], work / "calib")
     model = spec["path"]
     row: dict = {"model": name, "calib": len(spec["calib"]), "held": len(spec["held"]), "variants": {}}
     paths = {"fp32": model}

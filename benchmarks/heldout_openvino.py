@@ -22,8 +22,6 @@ import os
 import re
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
 
 
@@ -40,13 +38,6 @@ try:  # the real package, cached before heldout puts this folder first on sys.pa
 except ImportError:  # --help still works; measuring says OpenVINO is missing
     pass
 heldout = _load("heldout", "heldout.py")
-
-
-def _written(samples: list[dict], folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, feeds in enumerate(samples):
-        np.savez(folder / f"{i:03d}.npz", **feeds)
-    return folder
 
 
 def main() -> None:
@@ -73,8 +64,8 @@ def main() -> None:
         if wanted and not any(name.startswith(p) for p in wanted):
             continue
         work = args.cache / "openvino" / re.sub(r"\W+", "_", name.split(" (")[0])
-        calib = _written(spec["calib"], work / "calib")
-        held = _written(spec["held"], work / "held")
+        calib = heldout.written(spec["calib"], work / "calib")
+        held = heldout.written(spec["held"], work / "held")
         made = ov_bench.quantize(Path(spec["path"]), calib, work, args.nncf_python, {})
         loads.append(os.getloadavg()[0])
         try:

@@ -208,8 +208,7 @@ def _compare(inputs: EvaluateInputs, source, labels: Optional[Labels], outputs: 
              detection: DetectionConfig, progress: bool) -> _Comparison:
     """Both models over the data, batch by batch: per-output fidelity and the task's figures."""
     if cfg.runtime == "openvino":  # OpenVINO's default inference precision, as deployed
-        for path in (inputs.fp32, inputs.int8):
-            openvino_runtime.check_compiles(path)
+        openvino_runtime.check_compiles(inputs.fp32, inputs.int8)
         fp32, int8 = (openvino_runtime.CompiledModel(p, cfg.threads) for p in (inputs.fp32, inputs.int8))
     else:
         fp32 = create_session(str(inputs.fp32), label=str(inputs.fp32))

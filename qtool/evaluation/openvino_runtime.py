@@ -11,6 +11,7 @@ such tensors (codes_lost_at_concat). Optional extra: pip install "qtool[openvino
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import time
@@ -53,22 +54,25 @@ def default_precision() -> str:
     return ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
 
 
-# compiles a model at the default precision and at f32 (what evaluate compiles) in a process of its own
-_COMPILE = ("import sys, openvino as ov; core = ov.Core(); "
-            "[core.compile_model(sys.argv[1], 'CPU', {'INFERENCE_NUM_THREADS': 1, **extra}) "
-            "for extra in ({}, {'INFERENCE_PRECISION_HINT': 'f32'})]")
+# compiles each model at the default precision and at f32 (what evaluate compiles), naming it first
+_COMPILE = ("import sys, openvino as ov; core = ov.Core()\n"
+            "for path in sys.argv[1:]:\n"
+            "    print(path, flush=True)\n"
+            "    for extra in ({}, {'INFERENCE_PRECISION_HINT': 'f32'}):\n"
+            "        core.compile_model(path, 'CPU', {'INFERENCE_NUM_THREADS': 1, **extra})")
 
 
-def check_compiles(path: str | Path) -> None:
-    """Compile `path` in a child process first: OpenVINO's CPU plugin can kill the process that
+def check_compiles(*paths: str | Path) -> None:
+    """Compile `paths` in one child process first: OpenVINO's CPU plugin can kill the process that
     compiles a model (a signal, no exception: 2026.4.1 on a Concat whose quantizer has a zero
     point, requantized before a Convolution), which would end qtool with no message. Such a model
     gets a one-line error naming it (exit 2); other failures are the in-process compile's to report."""
     require()
-    done = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", _COMPILE, *map(str, paths)], capture_output=True, text=True)
     if done.returncode < 0:
+        crashed = (done.stdout.strip().splitlines() or [str(paths[0])])[-1]  # the last one it named
         raise QtoolError(f"OpenVINO {version()}'s CPU plugin crashes compiling it (signal {-done.returncode}); "
-                         "a model quantized with --target openvino avoids the patterns known to do this", str(path))
+                         "a model quantized with --target openvino avoids the patterns known to do this", crashed)
 
 
 class CompiledModel:
@@ -187,8 +191,12 @@ def codes_lost_at_concat(model, converts: Optional[bool] = None) -> list[str]:
                     seen.update(node.output)
         return False
 
+    @functools.cache
+    def conv_reads(concat_output: str) -> bool:  # one search per Concat, whichever codes reach it
+        return reached(concat_output, lambda n: n.op_type == "Conv", True)
+
     def concat_into_conv(node: onnx.NodeProto) -> bool:
-        return node.op_type == "Concat" and reached(node.output[0], lambda n: n.op_type == "Conv", True)
+        return node.op_type == "Concat" and conv_reads(node.output[0])
 
     found = [q.input[0] for q in model.graph.node
              if q.op_type == "QuantizeLinear" and int8_codes(q) and reached(q.output[0], concat_into_conv)]

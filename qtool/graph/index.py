@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+DIVISOR_TOLERANCE = 1e-6  # relative: a constant that matches the divisor asked for (GraphIndex.divides)
+
 
 class GraphIndex:
     """Producer, consumers, initializers, outputs, element types and shapes of one graph.
@@ -94,6 +96,27 @@ class GraphIndex:
         """The initializer's values, or None for a computed tensor."""
         init = self.initializers.get(name)
         return numpy_helper.to_array(init) if init is not None else None
+
+    def uniform(self, name: str) -> Optional[float]:
+        """The value of float constant `name` whose elements are all equal (a broadcast offset or
+        divisor); None otherwise."""
+        values = self.const(name) if name else None
+        if values is None or values.size == 0 or values.dtype.kind != "f" or not np.all(values == values.flat[0]):
+            return None
+        return float(values.flat[0])
+
+    def divides(self, node: Optional[onnx.NodeProto], tensor: str, divisor: float) -> bool:
+        """`node` divides `tensor` by `divisor`: a Div by it, or a Mul by its reciprocal (either
+        operand order), to a relative DIVISOR_TOLERANCE."""
+        if node is None or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            return False
+        if node.op_type == "Div" and node.input[0] == tensor:
+            value = self.uniform(node.input[1])
+            return value is not None and abs(value - divisor) <= DIVISOR_TOLERANCE * divisor
+        if node.op_type == "Mul" and tensor in node.input:
+            value = self.uniform(node.input[1] if node.input[0] == tensor else node.input[0])
+            return value is not None and abs(value * divisor - 1.0) <= DIVISOR_TOLERANCE
+        return False
 
     def scalar(self, name: str) -> Optional[float]:
         """The value of a one-element constant; None for a computed tensor or a larger constant."""

@@ -308,7 +308,7 @@ def _hard_swish(x: str, index: GraphIndex) -> Optional[list[onnx.NodeProto]]:
     gate = by_type.get("HardSigmoid") or by_type.get("Add")
     if mul is None or gate is None or gate.input[0] != x:
         return None
-    nodes = [gate]
+    nodes, gate_divided = [gate], False
     if gate.op_type == "Add":  # x + 3 -> Clip(0, 6)
         if index.scalar(gate.input[1]) != 3.0:
             return None
@@ -317,26 +317,18 @@ def _hard_swish(x: str, index: GraphIndex) -> Optional[list[onnx.NodeProto]]:
             return None
         nodes.append(clip)
         scale = index.only_consumer(clip.output[0])
-        if scale is not mul and _divides_by_six(scale, clip.output[0], index):  # x * (Clip(...) / 6)
+        gate_divided = scale is not mul and index.divides(scale, clip.output[0], 6.0)  # x * (Clip(...) / 6)
+        if gate_divided:
             nodes.append(scale)
     if index.only_consumer(nodes[-1].output[0]) is not mul or sorted(mul.input) != sorted([x, nodes[-1].output[0]]):
         return None
     nodes.append(mul)
-    if gate.op_type == "Add" and len(nodes) == 3:  # x * Clip(...), then / 6 or * (1/6)
+    if gate.op_type == "Add" and not gate_divided:  # x * Clip(...), then / 6 or * (1/6)
         scale = index.only_consumer(mul.output[0])
-        if not _divides_by_six(scale, mul.output[0], index):
+        if not index.divides(scale, mul.output[0], 6.0):
             return None
         nodes.append(scale)
     return nodes
-
-
-def _divides_by_six(node: Optional[onnx.NodeProto], tensor: str, index: GraphIndex) -> bool:
-    """`node` is `tensor` / 6 or `tensor` * (1/6)."""
-    if node is None or node.op_type not in ("Div", "Mul") or node.input[0] != tensor or len(node.input) != 2:
-        return False
-    value = index.scalar(node.input[1])
-    return value is not None and value != 0 and bool(
-        np.isclose(value if node.op_type == "Div" else 1.0 / value, 6.0, rtol=1e-5))
 
 
 def activation_scales(maxima: np.ndarray) -> tuple[float, ...]:
@@ -435,9 +427,9 @@ def _tail_nodes(model: onnx.ModelProto, site: ActivationSite, s: np.ndarray, t: 
     a, b = site.affine
     first = site.swish[-1]
     if site.swish[0].op_type == "Add" and site.tensor not in first.input:  # x' * Clip(...) then / 6:
-        # the Conv takes the / 6 (in x' * (Clip(...) / 6) the gate keeps it)
+        # the Conv takes the / 6 (in x' * (Clip(...) / 6) the gate keeps it) and reads the product
         a /= 6.0
-        source = first.input[0]
+        source = site.swish[-2].output[0]
         gone = [first, *site.tail[:-1]]
     else:
         source = first.output[0]

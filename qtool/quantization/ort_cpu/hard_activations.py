@@ -34,7 +34,6 @@ FOLD_NOTE = ("{} product(s) by a constant after a product of two int8 tensors (h
 HARD = {"HardSigmoid": (0.2, 0.5), "HardSwish": (1.0 / 6.0, 0.5)}  # default (alpha, beta)
 STEPS = 255  # uint8 codes above the zero point
 GATE_SUFFIX = "_hardsigmoid"  # a float block's HardSigmoid output
-TOLERANCE = 1e-6  # relative: a divisor (or reciprocal factor) that matches the clip's upper bound
 
 
 def _uint8_zero(index: GraphIndex, node: onnx.NodeProto, value: int | None = None) -> bool:
@@ -42,15 +41,6 @@ def _uint8_zero(index: GraphIndex, node: onnx.NodeProto, value: int | None = Non
     zero = index.const(node.input[2]) if len(node.input) > 2 else None
     return (zero is not None and zero.dtype == np.uint8 and zero.size == 1
             and (value is None or int(zero.reshape(-1)[0]) == value))
-
-
-def _uniform(index: GraphIndex, name: str) -> Optional[float]:
-    """The value of float constant `name` whose elements are all equal (a broadcast offset or
-    divisor); None otherwise."""
-    values = index.const(name) if name else None
-    if values is None or values.size == 0 or values.dtype.kind != "f" or not np.all(values == values.flat[0]):
-        return None
-    return float(values.flat[0])
 
 
 def integer_forms(model: onnx.ModelProto) -> int:
@@ -171,19 +161,6 @@ def folded_products(model: onnx.ModelProto) -> int:
     return len(before)
 
 
-def _scaled_by(index: GraphIndex, node: Optional[onnx.NodeProto], tensor: str, divisor: float) -> bool:
-    """`node` divides `tensor` by `divisor` (Div by it, or Mul by its reciprocal)."""
-    if node is None or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
-        return False
-    if node.op_type == "Div" and node.input[0] == tensor:
-        value = _uniform(index, node.input[1])
-        return value is not None and abs(value - divisor) <= TOLERANCE * divisor
-    if node.op_type == "Mul" and tensor in node.input:
-        value = _uniform(index, node.input[1] if node.input[0] == tensor else node.input[0])
-        return value is not None and abs(value * divisor - 1.0) <= TOLERANCE
-    return False
-
-
 def float_hard_sigmoids(model: onnx.ModelProto) -> int:
     """Rewrite in place every main-graph clip(x + c, 0, h) / h computed in float (constants stored
     as fp32 initializers: the blocks the latency-aware fallback or the plan kept float) as
@@ -202,19 +179,19 @@ def float_hard_sigmoids(model: onnx.ModelProto) -> int:
             continue
         if index.only_consumer(add.output[0]) is not clip or index.only_consumer(clip.output[0]) is None:
             continue
-        offsets = [_uniform(index, name) for name in add.input]
+        offsets = [index.uniform(name) for name in add.input]
         if (offsets[0] is None) == (offsets[1] is None):
             continue  # one operand must be the constant c, the other the activation x
         x, offset = (add.input[1], offsets[0]) if offsets[0] is not None else (add.input[0], offsets[1])
         after = index.only_consumer(clip.output[0])
         gate = helper.make_node("HardSigmoid", [x], [clip.output[0] + GATE_SUFFIX], name=node_label(clip),
                                 alpha=1.0 / high, beta=offset / high)
-        if _scaled_by(index, after, clip.output[0], high):  # clip(x + c, 0, h) / h
+        if index.divides(after, clip.output[0], high):  # clip(x + c, 0, h) / h
             gate.output[0] = after.output[0]
             block, new = [add, clip, after], [gate]
         elif after.op_type == "Mul" and set(after.input) == {x, clip.output[0]}:  # x * clip(x + c, 0, h) / h
             last = index.only_consumer(after.output[0])
-            if not _scaled_by(index, last, after.output[0], high):
+            if not index.divides(last, after.output[0], high):
                 continue
             block = [add, clip, after, last]
             new = [gate, helper.make_node("Mul", [x, gate.output[0]], [last.output[0]], name=node_label(after))]
