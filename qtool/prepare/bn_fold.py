@@ -1,5 +1,5 @@
 """Fold inference-mode BatchNormalization, and per-channel Mul/Add by constants, into the
-Conv/ConvTranspose/Gemm before them.
+Conv/ConvTranspose/Gemm before them (Mul/Add also into the embedding table a Gather reads).
 
 y = gamma * (x - mean) / sqrt(var + eps) + beta is a per-channel affine map that merges into the
 linear op's weight and bias (W'[c] = W[c] * s[c], b'[c] = (b[c] - mean[c]) * s[c] + beta[c],
@@ -150,6 +150,17 @@ def fold_affine(model: onnx.ModelProto) -> int:
                 continue
             data = node.input[1 - constant[0]]
             prev = producer.get(data)
+            if prev is not None and prev.op_type == "Gather" and index.only_consumer(data) is node:
+                table = _table_folded(index, prev, node, node.input[constant[0]])
+                if table is not None:
+                    before = [name for name in prev.input if name]
+                    name = _unique(inits, prev.input[0] + "_affine")
+                    inits[name] = numpy_helper.from_array(table, name)
+                    graph.initializer.append(inits[name])
+                    prev.input[0] = name
+                    prev.output[0] = node.output[0]
+                    done = node
+                    break
             if (prev is None or prev.op_type not in _FOLDABLE or prev.domain not in ("", "ai.onnx")
                     or len(prev.input) < 2 or index.only_consumer(data) is not node):
                 continue
@@ -189,6 +200,32 @@ def fold_affine(model: onnx.ModelProto) -> int:
         used = {name for node in graph.node for name in names_read(node)} | {o.name for o in graph.output}
         keep_initializers(graph, lambda t: t.name in used)
     return folded
+
+
+def _table_folded(index: GraphIndex, gather: onnx.NodeProto, node: onnx.NodeProto,
+                  constant: str) -> Optional[np.ndarray]:
+    """The embedding table of `gather` (rows of a constant float32 table picked along axis 0) with
+    `node`'s Mul or Add by `constant` applied to every row: exact, as each output element is one
+    table element times or plus the constant's value at its position, when that value varies along
+    the table's trailing axes only; None otherwise."""
+    table = index.const(gather.input[0]) if gather.domain in ("", "ai.onnx") else None
+    value = index.const(constant)
+    if table is None or value is None or table.dtype != np.float32 or value.dtype != np.float32 \
+            or attribute(gather, "axis", 0) != 0 or table.ndim < 2:
+        return None
+    row = table.ndim - 1  # the rank of one gathered row
+    indices = index.shapes.get(gather.input[1])
+    out_rank = len(indices) + row if indices is not None else row
+    if value.ndim > out_rank:
+        return None  # the op would broadcast the gathered rows to a higher rank
+    trailing = value.reshape(value.shape[max(0, value.ndim - row):]) if value.ndim >= row else value
+    if value.ndim > row and any(d != 1 for d in value.shape[:value.ndim - row]):
+        return None  # varies along the indices' axes
+    try:
+        folded = table * trailing if node.op_type == "Mul" else table + trailing
+    except ValueError:
+        return None
+    return folded.astype(np.float32) if folded.shape == table.shape else None
 
 
 def _out_channels(node: onnx.NodeProto, weight: np.ndarray) -> Optional[int]:

@@ -26,6 +26,7 @@ from qtool.graph.modelio import copy_model, file_key, kept, load_model
 from qtool.graph.movement import MOVEMENT_OPS, compute
 from qtool.graph.shapes import elem_types, infer_shapes, inferred
 from qtool.prepare.bn_fold import fold_affine, fold_batchnorm
+from qtool.prepare.concat_affine import affine_over_concat
 from qtool.prepare.float16 import widen_float16
 from qtool.prepare.fused_activations import write_out_fused_activations
 from qtool.prepare.nhwc import activations_before_layout_moves, fold_pads_into_convs
@@ -494,6 +495,7 @@ def prepare(model: onnx.ModelProto, keep_opset: bool = False, path: object = Non
     activations_before_layout_moves(prepared)
     fused = write_out_fused_activations(prepared, default_opset(prepared))
     matmuls_as_gemms(prepared)
+    affine_over_concat(prepared)
     fold_batchnorm(prepared)
     fold_affine(prepared)
     untie_shared_biases(prepared)
